@@ -1,0 +1,307 @@
+"""Build an n-gram trie from a corpus: ``python -m ngram_service.build --help``.
+
+Pipeline: documents (corpus files or a named corpus, see
+:mod:`ngram_service.corpus`) → batched tokenisation with the target's fast
+tokenizer → the C++ external-memory counter (sorted runs spilled to disk
+when ``--memory-mb`` is full, k-way merged) → the memory-mapped trie format
+of :mod:`ngram_service.trie`.  The file is written next to its destination
+and renamed into place once its checksums are in, so a reader never sees a
+half-written trie.  The summary (tokens, nodes per level, bytes per node,
+seconds, counting throughput) goes to stdout as JSON.
+
+Examples::
+
+    python -m ngram_service.build                       # default corpus, default model, order 3
+    python -m ngram_service.build docs/ notes.jsonl -o my.trie --order 4 --min-count 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from ngram_service import _native
+from ngram_service.corpus import NAMED_CORPORA, iter_corpus, iter_files
+from ngram_service.trie import write_checksums
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BuildSummary", "build_trie", "build_trie_from_texts", "default_trie_path", "main"]
+
+_TOKENS_PER_ADD = 1 << 20
+
+
+@dataclass(frozen=True)
+class BuildSummary:
+    path: str
+    order: int
+    total_tokens: int
+    num_nodes: int
+    nodes_per_level: list[int]
+    file_bytes: int
+    bytes_per_node: float
+    num_documents: int
+    num_runs: int  # sorted runs spilled to disk (0: counted in memory)
+    tokenize_seconds: float
+    count_seconds: float  # counting + merging + writing, tokenisation excluded
+    total_seconds: float
+    count_tokens_per_s: float
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+def default_trie_path(model: str, corpus: str, order: int) -> Path:
+    """``$DART_SERVE_CACHE`` (default ``~/.cache/dart-serve``)/tries/<model>-<corpus>-<order>gram.trie."""
+    cache = Path(os.environ.get("DART_SERVE_CACHE", Path.home() / ".cache" / "dart-serve"))
+    return cache / "tries" / f"{model}-{corpus}-{order}gram.trie"
+
+
+class _Counter:
+    """Feeds token documents to the C++ builder in chunks of ~1 M tokens."""
+
+    def __init__(self, builder: _native.TrieBuilder) -> None:
+        self.builder = builder
+        self.chunks: list[np.ndarray] = []
+        self.pending = 0
+        self.seconds = 0.0
+        self.tokens = 0
+        self.documents = 0
+
+    def add(self, doc: Sequence[int] | np.ndarray) -> None:
+        arr = np.asarray(doc, dtype=np.int64)
+        if arr.ndim != 1:
+            raise ValueError("a document must be a 1-D sequence of token ids")
+        if len(arr) and arr.min() < 0:
+            raise ValueError(f"negative token id {int(arr.min())} in document {self.documents}")
+        self.chunks.append(arr)
+        self.pending += len(arr)
+        self.documents += 1
+        if self.pending >= _TOKENS_PER_ADD:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.chunks:
+            return
+        offsets = np.zeros(len(self.chunks) + 1, dtype=np.int64)
+        np.cumsum([len(c) for c in self.chunks], out=offsets[1:])
+        flat = np.concatenate(self.chunks)
+        big = flat >= np.iinfo(np.uint32).max
+        if big.any():
+            raise ValueError(f"token id {int(flat[big][0])} does not fit the trie format")
+        t0 = time.perf_counter()
+        self.builder.add_documents(flat.astype(np.uint32), offsets)
+        self.seconds += time.perf_counter() - t0
+        self.tokens += len(flat)
+        self.chunks, self.pending = [], 0
+
+
+def build_trie(
+    documents: Iterable[Sequence[int] | np.ndarray],
+    output: str | os.PathLike[str],
+    *,
+    vocab_size: int,
+    order: int = 3,
+    min_count: int = 1,
+    memory_mb: int = 2048,
+    tmp_dir: str | os.PathLike[str] | None = None,
+    tokenizer_name: str = "",
+    vocab_hash: str = "",
+    metadata: dict | None = None,
+) -> BuildSummary:
+    """Counts token documents into a trie file.
+
+    Args:
+        documents: token-id sequences; n-grams never cross documents.
+        output: destination path (parent folders are created).
+        vocab_size: every token id must be below it.
+        order: n-gram order, 2..6 (the paper uses 3).
+        min_count: drop n-grams seen fewer times.
+        memory_mb: buffer for windows before a sorted run is spilled to disk.
+        tmp_dir: where runs and level files go (default: next to ``output``).
+        tokenizer_name, vocab_hash: tokenizer identity stored in the header.
+        metadata: extra JSON-serialisable build information.
+
+    Raises:
+        ValueError: bad order, token ids or arguments.
+        OSError: the output or temporary files cannot be written.
+    """
+    start = time.perf_counter()
+    if not 2 <= order <= 6:
+        raise ValueError(f"order must be in 2..6, got {order}")
+    if min_count < 1:
+        raise ValueError(f"min_count must be >= 1, got {min_count}")
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp_root = Path(tmp_dir) if tmp_dir is not None else output.parent
+    with tempfile.TemporaryDirectory(prefix=".dart-trie-", dir=tmp_root) as tmp:
+        builder = _native.TrieBuilder(order, vocab_size, tmp, memory_mb << 20)
+        counter = _Counter(builder)
+        tokenize_seconds = 0.0
+        it = iter(documents)
+        while True:
+            t0 = time.perf_counter()
+            doc = next(it, None)  # time spent producing documents = tokenisation
+            tokenize_seconds += time.perf_counter() - t0
+            if doc is None:
+                break
+            counter.add(doc)
+        counter.flush()
+        meta = {
+            "tokenizer": {"name": tokenizer_name, "vocab_hash": vocab_hash},
+            "order": order,
+            "min_count": min_count,
+            "num_documents": counter.documents,
+            "created_unix": int(time.time()),
+            **(metadata or {}),
+        }
+        partial = Path(tmp) / output.name
+        t0 = time.perf_counter()
+        stats = builder.finish(str(partial), json.dumps(meta, sort_keys=True), min_count)
+        write_checksums(partial)
+        count_seconds = counter.seconds + time.perf_counter() - t0
+        os.replace(partial, output)
+    total = time.perf_counter() - start
+    return BuildSummary(
+        path=str(output),
+        order=order,
+        total_tokens=stats["total_tokens"],
+        num_nodes=stats["num_nodes"],
+        nodes_per_level=list(stats["nodes_per_level"]),
+        file_bytes=stats["file_bytes"],
+        bytes_per_node=stats["file_bytes"] / max(stats["num_nodes"], 1),
+        num_documents=counter.documents,
+        num_runs=stats["num_runs"],
+        tokenize_seconds=round(tokenize_seconds, 3),
+        count_seconds=round(count_seconds, 3),
+        total_seconds=round(total, 3),
+        count_tokens_per_s=round(stats["total_tokens"] / max(count_seconds, 1e-9), 1),
+    )
+
+
+def _tokenized(texts: Iterable[str], tokenizer, batch_docs: int, max_tokens: int | None,
+               progress: bool) -> Iterable[list[int]]:
+    bar = tqdm(unit="doc", desc="tokenise+count", disable=not progress, smoothing=0.1)
+    total = 0
+    batch: list[str] = []
+
+    def encode(b: list[str]) -> list[list[int]]:
+        return tokenizer(b, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+
+    try:
+        for text in texts:
+            batch.append(text)
+            if len(batch) < batch_docs:
+                continue
+            for ids in encode(batch):
+                yield ids
+                total += len(ids)
+                if max_tokens is not None and total >= max_tokens:
+                    return
+            bar.update(len(batch))
+            bar.set_postfix(tokens=f"{total / 1e6:.1f}M")
+            batch = []
+        if batch:
+            for ids in encode(batch):
+                yield ids
+                total += len(ids)
+                if max_tokens is not None and total >= max_tokens:
+                    return
+            bar.update(len(batch))
+    finally:
+        bar.set_postfix(tokens=f"{total / 1e6:.1f}M")
+        bar.close()
+
+
+def build_trie_from_texts(
+    texts: Iterable[str],
+    output: str | os.PathLike[str],
+    tokenizer,
+    *,
+    corpus_name: str = "",
+    batch_docs: int = 256,
+    max_tokens: int | None = None,
+    progress: bool = True,
+    **kwargs,
+) -> BuildSummary:
+    """Tokenises ``texts`` in batches with a (fast) Hugging Face tokenizer and builds
+    the trie; keyword arguments as :func:`build_trie`."""
+    from dart_core.tokenizer import tokenizer_identity
+
+    name, vocab_hash = tokenizer_identity(tokenizer)
+    meta = {"corpus": corpus_name, **kwargs.pop("metadata", {})}
+    if max_tokens is not None:
+        meta["max_tokens"] = max_tokens
+    return build_trie(
+        _tokenized(texts, tokenizer, batch_docs, max_tokens, progress), output,
+        vocab_size=len(tokenizer), tokenizer_name=name, vocab_hash=vocab_hash, metadata=meta, **kwargs)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m ngram_service.build",
+        description="Count the n-grams of a corpus with the target tokenizer into a memory-mapped DART trie.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("inputs", nargs="*", help="corpus files or folders (.jsonl/.json: --text-field; other files: "
+                   "one document each); when none, --corpus is used")
+    p.add_argument("--corpus", choices=NAMED_CORPORA, default="default",
+                   help="named corpus when no inputs are given (default = ShareGPT assistant turns + CPython stdlib)")
+    p.add_argument("-o", "--output", help="trie file [default: $DART_SERVE_CACHE/tries/<model>-<corpus>-<order>gram.trie]")
+    p.add_argument("--tokenizer", default=None, help="model whose tokenizer to use: a local HF folder or .gguf file "
+                   "[default: the embedded SmolLM2-135M-Instruct]")
+    p.add_argument("--order", type=int, default=3, choices=range(2, 7), metavar="{2..6}", help="n-gram order")
+    p.add_argument("--min-count", type=int, default=1, help="drop n-grams seen fewer times")
+    p.add_argument("--memory-mb", type=int, default=2048, help="window buffer before spilling a sorted run to disk")
+    p.add_argument("--tmp-dir", default=None, help="folder for sorted runs [default: next to the output]")
+    p.add_argument("--batch-docs", type=int, default=256, help="documents per tokenizer call")
+    p.add_argument("--max-tokens", type=int, default=None, help="stop after this many corpus tokens")
+    p.add_argument("--text-field", default="text", help="field holding the text in .jsonl/.json inputs")
+    p.add_argument("--verify", action="store_true", help="re-open the result and check its checksums and structure")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from dart_core.tokenizer import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(args.tokenizer)
+        corpus = "files" if args.inputs else args.corpus
+        output = Path(args.output) if args.output else default_trie_path(tokenizer.dart_model_name, corpus, args.order)
+        texts = iter_files(args.inputs, text_field=args.text_field) if args.inputs else iter_corpus(args.corpus)
+        summary = build_trie_from_texts(
+            texts, output, tokenizer, corpus_name=corpus, batch_docs=args.batch_docs, max_tokens=args.max_tokens,
+            progress=not args.quiet, order=args.order, min_count=args.min_count, memory_mb=args.memory_mb,
+            tmp_dir=args.tmp_dir)
+        if summary.total_tokens == 0:
+            raise ValueError("the corpus produced no tokens")
+        if args.verify:
+            from ngram_service.trie import NgramTrie
+
+            NgramTrie(output, verify=True)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    logger.info("wrote %s: %s tokens, %s nodes (%s per level), %.2f bytes/node, %.1f s (%.2f M tokens/s counting)",
+                summary.path, f"{summary.total_tokens:,}", f"{summary.num_nodes:,}",
+                "/".join(f"{n:,}" for n in summary.nodes_per_level), summary.bytes_per_node,
+                summary.total_seconds, summary.count_tokens_per_s / 1e6)
+    print(summary.to_json())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

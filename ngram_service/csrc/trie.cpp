@@ -1,0 +1,217 @@
+#include "trie.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+namespace dart_ngram {
+
+namespace {
+
+[[noreturn]] void corrupt(const std::string& path, const std::string& why) {
+  throw TrieFormatError("n-gram trie '" + path + "' is corrupt or not a trie file: " + why);
+}
+
+uint64_t read_uint(const uint8_t* base, uint32_t width, uint64_t i) {
+  if (width == 4) {
+    uint32_t v;
+    std::memcpy(&v, base + 4 * i, 4);
+    return v;
+  }
+  uint64_t v;
+  std::memcpy(&v, base + 8 * i, 8);
+  return v;
+}
+
+}  // namespace
+
+MappedTrie::MappedTrie(const std::string& path) : path_(path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    throw std::runtime_error("cannot open n-gram trie '" + path + "': " + std::strerror(errno));
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    int err = errno;
+    ::close(fd);
+    throw std::runtime_error("cannot stat n-gram trie '" + path + "': " + std::strerror(err));
+  }
+  size_ = static_cast<size_t>(st.st_size);
+  if (size_ < sizeof(FileHeader)) {
+    ::close(fd);
+    corrupt(path, "file is " + std::to_string(size_) + " bytes, shorter than the header");
+  }
+  void* mem = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (mem == MAP_FAILED) {
+    throw std::runtime_error("cannot mmap n-gram trie '" + path + "': " + std::strerror(errno));
+  }
+  base_ = static_cast<const uint8_t*>(mem);
+  ::madvise(mem, size_, MADV_RANDOM);
+  try {
+    std::memcpy(&header_, base_, sizeof(FileHeader));
+    const FileHeader& h = header_;
+    if (std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0) corrupt(path, "bad magic bytes");
+    if (h.version != kFormatVersion) {
+      corrupt(path, "format version " + std::to_string(h.version) + ", this build reads " +
+                        std::to_string(kFormatVersion));
+    }
+    if (h.order < kMinOrder || h.order > kMaxOrder) {
+      corrupt(path, "n-gram order " + std::to_string(h.order) + " outside 2..6");
+    }
+    if (h.file_bytes != size_) {
+      corrupt(path, "header says " + std::to_string(h.file_bytes) + " bytes, file has " +
+                        std::to_string(size_) + " (truncated?)");
+    }
+    if (h.header_bytes < sizeof(FileHeader) || h.header_bytes > size_ ||
+        h.metadata_bytes > h.header_bytes - sizeof(FileHeader)) {
+      corrupt(path, "inconsistent header size");
+    }
+    uint64_t total_nodes = 0;
+    for (int m = 1; m <= order(); ++m) {
+      const LevelEntry& e = h.levels[m - 1];
+      const bool last = m == order();
+      if (e.count_width != 4 && e.count_width != 8) corrupt(path, "bad count width");
+      if (last ? e.child_width != 0 : (e.child_width != 4 && e.child_width != 8)) {
+        corrupt(path, "bad child offset width");
+      }
+      if (e.num_nodes > size_) corrupt(path, "level node count larger than the file");
+      auto check_array = [&](uint64_t off, uint64_t bytes) {
+        if (off < h.header_bytes || off > size_ || bytes > size_ - off) {
+          corrupt(path, "level " + std::to_string(m) + " array outside the file");
+        }
+      };
+      check_array(e.tokens_offset, e.num_nodes * 4);
+      check_array(e.counts_offset, e.num_nodes * e.count_width);
+      if (!last) check_array(e.children_offset, (e.num_nodes + 1) * e.child_width);
+      if (e.tokens_offset % 4 || e.counts_offset % 8 || e.children_offset % 8) {
+        corrupt(path, "misaligned array");
+      }
+      Level& lv = levels_[m];
+      lv.tokens = reinterpret_cast<const uint32_t*>(base_ + e.tokens_offset);
+      lv.counts = base_ + e.counts_offset;
+      lv.children = last ? nullptr : base_ + e.children_offset;
+      lv.num_nodes = e.num_nodes;
+      lv.count_width = e.count_width;
+      lv.child_width = e.child_width;
+      total_nodes += e.num_nodes;
+    }
+    if (total_nodes != h.num_nodes) corrupt(path, "level sizes do not add up to the node count");
+    if (levels_[1].num_nodes > h.vocab_size) corrupt(path, "more unigrams than the vocabulary");
+    for (int m = 1; m < order(); ++m) {
+      if (child_offset(m, 0) != 0 || child_offset(m, levels_[m].num_nodes) != levels_[m + 1].num_nodes) {
+        corrupt(path, "level " + std::to_string(m) + " child offsets do not span level " +
+                          std::to_string(m + 1));
+      }
+    }
+  } catch (...) {
+    ::munmap(const_cast<uint8_t*>(base_), size_);
+    base_ = nullptr;
+    throw;
+  }
+}
+
+MappedTrie::~MappedTrie() {
+  if (base_ != nullptr) ::munmap(const_cast<uint8_t*>(base_), size_);
+}
+
+std::string MappedTrie::metadata_json() const {
+  return std::string(reinterpret_cast<const char*>(base_ + sizeof(FileHeader)), header_.metadata_bytes);
+}
+
+uint64_t MappedTrie::child_offset(int level, uint64_t i) const {
+  const Level& lv = levels_[level];
+  return read_uint(lv.children, lv.child_width, i);
+}
+
+uint64_t MappedTrie::count(NodeRef node) const {
+  if (node.level == 0) return header_.total_tokens;
+  const Level& lv = levels_[node.level];
+  return read_uint(lv.counts, lv.count_width, node.index);
+}
+
+token_t MappedTrie::token(NodeRef node) const { return levels_[node.level].tokens[node.index]; }
+
+void MappedTrie::children_range(NodeRef node, uint64_t* begin, uint64_t* end) const {
+  if (node.level == 0) {
+    *begin = 0;
+    *end = levels_[1].num_nodes;
+    return;
+  }
+  *begin = child_offset(node.level, node.index);
+  *end = child_offset(node.level, node.index + 1);
+  if (*begin > *end || *end > levels_[node.level + 1].num_nodes) {
+    corrupt(path_, "child range of a level-" + std::to_string(node.level) + " node out of bounds");
+  }
+}
+
+bool MappedTrie::find_child(NodeRef node, token_t tok, NodeRef* child) const {
+  if (node.level >= order()) return false;
+  uint64_t lo, hi;
+  children_range(node, &lo, &hi);
+  const uint32_t* toks = levels_[node.level + 1].tokens;
+  const uint32_t* it = std::lower_bound(toks + lo, toks + hi, tok);
+  if (it == toks + hi || *it != tok) return false;
+  child->level = node.level + 1;
+  child->index = static_cast<uint64_t>(it - toks);
+  return true;
+}
+
+bool MappedTrie::find(const token_t* ngram, size_t len, NodeRef* node) const {
+  NodeRef cur{};
+  for (size_t i = 0; i < len; ++i) {
+    if (!find_child(cur, ngram[i], &cur)) return false;
+  }
+  *node = cur;
+  return true;
+}
+
+int MappedTrie::suffix_nodes(const token_t* context, size_t len, NodeRef* out) const {
+  const size_t max_len = std::min<size_t>(len, static_cast<size_t>(order() - 1));
+  int n = 0;
+  for (size_t m = max_len; m >= 1; --m) {
+    if (find(context + len - m, m, &out[n])) ++n;
+  }
+  return n;
+}
+
+double MappedTrie::probability(const NodeRef* suffixes, int num_suffixes, token_t tok) const {
+  for (int i = 0; i < num_suffixes; ++i) {
+    NodeRef child;
+    if (find_child(suffixes[i], tok, &child)) {
+      const uint64_t denom = count(suffixes[i]);
+      const uint64_t numer = count(child);
+      if (denom == 0 || numer > denom) corrupt(path_, "child count exceeds its context count");
+      return static_cast<double>(numer) / static_cast<double>(denom);
+    }
+  }
+  return 0.0;
+}
+
+void MappedTrie::check_structure() const {
+  for (int m = 1; m <= order(); ++m) {
+    const Level& lv = levels_[m];
+    const uint64_t parents = m == 1 ? 1 : levels_[m - 1].num_nodes;
+    for (uint64_t p = 0; p < parents; ++p) {
+      NodeRef parent{m - 1, m == 1 ? 0 : p};
+      uint64_t lo, hi;
+      children_range(parent, &lo, &hi);
+      uint64_t sum = 0;
+      for (uint64_t i = lo; i < hi; ++i) {
+        if (i > lo && lv.tokens[i] <= lv.tokens[i - 1]) corrupt(path_, "children not sorted by token");
+        if (lv.tokens[i] >= header_.vocab_size) corrupt(path_, "token id outside the vocabulary");
+        const uint64_t c = count({m, i});
+        if (c == 0) corrupt(path_, "zero count");
+        sum += c;
+      }
+      if (sum > count(parent)) corrupt(path_, "children counts exceed their parent's");
+    }
+  }
+}
+
+}  // namespace dart_ngram
