@@ -77,8 +77,9 @@ MappedTrie::MappedTrie(const std::string& path) : path_(path) {
       const LevelEntry& e = h.levels[m - 1];
       const bool last = m == order();
       if (e.count_width != 4 && e.count_width != 8) corrupt(path, "bad count width");
-      if (last ? e.child_width != 0 : (e.child_width != 4 && e.child_width != 8)) {
-        corrupt(path, "bad child offset width");
+      if (last ? (e.child_width != 0 || e.children_offset != 0)
+               : (e.child_width != 4 && e.child_width != 8)) {
+        corrupt(path, "bad child offsets entry");
       }
       if (e.num_nodes > size_) corrupt(path, "level node count larger than the file");
       auto check_array = [&](uint64_t off, uint64_t bytes) {

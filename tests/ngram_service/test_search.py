@@ -1,0 +1,207 @@
+"""DART tree search: hand-written trees with exact arrays, invariants, and
+equality with the Python reference on more than 1,000 random cases."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ngram_service.tree_search import DraftTree, SearchParams, search_tree, search_trees
+
+from .conftest import make_trie, random_docs
+from .reference import RefParams, ReferenceNgram, reference_search
+
+FIELDS = ("tokens", "parents", "depths", "scores", "tree_mask", "retrieve_indices")
+
+
+def assert_tree_equal(tree: DraftTree, want: dict):
+    for name in FIELDS:
+        got = getattr(tree, name)
+        assert got.shape == want[name].shape, name
+        np.testing.assert_array_equal(got, want[name], err_msg=name)
+
+
+def test_worked_example_logits_only():
+    ids = np.array([[5, 6], [7, 8]])
+    probs = np.array([[0.6, 0.4], [0.9, 0.1]], dtype=np.float32)
+    tree = search_tree(ids, probs, [1, 2, 3],
+                       params=SearchParams(top_k=2, beam_width=1, max_depth=2, budget=2, use_ngram=False))
+    np.testing.assert_array_equal(tree.tokens, [3, 5, 7])
+    np.testing.assert_array_equal(tree.parents, [-1, 0, 1])
+    np.testing.assert_array_equal(tree.depths, [0, 1, 2])
+    np.testing.assert_array_equal(tree.tree_mask, [[1, 0, 0], [1, 1, 0], [1, 1, 1]])
+    np.testing.assert_array_equal(tree.retrieve_indices, [[0, 1, 2]])
+    s1 = np.log(np.float64(np.float32(0.6)) + 1e-10)
+    s2 = s1 + 2 ** -0.7 * 0.9 * np.log(np.float64(np.float32(0.9)) + 1e-10)
+    np.testing.assert_array_equal(tree.scores, [0.0, s1, s2])
+
+
+def test_hand_written_tree_with_trie(tiny):
+    trie, _ = tiny  # docs [1 2 3 1 2 4] [2 3 1]
+    ids = np.array([[2, 3], [3, 4]])
+    probs = np.array([[0.6, 0.4], [0.9, 0.1]], dtype=np.float32)
+    tree = search_tree(ids, probs, [1], trie=trie,
+                       params=SearchParams(top_k=2, beam_width=2, max_depth=2, budget=5))
+    # level 0 (no n-gram term): 2 (-0.51), 3 (-0.92).  Level 1: after [1 2], p_ngram(3) = p_ngram(4) = 1/2;
+    # after [1 3] nothing follows 3 but 1, so 3 and 4 get log(1e-10) and rank last.
+    np.testing.assert_array_equal(tree.tokens, [1, 2, 3, 3, 4, 3])
+    np.testing.assert_array_equal(tree.parents, [-1, 0, 0, 1, 1, 2])
+    np.testing.assert_array_equal(tree.depths, [0, 1, 1, 2, 2, 2])
+    np.testing.assert_array_equal(tree.retrieve_indices, [[0, 1, 3], [0, 1, 4], [0, 2, 5]])
+    np.testing.assert_array_equal(tree.tree_mask.astype(int), [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0],
+        [1, 0, 1, 0, 0, 1],
+    ])
+    lam1 = 2 ** -0.7
+    p = lambda x: np.float64(np.float32(x))  # noqa: E731
+    want_23 = np.log(p(0.6) + 1e-10) + lam1 * (0.9 * np.log(p(0.9) + 1e-10) + 0.5 * np.log(0.5 + 1e-10))
+    assert tree.scores[3] == want_23
+
+
+def test_eos_ranks_last_and_is_not_extended():
+    ids = np.array([[9, 5, 6], [7, 8, 1]])
+    probs = np.array([[0.9, 0.05, 0.05], [0.5, 0.3, 0.2]], dtype=np.float32)
+    tree = search_tree(ids, probs, [1], params=SearchParams(
+        top_k=3, beam_width=2, max_depth=2, budget=10, eos_token_id=9, use_ngram=False))
+    # 9 (EOS) has the best score but loses its beam slot; it is still a leaf of the tree
+    assert 9 in tree.tokens.tolist()
+    eos_node = tree.tokens.tolist().index(9)
+    assert eos_node not in tree.parents.tolist()
+    assert sorted(tree.tokens[tree.depths == 2].tolist()) == sorted([7, 8, 1] * 2)
+
+
+def test_prefix_closed_with_certain_drafts():
+    # p = 1 makes every increment log(1 + 1e-10) > 0: a child outscores its parent
+    ids = np.tile(np.arange(3), (6, 1))
+    probs = np.tile(np.array([1.0, 0.0, 0.0], dtype=np.float32), (6, 1))
+    tree = search_tree(ids, probs, [0], params=SearchParams(top_k=3, beam_width=3, max_depth=6, budget=4,
+                                                             use_ngram=False))
+    np.testing.assert_array_equal(tree.depths, [0, 1, 2, 3, 4])
+    np.testing.assert_array_equal(tree.parents, [-1, 0, 1, 2, 3])
+
+
+def test_budget_zero_and_small_inputs():
+    tree = search_tree(np.array([[4]]), np.array([[1.0]], dtype=np.float32), [7], params=SearchParams(budget=0))
+    np.testing.assert_array_equal(tree.tokens, [7])
+    np.testing.assert_array_equal(tree.retrieve_indices, [[0]])
+    tree = search_tree(np.array([[4]]), np.array([[1.0]], dtype=np.float32), [7])
+    np.testing.assert_array_equal(tree.tokens, [7, 4])
+
+
+@pytest.mark.parametrize("bad", [
+    dict(ids=np.zeros((2, 3), np.int64), probs=np.zeros((2, 2), np.float32), ctx=[1], match="shapes"),
+    dict(ids=np.zeros((2, 3), np.int64), probs=np.full((2, 3), 1.5, np.float32), ctx=[1], match="probabilit"),
+    dict(ids=np.zeros((2, 3), np.int64), probs=np.full((2, 3), np.nan, np.float32), ctx=[1], match="probabilit"),
+    dict(ids=np.full((2, 3), -4, np.int64), probs=np.zeros((2, 3), np.float32), ctx=[1], match="out of range"),
+    dict(ids=np.zeros((2, 3), np.int64), probs=np.zeros((2, 3), np.float32), ctx=[], match="root token"),
+    dict(ids=np.zeros((3,), np.int64), probs=np.zeros((3,), np.float32), ctx=[1], match="dimensions"),
+])
+def test_invalid_inputs_raise(bad):
+    with pytest.raises(ValueError, match=bad["match"]):
+        search_tree(bad["ids"], bad["probs"], bad["ctx"])
+
+
+@pytest.mark.parametrize("field,value", [("top_k", 0), ("beam_width", 0), ("budget", -1), ("num_threads", 0),
+                                         ("epsilon", 0.0), ("ngram_weight", -1.0)])
+def test_invalid_params_raise(field, value):
+    with pytest.raises(ValueError, match=field):
+        SearchParams(**{field: value})
+    params = SearchParams()
+    setattr(params, field, value)
+    with pytest.raises(ValueError, match=field):
+        search_tree(np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32), [1], params=params)
+
+
+def _random_case(rng: np.random.Generator, vocab: int, reference_defaults: bool):
+    if reference_defaults:
+        p = RefParams()
+    else:
+        p = RefParams(top_k=int(rng.integers(1, 8)), beam_width=int(rng.integers(1, 7)),
+                      max_depth=int(rng.integers(1, 6)), budget=int(rng.integers(0, 30)),
+                      level_weight_exponent=float(rng.uniform(0, 1.5)), logit_weight_base=float(rng.uniform(0.5, 1.0)),
+                      ngram_weight=float(rng.choice([0.0, 0.5, rng.uniform(0, 2)])),
+                      eos_token_id=int(rng.integers(-1, vocab)), ngram_at_level0=bool(rng.random() < 0.3),
+                      use_ngram=bool(rng.random() < 0.85))
+    depth = int(rng.integers(1, 9))
+    k = int(rng.integers(1, 26)) if not reference_defaults else 25
+    ids = np.stack([rng.choice(vocab, size=k, replace=k > vocab) for _ in range(depth)]).astype(np.int64)
+    logits = rng.normal(size=(depth, k)) * rng.uniform(0.5, 4)
+    probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    probs = -np.sort(-probs, axis=-1).astype(np.float32)
+    if rng.random() < 0.1:  # ties and certain drafts
+        probs = np.round(probs, 1).astype(np.float32)
+    ctx = [int(x) for x in rng.integers(0, vocab, size=rng.integers(1, 10))]
+    return p, ids, probs, ctx
+
+
+def _native_params(p: RefParams, threads: int = 1) -> SearchParams:
+    return SearchParams(**vars(p), num_threads=threads)
+
+
+def test_random_cases_match_reference(tmp_path):
+    """1,200 random cases over random tries of every order: trees identical, scores bit for bit."""
+    cases = 0
+    for seed in range(12):
+        rng = np.random.default_rng(1000 + seed)
+        order = 2 + seed % 5
+        vocab = int(rng.integers(4, 40))
+        docs = random_docs(rng, vocab, num_docs=60, max_len=80)
+        trie, ref = make_trie(tmp_path, docs, order, vocab), ReferenceNgram(docs, order)
+        for i in range(100):
+            p, ids, probs, ctx = _random_case(rng, vocab, reference_defaults=i % 10 == 0)
+            if i % 2 == 0 and docs[i % len(docs)]:  # contexts seen in the corpus exercise long suffixes
+                ctx = docs[i % len(docs)][: int(rng.integers(1, len(docs[i % len(docs)]) + 1))]
+            want = reference_search(ids, probs, ctx, ref, p)
+            assert_tree_equal(search_tree(ids, probs, ctx, trie=trie, params=_native_params(p)), want)
+            cases += 1
+    assert cases >= 1000
+
+
+def test_logits_only_matches_reference():
+    rng = np.random.default_rng(5)
+    for _ in range(100):
+        p, ids, probs, ctx = _random_case(rng, 50, reference_defaults=False)
+        want = reference_search(ids, probs, ctx, None, p)
+        assert_tree_equal(search_tree(ids, probs, ctx, trie=None, params=_native_params(p)), want)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), order=st.integers(2, 6), vocab=st.integers(2, 20))
+def test_property_search_matches_reference(tmp_path_factory, seed, order, vocab):
+    rng = np.random.default_rng(seed)
+    docs = random_docs(rng, vocab, num_docs=20, max_len=40)
+    trie = make_trie(tmp_path_factory.mktemp("s"), docs, order, vocab)
+    ref = ReferenceNgram(docs, order)
+    p, ids, probs, ctx = _random_case(rng, vocab, reference_defaults=False)
+    tree = search_tree(ids, probs, ctx, trie=trie, params=_native_params(p))
+    assert_tree_equal(tree, reference_search(ids, probs, ctx, ref, p))
+    # invariants: prefix-closed, parents first, mask = ancestors, retrieve rows are root-to-leaf paths
+    assert all(0 <= tree.parents[i] < i for i in range(1, tree.num_nodes))
+    assert all(tree.depths[i] == tree.depths[tree.parents[i]] + 1 for i in range(1, tree.num_nodes))
+    assert tree.num_nodes <= p.budget + 1
+
+
+def test_batched_and_threaded_equal_single(tmp_path):
+    rng = np.random.default_rng(3)
+    docs = random_docs(rng, 30, num_docs=50, max_len=60)
+    trie = make_trie(tmp_path, docs, 3, 30)
+    batch, depth, k = 16, 8, 25
+    ids = rng.integers(0, 30, size=(batch, depth, k))
+    probs = rng.dirichlet(np.ones(k), size=(batch, depth)).astype(np.float32)
+    contexts = [list(rng.integers(0, 30, size=rng.integers(1, 20))) for _ in range(batch)]
+    single = [search_tree(ids[b], probs[b], contexts[b], trie=trie) for b in range(batch)]
+    for threads in (1, 4):
+        trees = search_trees(ids, probs, contexts, trie=trie, params=SearchParams(num_threads=threads))
+        for a, b in zip(trees, single):
+            for name in FIELDS:
+                np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+    with pytest.raises(ValueError):
+        search_trees(ids, probs, contexts[:-1], trie=trie)
+    with pytest.raises(ValueError, match="non-empty context"):
+        search_trees(ids[:2], probs[:2], [[1], []], trie=trie, params=SearchParams(num_threads=2))
