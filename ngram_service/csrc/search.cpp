@@ -76,15 +76,24 @@ DraftTreeData search_tree(const SearchParams& params, const MappedTrie* trie, co
   std::vector<int32_t> ranked;
   token_t tail[kMaxOrder];
   NodeRef suffixes[kMaxOrder];
+  std::vector<token_t> level_tokens(k);
+  std::vector<int> by_token(k);
+  std::vector<double> p_ngram(k);
 
   for (int l = 0; l < levels; ++l) {
     const double lam = std::pow(static_cast<double>(l + 1), -params.level_weight_exponent);
     const double mu = std::pow(params.logit_weight_base, static_cast<double>(l));
     const bool ngram_here = ngram && (l > 0 || params.ngram_at_level0);
     const int32_t level_start = static_cast<int32_t>(cands.size());
+    if (ngram_here) {  // the same k tokens follow every parent: sort them once per level
+      for (int j = 0; j < k; ++j) {
+        level_tokens[j] = static_cast<token_t>(topk_ids[l * k_in + j]);
+        by_token[j] = j;
+      }
+      std::sort(by_token.begin(), by_token.end(), [&](int a, int b) { return level_tokens[a] < level_tokens[b]; });
+    }
     for (int32_t p : beam) {
       if (p >= 0 && cands[p].eos) continue;
-      int num_suffixes = 0;
       if (ngram_here) {
         // tail = last order-1 tokens of context + path(p).
         const int want = order - 1;
@@ -95,17 +104,15 @@ DraftTreeData search_tree(const SearchParams& params, const MappedTrie* trie, co
         for (size_t i = context_len; i > 0 && filled < want; --i) {
           tail[want - 1 - filled++] = static_cast<token_t>(context[i - 1]);
         }
-        num_suffixes = trie->suffix_nodes(tail + (want - filled), filled, suffixes);
+        const int num_suffixes = trie->suffix_nodes(tail + (want - filled), filled, suffixes);
+        trie->probabilities(suffixes, num_suffixes, level_tokens.data(), by_token.data(), k, p_ngram.data());
       }
       const double parent_score = p >= 0 ? cands[p].score : 0.0;
       const double parent_eff = p >= 0 ? cands[p].eff : std::numeric_limits<double>::infinity();
       for (int j = 0; j < k; ++j) {
         const int64_t tok = topk_ids[l * k_in + j];
         double inc = mu * std::log(static_cast<double>(topk_probs[l * k_in + j]) + params.epsilon);
-        if (ngram_here) {
-          const double q = trie->probability(suffixes, num_suffixes, static_cast<token_t>(tok));
-          inc += params.ngram_weight * std::log(q + params.epsilon);
-        }
+        if (ngram_here) inc += params.ngram_weight * std::log(p_ngram[j] + params.epsilon);
         const double score = parent_score + lam * inc;
         cands.push_back({tok, p, l + 1, score, std::min(score, parent_eff), tok == params.eos_token_id});
       }

@@ -17,6 +17,8 @@ namespace {
   throw TrieFormatError("n-gram trie '" + path + "' is corrupt or not a trie file: " + why);
 }
 
+constexpr uint32_t kDenseUnigramLimit = 1u << 24;
+
 uint64_t read_uint(const uint8_t* base, uint32_t width, uint64_t i) {
   if (width == 4) {
     uint32_t v;
@@ -110,6 +112,14 @@ MappedTrie::MappedTrie(const std::string& path) : path_(path) {
                           std::to_string(m + 1));
       }
     }
+    // Level-1 lookups by direct indexing: O(vocab) once, cheap next to model loading.
+    if (h.vocab_size <= kDenseUnigramLimit) {
+      unigram_node_.assign(h.vocab_size, -1);
+      for (uint64_t i = 0; i < levels_[1].num_nodes; ++i) {
+        const token_t t = levels_[1].tokens[i];
+        if (t < h.vocab_size) unigram_node_[t] = static_cast<int64_t>(i);
+      }
+    }
   } catch (...) {
     ::munmap(const_cast<uint8_t*>(base_), size_);
     base_ = nullptr;
@@ -153,6 +163,11 @@ void MappedTrie::children_range(NodeRef node, uint64_t* begin, uint64_t* end) co
 
 bool MappedTrie::find_child(NodeRef node, token_t tok, NodeRef* child) const {
   if (node.level >= order()) return false;
+  if (node.level == 0 && !unigram_node_.empty()) {
+    if (tok >= unigram_node_.size() || unigram_node_[tok] < 0) return false;
+    *child = {1, static_cast<uint64_t>(unigram_node_[tok])};
+    return true;
+  }
   uint64_t lo, hi;
   children_range(node, &lo, &hi);
   const uint32_t* toks = levels_[node.level + 1].tokens;
@@ -192,6 +207,43 @@ double MappedTrie::probability(const NodeRef* suffixes, int num_suffixes, token_
     }
   }
   return 0.0;
+}
+
+void MappedTrie::probabilities(const NodeRef* suffixes, int num_suffixes, const token_t* tokens,
+                               const int* order, int num_tokens, double* out) const {
+  for (int i = 0; i < num_tokens; ++i) out[i] = -1.0;  // -1: not predicted yet
+  int unresolved = num_tokens;
+  for (int s = 0; s < num_suffixes && unresolved > 0; ++s) {
+    const NodeRef ctx = suffixes[s];
+    if (ctx.level >= this->order()) continue;
+    uint64_t lo, hi;
+    children_range(ctx, &lo, &hi);
+    const uint32_t* toks = levels_[ctx.level + 1].tokens;
+    const uint64_t denom = count(ctx);
+    for (int r = 0; r < num_tokens && lo < hi; ++r) {
+      const int i = order[r];
+      if (out[i] >= 0.0) continue;
+      // Gallop: every child before lo is smaller than the token; probe
+      // lo, lo+1, lo+3, lo+7, ... until a child >= token, then bisect.
+      uint64_t probe = lo, step = 1;
+      while (probe < hi && toks[probe] < tokens[i]) {
+        lo = probe + 1;
+        probe = std::min(hi, probe + step);
+        step *= 2;
+      }
+      const uint32_t* it = std::lower_bound(toks + lo, toks + probe, tokens[i]);
+      lo = static_cast<uint64_t>(it - toks);
+      if (lo < hi && *it == tokens[i]) {
+        const uint64_t numer = count({ctx.level + 1, lo});
+        if (denom == 0 || numer > denom) corrupt(path_, "child count exceeds its context count");
+        out[i] = static_cast<double>(numer) / static_cast<double>(denom);
+        --unresolved;
+      }
+    }
+  }
+  for (int i = 0; i < num_tokens; ++i) {
+    if (out[i] < 0.0) out[i] = 0.0;
+  }
 }
 
 void MappedTrie::check_structure() const {

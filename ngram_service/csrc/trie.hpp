@@ -54,6 +54,12 @@ class MappedTrie {
   // no non-empty suffix predicts tok.  `suffixes` comes from suffix_nodes.
   double probability(const NodeRef* suffixes, int num_suffixes, token_t tok) const;
 
+  // The same for many tokens at once: tokens[order[0]] <= tokens[order[1]] <= ...
+  // (ascending), so each suffix's children are scanned once, left to right,
+  // with galloping searches.  out[i] is the probability of tokens[i].
+  void probabilities(const NodeRef* suffixes, int num_suffixes, const token_t* tokens, const int* order,
+                     int num_tokens, double* out) const;
+
   // Full structural check, O(size): offsets monotone, children sorted,
   // counts consistent.  Throws TrieFormatError on the first violation.
   void check_structure() const;
@@ -72,6 +78,7 @@ class MappedTrie {
 
   std::string path_;
   FileHeader header_{};
+  std::vector<int64_t> unigram_node_;  // token -> level-1 node, -1 if absent (small vocabularies)
   const uint8_t* base_ = nullptr;
   size_t size_ = 0;
   Level levels_[kMaxOrder + 1];  // 1-based; levels_[0] unused
