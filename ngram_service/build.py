@@ -278,6 +278,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from dart_core.tokenizer import load_tokenizer
 
     try:
+        missing = [p for p in args.inputs if not Path(p).exists()]
+        if missing:  # before the tokenizer takes seconds to load
+            raise FileNotFoundError(f"corpus file not found: {missing[0]}")
         tokenizer = load_tokenizer(args.tokenizer)
         corpus = "files" if args.inputs else args.corpus
         output = Path(args.output) if args.output else default_trie_path(tokenizer.dart_model_name, corpus, args.order)

@@ -1,0 +1,106 @@
+"""The builder as users run it: CLI on files with the default tokenizer,
+named corpora, and the corpus readers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dart_core.tokenizer import tokenizer_identity
+from ngram_service import corpus
+from ngram_service.build import build_trie_from_texts, main
+from ngram_service.trie import NgramTrie
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", "ngram_service.build", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_help():
+    r = _run("--help")
+    assert r.returncode == 0
+    for flag in ("--corpus", "--order", "--min-count", "--memory-mb", "--tokenizer", "--verify"):
+        assert flag in r.stdout
+
+
+def test_cli_builds_from_files(tmp_path, default_tokenizer):
+    (tmp_path / "a.txt").write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"body": f"def f{i}(x):\n    return x + {i}\n"})
+                                                for i in range(30)))
+    sub = tmp_path / "more"
+    sub.mkdir()
+    (sub / "c.md").write_text("# Title\n\nSome *markdown* text about the quick brown fox.\n")
+    out = tmp_path / "out" / "files.trie"
+    r = _run(str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl"), str(sub), "--text-field", "body",
+             "-o", str(out), "--order", "4", "--verify", "-q")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["num_documents"] == 32 and summary["order"] == 4
+    trie = NgramTrie(out, verify=True)
+    name, vocab_hash = tokenizer_identity(default_tokenizer)
+    assert trie.info.tokenizer_name == name == "SmolLM2-135M-Instruct"
+    trie.check_tokenizer(vocab_hash)
+    assert trie.info.metadata["corpus"] == "files"
+    fox = default_tokenizer(" quick brown fox jumps", add_special_tokens=False)["input_ids"]
+    assert trie.count(fox[:3]) >= 20
+    p = trie.probability(fox[:2], [fox[2]])
+    assert 0.5 < p[0] <= 1.0
+
+
+@pytest.mark.parametrize("args,message", [
+    (["/nonexistent/corpus.txt"], "corpus file not found"),
+    (["--tokenizer", "/nonexistent/model"], "neither"),
+])
+def test_cli_errors(tmp_path, args, message):
+    r = _run(*args, "-o", str(tmp_path / "x.trie"), "-q")
+    assert r.returncode == 2
+    assert message in r.stderr
+
+
+def test_cli_bad_jsonl_field(tmp_path):
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": 3}) + "\n")
+    assert main([str(tmp_path / "b.jsonl"), "-o", str(tmp_path / "x.trie"), "-q"]) == 2
+    assert not (tmp_path / "x.trie").exists()
+
+
+def test_default_corpus_prefix(tmp_path, default_tokenizer):
+    """The real default corpus (ShareGPT package + CPython stdlib), first 300k tokens."""
+    summary = build_trie_from_texts(corpus.iter_corpus("default"), tmp_path / "d.trie", default_tokenizer,
+                                    corpus_name="default", max_tokens=300_000, progress=False)
+    assert 300_000 <= summary.total_tokens < 400_000
+    trie = NgramTrie(summary.path, verify=True)
+    assert trie.info.metadata["corpus"] == "default"
+    assert trie.info.nodes_per_level[0] > 5_000
+
+
+def test_sharegpt_reader_stops_at_truncation(tmp_path, monkeypatch):
+    convs = [{"id": str(i), "conversations": [{"from": "human", "value": f"question {i}"},
+                                              {"from": "gpt", "value": f"answer {i}"}]} for i in range(3)]
+    text = json.dumps(convs)
+    path = tmp_path / "sharegpt.json"
+    path.write_text(text[: text.index("answer 2") + 3])  # cut inside the third record
+    monkeypatch.setattr(corpus, "evaluation_prompts", lambda: {"mt-bench": ["Question 1"]})
+    assert [len(c) for c in corpus.sharegpt_conversations(path)] == [2, 2]
+    # conversation 1 quotes an evaluation prompt (case and spacing aside) and is dropped
+    assert list(corpus.sharegpt_assistant_turns(path)) == ["answer 0"]
+    assert list(corpus.sharegpt_assistant_turns(path, exclude_evaluation=False)) == ["answer 0", "answer 1"]
+
+
+def test_real_sharegpt_and_stdlib_readers():
+    turns = corpus.sharegpt_assistant_turns()
+    first = [next(turns) for _ in range(50)]
+    assert all(isinstance(t, str) and t.strip() for t in first)
+    src = next(corpus.cpython_stdlib_sources())
+    assert "import" in src or "def " in src
+    with pytest.raises(ValueError, match="unknown corpus"):
+        next(corpus.iter_corpus("nope"))
+
+
+def test_evaluation_prompts_are_installed():
+    prompts = corpus.evaluation_prompts()
+    assert len(prompts["mt-bench"]) == 160 and len(prompts["humaneval"]) == 164
