@@ -190,38 +190,29 @@ def build_trie(
     )
 
 
+def _batches(texts: Iterable[str], size: int) -> Iterable[list[str]]:
+    batch: list[str] = []
+    for text in texts:
+        batch.append(text)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
 def _tokenized(texts: Iterable[str], tokenizer, batch_docs: int, max_tokens: int | None,
                progress: bool) -> Iterable[list[int]]:
-    bar = tqdm(unit="doc", desc="tokenise+count", disable=not progress, smoothing=0.1)
     total = 0
-    batch: list[str] = []
-
-    def encode(b: list[str]) -> list[list[int]]:
-        return tokenizer(b, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-
-    try:
-        for text in texts:
-            batch.append(text)
-            if len(batch) < batch_docs:
-                continue
-            for ids in encode(batch):
+    with tqdm(unit="doc", desc="tokenise+count", disable=not progress, smoothing=0.1) as bar:
+        for batch in _batches(texts, batch_docs):
+            for ids in tokenizer(batch, add_special_tokens=False, return_attention_mask=False)["input_ids"]:
                 yield ids
                 total += len(ids)
                 if max_tokens is not None and total >= max_tokens:
                     return
             bar.update(len(batch))
             bar.set_postfix(tokens=f"{total / 1e6:.1f}M")
-            batch = []
-        if batch:
-            for ids in encode(batch):
-                yield ids
-                total += len(ids)
-                if max_tokens is not None and total >= max_tokens:
-                    return
-            bar.update(len(batch))
-    finally:
-        bar.set_postfix(tokens=f"{total / 1e6:.1f}M")
-        bar.close()
 
 
 def build_trie_from_texts(
