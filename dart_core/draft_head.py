@@ -1,0 +1,329 @@
+"""The DART draft head: one Llama-style decoder layer that drafts d tokens in
+one forward (DART, arXiv 2601.19278; DESIGN.md §2).
+
+Per real position t the head reads three target hidden states (the inputs of
+decoder layers 2, L//2 and L-3, concatenated low|mid|high → [3H]) and the
+embedding of the *next* token x_{t+1}:
+
+    g      = fc(taps_t)                                          # [H]
+    attn_x = concat(input_layernorm(embed(x_{t+1})), hidden_norm(g))  # [2H]
+    h      = g + o_proj(attention(q,k,v = proj(attn_x)))
+    h      = h + mlp(post_attention_layernorm(h))
+    logits = lm_head(norm(h))                                    # [V_draft]
+
+After the last real position, d-1 **mask slots** follow; each has the learned
+attention input ``mask_rep`` [2H] and residual ``mask_rep[:H]``.  Attention
+is causal over the head's own KV cache (real positions only), then over the
+earlier slots; RoPE positions continue the sequence.  Logits are
+**shifted**: the last real position t predicts x_{t+2} and slot j predicts
+x_{t+2+j}, so one forward yields d distributions.  The draft vocabulary is
+a subset of the target's: draft index i is target id ``i + d2t[i]``.
+
+Checkpoints use the reference layout (``config.json`` + ``model.safetensors``
+with the parameter names below) so published heads load.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import MISSING, asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DraftHeadConfig", "DartDraftHead", "HeadLoadError", "load_draft_head", "save_draft_head"]
+
+
+class HeadLoadError(ValueError):
+    """A draft-head checkpoint is missing, corrupt, or does not fit the target model."""
+
+
+@dataclass(frozen=True)
+class DraftHeadConfig:
+    hidden_size: int  # H of the head (the reference uses the target's)
+    target_hidden_size: int  # H of the target; fc reads 3 of its hidden states
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # target vocabulary (the embedding is the target's)
+    draft_vocab_size: int  # V_draft, lm_head rows
+    draft_length: int = 7  # mask slots = d - 1
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    hidden_act: str = "silu"
+
+    @property
+    def depth(self) -> int:
+        """d: distributions per forward (last real position + mask slots)."""
+        return self.draft_length + 1
+
+    @classmethod
+    def for_target(cls, target_config, *, draft_vocab_size: int | None = None, draft_length: int = 7) -> "DraftHeadConfig":
+        """The reference sizes for a Hugging Face target config (one layer of the target's shape)."""
+        c = target_config
+        heads = c.num_attention_heads
+        return cls(
+            hidden_size=c.hidden_size,
+            target_hidden_size=c.hidden_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            intermediate_size=c.intermediate_size,
+            vocab_size=c.vocab_size,
+            draft_vocab_size=draft_vocab_size or c.vocab_size,
+            draft_length=draft_length,
+            rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
+            rope_theta=float(_rope_theta(c)),
+            max_position_embeddings=getattr(c, "max_position_embeddings", 8192),
+        )
+
+    @classmethod
+    def from_json_dict(cls, d: dict) -> "DraftHeadConfig":
+        """Reads a reference ``config.json`` (unknown keys ignored)."""
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in known}
+        kw.setdefault("target_hidden_size", d.get("hidden_size"))
+        if "head_dim" not in kw and "hidden_size" in d and "num_attention_heads" in d:
+            kw["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+        kw.setdefault("num_key_value_heads", d.get("num_attention_heads"))
+        if "rope_theta" not in kw and isinstance(d.get("rope_parameters"), dict):
+            kw["rope_theta"] = d["rope_parameters"].get("rope_theta", 10000.0)
+        missing = [f.name for f in fields(cls) if f.name not in kw and f.default is MISSING]
+        if missing:
+            raise HeadLoadError(f"draft head config.json lacks {', '.join(missing)}")
+        return cls(**kw)
+
+
+def _rope_theta(config) -> float:
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        return params["rope_theta"]
+    return getattr(config, "rope_theta", 10000.0)
+
+
+class _DraftAttention(nn.Module):
+    def __init__(self, c: DraftHeadConfig) -> None:
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, past_k, past_v, mask):
+        # x: [B, Q, 2H]; cos/sin: [B, Q, D]; past_k/v: [B, Hkv, K, D]; mask: [B, 1, Q, K + Q] additive
+        b, q, _ = x.shape
+        c = self.c
+        qs = self.q_proj(x).view(b, q, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        ks = self.k_proj(x).view(b, q, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        vs = self.v_proj(x).view(b, q, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        qs, ks = apply_rotary_pos_emb(qs, ks, cos, sin)
+        keys = torch.cat([past_k, ks], dim=2)
+        values = torch.cat([past_v, vs], dim=2)
+        out = nn.functional.scaled_dot_product_attention(
+            qs, keys, values, attn_mask=mask, enable_gqa=c.num_key_value_heads != c.num_attention_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q, -1)), ks, vs
+
+
+class _MidLayer(nn.Module):
+    def __init__(self, c: DraftHeadConfig) -> None:
+        super().__init__()
+        self.self_attn = _DraftAttention(c)
+        mlp_config = LlamaConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                                 hidden_act=c.hidden_act)
+        self.mlp = LlamaMLP(mlp_config)
+        self.hidden_norm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.input_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.mask_rep = nn.Parameter(torch.zeros(2 * c.hidden_size))
+
+
+class DartDraftHead(nn.Module):
+    """The DART draft head (module docstring).  Parameter names follow the
+    reference checkpoints: ``fc``, ``midlayer.*``, ``norm``, ``lm_head``,
+    buffers ``d2t`` [V_draft] (int64 offsets) and ``t2d`` [V] (bool)."""
+
+    def __init__(self, config: DraftHeadConfig) -> None:
+        super().__init__()
+        self.config = config
+        c = config
+        self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=False)
+        self.midlayer = _MidLayer(c)
+        self.norm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+        self.t2d[: c.draft_vocab_size] = True
+        rope_config = LlamaConfig(hidden_size=c.num_attention_heads * c.head_dim, head_dim=c.head_dim,
+                                  num_attention_heads=c.num_attention_heads, rope_theta=c.rope_theta,
+                                  max_position_embeddings=c.max_position_embeddings)
+        self.rotary = LlamaRotaryEmbedding(rope_config)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Random initialisation (a random head drafts garbage but decoding stays lossless)."""
+        g = torch.Generator().manual_seed(seed) if seed is not None else None
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                bound = 1.0 / math.sqrt(module.in_features)
+                module.weight.copy_(torch.empty_like(module.weight).uniform_(-bound, bound, generator=g))
+            elif isinstance(module, LlamaRMSNorm):
+                module.weight.fill_(1.0)
+        self.midlayer.mask_rep.copy_(torch.randn(self.midlayer.mask_rep.shape, generator=g) * 0.02)
+
+    def forward(
+        self,
+        taps: torch.Tensor,  # [B, T, 3 * H_target] hidden-state taps of the new real positions
+        next_embeds: torch.Tensor,  # [B, T, H] target embeddings of x_{t+1} for those positions
+        positions: torch.Tensor,  # [B, T] RoPE positions of the new real positions
+        last_index: torch.Tensor,  # [B] index in T of each sequence's last real position
+        past_k: torch.Tensor,  # [B, Hkv, K, D] head KV cache (real positions only)
+        past_v: torch.Tensor,  # [B, Hkv, K, D]
+        past_lengths: torch.Tensor,  # [B] valid cache entries per sequence (left-aligned)
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One draft forward for a batch with ragged new positions.
+
+        Returns:
+            logits: [B, d, V_draft] for x_{t+2} .. x_{t+1+d} (t = last real position);
+            new_k, new_v: [B, Hkv, T, D] keys/values of the real positions, for the caller's cache.
+        """
+        c = self.config
+        b, t, _ = taps.shape
+        slots = c.draft_length
+        g = self.fc(taps)  # [B, T, H]
+        real_in = torch.cat([self.midlayer.input_layernorm(next_embeds), self.midlayer.hidden_norm(g)], dim=-1)
+        mask_in = self.midlayer.mask_rep.to(g.dtype).expand(b, slots, 2 * c.hidden_size)
+        x = torch.cat([real_in, mask_in], dim=1)  # [B, T + slots, 2H]
+        residual = torch.cat([g, mask_in[..., : c.hidden_size]], dim=1)  # [B, T + slots, H]
+        last_pos = positions.gather(1, last_index[:, None])  # [B, 1]
+        slot_pos = last_pos + torch.arange(1, slots + 1, device=positions.device)  # [B, slots]
+        pos = torch.cat([positions, slot_pos], dim=1)  # [B, Q]
+        cos, sin = self.rotary(x, pos)
+        mask = _head_mask(past_lengths, past_k.shape[2], last_index, t, slots, x.dtype)
+        attn, ks, vs = self.midlayer.self_attn(x, cos, sin, past_k, past_v, mask)
+        h = residual + attn
+        h = h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
+        # distributions: last real position, then the slots
+        take = torch.cat([last_index[:, None], t + torch.arange(slots, device=h.device).expand(b, slots)], dim=1)
+        h = h.gather(1, take[..., None].expand(b, slots + 1, h.shape[-1]))
+        return self.lm_head(self.norm(h)), ks[:, :, :t], vs[:, :, :t]
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Maps draft-vocabulary indices to target token ids (``i + d2t[i]``)."""
+        return draft_ids + self.d2t[draft_ids]
+
+
+def _head_mask(past_lengths, past_len, last_index, t, slots, dtype):
+    """[B, 1, T + slots, past_len + T + slots] additive mask: valid cache
+    entries, causal among the new real positions (padded ones masked), and each
+    slot sees the real positions up to the last one and the earlier slots."""
+    b = past_lengths.shape[0]
+    dev = past_lengths.device
+    q = t + slots
+    k_idx = torch.arange(past_len, device=dev)
+    cache_ok = (k_idx[None, :] < past_lengths[:, None])[:, None, :].expand(b, q, past_len)
+    qi = torch.arange(q, device=dev)
+    # effective "time" of each new query/key: real i -> i (if i <= last), slot j -> last + 1 + j
+    last = last_index[:, None]
+    real_valid = torch.arange(t, device=dev)[None, :] <= last  # [B, T]
+    eff = torch.cat([torch.arange(t, device=dev).expand(b, t), last + 1 + torch.arange(slots, device=dev)], dim=1)
+    key_valid = torch.cat([real_valid, torch.ones(b, slots, dtype=torch.bool, device=dev)], dim=1)
+    new_ok = (eff[:, None, :] <= eff[:, :, None]) & key_valid[:, None, :]
+    new_ok = new_ok | (qi[None, :, None] == qi[None, None, :])  # padded queries see themselves (no NaN rows)
+    allowed = torch.cat([cache_ok, new_ok], dim=2)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=dev)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+_WEIGHTS = "model.safetensors"
+_CONFIG = "config.json"
+
+
+def save_draft_head(head: DartDraftHead, folder: str | Path, *, dtype: torch.dtype | None = torch.bfloat16) -> None:
+    """Writes ``config.json`` + ``model.safetensors`` in the reference layout."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for name, tensor in head.state_dict().items():
+        if name.startswith("rotary."):
+            continue
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        state[name] = tensor.contiguous()
+    save_file(state, str(folder / _WEIGHTS), metadata={"format": "pt"})
+    cfg = asdict(head.config)
+    cfg["architectures"] = ["DartDraftHead"]
+    (folder / _CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def load_draft_head(folder: str | Path, target_config=None, *, device: str | torch.device = "cpu",
+                    dtype: torch.dtype = torch.float32) -> DartDraftHead:
+    """Loads a head saved in the reference layout and checks it fits the target.
+
+    Args:
+        folder: holds ``config.json`` and ``model.safetensors``.
+        target_config: the target's Hugging Face config; when given, the
+            head's sizes are checked against it (hidden size, vocabulary).
+
+    Raises:
+        HeadLoadError: missing files, unreadable weights, missing or
+            mis-shaped tensors, or sizes that do not match the target.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if not (folder / _CONFIG).is_file() or not (folder / _WEIGHTS).is_file():
+        raise HeadLoadError(f"{folder} is not a draft head: it needs {_CONFIG} and {_WEIGHTS}")
+    try:
+        config = DraftHeadConfig.from_json_dict(json.loads((folder / _CONFIG).read_text()))
+    except (json.JSONDecodeError, TypeError) as e:
+        raise HeadLoadError(f"{folder / _CONFIG} is unreadable: {e}") from None
+    if target_config is not None:
+        problems = []
+        if config.target_hidden_size != target_config.hidden_size:
+            problems.append(f"head reads hidden size {config.target_hidden_size}, target has {target_config.hidden_size}")
+        if config.vocab_size != target_config.vocab_size:
+            problems.append(f"head vocabulary {config.vocab_size}, target vocabulary {target_config.vocab_size}")
+        if problems:
+            raise HeadLoadError(f"draft head {folder} does not fit the target model: " + "; ".join(problems))
+    try:
+        state = load_file(str(folder / _WEIGHTS))
+    except (SafetensorError, OSError) as e:
+        raise HeadLoadError(f"{folder / _WEIGHTS} is unreadable: {e}") from None
+    head = DartDraftHead(config)
+    expected = {k: v for k, v in head.state_dict().items() if not k.startswith("rotary.")}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected) - {"embed_tokens.weight"})
+    wrong = [f"{k}: checkpoint {tuple(state[k].shape)}, expected {tuple(v.shape)}"
+             for k, v in expected.items() if k in state and state[k].shape != v.shape]
+    if missing or unexpected or wrong:
+        detail = "; ".join(filter(None, [
+            f"missing {', '.join(missing)}" if missing else "",
+            f"unexpected {', '.join(unexpected)}" if unexpected else "",
+            "; ".join(wrong)]))
+        raise HeadLoadError(f"draft head {folder} does not match its config: {detail}")
+    state = {k: v for k, v in state.items() if k in expected}
+    state["d2t"] = state["d2t"].long()
+    state["t2d"] = state["t2d"].bool()
+    head.load_state_dict(state, strict=False)
+    logger.info("loaded draft head from %s (d=%d, draft vocabulary %d)", folder, config.depth, config.draft_vocab_size)
+    return head.to(device=device, dtype=dtype)

@@ -1,0 +1,147 @@
+"""Target-model adapter over stock Hugging Face causal LMs (no copied modeling files).
+
+Every forward the engine needs is one call of the stock model with
+explicit ``position_ids``, a 4D additive attention mask and a
+``DynamicCache``: prefill of right-padded prompts, verification of a draft
+tree with tree attention over the cached prefix (DESIGN.md §2,
+"Verification"), and a plain one-token step, which is a tree of one node.
+The adapter returns the logits and the three hidden-state taps the DART
+head reads: the inputs of decoder layers 2, L//2 and L-3, i.e. indices
+2, L//2, L-3 of ``output_hidden_states`` (index 0 is the embedding output).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from dart_core.kv_cache import cache_mask, compact_
+from dart_core.tokenizer import load_tokenizer, resolve_model
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TargetModel", "TargetOutput", "TargetCache"]
+
+
+@dataclass(frozen=True)
+class TargetOutput:
+    logits: torch.Tensor  # [B, Q, V] float32
+    taps: torch.Tensor  # [B, Q, 3H] low|mid|high hidden states
+
+
+class TargetCache:
+    """The target's ``DynamicCache`` plus per-sequence valid lengths (layout in :mod:`dart_core.kv_cache`)."""
+
+    def __init__(self, batch: int, device) -> None:
+        self.cache = DynamicCache()
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [B]
+
+    @property
+    def padded_length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def compact(self, src: torch.Tensor, counts: torch.Tensor) -> None:
+        """Keeps entries src[b, :counts[b]] (positions in the padded cache) after each prefix."""
+        for layer in self.cache.layers:
+            layer.keys, layer.values = compact_(layer.keys, layer.values, self.lengths, src, counts)
+        self.lengths = self.lengths + counts
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keeps only the given batch rows, cropped to their longest prefix."""
+        self.lengths = self.lengths[rows]
+        t = int(self.lengths.max()) if len(rows) else 0
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[rows, :, :t], layer.values[rows, :, :t]
+
+
+class TargetModel:
+    """A Hugging Face causal LM seen as a DART target.
+
+    Args:
+        model: any ``AutoModelForCausalLM`` whose forward accepts a 4D
+            ``attention_mask``, ``position_ids`` and a ``DynamicCache``
+            (Llama, Qwen2/3, Mistral, ... with sdpa or eager attention).
+        tokenizer: optional; needed for text and chat inputs.
+    """
+
+    def __init__(self, model, tokenizer=None) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = model.config
+        layers = self.config.num_hidden_layers
+        if layers < 5:
+            raise ValueError(f"DART taps layers 2, L//2 and L-3; the target has only {layers} layers")
+        self.tap_layers = (2, layers // 2, layers - 3)
+        self.embed_tokens = model.get_input_embeddings()
+
+    @classmethod
+    def from_pretrained(cls, spec: str | None = None, *, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu", device_map=None) -> "TargetModel":
+        """Loads a local model (see :func:`dart_core.tokenizer.resolve_model`); never a hub.
+
+        Args:
+            spec: None for the embedded SmolLM2-135M-Instruct, a model folder or a .gguf file.
+            dtype: e.g. torch.float32 / torch.bfloat16 on CPU, torch.bfloat16 / torch.float16 on CUDA.
+            device: where the model goes when ``device_map`` is None.
+            device_map: passed to transformers/accelerate (e.g. "auto") for models larger than one device.
+        """
+        source = resolve_model(spec)
+        logger.info("loading target %s from %s (%s)", source.name, source.folder, dtype)
+        model = AutoModelForCausalLM.from_pretrained(
+            source.folder, dtype=dtype, device_map=device_map, attn_implementation="sdpa",
+            **source.from_pretrained_kwargs())
+        if device_map is None:
+            model = model.to(device)
+        return cls(model, load_tokenizer(spec))
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 1 << 20))
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """[B, T] token ids -> [B, T, H] input embeddings (shared with the draft head)."""
+        return self.embed_tokens(ids)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
+                cache: TargetCache) -> TargetOutput:
+        """One forward of new tokens after the cached prefix; appends their KV entries.
+
+        Args:
+            input_ids: [B, Q]; position_ids: [B, Q]; attention_mask: [B, 1, Q, T + Q] additive.
+        """
+        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                         past_key_values=cache.cache, use_cache=True, output_hidden_states=True)
+        hs = out.hidden_states
+        taps = torch.cat([hs[i] for i in self.tap_layers], dim=-1)
+        return TargetOutput(logits=out.logits.float(), taps=taps)
+
+    def prefill(self, prompts: list[list[int]], cache: TargetCache) -> TargetOutput:
+        """Right-padded prompts [B, P]: causal within each prompt, padding masked.
+
+        The cache then holds P entries per sequence, of which lengths[b] = len(prompts[b]) are valid.
+        """
+        b = len(prompts)
+        p = max(len(x) for x in prompts)
+        ids = torch.zeros(b, p, dtype=torch.long, device=self.device)
+        lengths = torch.tensor([len(x) for x in prompts], dtype=torch.long, device=self.device)
+        for i, x in enumerate(prompts):
+            ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+        idx = torch.arange(p, device=self.device)
+        causal = (idx[None, None, :] <= idx[None, :, None]) & (idx[None, None, :] < lengths[:, None, None])
+        causal = causal | torch.eye(p, dtype=torch.bool, device=self.device)[None]  # padded rows see themselves
+        mask = cache_mask(cache.lengths, cache.padded_length, causal, self.dtype)
+        out = self.forward(ids, idx[None, :].expand(b, p), mask, cache)
+        cache.lengths = lengths
+        return out
