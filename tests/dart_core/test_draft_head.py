@@ -1,0 +1,119 @@
+"""Draft head: reference checkpoint layout, shape checks against the target,
+clear errors for mismatched or corrupt heads, and the forward contract."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dart_core.draft_head import DartDraftHead, DraftHeadConfig, HeadLoadError, load_draft_head, save_draft_head
+
+from .conftest import tiny_config
+
+REFERENCE_NAMES = {
+    "fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "midlayer.hidden_norm.weight",
+    "midlayer.input_layernorm.weight", "midlayer.post_attention_layernorm.weight", "midlayer.mask_rep",
+    "norm.weight", "lm_head.weight", "d2t", "t2d",
+}
+
+
+@pytest.fixture
+def head():
+    h = DartDraftHead(DraftHeadConfig.for_target(tiny_config("llama"), draft_vocab_size=40))
+    h.reset_parameters(0)
+    h.d2t[:] = torch.arange(40) * 1  # draft i -> target 2i
+    h.t2d[:] = False
+    h.t2d[torch.arange(40) * 2] = True
+    return h.eval()
+
+
+def test_checkpoint_uses_reference_names(tmp_path, head):
+    save_draft_head(head, tmp_path, dtype=torch.float16)
+    assert set(load_file(str(tmp_path / "model.safetensors"))) == REFERENCE_NAMES
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["draft_length"] == 7 and cfg["draft_vocab_size"] == 40 and cfg["target_hidden_size"] == 64
+
+
+def test_roundtrip(tmp_path, head):
+    save_draft_head(head, tmp_path, dtype=None)
+    loaded = load_draft_head(tmp_path, tiny_config("llama"))
+    for (name, a), b in zip(head.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert loaded.draft_to_target(torch.tensor([0, 3, 39])).tolist() == [0, 6, 78]
+
+
+def test_mismatched_target_is_refused(tmp_path, head):
+    save_draft_head(head, tmp_path)
+    other = tiny_config("llama")
+    other.hidden_size = 128
+    with pytest.raises(HeadLoadError, match="hidden size 64, target has 128"):
+        load_draft_head(tmp_path, other)
+    other = tiny_config("llama")
+    other.vocab_size = 1000
+    with pytest.raises(HeadLoadError, match="vocabulary"):
+        load_draft_head(tmp_path, other)
+
+
+def test_weights_that_disagree_with_config(tmp_path, head):
+    save_draft_head(head, tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    state["fc.weight"] = state["fc.weight"][:, :10].contiguous()
+    del state["midlayer.mask_rep"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(HeadLoadError, match=r"missing midlayer.mask_rep.*fc.weight: checkpoint \(64, 10\)"):
+        load_draft_head(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["no_files", "bad_json", "bad_weights", "short_config"])
+def test_corrupt_checkpoints(tmp_path, head, damage):
+    save_draft_head(head, tmp_path)
+    if damage == "no_files":
+        (tmp_path / "model.safetensors").unlink()
+    elif damage == "bad_json":
+        (tmp_path / "config.json").write_text("{not json")
+    elif damage == "bad_weights":
+        (tmp_path / "model.safetensors").write_bytes(b"\x00" * 100)
+    else:
+        (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    with pytest.raises(HeadLoadError):
+        load_draft_head(tmp_path)
+
+
+def test_forward_shapes_and_ragged_batch(head):
+    """A sequence's drafts do not depend on what else is in the batch or on padding."""
+    torch.manual_seed(0)
+    c = head.config
+    t, b = 5, 2
+    taps = torch.randn(b, t, 3 * c.target_hidden_size)
+    emb = torch.randn(b, t, c.hidden_size)
+    pos = torch.arange(t).expand(b, t)
+    empty = torch.zeros(b, c.num_key_value_heads, 0, c.head_dim)
+    logits, k, v = head(taps, emb, pos, torch.tensor([4, 2]), empty, empty, torch.zeros(b, dtype=torch.long))
+    assert logits.shape == (b, c.depth, c.draft_vocab_size)
+    assert k.shape == (b, c.num_key_value_heads, t, c.head_dim)
+    # sequence 1 alone, with only its 3 real positions
+    e1 = torch.zeros(1, c.num_key_value_heads, 0, c.head_dim)
+    alone, _, _ = head(taps[1:, :3], emb[1:, :3], pos[1:, :3], torch.tensor([2]), e1, e1, torch.zeros(1, dtype=torch.long))
+    torch.testing.assert_close(logits[1], alone[0], rtol=1e-5, atol=1e-5)
+
+
+def test_cached_forward_equals_full_forward(head):
+    """Drafting from the head's KV cache equals one forward over all positions."""
+    from dart_core.kv_cache import HeadKVCache
+
+    torch.manual_seed(1)
+    c = head.config
+    taps = torch.randn(1, 6, 3 * c.target_hidden_size)
+    emb = torch.randn(1, 6, c.hidden_size)
+    pos = torch.arange(6)[None]
+    cache = HeadKVCache(1, c.num_key_value_heads, c.head_dim, device="cpu", dtype=torch.float32)
+    full, _, _ = head(taps, emb, pos, torch.tensor([5]), cache.keys, cache.values, cache.lengths)
+    _, k, v = head(taps[:, :4], emb[:, :4], pos[:, :4], torch.tensor([3]), cache.keys, cache.values, cache.lengths)
+    cache.append(k, v, torch.tensor([4]))
+    step, _, _ = head(taps[:, 4:], emb[:, 4:], pos[:, 4:], torch.tensor([1]), cache.keys, cache.values, cache.lengths)
+    torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-5)
