@@ -28,6 +28,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from dart_core.budget import AdaptiveBudget
 from dart_core.draft_head import DartDraftHead
 from dart_core.kv_cache import HeadKVCache, cache_mask
 from dart_core.sampling import SamplingParams, target_probs
@@ -49,6 +50,7 @@ class StepOutput:
     new_tokens: list[list[int]]  # tokens emitted this step (accepted drafts + bonus), stop-trimmed
     finish_reasons: list[str | None]  # "stop", "length" or None (still running)
     accepted_lengths: list[int]  # τ of this step per sequence (0 for the prefill step)
+    draft_nodes: list[int]  # draft nodes verified per sequence (the tree budget chosen)
     num_nodes: int  # tree nodes verified per sequence, root included (padded count)
     draft_ms: float
     tree_search_ms: float
@@ -102,15 +104,19 @@ class DartEngine:
             plain autoregressive decoding only.
         tree_search: tree-search client (default: in-process, logits-only).
         search_params: tree-search parameters; ``top_k`` drafts per level and
-            ``budget`` draft nodes per tree.
+            ``budget`` draft nodes per tree (the most an adaptive budget may use).
+        budget: None keeps ``search_params.budget`` fixed; an
+            :class:`AdaptiveBudget` picks each tree's size per step.
     """
 
     def __init__(self, target: TargetModel, head: DartDraftHead | None = None,
-                 tree_search: TreeSearchClient | None = None, search_params: SearchParams | None = None) -> None:
+                 tree_search: TreeSearchClient | None = None, search_params: SearchParams | None = None,
+                 budget: AdaptiveBudget | None = None) -> None:
         self.target = target
         self.head = head
         self.tree_search = tree_search or InProcessTreeSearch(None)
         self.search_params = search_params or SearchParams()
+        self.budget = budget
         if head is not None:
             if head.config.target_hidden_size != target.config.hidden_size:
                 raise ValueError("draft head and target hidden sizes differ")
@@ -192,7 +198,8 @@ class DartEngine:
             reasons.append(reason)
         _sync(device)
         ms = 1e3 * (time.perf_counter() - t0)
-        yield StepOutput(list(seq_ids), new_tokens, reasons, [0] * len(seq_ids), 0, 0.0, 0.0, ms, ms)
+        yield StepOutput(list(seq_ids), new_tokens, reasons, [0] * len(seq_ids), [0] * len(seq_ids), 0, 0.0, 0.0,
+                         ms, ms)
 
         while True:
             keep = [i for i, r in enumerate(reasons) if r is None]
@@ -222,6 +229,10 @@ class DartEngine:
                 trees = self.tree_search.search(topk_ids, topk_probs, [np.asarray(t, dtype=np.int64) for t in tokens],
                                                 self.search_params)
                 search_ms = 1e3 * (time.perf_counter() - t0)
+                if self.budget is not None:
+                    chosen = [self.budget.select(tr, topk_ids[i], topk_probs[i]) for i, tr in enumerate(trees)]
+                    trees = [tr for tr, _ in chosen]
+                    predicted = [pr for _, pr in chosen]
             else:
                 trees = _root_only(tokens)
             # never draft past max_new_tokens or the context window
@@ -260,6 +271,8 @@ class DartEngine:
             pend_next, new_tokens, reasons, acc_lens = [], [], [], []
             for i, (tr, acc) in enumerate(zip(trees, accepted)):
                 drafted = [int(tr.tokens[j]) for j in acc.path[1:]]
+                if speculative and self.budget is not None:
+                    self.budget.observe(predicted[i], len(drafted), draft_ms + search_ms)
                 pend_next.append(drafted + [acc.bonus])
                 emitted, reason = self._emit(tokens[i], produced, i, drafted + [acc.bonus], sampling, stop_ids)
                 new_tokens.append(emitted)
@@ -267,8 +280,8 @@ class DartEngine:
                 acc_lens.append(len(drafted) + 1)
             _sync(device)
             verify_ms = 1e3 * (time.perf_counter() - t0)
-            yield StepOutput(list(seq_ids), new_tokens, reasons, acc_lens, n, draft_ms, search_ms, verify_ms,
-                             1e3 * (time.perf_counter() - t_step))
+            yield StepOutput(list(seq_ids), new_tokens, reasons, acc_lens, [tr.num_nodes - 1 for tr in trees], n,
+                             draft_ms, search_ms, verify_ms, 1e3 * (time.perf_counter() - t_step))
 
     # -- internals ----------------------------------------------------------
 

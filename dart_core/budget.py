@@ -1,0 +1,155 @@
+"""Tree budget: how many draft nodes each step verifies.
+
+On a GPU a 60-node tree costs about as much to verify as one token; on a CPU
+it costs 3-4x more (DESIGN.md §4), so the budget that maximises tokens per
+second depends on the device.  :class:`AdaptiveBudget` picks it per step and
+per sequence:
+
+    tokens/s(B) = E[tokens | B] / (t_draft+search + t_verify(B + 1))
+    E[tokens | B] = 1 + c · Σ_{B best nodes} P(node accepted)
+
+P(node accepted) is estimated as the product of the draft probabilities on
+the node's path (the draft head's own belief); ``c`` calibrates it online as
+an exponential moving average of accepted / predicted.  Nodes are taken in
+the search's own rank order (min-score along the path, then depth), so every
+truncation is prefix-closed.  ``t_verify(n)`` is a :class:`VerifyCostCurve`
+measured once at start-up (or configured).  The curve is measured at batch 1;
+for larger batches the choice is per sequence and approximate.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dart_core.kv_cache import cache_mask
+from dart_core.target import TargetCache, TargetModel
+from ngram_service.tree_search import DraftTree
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["VerifyCostCurve", "AdaptiveBudget", "subtree", "node_acceptance_estimates"]
+
+
+@dataclass(frozen=True)
+class VerifyCostCurve:
+    """Verification latency (ms) against tree size (nodes, root included), linearly interpolated."""
+
+    nodes: tuple[int, ...]
+    ms: tuple[float, ...]
+
+    def __call__(self, num_nodes: int | np.ndarray) -> np.ndarray:
+        return np.interp(num_nodes, self.nodes, self.ms)
+
+    @classmethod
+    @torch.inference_mode()
+    def measure(cls, target: TargetModel, node_counts: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64),
+                context_len: int = 256, repeats: int = 5) -> "VerifyCostCurve":
+        """Times one verification forward per tree size after a ``context_len``-token prefix (median of repeats)."""
+        gen = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, target.config.vocab_size, (context_len,), generator=gen).tolist()
+        cache = TargetCache(1, target.device)
+        target.prefill([prompt], cache)
+        medians = []
+        for n in node_counts:
+            ids = torch.randint(0, target.config.vocab_size, (1, n), generator=gen).to(target.device)
+            chain = torch.tril(torch.ones(n, n, dtype=torch.bool, device=target.device))[None]
+            pos = cache.lengths[:, None] + torch.arange(n, device=target.device)[None]
+            times = []
+            for _ in range(repeats):
+                mask = cache_mask(cache.lengths, cache.padded_length, chain, target.dtype)
+                if target.device.type == "cuda":
+                    torch.cuda.synchronize(target.device)
+                t0 = time.perf_counter()
+                target.forward(ids, pos, mask, cache)
+                if target.device.type == "cuda":
+                    torch.cuda.synchronize(target.device)
+                times.append(1e3 * (time.perf_counter() - t0))
+                cache.compact(torch.zeros(1, 0, dtype=torch.long, device=target.device),
+                              torch.zeros(1, dtype=torch.long, device=target.device))  # drop the tree again
+            medians.append(statistics.median(times))
+        curve = cls(tuple(node_counts), tuple(round(m, 3) for m in medians))
+        logger.info("verify cost (nodes -> ms): %s", dict(zip(curve.nodes, curve.ms)))
+        return curve
+
+
+def subtree(tree: DraftTree, keep: np.ndarray) -> DraftTree:
+    """The nodes where ``keep`` [N] is True (must be prefix-closed and hold the root), re-indexed."""
+    idx = np.flatnonzero(keep)
+    new_of = np.full(tree.num_nodes, -1, dtype=np.int32)
+    new_of[idx] = np.arange(len(idx), dtype=np.int32)
+    parents = tree.parents[idx]
+    parents = np.where(parents >= 0, new_of[np.maximum(parents, 0)], -1).astype(np.int32)
+    return DraftTree(tokens=tree.tokens[idx], parents=parents, depths=tree.depths[idx], scores=tree.scores[idx],
+                     tree_mask=tree.tree_mask[np.ix_(idx, idx)], retrieve_indices=np.zeros((0, 0), np.int32))
+
+
+def node_acceptance_estimates(tree: DraftTree, topk_ids: np.ndarray, topk_probs: np.ndarray) -> np.ndarray:
+    """[N] product of draft probabilities along each node's path (root 1).
+
+    topk_ids/topk_probs: [d, k] this sequence's draft top-k (level l = depth - 1).
+    """
+    est = np.ones(tree.num_nodes)
+    lookup = [dict(zip(ids.tolist(), probs.tolist())) for ids, probs in zip(topk_ids, topk_probs)]
+    for i in range(1, tree.num_nodes):
+        level = int(tree.depths[i]) - 1
+        p = lookup[level].get(int(tree.tokens[i]), 0.0) if level < len(lookup) else 0.0
+        est[i] = est[tree.parents[i]] * p
+    return est
+
+
+def _rank_order(tree: DraftTree) -> np.ndarray:
+    """Non-root nodes in the search's rank order: eff = min score on the path desc, then depth, then index."""
+    eff = tree.scores.astype(np.float64).copy()
+    eff[0] = np.inf
+    for i in range(1, tree.num_nodes):
+        eff[i] = min(eff[i], eff[tree.parents[i]])
+    nodes = np.arange(1, tree.num_nodes)
+    return nodes[np.lexsort((nodes, tree.depths[1:], -eff[1:]))]
+
+
+class AdaptiveBudget:
+    """Chooses each tree's size to maximise expected tokens per second (module docstring).
+
+    Args:
+        curve: verification latency vs tree size.
+        ema: weight of the newest observation in the calibration factor.
+        min_budget: draft nodes always verified, so the calibration keeps learning
+            even when drafts look hopeless.
+    """
+
+    def __init__(self, curve: VerifyCostCurve, ema: float = 0.05, min_budget: int = 1) -> None:
+        self.curve = curve
+        self.ema = ema
+        self.min_budget = min_budget
+        self.calibration = 1.0
+        self.overhead_ms = 0.0  # draft + tree search per step, EMA
+
+    def select(self, tree: DraftTree, topk_ids: np.ndarray, topk_probs: np.ndarray) -> tuple[DraftTree, float]:
+        """Returns (the truncated tree, its predicted number of accepted draft nodes)."""
+        if tree.num_nodes <= 1:
+            return tree, 0.0
+        order = _rank_order(tree)
+        p = node_acceptance_estimates(tree, topk_ids, topk_probs)[order] * self.calibration
+        budgets = np.arange(len(order) + 1)  # draft nodes kept
+        expected = 1.0 + np.concatenate([[0.0], np.cumsum(np.minimum(p, 1.0))])
+        rate = expected / (self.overhead_ms + self.curve(budgets + 1))
+        lo = min(self.min_budget, len(order))
+        best = lo + int(np.argmax(rate[lo:]))
+        keep = np.zeros(tree.num_nodes, dtype=bool)
+        keep[0] = True
+        keep[order[:best]] = True
+        return subtree(tree, keep), float(expected[best] - 1.0)
+
+    def observe(self, predicted: float, accepted: int, overhead_ms: float) -> None:
+        """Feeds back one sequence-step: predicted vs accepted draft nodes, and the step's draft+search time."""
+        self.overhead_ms = overhead_ms if self.overhead_ms == 0 else (
+            (1 - self.ema) * self.overhead_ms + self.ema * overhead_ms)
+        if predicted > 1e-6:
+            ratio = float(np.clip(accepted / predicted, 0.05, 20.0))
+            self.calibration = float(np.clip((1 - self.ema) * self.calibration + self.ema * ratio, 0.05, 20.0))
