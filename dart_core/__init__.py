@@ -1,3 +1,25 @@
-"""dart-serve's model side (target adapter, DART draft head, verification,
-decoding engine), importable without Ray.  So far: the locator of the
-target model and its tokenizer, :mod:`dart_core.tokenizer`."""
+"""dart-serve's model side, importable without Ray: target adapter
+(:mod:`~dart_core.target`), DART draft head (:mod:`~dart_core.draft_head`),
+verification and sampling (:mod:`~dart_core.verify`, :mod:`~dart_core.sampling`),
+the batched decoding engine (:mod:`~dart_core.engine`), the adaptive tree
+budget (:mod:`~dart_core.budget`) and the public API (:class:`DartModel`)."""
+
+from __future__ import annotations
+
+__all__ = ["DartModel", "DartEngine", "SamplingParams"]
+
+
+def __getattr__(name: str):  # lazy: `import dart_core.tokenizer` stays light
+    if name == "DartModel":
+        from dart_core.api import DartModel
+
+        return DartModel
+    if name == "DartEngine":
+        from dart_core.engine import DartEngine
+
+        return DartEngine
+    if name == "SamplingParams":
+        from dart_core.sampling import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(name)

@@ -1,0 +1,214 @@
+"""Public Python API: target + draft head + n-gram trie in one call.
+
+For people coming from the research code::
+
+    from dart_core import DartModel
+
+    model = DartModel.from_pretrained()                 # SmolLM2 + shipped head + default trie, if found
+    out = model.generate([{"role": "user", "content": "Hi!"}], max_new_tokens=64)
+    print(out[0].text, out.tau)
+    for chunk in model.generate("def fib(n):", stream=True):
+        print(chunk.text, end="")
+
+Everything is local: a model folder or ``.gguf`` file, a head folder
+(``config.json`` + ``model.safetensors``), a trie file.  No hub access.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence, Union
+
+import torch
+
+from dart_core.budget import AdaptiveBudget, VerifyCostCurve
+from dart_core.draft_head import DartDraftHead, DraftHeadConfig, load_draft_head
+from dart_core.engine import DartEngine, GenerationResult
+from dart_core.sampling import SamplingParams
+from dart_core.target import TargetModel
+from dart_core.tokenizer import DEFAULT_MODEL, tokenizer_identity
+from dart_core.tree_client import InProcessTreeSearch, TreeSearchClient
+from ngram_service.build import default_trie_path
+from ngram_service.trie import NgramTrie
+from ngram_service.tree_search import SearchParams
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DartModel", "Completion", "GenerateOutput", "StreamChunk", "SHIPPED_HEADS"]
+
+Message = dict  # {"role": ..., "content": ...}
+Prompt = Union[str, Sequence[int], Sequence[Message]]
+
+#: Heads shipped inside the package, by target model name.
+SHIPPED_HEADS = {DEFAULT_MODEL: Path(__file__).parent / "heads" / DEFAULT_MODEL}
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" or "length"
+
+
+class GenerateOutput(list):
+    """A list of :class:`Completion` (one per input) with the run's statistics."""
+
+    def __init__(self, completions: list[Completion], result: GenerationResult) -> None:
+        super().__init__(completions)
+        self.result = result
+
+    @property
+    def tau(self) -> float:
+        return self.result.tau
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    index: int  # which input
+    token_ids: list[int]  # new tokens
+    text: str  # new text (decoded incrementally)
+    finish_reason: str | None
+
+
+class DartModel:
+    """A DART engine with its tokenizer (see :meth:`from_pretrained`)."""
+
+    def __init__(self, engine: DartEngine, tokenizer) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str | None = None,
+        head: str | Path | None = None,
+        trie: str | Path | None = "auto",
+        *,
+        dtype: torch.dtype | None = None,
+        device: str | None = None,
+        device_map=None,
+        search_params: SearchParams | None = None,
+        budget: int | str = "auto",
+        tree_search: TreeSearchClient | None = None,
+    ) -> "DartModel":
+        """Loads everything from local files.
+
+        Args:
+            model: None for the embedded SmolLM2-135M-Instruct, a model folder or a .gguf file.
+            head: a draft-head folder; None for the head shipped for this model
+                (decoding is autoregressive, with a warning, when there is none);
+                ``"random"`` for a randomly initialised head (lossless, τ ≈ 1).
+            trie: an n-gram trie file; ``"auto"`` uses the default trie in the cache
+                when it has been built (``python -m ngram_service.build``); None
+                for the logits-only tree search.
+            dtype: default bfloat16 on CUDA, float32 on CPU.
+            device: default CUDA when available; ignored with ``device_map``.
+            device_map: forwarded to transformers/accelerate for targets larger than one device.
+            budget: ``"auto"`` measures verification cost at start-up and adapts the
+                tree size per step; an int fixes the number of draft nodes per tree.
+            tree_search: a tree-search client to use instead of the in-process one.
+
+        Raises:
+            FileNotFoundError: a path does not exist.
+            HeadLoadError: the head does not fit the target.
+            TokenizerMismatchError: the trie was built with another tokenizer.
+        """
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
+        target = TargetModel.from_pretrained(model, dtype=dtype, device=device, device_map=device_map)
+        name = getattr(target.tokenizer, "dart_model_name", DEFAULT_MODEL)
+        draft = cls._load_head(head, name, target)
+        params = search_params or SearchParams()
+        if isinstance(budget, int):
+            params.budget = budget
+        if tree_search is None:
+            tree_search = InProcessTreeSearch(cls._load_trie(trie, name, target.tokenizer))
+        policy = None
+        if budget == "auto" and draft is not None:
+            policy = AdaptiveBudget(VerifyCostCurve.measure(target, node_counts=(1, 2, 4, 8, 16, 32, 48,
+                                                                                 params.budget + 1)))
+        return cls(DartEngine(target, draft, tree_search, params, budget=policy), target.tokenizer)
+
+    @staticmethod
+    def _load_head(head, name: str, target: TargetModel) -> DartDraftHead | None:
+        if head == "random":
+            h = DartDraftHead(DraftHeadConfig.for_target(target.config))
+            h.reset_parameters(0)
+            return h.to(device=target.device, dtype=target.dtype).eval()
+        if head is None:
+            shipped = SHIPPED_HEADS.get(name)
+            if shipped is None or not (shipped / "config.json").is_file():
+                logger.warning("no draft head for %s: decoding autoregressively (pass head=...)", name)
+                return None
+            head = shipped
+        return load_draft_head(head, target.config, device=target.device, dtype=target.dtype).eval()
+
+    @staticmethod
+    def _load_trie(trie, name: str, tokenizer) -> NgramTrie | None:
+        if trie is None:
+            return None
+        if trie == "auto":
+            path = default_trie_path(name, "default", 3)
+            if not path.is_file():
+                logger.info("no default trie at %s: logits-only tree search (build it with "
+                            "`python -m ngram_service.build`)", path)
+                return None
+            trie = path
+        loaded = NgramTrie(Path(trie).expanduser())
+        loaded.check_tokenizer(tokenizer_identity(tokenizer)[1])
+        return loaded
+
+    # -- generation -----------------------------------------------------------
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt: ids as they are, text as is, chat messages through the chat template."""
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        items = list(prompt)
+        if items and isinstance(items[0], dict):
+            return list(self.tokenizer.apply_chat_template(items, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=True)["input_ids"])
+        return [int(t) for t in items]
+
+    def _batch(self, inputs) -> list[list[int]]:
+        single = isinstance(inputs, str) or (len(inputs) > 0 and isinstance(inputs[0], (int, dict)))
+        return [self.encode(inputs)] if single else [self.encode(p) for p in inputs]
+
+    def _sampling(self, max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids) -> SamplingParams:
+        if stop_token_ids is None:
+            eos = self.tokenizer.eos_token_id
+            stop_token_ids = () if eos is None else (eos,)
+        return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                              max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_token_ids))
+
+    def generate(self, inputs: Prompt | Sequence[Prompt], *, max_new_tokens: int = 256, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                 stop_token_ids: Sequence[int] | None = None, stream: bool = False, speculative: bool = True):
+        """Generates for one prompt or a batch (text, token ids, or chat messages).
+
+        Returns:
+            a :class:`GenerateOutput` (list of :class:`Completion`), or with
+            ``stream=True`` an iterator of :class:`StreamChunk`.
+        """
+        prompts = self._batch(inputs)
+        sampling = self._sampling(max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids)
+        if stream:
+            return self._stream(prompts, sampling, speculative)
+        result = self.engine.generate(prompts, sampling, speculative=speculative)
+        return GenerateOutput([Completion(ids, self.tokenizer.decode(ids, skip_special_tokens=True), reason)
+                               for ids, reason in zip(result.token_ids, result.finish_reasons)], result)
+
+    def _stream(self, prompts, sampling, speculative) -> Iterator[StreamChunk]:
+        generated: list[list[int]] = [[] for _ in prompts]
+        texts = [""] * len(prompts)
+        for step in self.engine.generate_stream(prompts, sampling, speculative=speculative):
+            for sid, toks, reason in zip(step.seq_ids, step.new_tokens, step.finish_reasons):
+                generated[sid].extend(toks)
+                text = self.tokenizer.decode(generated[sid], skip_special_tokens=True)
+                if text.endswith("\ufffd") and reason is None:  # an incomplete UTF-8 sequence: wait for more
+                    delta = ""
+                else:
+                    delta, texts[sid] = text[len(texts[sid]):], text
+                yield StreamChunk(sid, list(toks), delta, reason)

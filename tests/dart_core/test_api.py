@@ -1,0 +1,66 @@
+"""DartModel: one-call loading from local folders and generate() on ids, text
+and chat messages, streaming or not."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from dart_core import DartModel
+from dart_core.draft_head import DartDraftHead, DraftHeadConfig, save_draft_head
+from ngram_service.build import build_trie_from_texts
+from ngram_service.trie import TokenizerMismatchError
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory, default_tokenizer):
+    """A tiny random Llama saved with the SmolLM2 tokenizer, as a user's local model folder."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=len(default_tokenizer), max_position_embeddings=512,
+                      eos_token_id=default_tokenizer.eos_token_id)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    default_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_generate_inputs_and_streaming(tiny_folder):
+    model = DartModel.from_pretrained(str(tiny_folder), head="random", trie=None, budget=6, device="cpu")
+    chat = [{"role": "user", "content": "Hello there"}]
+    out = model.generate(chat, max_new_tokens=12, stop_token_ids=[])
+    assert len(out) == 1 and len(out[0].token_ids) == 12 and out[0].finish_reason == "length"
+    assert out[0].text == model.tokenizer.decode(out[0].token_ids, skip_special_tokens=True)
+    ar = model.generate(chat, max_new_tokens=12, stop_token_ids=[], speculative=False)
+    assert ar[0].token_ids == out[0].token_ids
+    batch = model.generate(["def f(x):", [1, 2, 3], chat], max_new_tokens=5, stop_token_ids=[])
+    assert [len(c.token_ids) for c in batch] == [5, 5, 5] and batch[2].token_ids == out[0].token_ids[:5]
+    chunks = list(model.generate(chat, max_new_tokens=12, stop_token_ids=[], stream=True))
+    assert [t for c in chunks for t in c.token_ids] == out[0].token_ids
+    assert "".join(c.text for c in chunks) == out[0].text
+    assert chunks[-1].finish_reason == "length"
+
+
+def test_head_and_trie_from_paths(tiny_folder, tmp_path, default_tokenizer, caplog):
+    target_cfg = LlamaConfig.from_pretrained(tiny_folder)
+    head = DartDraftHead(DraftHeadConfig.for_target(target_cfg, draft_vocab_size=1000))
+    save_draft_head(head, tmp_path / "head")
+    build_trie_from_texts(["def f(x):\n    return x\n"] * 5, tmp_path / "t.trie", default_tokenizer, progress=False)
+    model = DartModel.from_pretrained(str(tiny_folder), head=tmp_path / "head", trie=tmp_path / "t.trie",
+                                      budget="auto", device="cpu")
+    assert model.engine.head.config.draft_vocab_size == 1000 and model.engine.budget is not None
+    assert len(model.generate("def f(x):", max_new_tokens=8)[0].token_ids) <= 8
+    with caplog.at_level(logging.WARNING):
+        plain = DartModel.from_pretrained(str(tiny_folder), trie=None, device="cpu")
+    assert plain.engine.head is None and "decoding autoregressively" in caplog.text
+
+
+def test_trie_from_another_tokenizer_is_refused(tiny_folder, tmp_path):
+    from ngram_service.build import build_trie
+
+    build_trie([[1, 2, 3]], tmp_path / "other.trie", vocab_size=10, tokenizer_name="other", vocab_hash="f" * 64)
+    with pytest.raises(TokenizerMismatchError):
+        DartModel.from_pretrained(str(tiny_folder), head="random", trie=tmp_path / "other.trie", device="cpu")
