@@ -17,6 +17,7 @@ Everything is local: a model folder or ``.gguf`` file, a head folder
 from __future__ import annotations
 
 import logging
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence, Union
@@ -127,8 +128,8 @@ class DartModel:
             tree_search = InProcessTreeSearch(cls._load_trie(trie, name, target.tokenizer))
         policy = None
         if budget == "auto" and draft is not None:
-            policy = AdaptiveBudget(VerifyCostCurve.measure(target, node_counts=(1, 2, 4, 8, 16, 32, 48,
-                                                                                 params.budget + 1)))
+            sizes = tuple(sorted({1, 2, 4, 8, 16, 32, 48, params.budget + 1}))
+            policy = AdaptiveBudget(VerifyCostCurve.measure(target, node_counts=sizes))
         return cls(DartEngine(target, draft, tree_search, params, budget=policy), target.tokenizer)
 
     @staticmethod
@@ -173,7 +174,7 @@ class DartModel:
         return [int(t) for t in items]
 
     def _batch(self, inputs) -> list[list[int]]:
-        single = isinstance(inputs, str) or (len(inputs) > 0 and isinstance(inputs[0], (int, dict)))
+        single = isinstance(inputs, str) or (len(inputs) > 0 and isinstance(inputs[0], (numbers.Integral, dict)))
         return [self.encode(inputs)] if single else [self.encode(p) for p in inputs]
 
     def _sampling(self, max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids) -> SamplingParams:

@@ -322,6 +322,9 @@ def load_draft_head(folder: str | Path, target_config=None, *, device: str | tor
             "; ".join(wrong)]))
         raise HeadLoadError(f"draft head {folder} does not match its config: {detail}")
     state = {k: v for k, v in state.items() if k in expected}
+    mapped = torch.arange(config.draft_vocab_size) + state["d2t"].long()
+    if len(mapped) and (int(mapped.min()) < 0 or int(mapped.max()) >= config.vocab_size):
+        raise HeadLoadError(f"draft head {folder}: d2t maps draft tokens outside the target vocabulary")
     state["d2t"] = state["d2t"].long()
     state["t2d"] = state["t2d"].bool()
     head.load_state_dict(state, strict=False)

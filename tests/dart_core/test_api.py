@@ -64,3 +64,27 @@ def test_trie_from_another_tokenizer_is_refused(tiny_folder, tmp_path):
     build_trie([[1, 2, 3]], tmp_path / "other.trie", vocab_size=10, tokenizer_name="other", vocab_hash="f" * 64)
     with pytest.raises(TokenizerMismatchError):
         DartModel.from_pretrained(str(tiny_folder), head="random", trie=tmp_path / "other.trie", device="cpu")
+
+
+def test_device_map_through_accelerate(tiny_folder):
+    model = DartModel.from_pretrained(str(tiny_folder), head="random", trie=None, budget=4, device_map="cpu")
+    assert model.engine.target.device.type == "cpu"
+    assert len(model.generate([1, 2, 3], max_new_tokens=4, stop_token_ids=[])[0].token_ids) == 4
+
+
+def test_bfloat16_on_cpu_runs(tiny_folder):
+    model = DartModel.from_pretrained(str(tiny_folder), head="random", trie=None, budget=4, dtype=torch.bfloat16,
+                                      device="cpu")
+    out = model.generate([1, 2, 3], max_new_tokens=6, stop_token_ids=[])
+    assert len(out[0].token_ids) == 6 and model.engine.head.fc.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_greedy_equals_autoregressive(tiny_folder):
+    model = DartModel.from_pretrained(str(tiny_folder), head="random", trie=None, budget=8, dtype=torch.float32,
+                                      device="cuda")
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    dart = model.generate(prompts, max_new_tokens=24, stop_token_ids=[])
+    ar = model.generate(prompts, max_new_tokens=24, stop_token_ids=[], speculative=False)
+    assert [c.token_ids for c in dart] == [c.token_ids for c in ar]

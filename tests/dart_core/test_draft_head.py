@@ -117,3 +117,10 @@ def test_cached_forward_equals_full_forward(head):
     cache.append(k, v, torch.tensor([4]))
     step, _, _ = head(taps[:, 4:], emb[:, 4:], pos[:, 4:], torch.tensor([1]), cache.keys, cache.values, cache.lengths)
     torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-5)
+
+
+def test_d2t_outside_the_vocabulary_is_refused(tmp_path, head):
+    head.d2t[-1] = 10_000
+    save_draft_head(head, tmp_path)
+    with pytest.raises(HeadLoadError, match="outside the target vocabulary"):
+        load_draft_head(tmp_path)
