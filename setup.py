@@ -1,7 +1,32 @@
 """Builds the C++ extension ngram_service._native at install time (pybind11)."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
+from setuptools.command.build_py import build_py
+
+ROOT = Path(__file__).parent
+PROTO_PACKAGE = "ngram_service/_proto"  # generated stubs land here (not committed)
+
+
+def generate_grpc_stubs() -> None:
+    """protos/*.proto -> ngram_service/_proto/*_pb2(_grpc).py with package-qualified imports."""
+    out = ROOT / PROTO_PACKAGE
+    out.mkdir(exist_ok=True)
+    (out / "__init__.py").write_text('"""gRPC stubs generated from protos/ at build time."""\n')
+    protos = sorted(str(p.relative_to(ROOT / "protos")) for p in (ROOT / "protos").glob("*.proto"))
+    cmd = [sys.executable, "-m", "grpc_tools.protoc", f"--proto_path={PROTO_PACKAGE}=protos",
+           "--python_out=.", "--grpc_python_out=.", "--pyi_out=.", *[f"{PROTO_PACKAGE}/{p}" for p in protos]]
+    subprocess.run(cmd, cwd=ROOT, check=True)
+
+
+class BuildPyWithStubs(build_py):
+    def run(self):
+        generate_grpc_stubs()
+        super().run()
 
 native = Pybind11Extension(
     "ngram_service._native",
@@ -18,4 +43,4 @@ native = Pybind11Extension(
     extra_link_args=["-pthread"],
 )
 
-setup(ext_modules=[native], cmdclass={"build_ext": build_ext})
+setup(ext_modules=[native], cmdclass={"build_ext": build_ext, "build_py": BuildPyWithStubs})

@@ -63,6 +63,35 @@ class DraftTree:
         return int(self.tokens.shape[0])
 
     @classmethod
+    def from_parents(cls, tokens, parents, depths, scores) -> "DraftTree":
+        """Rebuilds tree_mask and retrieve_indices from a depth-ordered tree
+        (as the gRPC service sends it); equal to what the C++ search returns."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        parents = np.asarray(parents, dtype=np.int32)
+        depths = np.asarray(depths, dtype=np.int32)
+        n = len(tokens)
+        if not (len(parents) == len(depths) == n >= 1) or parents[0] != -1:
+            raise ValueError("a draft tree needs equal-length arrays and a root with parent -1")
+        if n > 1 and (np.any(parents[1:] < 0) or np.any(parents[1:] >= np.arange(1, n))
+                      or np.any(depths[1:] != depths[parents[1:]] + 1)):
+            raise ValueError("draft tree nodes must follow their parents, one level deeper")
+        mask = np.zeros((n, n), dtype=bool)
+        mask[0, 0] = True
+        for i in range(1, n):
+            mask[i] = mask[parents[i]]
+            mask[i, i] = True
+        leaves = np.setdiff1d(np.arange(n), parents[1:])
+        width = int(depths.max()) + 1
+        retrieve = np.full((len(leaves), width), -1, dtype=np.int32)
+        for row, leaf in enumerate(leaves):
+            v = int(leaf)
+            while v >= 0:
+                retrieve[row, depths[v]] = v
+                v = int(parents[v])
+        return cls(tokens=tokens, parents=parents, depths=depths, scores=np.asarray(scores, dtype=np.float64),
+                   tree_mask=mask, retrieve_indices=retrieve)
+
+    @classmethod
     def _from_native(cls, d: dict) -> "DraftTree":
         return cls(
             tokens=d["tokens"],

@@ -1,0 +1,125 @@
+"""Hosting the tree-search service in Ray (DESIGN.md §1).
+
+:func:`start_ngram_service` starts a named, detached, restartable actor that
+requests the custom resource ``ngram_host`` (declared only by the
+large-memory node(s), e.g. ``ray start --resources='{"ngram_host": 1}'``
+or the KubeRay worker group's ``rayStartParams``), so it lands where the
+trie's RAM is.  On a host with several NUMA nodes the actor pins itself to
+one node's CPUs (``os.sched_setaffinity``; the node is configurable, by
+default the one with the most CPUs available to the process) and logs the
+choice; the search threads default to that node's CPU count.  It serves on
+a fixed port so a restarted actor keeps its address; engines find it with
+:func:`resolve_address` (also the resolver of the gRPC client).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import ray
+
+from ngram_service.server import NgramServer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["NGRAM_RESOURCE", "ACTOR_NAME", "NAMESPACE", "NgramServiceActor", "start_ngram_service",
+           "resolve_address", "numa_nodes", "bind_to_numa_node"]
+
+NGRAM_RESOURCE = "ngram_host"
+ACTOR_NAME = "dart-ngram-service"
+NAMESPACE = "dart-serve"
+DEFAULT_PORT = 50051
+
+
+def _parse_cpulist(text: str) -> list[int]:
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def numa_nodes(sysfs: str | Path = "/sys/devices/system/node") -> dict[int, list[int]]:
+    """NUMA node id -> its CPU ids, from sysfs ({} where sysfs does not say)."""
+    nodes: dict[int, list[int]] = {}
+    for d in sorted(Path(sysfs).glob("node[0-9]*")):
+        try:
+            nodes[int(d.name[4:])] = _parse_cpulist((d / "cpulist").read_text())
+        except (OSError, ValueError):
+            continue
+    return nodes
+
+
+def bind_to_numa_node(node: int | None = None, sysfs: str | Path = "/sys/devices/system/node") -> list[int]:
+    """Pins this process to one NUMA node's CPUs when the host has several.
+
+    Args:
+        node: the node to use; None picks the one with the most CPUs this process may run on.
+
+    Returns:
+        The CPUs the process may use afterwards.
+
+    Raises:
+        ValueError: ``node`` does not exist or has none of the allowed CPUs.
+    """
+    allowed = set(os.sched_getaffinity(0))
+    nodes = {n: [c for c in cpus if c in allowed] for n, cpus in numa_nodes(sysfs).items()}
+    nodes = {n: cpus for n, cpus in nodes.items() if cpus}
+    if node is None and len(nodes) <= 1:
+        logger.info("one NUMA node (or none reported): no CPU pinning; %d CPUs", len(allowed))
+        return sorted(allowed)
+    if node is None:
+        node = max(nodes, key=lambda n: (len(nodes[n]), -n))
+    if node not in nodes:
+        raise ValueError(f"NUMA node {node} has none of this process's CPUs (nodes: {sorted(nodes)})")
+    os.sched_setaffinity(0, nodes[node])
+    logger.info("pinned the n-gram service to NUMA node %d: CPUs %s", node, nodes[node])
+    return nodes[node]
+
+
+@ray.remote(max_restarts=-1, max_task_retries=-1)
+class NgramServiceActor:
+    """Runs an :class:`NgramServer` inside a Ray actor on the n-gram host."""
+
+    def __init__(self, trie_path: str | None, port: int = DEFAULT_PORT, threads: int | None = None,
+                 numa_node: int | None = None, auth_token: str | None = None) -> None:
+        logging.basicConfig(level=logging.INFO)
+        cpus = bind_to_numa_node(numa_node)
+        self.node_ip = ray.util.get_node_ip_address()
+        self.server = NgramServer(trie_path, host="0.0.0.0", port=port, threads=threads or len(cpus),
+                                  auth_token=auth_token).start()
+        self.cpus = cpus
+
+    def address(self) -> str:
+        return f"{self.node_ip}:{self.server.port}"
+
+    def describe(self) -> dict:
+        trie = self.server.trie
+        return {"address": self.address(), "cpus": self.cpus, "threads": self.server.threads,
+                "trie": None if trie is None else trie.info.path, "pid": os.getpid()}
+
+
+def start_ngram_service(trie_path: str | None, *, port: int = DEFAULT_PORT, num_cpus: float = 1,
+                        threads: int | None = None, numa_node: int | None = None, auth_token: str | None = None,
+                        resource: str | None = NGRAM_RESOURCE, name: str = ACTOR_NAME,
+                        namespace: str = NAMESPACE, detached: bool = True):
+    """Starts (or finds) the named service actor; returns its handle.
+
+    The actor asks for one unit of ``resource`` so only the n-gram host(s)
+    can hold it; pass ``resource=None`` on a single machine.
+    """
+    options = dict(name=name, namespace=namespace, get_if_exists=True, num_cpus=num_cpus, max_restarts=-1,
+                   lifetime="detached" if detached else None)
+    if resource:
+        options["resources"] = {resource: 1}
+    return NgramServiceActor.options(**options).remote(trie_path, port, threads, numa_node, auth_token)
+
+
+def resolve_address(name: str = ACTOR_NAME, namespace: str = NAMESPACE, timeout_s: float = 5.0) -> str:
+    """The service's current ``host:port``, asked of the named actor."""
+    actor = ray.get_actor(name, namespace=namespace)
+    return ray.get(actor.address.remote(), timeout=timeout_s)

@@ -1,0 +1,319 @@
+"""The n-gram tree-search service: a grpc.aio server around the C++ engine.
+
+``python -m ngram_service.server --trie PATH --port 50051`` (or hosted by the
+Ray actor of :mod:`ngram_service.ray_actor`).  The trie is memory-mapped
+once; searches run on a thread pool (the C++ search releases the GIL),
+sized to the cores given.  Standard gRPC health checking
+(``grpc.health.v1``) and server reflection are on.  Every request is
+validated before any work: token ids outside the vocabulary, array lengths
+that disagree with the declared shape, k / beam / depth / budget beyond the
+configured limits, or a tokenizer (vocabulary hash) other than the trie's
+answer ``INVALID_ARGUMENT`` with a message saying what is wrong, and the
+server keeps serving.  A request whose deadline has passed is dropped
+before the search.  An optional shared secret (``authorization: Bearer
+<token>`` metadata) protects clusters without network policies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ngram_service._proto import ngram_pb2, ngram_pb2_grpc
+from ngram_service.tree_search import SearchParams, search_trees
+from ngram_service.trie import NgramTrie
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ServerLimits", "NgramServer", "SERVICE_NAME", "AUTH_TOKEN_ENV"]
+
+SERVICE_NAME = ngram_pb2.DESCRIPTOR.services_by_name["NgramTreeSearch"].full_name
+AUTH_TOKEN_ENV = "DART_NGRAM_AUTH_TOKEN"
+_OVERRIDE_FIELDS = ("top_k", "beam_width", "max_depth", "budget", "level_weight_exponent", "logit_weight_base",
+                    "ngram_weight", "eos_token_id", "ngram_at_level0", "use_ngram")
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one request may ask for."""
+
+    max_batch: int = 512
+    max_k: int = 64
+    max_beam_width: int = 64
+    max_depth: int = 16
+    max_budget: int = 256
+    max_context_tokens: int = 1 << 22  # summed over a request
+    max_message_bytes: int = 64 << 20
+
+
+class _InvalidArgument(Exception):
+    pass
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise _InvalidArgument(message)
+
+
+class _Servicer(ngram_pb2_grpc.NgramTreeSearchServicer):
+    def __init__(self, trie: NgramTrie | None, params: SearchParams, limits: ServerLimits,
+                 executor: ThreadPoolExecutor, auth_token: str | None) -> None:
+        self.trie = trie
+        self.params = params
+        self.limits = limits
+        self.executor = executor
+        self.auth_token = auth_token
+        self.vocab_size = trie.vocab_size if trie is not None else None
+
+    # -- checks ---------------------------------------------------------------
+
+    async def _guard(self, context) -> None:
+        if self.auth_token is not None:
+            got = dict(context.invocation_metadata() or ()).get("authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {self.auth_token}".encode()):
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the search started")
+
+    def _check_vocab_hash(self, vocab_hash: str) -> None:
+        if self.trie is not None and vocab_hash:
+            _require(vocab_hash == self.trie.info.vocab_hash,
+                     f"tokenizer mismatch: the request's vocabulary hash {vocab_hash[:12]}… is not the trie's "
+                     f"{self.trie.info.vocab_hash[:12]}… ({self.trie.info.tokenizer_name})")
+
+    def _check_ids(self, ids: np.ndarray, what: str) -> None:
+        if len(ids) == 0:
+            return
+        lo, hi = int(ids.min()), int(ids.max())
+        _require(lo >= 0, f"{what} has a negative token id ({lo})")
+        if self.vocab_size is not None:
+            _require(hi < self.vocab_size, f"{what} has token id {hi} outside the vocabulary of {self.vocab_size}")
+
+    def _contexts(self, contexts, lengths, batch: int) -> tuple[np.ndarray, np.ndarray]:
+        lengths = np.asarray(lengths, dtype=np.int64)
+        _require(len(lengths) == batch, f"context_lengths has {len(lengths)} entries for batch {batch}")
+        _require(bool(np.all(lengths >= 1)), "every context needs at least its root token")
+        flat = np.asarray(contexts, dtype=np.int64)
+        _require(int(lengths.sum()) == len(flat), f"context_lengths sum to {int(lengths.sum())} but contexts has "
+                                                  f"{len(flat)} tokens")
+        _require(len(flat) <= self.limits.max_context_tokens,
+                 f"{len(flat)} context tokens exceed the limit of {self.limits.max_context_tokens}")
+        self._check_ids(flat, "contexts")
+        offsets = np.zeros(batch + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return flat, offsets
+
+    def _params(self, overrides) -> SearchParams:
+        p = self.params
+        params = SearchParams(**{f: getattr(p, f) for f in (*_OVERRIDE_FIELDS, "epsilon", "num_threads")})
+        for f in _OVERRIDE_FIELDS:
+            if overrides.HasField(f):
+                setattr(params, f, getattr(overrides, f))
+        lim = self.limits
+        _require(params.top_k <= lim.max_k, f"top_k {params.top_k} exceeds the limit of {lim.max_k}")
+        _require(params.beam_width <= lim.max_beam_width,
+                 f"beam_width {params.beam_width} exceeds the limit of {lim.max_beam_width}")
+        _require(params.max_depth <= lim.max_depth, f"max_depth {params.max_depth} exceeds the limit of {lim.max_depth}")
+        _require(params.budget <= lim.max_budget, f"budget {params.budget} exceeds the limit of {lim.max_budget}")
+        try:
+            params.validate()
+        except ValueError as e:
+            raise _InvalidArgument(str(e)) from None
+        return params
+
+    # -- RPCs -----------------------------------------------------------------
+
+    async def TreeSearch(self, request, context):
+        await self._guard(context)
+        lim = self.limits
+        try:
+            b, d, k = request.batch, request.depth, request.k
+            _require(1 <= b <= lim.max_batch, f"batch must be in 1..{lim.max_batch}, got {b}")
+            _require(1 <= d <= lim.max_depth, f"depth must be in 1..{lim.max_depth}, got {d}")
+            _require(1 <= k <= lim.max_k, f"k must be in 1..{lim.max_k}, got {k}")
+            n = b * d * k
+            _require(len(request.topk_ids) == n, f"topk_ids has {len(request.topk_ids)} values, [batch, depth, k] "
+                                                 f"= [{b}, {d}, {k}] needs {n}")
+            _require(len(request.topk_probs) == n, f"topk_probs has {len(request.topk_probs)} values, needs {n}")
+            self._check_vocab_hash(request.vocab_hash)
+            ids = np.asarray(request.topk_ids, dtype=np.int64)
+            self._check_ids(ids, "topk_ids")
+            probs = np.asarray(request.topk_probs, dtype=np.float32)
+            _require(bool(np.all((probs >= 0) & (probs <= 1))), "topk_probs must lie in [0, 1]")
+            flat, offsets = self._contexts(request.contexts, request.context_lengths, b)
+            params = self._params(request.params)
+        except _InvalidArgument as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        contexts = [flat[offsets[i]:offsets[i + 1]] for i in range(b)]
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        trees = await loop.run_in_executor(self.executor, lambda: search_trees(
+            ids.reshape(b, d, k), probs.reshape(b, d, k), contexts, trie=self.trie, params=params))
+        search_ms = 1e3 * (time.perf_counter() - t0)
+        return ngram_pb2.TreeSearchResponse(
+            trees=[ngram_pb2.DraftTree(tokens=t.tokens.tolist(), parents=t.parents.tolist(),
+                                       depths=t.depths.tolist(), scores=t.scores.tolist()) for t in trees],
+            search_ms=search_ms)
+
+    async def Lookup(self, request, context):
+        await self._guard(context)
+        try:
+            _require(self.trie is not None, "this service runs without a trie (logits-only)")
+            b = len(request.context_lengths)
+            _require(1 <= b <= self.limits.max_batch, f"batch must be in 1..{self.limits.max_batch}, got {b}")
+            m = request.num_tokens
+            _require(m >= 1 and len(request.tokens) == b * m,
+                     f"tokens has {len(request.tokens)} values, [batch, num_tokens] = [{b}, {m}] needs {b * m}")
+            self._check_vocab_hash(request.vocab_hash)
+            tokens = np.asarray(request.tokens, dtype=np.int64)
+            self._check_ids(tokens, "tokens")
+            flat, offsets = self._contexts(request.contexts, request.context_lengths, b)
+        except _InvalidArgument as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        contexts = [flat[offsets[i]:offsets[i + 1]] for i in range(b)]
+        loop = asyncio.get_running_loop()
+        probs = await loop.run_in_executor(
+            self.executor, lambda: self.trie.probability_batch(contexts, tokens.reshape(b, m)))
+        return ngram_pb2.LookupResponse(probabilities=probs.ravel().tolist())
+
+    async def Info(self, request, context):
+        await self._guard(context)
+        lim = self.limits
+        if self.trie is None:
+            return ngram_pb2.InfoResponse(max_batch=lim.max_batch, max_k=lim.max_k, max_depth=lim.max_depth,
+                                          max_budget=lim.max_budget)
+        i = self.trie.info
+        import json
+
+        return ngram_pb2.InfoResponse(
+            order=i.order, vocab_size=i.vocab_size, num_nodes=i.num_nodes, nodes_per_level=list(i.nodes_per_level),
+            total_tokens=i.total_tokens, tokenizer_name=i.tokenizer_name, vocab_hash=i.vocab_hash,
+            metadata_json=json.dumps(i.metadata, sort_keys=True), max_batch=lim.max_batch, max_k=lim.max_k,
+            max_depth=lim.max_depth, max_budget=lim.max_budget)
+
+
+class NgramServer:
+    """A running tree-search server (grpc.aio on its own event-loop thread).
+
+    Args:
+        trie_path: trie to memory-map; None serves the logits-only search.
+        host, port: bind address; port 0 picks a free port (see :attr:`port`).
+        threads: search threads (default: the CPUs this process may use).
+        params: default search parameters (reference defaults).
+        auth_token: shared secret required as ``authorization: Bearer <token>``.
+    """
+
+    def __init__(self, trie_path: str | None, *, host: str = "127.0.0.1", port: int = 0, threads: int | None = None,
+                 params: SearchParams | None = None, limits: ServerLimits | None = None,
+                 auth_token: str | None = None) -> None:
+        self.trie = NgramTrie(trie_path) if trie_path else None
+        self.host = host
+        self.requested_port = port
+        self.threads = threads or len(os.sched_getaffinity(0))
+        self.params = params or SearchParams()
+        self.limits = limits or ServerLimits()
+        self.auth_token = auth_token
+        self.port: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: grpc.aio.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="tree-search")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def _start(self) -> None:
+        opts = [("grpc.max_receive_message_length", self.limits.max_message_bytes),
+                ("grpc.max_send_message_length", self.limits.max_message_bytes),
+                ("grpc.so_reuseport", 0)]
+        server = grpc.aio.server(options=opts)
+        ngram_pb2_grpc.add_NgramTreeSearchServicer_to_server(
+            _Servicer(self.trie, self.params, self.limits, self._executor, self.auth_token), server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        port = server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        if port == 0:
+            raise OSError(f"cannot bind {self.host}:{self.requested_port}")
+        await server.start()
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        self._server, self.port = server, port
+
+    def start(self) -> "NgramServer":
+        """Starts serving on a background thread; returns once the port is bound."""
+        ready = threading.Event()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            self._loop = asyncio.new_event_loop()
+            try:
+                self._loop.run_until_complete(self._start())
+            except BaseException as e:  # noqa: BLE001 - reported to the caller
+                errors.append(e)
+                ready.set()
+                return
+            ready.set()
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=run, name="ngram-grpc", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if errors:
+            raise errors[0]
+        logger.info("n-gram tree-search service on %s (%s, %d search threads)", self.address,
+                    self.trie or "logits-only", self.threads)
+        return self
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        """Stops serving (in-flight calls get ``grace_s`` seconds) and ends the loop thread."""
+        if self._server is not None and self._loop is not None:
+            async def shutdown() -> None:
+                await self._server.stop(grace_s)
+                self._loop.stop()
+
+            self._loop.call_soon_threadsafe(lambda: self._loop.create_task(shutdown()))
+            self._thread.join(timeout=grace_s + 5)
+            self._server = None
+        self._executor.shutdown(wait=False)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ngram_service.server", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trie", help="trie file; without it the service does logits-only searches")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=50051)
+    ap.add_argument("--threads", type=int, default=None, help="search threads [CPUs available]")
+    ap.add_argument("--auth-token-env", default=AUTH_TOKEN_ENV,
+                    help="environment variable holding the shared secret (unset: no auth)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = NgramServer(args.trie, host=args.host, port=args.port, threads=args.threads,
+                         auth_token=os.environ.get(args.auth_token_env) or None).start()
+    print(f"serving on {server.address}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
