@@ -37,6 +37,8 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.enable_retries", 0),  # retries are ours, bounded
     ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.optimization_target", "latency"),
+    ("grpc.enable_http_proxy", 0),  # loopback and cluster-internal addresses
 ]
 _OVERRIDES = ("top_k", "beam_width", "max_depth", "budget", "level_weight_exponent", "logit_weight_base",
               "ngram_weight", "eos_token_id", "ngram_at_level0", "use_ngram")
