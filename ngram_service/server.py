@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
+import json
 import logging
 import os
 import signal
@@ -43,8 +44,8 @@ __all__ = ["ServerLimits", "NgramServer", "SERVICE_NAME", "AUTH_TOKEN_ENV"]
 
 SERVICE_NAME = ngram_pb2.DESCRIPTOR.services_by_name["NgramTreeSearch"].full_name
 AUTH_TOKEN_ENV = "DART_NGRAM_AUTH_TOKEN"
-_OVERRIDE_FIELDS = ("top_k", "beam_width", "max_depth", "budget", "level_weight_exponent", "logit_weight_base",
-                    "ngram_weight", "eos_token_id", "ngram_at_level0", "use_ngram")
+#: SearchParams fields a request may override (the fields of the proto's SearchOverrides).
+OVERRIDE_FIELDS = tuple(f.name for f in ngram_pb2.SearchOverrides.DESCRIPTOR.fields)
 
 
 @dataclass(frozen=True)
@@ -121,8 +122,8 @@ class _Servicer(ngram_pb2_grpc.NgramTreeSearchServicer):
 
     def _params(self, overrides) -> SearchParams:
         p = self.params
-        params = SearchParams(**{f: getattr(p, f) for f in (*_OVERRIDE_FIELDS, "epsilon", "num_threads")})
-        for f in _OVERRIDE_FIELDS:
+        params = SearchParams(**{f: getattr(p, f) for f in (*OVERRIDE_FIELDS, "epsilon", "num_threads")})
+        for f in OVERRIDE_FIELDS:
             if overrides.HasField(f):
                 setattr(params, f, getattr(overrides, f))
         lim = self.limits
@@ -204,8 +205,6 @@ class _Servicer(ngram_pb2_grpc.NgramTreeSearchServicer):
             return ngram_pb2.InfoResponse(max_batch=lim.max_batch, max_k=lim.max_k, max_depth=lim.max_depth,
                                           max_budget=lim.max_budget)
         i = self.trie.info
-        import json
-
         return ngram_pb2.InfoResponse(
             order=i.order, vocab_size=i.vocab_size, num_nodes=i.num_nodes, nodes_per_level=list(i.nodes_per_level),
             total_tokens=i.total_tokens, tokenizer_name=i.tokenizer_name, vocab_hash=i.vocab_hash,
