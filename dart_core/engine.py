@@ -80,9 +80,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _root_only(tokens: list[list[int]]) -> list[DraftTree]:
-    return [DraftTree(tokens=np.array([t[-1]], dtype=np.int64), parents=np.array([-1], dtype=np.int32),
-                      depths=np.zeros(1, dtype=np.int32), scores=np.zeros(1), tree_mask=np.ones((1, 1), dtype=bool),
-                      retrieve_indices=np.zeros((1, 1), dtype=np.int32)) for t in tokens]
+    return [DraftTree.from_parents([t[-1]], [-1], [0], [0.0]) for t in tokens]
 
 
 def _clip_depth(tree: DraftTree, max_depth: int) -> DraftTree:

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from ngram_service import _native
 from ngram_service.corpus import NAMED_CORPORA, iter_corpus, iter_files
-from ngram_service.trie import write_checksums
+from ngram_service.trie import pack_ragged, write_checksums
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +94,7 @@ class _Counter:
     def flush(self) -> None:
         if not self.chunks:
             return
-        offsets = np.zeros(len(self.chunks) + 1, dtype=np.int64)
-        np.cumsum([len(c) for c in self.chunks], out=offsets[1:])
-        flat = np.concatenate(self.chunks)
+        flat, offsets = pack_ragged(self.chunks)
         big = flat >= np.iinfo(np.uint32).max
         if big.any():
             raise ValueError(f"token id {int(flat[big][0])} does not fit the trie format")

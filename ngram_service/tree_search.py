@@ -33,7 +33,7 @@ from typing import Sequence
 import numpy as np
 
 from ngram_service import _native
-from ngram_service.trie import NgramTrie
+from ngram_service.trie import NgramTrie, pack_ragged
 
 __all__ = ["DraftTree", "SearchParams", "search_tree", "search_trees"]
 
@@ -158,9 +158,6 @@ def search_trees(
     Raises:
         ValueError / TrieFormatError: as :func:`search_tree`.
     """
-    ctx = [np.asarray(c, dtype=np.int64) for c in contexts]
-    offsets = np.zeros(len(ctx) + 1, dtype=np.int64)
-    np.cumsum([len(c) for c in ctx], out=offsets[1:])
-    flat = np.concatenate(ctx) if ctx else np.zeros(0, np.int64)
+    flat, offsets = pack_ragged(contexts)
     trees = _native.search_trees(params or SearchParams(), _native_trie(trie), topk_ids, topk_probs, flat, offsets)
     return [DraftTree._from_native(t) for t in trees]

@@ -34,7 +34,7 @@ import numpy as np
 
 from ngram_service._native import MappedTrie, TrieFormatError
 
-__all__ = ["NgramTrie", "TrieFormatError", "TokenizerMismatchError", "TrieInfo", "write_checksums"]
+__all__ = ["NgramTrie", "TrieFormatError", "TokenizerMismatchError", "TrieInfo", "pack_ragged", "write_checksums"]
 
 MAGIC = b"DARTTRIE"
 FORMAT_VERSION = 1
@@ -66,6 +66,16 @@ class TrieInfo:
     @property
     def bytes_per_node(self) -> float:
         return self.file_bytes / max(self.num_nodes, 1)
+
+
+def pack_ragged(seqs: Sequence[Sequence[int] | np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged token sequences -> (flat [sum(len)] int64, offsets [len(seqs) + 1] int64);
+    sequence i is flat[offsets[i]:offsets[i + 1]] (the layout the C++ entry points take)."""
+    arrays = [np.asarray(s, dtype=np.int64).reshape(-1) for s in seqs]
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+    np.cumsum([len(a) for a in arrays], out=offsets[1:])
+    flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
+    return flat, offsets
 
 
 def _read_header(path: Path) -> tuple[int, dict[str, Any]]:
@@ -248,8 +258,5 @@ class NgramTrie:
         if tokens.ndim != 2 or tokens.shape[0] != len(contexts):
             raise ValueError(f"tokens must be [batch={len(contexts)}, n], got shape {tokens.shape}")
         keep = self.order - 1
-        tails = [np.asarray(c, dtype=np.int64)[-keep:] if len(c) else np.zeros(0, np.int64) for c in contexts]
-        offsets = np.zeros(len(tails) + 1, dtype=np.int64)
-        np.cumsum([len(t) for t in tails], out=offsets[1:])
-        flat = np.concatenate(tails) if tails else np.zeros(0, np.int64)
+        flat, offsets = pack_ragged([np.asarray(c, dtype=np.int64)[-keep:] for c in contexts])
         return self._native.probability(flat, offsets, tokens)

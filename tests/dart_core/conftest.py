@@ -46,14 +46,10 @@ def hf_greedy(target: TargetModel, prompt: list[int], max_new_tokens: int) -> li
 
 def make_tree(tokens: list[int], parents: list[int]) -> DraftTree:
     """A DraftTree from depth-ordered tokens/parents (node 0 = root)."""
-    n = len(tokens)
-    depths = np.zeros(n, dtype=np.int32)
-    mask = np.eye(n, dtype=bool)
-    for i in range(1, n):
+    depths = [0] * len(tokens)
+    for i in range(1, len(tokens)):
         depths[i] = depths[parents[i]] + 1
-        mask[i] |= mask[parents[i]]
-    return DraftTree(tokens=np.array(tokens, dtype=np.int64), parents=np.array(parents, dtype=np.int32),
-                     depths=depths, scores=np.zeros(n), tree_mask=mask, retrieve_indices=np.zeros((0, 0), np.int32))
+    return DraftTree.from_parents(tokens, parents, depths, np.zeros(len(tokens)))
 
 
 class OracleTreeSearch(TreeSearchClient):
