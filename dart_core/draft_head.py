@@ -124,14 +124,17 @@ class _DraftAttention(nn.Module):
         self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, past_k, past_v, mask):
-        # x: [B, Q, 2H]; cos/sin: [B, Q, D]; past_k/v: [B, Hkv, K, D]; mask: [B, 1, Q, K + Q] additive
-        b, q, _ = x.shape
+    def forward(self, x, xq, cos, sin, cos_q, sin_q, past_k, past_v, mask):
+        # x: [B, N, 2H] new positions (keys/values); xq: [B, Q, 2H] the subset that queries;
+        # cos/sin: [B, N, D], cos_q/sin_q: [B, Q, D]; past_k/v: [B, Hkv, K, D]; mask: [B, 1, Q, K + N] additive
+        b, n, _ = x.shape
+        q = xq.shape[1]
         c = self.c
-        qs = self.q_proj(x).view(b, q, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        ks = self.k_proj(x).view(b, q, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        vs = self.v_proj(x).view(b, q, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        qs, ks = apply_rotary_pos_emb(qs, ks, cos, sin)
+        qs = self.q_proj(xq).view(b, q, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        ks = self.k_proj(x).view(b, n, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        vs = self.v_proj(x).view(b, n, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        qs = apply_rotary_pos_emb(qs, qs, cos_q, sin_q)[0]
+        ks = apply_rotary_pos_emb(ks, ks, cos, sin)[0]
         keys = torch.cat([past_k, ks], dim=2)
         values = torch.cat([past_v, vs], dim=2)
         out = nn.functional.scaled_dot_product_attention(
@@ -205,23 +208,71 @@ class DartDraftHead(nn.Module):
         c = self.config
         b, t, _ = taps.shape
         slots = c.draft_length
-        g = self.fc(taps)  # [B, T, H]
-        real_in = torch.cat([self.midlayer.input_layernorm(next_embeds), self.midlayer.hidden_norm(g)], dim=-1)
-        mask_in = self.midlayer.mask_rep.to(g.dtype).expand(b, slots, 2 * c.hidden_size)
-        x = torch.cat([real_in, mask_in], dim=1)  # [B, T + slots, 2H]
-        residual = torch.cat([g, mask_in[..., : c.hidden_size]], dim=1)  # [B, T + slots, H]
         last_pos = positions.gather(1, last_index[:, None])  # [B, 1]
         slot_pos = last_pos + torch.arange(1, slots + 1, device=positions.device)  # [B, slots]
-        pos = torch.cat([positions, slot_pos], dim=1)  # [B, Q]
-        cos, sin = self.rotary(x, pos)
-        mask = _head_mask(past_lengths, past_k.shape[2], last_index, t, slots, x.dtype)
-        attn, ks, vs = self.midlayer.self_attn(x, cos, sin, past_k, past_v, mask)
-        h = residual + attn
-        h = h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
-        # distributions: last real position, then the slots
-        take = torch.cat([last_index[:, None], t + torch.arange(slots, device=h.device).expand(b, slots)], dim=1)
-        h = h.gather(1, take[..., None].expand(b, slots + 1, h.shape[-1]))
+        mask = _head_mask(past_lengths, past_k.shape[2], last_index, t, slots, taps.dtype)
+        # only the last real position and the slots produce distributions: only they query
+        take = torch.cat([last_index[:, None], t + torch.arange(slots, device=taps.device).expand(b, slots)], dim=1)
+        mask = mask.gather(2, take[:, None, :, None].expand(b, 1, slots + 1, mask.shape[-1]))
+        h, ks, vs = self._layer(taps, next_embeds, positions, slot_pos, past_k, past_v, mask, take)
         return self.lm_head(self.norm(h)), ks[:, :, :t], vs[:, :, :t]
+
+    def forward_train(self, taps: torch.Tensor, next_embeds: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """Drafts for many anchor positions of whole sequences in one forward (training).
+
+        Each anchor a gets its own d-1 mask slots; a block mask lets slot j of
+        anchor a see the real positions <= a and slots 1..j of the same anchor
+        only, so the result for anchor a equals :meth:`forward` run on the
+        prefix ending at a (tested).  Real positions only give keys and values.
+
+        Args:
+            taps: [B, T, 3 * H_target]; next_embeds: [B, T, H] (embedding of
+                x_{t+1} at real position t); anchors: [B, A] int64, each < T.
+
+        Returns:
+            logits [B, A, d, V_draft]: for anchor a, distributions of x_{a+2} .. x_{a+1+d}.
+        """
+        c = self.config
+        b, t, _ = taps.shape
+        a, slots = anchors.shape[1], c.draft_length
+        dev = taps.device
+        positions = torch.arange(t, device=dev).expand(b, t)
+        slot_pos = (anchors[:, :, None] + torch.arange(1, slots + 1, device=dev)).reshape(b, a * slots)
+        # queries: anchor a then its slots, [B, A * d] indices into the T + A * slots new positions
+        take = torch.cat([anchors[:, :, None],
+                          t + torch.arange(a, device=dev)[None, :, None] * slots + torch.arange(slots, device=dev)
+                          .expand(b, a, slots)], dim=2).reshape(b, a * (slots + 1))
+        # block mask [B, 1, A * d, T + A * slots]
+        real = torch.arange(t, device=dev)
+        block = torch.arange(a, device=dev).repeat_interleave(slots)  # block of each slot key
+        q_anchor = anchors.repeat_interleave(slots + 1, dim=1)  # [B, A*d]
+        q_block = torch.arange(a, device=dev).repeat_interleave(slots + 1)  # [A*d]
+        q_j = torch.arange(slots + 1, device=dev).repeat(a)  # 0 = the anchor's real position, j = slot j
+        k_j = torch.arange(1, slots + 1, device=dev).repeat(a)
+        see_real = real[None, None, :] <= q_anchor[:, :, None]  # [B, A*d, T]
+        see_slot = ((q_block[:, None] == block[None, :]) & (k_j[None, :] <= q_j[:, None])).expand(b, -1, -1)
+        allowed = torch.cat([see_real, see_slot], 2)
+        mask = torch.zeros(allowed.shape, dtype=taps.dtype, device=dev)
+        mask.masked_fill_(~allowed, torch.finfo(taps.dtype).min)
+        empty = torch.zeros(b, c.num_key_value_heads, 0, c.head_dim, dtype=taps.dtype, device=dev)
+        h, _, _ = self._layer(taps, next_embeds, positions, slot_pos, empty, empty, mask[:, None], take)
+        return self.lm_head(self.norm(h)).view(b, a, slots + 1, -1)
+
+    def _layer(self, taps, next_embeds, positions, slot_pos, past_k, past_v, mask, query_index):
+        """The decoder layer over real positions [B, T] followed by slots [B, S], evaluated for the
+        positions ``query_index`` [B, Q] only: hidden [B, Q, H] and the keys/values of all T + S."""
+        c = self.config
+        b = taps.shape[0]
+        g = self.fc(taps)  # [B, T, H]
+        real_in = torch.cat([self.midlayer.input_layernorm(next_embeds), self.midlayer.hidden_norm(g)], dim=-1)
+        mask_in = self.midlayer.mask_rep.to(g.dtype).expand(b, slot_pos.shape[1], 2 * c.hidden_size)
+        x = torch.cat([real_in, mask_in], dim=1)  # [B, T + S, 2H]
+        residual = torch.cat([g, mask_in[..., : c.hidden_size]], dim=1)  # [B, T + S, H]
+        cos, sin = self.rotary(x, torch.cat([positions, slot_pos], dim=1))
+        pick = lambda v: v.gather(1, query_index[..., None].expand(b, query_index.shape[1], v.shape[-1]))  # noqa: E731
+        attn, ks, vs = self.midlayer.self_attn(x, pick(x), cos, sin, pick(cos), pick(sin), past_k, past_v, mask)
+        h = pick(residual) + attn
+        return h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h)), ks, vs
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Maps draft-vocabulary indices to target token ids (``i + d2t[i]``)."""

@@ -31,7 +31,7 @@ from typing import Iterable, Iterator
 logger = logging.getLogger(__name__)
 
 __all__ = ["NAMED_CORPORA", "iter_corpus", "sharegpt_conversations", "sharegpt_assistant_turns",
-           "cpython_stdlib_sources", "evaluation_prompts", "mt_bench_first_turns", "iter_files"]
+           "sharegpt_first_prompts", "cpython_stdlib_sources", "evaluation_prompts", "mt_bench_first_turns", "iter_files"]
 
 NAMED_CORPORA = ("default", "sharegpt", "cpython-stdlib")
 _SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -115,6 +115,26 @@ def sharegpt_conversations(path: str | Path | None = None) -> Iterator[list[dict
 
 def sharegpt_assistant_turns(path: str | Path | None = None, *, exclude_evaluation: bool = True) -> Iterator[str]:
     """Yields the assistant turns of ShareGPT, without conversations that quote an evaluation prompt."""
+    for turns in _clean_conversations(path, exclude_evaluation):
+        for t in turns:
+            if t.get("from") == "gpt" and t["value"].strip():
+                yield t["value"]
+
+
+def sharegpt_first_prompts(path: str | Path | None = None, *, exclude_evaluation: bool = True) -> Iterator[str]:
+    """Yields the first human turn of each ShareGPT conversation (training
+    prompts), without conversations that quote an evaluation prompt and
+    without repeats (compared normalised)."""
+    seen: set[str] = set()
+    for turns in _clean_conversations(path, exclude_evaluation):
+        first = next((t["value"] for t in turns if t.get("from") == "human"), "")
+        norm = _normalise(first)
+        if norm and norm not in seen:
+            seen.add(norm)
+            yield first.strip()
+
+
+def _clean_conversations(path, exclude_evaluation: bool) -> Iterator[list[dict]]:
     exact: set[str] = set()
     prefixes: set[str] = set()
     if exclude_evaluation:
@@ -130,9 +150,7 @@ def sharegpt_assistant_turns(path: str | Path | None = None, *, exclude_evaluati
         if any(h in exact or h[:_PREFIX_CHARS] in prefixes for h in human):
             dropped += 1
             continue
-        for t in turns:
-            if t.get("from") == "gpt" and t["value"].strip():
-                yield t["value"]
+        yield turns
     if dropped:
         logger.info("dropped %d ShareGPT conversations that quote evaluation prompts", dropped)
 

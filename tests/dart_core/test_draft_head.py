@@ -124,3 +124,24 @@ def test_d2t_outside_the_vocabulary_is_refused(tmp_path, head):
     save_draft_head(head, tmp_path)
     with pytest.raises(HeadLoadError, match="outside the target vocabulary"):
         load_draft_head(tmp_path)
+
+
+def test_training_forward_equals_decoding_forward(head):
+    """forward_train's block mask: anchor a's d distributions equal a decoding
+    forward over the prefix ending at a (fresh cache), for every anchor at once."""
+    torch.manual_seed(0)
+    c = head.config
+    t = 12
+    taps = torch.randn(2, t, 3 * c.target_hidden_size)
+    embeds = torch.randn(2, t, c.hidden_size)
+    anchors = torch.tensor([[0, 5, 11], [3, 4, 9]])
+    with torch.no_grad():
+        train_logits = head.forward_train(taps, embeds, anchors)  # [2, 3, d, V]
+        assert train_logits.shape == (2, 3, c.depth, c.draft_vocab_size)
+        empty = torch.zeros(1, c.num_key_value_heads, 0, c.head_dim)
+        for b in range(2):
+            for i, a in enumerate(anchors[b].tolist()):
+                n = a + 1
+                ref, _, _ = head(taps[b:b + 1, :n], embeds[b:b + 1, :n], torch.arange(n)[None],
+                                 torch.tensor([a]), empty, empty, torch.zeros(1, dtype=torch.long))
+                torch.testing.assert_close(train_logits[b, i], ref[0], atol=1e-5, rtol=1e-4)

@@ -11,7 +11,6 @@ import torch
 from dart_core.draft_head import DartDraftHead, DraftHeadConfig
 from dart_core.engine import DartEngine
 from dart_core.sampling import SamplingParams
-from dart_core.target import TargetModel
 from dart_core.tree_client import InProcessTreeSearch
 from ngram_service.build import build_trie_from_texts
 from ngram_service.corpus import cpython_stdlib_sources
@@ -27,11 +26,6 @@ PROMPTS = [
     "Explain what a hash table is to a beginner.",
     "Translate 'good morning, how are you?' into Spanish and German.",
 ]
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return TargetModel.from_pretrained(dtype=torch.float32)
 
 
 def chat(target, text):

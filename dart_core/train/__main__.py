@@ -1,0 +1,47 @@
+"""``python -m dart_core.train --out FOLDER [options]``: self-distilled data →
+teacher features → draft head, all cached under ``--work-dir`` and resumable.
+
+The shipped SmolLM2 head is reproduced by the command in its model card
+(``dart_core/heads/SmolLM2-135M-Instruct/README.md``)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+
+from dart_core.train.data import DataConfig
+from dart_core.train.trainer import TrainConfig, train
+
+
+def _add_fields(ap: argparse.ArgumentParser, cls, skip=()) -> None:
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else None
+        kind = {"int": int, "float": float, "str": str}.get(str(f.type).split(" ")[0].replace("None", "").strip("| "),
+                                                            str)
+        ap.add_argument("--" + f.name.replace("_", "-"), type=kind, default=default,
+                        required=f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+                        help=f"[{default}]")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dart_core.train", description=__doc__.split("\n\n")[0])
+    _add_fields(ap, TrainConfig, skip=("data",))
+    _add_fields(ap, DataConfig)
+    ap.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    args = vars(ap.parse_args(argv))
+    quiet = args.pop("quiet")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    data = DataConfig(**{f.name: args.pop(f.name) for f in dataclasses.fields(DataConfig)})
+    summary = train(TrainConfig(data=data, **args), progress=not quiet)
+    print(json.dumps({k: summary[k] for k in ("sequences", "steps", "wall_time_s")} | {"eval": summary["eval"][-1:]},
+                     indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""Self-distillation data for the draft head (DART issue 5; DESIGN.md §2 "Training").
+
+Prompts are ShareGPT first turns (deduplicated, evaluation prompts removed,
+:func:`ngram_service.corpus.sharegpt_first_prompts`), shuffled with a seed.
+Each prompt goes through the target's chat template and the **target itself**
+writes the response (greedy, batched, left-padded ``generate``), so the head
+learns the distribution it will be asked to predict.  Responses are appended
+to ``responses.jsonl`` in the data folder after every batch; a rerun skips the
+prompts already answered (resumable), and a truncated last line from a killed
+run is ignored.
+
+Record: ``{"index": i, "prompt_ids": [...], "response_ids": [...]}`` where
+``response_ids`` ends with the EOS token when the target stopped by itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DataConfig", "Example", "generate_responses", "load_examples", "training_prompts"]
+
+RESPONSES = "responses.jsonl"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    num_prompts: int = 4000  # prompts to answer
+    max_prompt_tokens: int = 256  # longer prompts (after the chat template) are skipped
+    max_new_tokens: int = 256  # response length cap
+    generate_batch_size: int = 32  # generation batch (it fixes the batches, hence the exact responses)
+    prompt_seed: int = 0  # prompt shuffle
+    eval_prompts: int = 64  # held out (the first ones of the shuffled list), never trained on
+    cache_implementation: str | None = "static"  # preallocated KV cache: DynamicCache re-copies it every step
+
+
+@dataclass(frozen=True)
+class Example:
+    index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+
+def training_prompts(config: DataConfig) -> list[str]:
+    """The shuffled prompt list: the first ``num_prompts`` of it are answered,
+    of which the first ``eval_prompts`` form the held-out slice."""
+    from ngram_service.corpus import sharegpt_first_prompts
+
+    prompts = list(sharegpt_first_prompts())
+    random.Random(config.prompt_seed).shuffle(prompts)
+    return prompts[: config.num_prompts]
+
+
+def _done(path: Path) -> set[int]:
+    done = set()
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                done.add(int(json.loads(line)["index"]))
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                continue  # a line cut off by a killed run
+    return done
+
+
+@torch.inference_mode()
+def generate_responses(target, config: DataConfig, folder: str | Path, *, progress: bool = True) -> Path:
+    """Answers the training prompts with the target (resumable); returns the JSONL path.
+
+    Args:
+        target: a :class:`dart_core.target.TargetModel` with its tokenizer.
+        folder: data folder; ``responses.jsonl`` is appended there.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / RESPONSES
+    tok = target.tokenizer
+    done = _done(out)
+    todo = []
+    for i, text in enumerate(training_prompts(config)):
+        if i in done:
+            continue
+        ids = list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=True)["input_ids"])
+        if len(ids) <= config.max_prompt_tokens:
+            todo.append((i, ids))
+    if not todo:
+        return out
+    # prompts are answered in list order, chunk by chunk, so a run stopped early
+    # holds a prefix of the list (give that prefix's size as num_prompts to use it);
+    # within a chunk similar prompt lengths share a batch (less padding)
+    chunk = config.generate_batch_size * 8
+    batches = []
+    for c in range(0, len(todo), chunk):
+        part = sorted(todo[c: c + chunk], key=lambda x: len(x[1]))
+        batches += [part[k: k + config.generate_batch_size] for k in range(0, len(part), config.generate_batch_size)]
+    eos = tok.eos_token_id
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+    model = target.model
+    bar = tqdm(total=len(todo), desc="self-distilled responses", unit="prompt", disable=not progress)
+    new_tokens = 0
+    with open(out, "a", encoding="utf-8") as f:
+        if out.stat().st_size and not out.read_bytes().endswith(b"\n"):
+            f.write("\n")  # end the line a killed run left unfinished
+        for batch in batches:
+            width = max(len(ids) for _, ids in batch)
+            input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            attention = torch.zeros((len(batch), width), dtype=torch.long)
+            for r, (_, ids) in enumerate(batch):
+                input_ids[r, width - len(ids):] = torch.tensor(ids)
+                attention[r, width - len(ids):] = 1
+            gen = model.generate(input_ids=input_ids.to(target.device), attention_mask=attention.to(target.device),
+                                 max_new_tokens=config.max_new_tokens, do_sample=False, eos_token_id=eos,
+                                 pad_token_id=pad, temperature=None, top_p=None, top_k=None,
+                                 cache_implementation=config.cache_implementation)
+            for r, (i, ids) in enumerate(batch):
+                resp = gen[r, width:].tolist()
+                if eos in resp:
+                    resp = resp[: resp.index(eos) + 1]
+                new_tokens += len(resp)
+                f.write(json.dumps({"index": i, "prompt_ids": ids, "response_ids": resp}) + "\n")
+            f.flush()
+            bar.update(len(batch))
+            bar.set_postfix(tokens=new_tokens)
+    bar.close()
+    return out
+
+
+def load_examples(folder: str | Path, limit: int | None = None) -> list[Example]:
+    """Reads ``responses.jsonl`` (sorted by prompt index; cut-off lines skipped),
+    keeping prompt indices below ``limit`` when given.
+
+    Raises:
+        FileNotFoundError: no responses in the folder.
+    """
+    path = Path(folder) / RESPONSES
+    if not path.is_file():
+        raise FileNotFoundError(f"no self-distilled responses at {path}; generate them first")
+    rows = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            r = json.loads(line)
+            if limit is not None and int(r["index"]) >= limit:
+                continue
+            rows[int(r["index"])] = Example(int(r["index"]), list(r["prompt_ids"]), list(r["response_ids"]))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue
+    return [rows[k] for k in sorted(rows)]

@@ -1,0 +1,321 @@
+"""Training of the DART draft head (DESIGN.md §2 "Training"; issue 5).
+
+Objective (DART, arXiv 2601.19278): for an anchor position a the head drafts
+d distributions q_1..q_d of x_{a+2} .. x_{a+1+d} in one forward; the loss is
+
+    L(a) = Σ_{j=1..d} γ^(j-1) · CE(p_j, q_j),   γ = 0.6 by default,
+
+where p_j is the target's distribution of the same token (its logits at
+position a + j), restricted to the draft vocabulary and truncated to its top
+K entries; CE(p, q) = KL(p ‖ q) + H(p), so minimising it minimises the KL.
+Many anchors of one sequence share one forward through
+:meth:`DartDraftHead.forward_train` (block attention mask).  Anchors are drawn
+from the response part of each self-distilled sequence, ``anchors_per_seq`` at
+most.
+
+AdamW, linear warm-up then cosine decay, gradient clipping, bf16 autocast on
+CUDA; a checkpoint (``checkpoint.pt``: tensors and numbers only, loaded with
+``weights_only=True``) every ``save_every`` steps makes a killed run resumable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import platform
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from dart_core.draft_head import DartDraftHead, DraftHeadConfig, save_draft_head
+from dart_core.train.data import DataConfig, generate_responses, load_examples
+from dart_core.train.features import Features, choose_draft_vocab, compute_features
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TrainConfig", "train", "evaluate_accuracy", "evaluate_tau"]
+
+
+@dataclass
+class TrainConfig:
+    out: str  # output folder of the head (config.json + model.safetensors + training.json)
+    work_dir: str = "~/.cache/dart-serve/train"  # responses, teacher features, checkpoint
+    model: str | None = None  # target: None = embedded SmolLM2-135M-Instruct
+    data: DataConfig = field(default_factory=DataConfig)
+    draft_vocab_size: int = 8192
+    teacher_top_k: int = 16
+    max_length: int = 512  # tokens per training sequence (prompt + response)
+    anchors_per_seq: int = 64  # sampled per sequence and step; real positions cost little (keys/values only)
+    gamma: float = 0.6
+    epochs: float = 2.0
+    batch_size: int = 8  # sequences per optimizer step
+    lr: float = 5e-4
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.05
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    eval_every: int = 200  # steps; 0 = only at the end
+    eval_tau_prompts: int = 4  # held-out prompts decoded with the engine to measure τ (0 = skip)
+    eval_tau_tokens: int = 64
+    eval_budget: int = 60
+    save_every: int = 100
+    seed: int = 0
+    device: str | None = None  # default CUDA when available
+    threads: int | None = None  # torch CPU threads
+
+
+def _device(cfg: TrainConfig) -> torch.device:
+    return torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def init_head(target, draft_vocab: np.ndarray, seed: int) -> DartDraftHead:
+    """A head of the target's shape: lm_head rows copied from the target's
+    output embedding for the draft vocabulary, fc starting as the identity on
+    the highest tap (small random weights on the others), the rest random."""
+    cfg = DraftHeadConfig.for_target(target.config, draft_vocab_size=len(draft_vocab))
+    head = DartDraftHead(cfg)
+    head.reset_parameters(seed)
+    vocab = torch.as_tensor(draft_vocab)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.model.get_output_embeddings().weight[vocab].float().cpu())
+        h = cfg.target_hidden_size
+        head.fc.weight.mul_(0.1)
+        head.fc.weight[:, 2 * h:] += torch.eye(cfg.hidden_size, h)
+        head.d2t.copy_(vocab - torch.arange(len(vocab)))
+        head.t2d.zero_()
+        head.t2d[vocab] = True
+    return head
+
+
+def _anchors(length: int, prompt_length: int, limit: int, rng: random.Random | None) -> list[int]:
+    """Anchor positions a in the response: P-1 <= a <= length-3 (a+1 needs a teacher)."""
+    lo, hi = max(prompt_length - 1, 0), length - 3
+    if hi < lo:
+        return []
+    pool = list(range(lo, hi + 1))
+    if rng is not None and len(pool) > limit:
+        pool = sorted(rng.sample(pool, limit))
+    return pool
+
+
+def _sequence_loss(head, embed, seq, anchors, gamma, device, dtype_ctx):
+    """Weighted cross-entropy of one sequence's anchors; returns (loss, logits [A, d, V], valid [A, d])."""
+    d = head.config.depth
+    length = len(seq["tokens"])
+    taps = torch.from_numpy(np.asarray(seq["taps"][: length - 1], dtype=np.float32)).to(device)[None]
+    tokens = torch.from_numpy(np.asarray(seq["tokens"], dtype=np.int64)).to(device)
+    anchor_t = torch.tensor(anchors, dtype=torch.long, device=device)
+    with torch.no_grad():
+        next_embeds = embed(tokens[1:])[None].float()
+    with dtype_ctx:
+        logits = head.forward_train(taps, next_embeds, anchor_t[None])[0]  # [A, d, V]
+    logq = logits.float().log_softmax(-1)
+    pos = anchor_t[:, None] + torch.arange(1, d + 1, device=device)  # teacher position of prediction j
+    valid = pos <= length - 2
+    pos = pos.clamp(max=length - 1)
+    t_ids = torch.from_numpy(np.asarray(seq["teacher_ids"], dtype=np.int64)).to(device)[pos]  # [A, d, K]
+    t_p = torch.from_numpy(np.asarray(seq["teacher_probs"], dtype=np.float32)).to(device)[pos]
+    ce = -(t_p * logq.gather(-1, t_ids)).sum(-1)  # [A, d]
+    w = gamma ** torch.arange(d, device=device, dtype=torch.float32)
+    loss = (ce * w * valid).sum() / max(len(anchors), 1)
+    return loss, logits, valid
+
+
+@torch.no_grad()
+def evaluate_accuracy(head, embed, features: Features, rows: list[int], device, gamma: float = 0.6) -> dict:
+    """Per-position top-1 accuracy on held-out sequences: draft argmax == the
+    token the target wrote there (its greedy choice), over every response anchor.
+
+    Returns: {"top1": [acc_1 .. acc_d], "loss": mean weighted loss, "anchors": n}.
+    """
+    head.eval()
+    d = head.config.depth
+    t2d_index = torch.full((head.config.vocab_size,), -1, dtype=torch.long, device=device)
+    vocab = torch.tensor(np.asarray(features.draft_vocab), device=device)
+    t2d_index[vocab] = torch.arange(len(vocab), device=device)
+    hits = torch.zeros(d, dtype=torch.float64)
+    counts = torch.zeros(d, dtype=torch.float64)
+    losses, n = 0.0, 0
+    for i in rows:
+        seq = features.sequence(i)
+        anchors = _anchors(len(seq["tokens"]), seq["prompt_length"], 0, None)
+        if not anchors:
+            continue
+        loss, logits, valid = _sequence_loss(head, embed, seq, anchors, gamma, device, torch.autocast("cpu", enabled=False))
+        tokens = torch.from_numpy(np.asarray(seq["tokens"], dtype=np.int64)).to(device)
+        pos = (torch.tensor(anchors, device=device)[:, None] + torch.arange(2, d + 2, device=device)).clamp(
+            max=len(tokens) - 1)
+        truth = t2d_index[tokens[pos]]  # [A, d] draft index of x_{a+1+j}, -1 when outside the draft vocab
+        hit = (logits.argmax(-1) == truth) & valid
+        hits += hit.sum(0).double().cpu()
+        counts += valid.sum(0).double().cpu()
+        losses += float(loss) * len(anchors)
+        n += len(anchors)
+    head.train()
+    return {"top1": [round(float(h / max(c, 1)), 4) for h, c in zip(hits, counts)],
+            "loss": round(losses / max(n, 1), 4), "anchors": n}
+
+
+def evaluate_tau(head, target, prompts: list[list[int]], *, budget: int, max_new_tokens: int, trie="auto") -> float | None:
+    """τ of greedy DART decoding with this head on the given prompts (fixed tree budget)."""
+    if not prompts:
+        return None
+    from dart_core.api import DartModel
+    from dart_core.engine import DartEngine
+    from dart_core.sampling import SamplingParams
+    from dart_core.tree_client import InProcessTreeSearch
+    from ngram_service.tree_search import SearchParams
+
+    params = SearchParams()
+    params.budget = budget
+    trie_obj = None
+    if target.tokenizer is not None and trie is not None:
+        trie_obj = DartModel._load_trie(trie, getattr(target.tokenizer, "dart_model_name", ""), target.tokenizer)
+    was_training = head.training
+    engine = DartEngine(target, head.eval(), InProcessTreeSearch(trie_obj), params)
+    eos = target.tokenizer.eos_token_id if target.tokenizer is not None else None
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=(eos,) if eos is not None else ())
+    accepted = forwards = 0
+    for p in prompts:
+        res = engine.generate([p], sampling)
+        accepted += sum(len(x) for x in res.token_ids)
+        forwards += res.target_forwards
+    head.train(was_training)
+    return round(accepted / max(forwards, 1), 3)
+
+
+def _lr_lambda(cfg: TrainConfig, total: int):
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
+    """Generates the data (if not cached), computes teacher features (if not
+    cached), trains, and writes the head to ``cfg.out``.  Returns the summary
+    also written to ``training.json``.
+
+    Args:
+        target: an already loaded :class:`~dart_core.target.TargetModel` (tests); default loads ``cfg.model``.
+
+    Raises:
+        ValueError: no usable training sequences.
+    """
+    from dart_core.target import TargetModel
+
+    started = time.time()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = _device(cfg)
+    torch.manual_seed(cfg.seed)
+    work = Path(cfg.work_dir).expanduser()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if target is None:
+        target = TargetModel.from_pretrained(cfg.model, dtype=dtype, device=device)
+    for p in target.model.parameters():
+        p.requires_grad_(False)
+
+    data_dir = work / "data"
+    t0 = time.time()
+    generate_responses(target, cfg.data, data_dir, progress=progress)
+    gen_s = time.time() - t0
+    examples = load_examples(data_dir, limit=cfg.data.num_prompts)
+    examples = [e for e in examples if len(e.response_ids) >= 2]
+    eos = target.tokenizer.eos_token_id if target.tokenizer is not None else None
+    train_ex = [e for e in examples if e.index >= cfg.data.eval_prompts]
+    held_ex = [e for e in examples if e.index < cfg.data.eval_prompts]
+    if not train_ex:
+        raise ValueError(f"no training sequences in {data_dir} below prompt index {cfg.data.num_prompts}")
+    draft_vocab = choose_draft_vocab(train_ex, cfg.draft_vocab_size, target.config.vocab_size,
+                                     always=(eos,) if eos is not None else ())
+    t0 = time.time()
+    feats = compute_features(target, train_ex + held_ex, work / "features", draft_vocab=draft_vocab,
+                             top_k=cfg.teacher_top_k, max_length=cfg.max_length, progress=progress)
+    feat_s = time.time() - t0
+    train_rows = list(range(len(train_ex)))
+    held_rows = list(range(len(train_ex), len(train_ex) + len(held_ex)))
+
+    head = init_head(target, draft_vocab, cfg.seed).to(device).train()
+    embed = target.embed_tokens
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    steps_per_epoch = max(1, len(train_rows) // cfg.batch_size)
+    total = max(1, int(cfg.epochs * steps_per_epoch))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg, total))
+    ckpt_path = work / "checkpoint.pt"
+    step = 0
+    if ckpt_path.is_file():
+        state = torch.load(ckpt_path, map_location=device, weights_only=True)
+        if state.get("total") == total and state["draft_vocab"].tolist() == draft_vocab.tolist():
+            head.load_state_dict(state["head"])
+            opt.load_state_dict(state["opt"])
+            sched.load_state_dict(state["sched"])
+            step = int(state["step"])
+            logger.info("resuming at step %d of %d from %s", step, total, ckpt_path)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast(
+        "cpu", enabled=False)
+    rng = random.Random(cfg.seed * 1000 + step)
+    order_rng = random.Random(cfg.seed)
+    order = []
+    for _ in range(math.ceil(cfg.epochs) + 1):
+        perm = list(train_rows)
+        order_rng.shuffle(perm)
+        order += perm
+    held_prompts = [e.prompt_ids for e in held_ex[: cfg.eval_tau_prompts]]
+    history = []
+    bar = tqdm(total=total, initial=step, desc="training draft head", unit="step", disable=not progress)
+    t_train = time.time()
+    while step < total:
+        opt.zero_grad(set_to_none=True)
+        batch = order[step * cfg.batch_size: (step + 1) * cfg.batch_size]
+        loss_sum = 0.0
+        for i in batch:
+            seq = feats.sequence(i)
+            anchors = _anchors(len(seq["tokens"]), seq["prompt_length"], cfg.anchors_per_seq, rng)
+            if not anchors:
+                continue
+            loss, _, _ = _sequence_loss(head, embed, seq, anchors, cfg.gamma, device, autocast)
+            (loss / len(batch)).backward()
+            loss_sum += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
+        opt.step()
+        sched.step()
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_sum / max(len(batch), 1):.3f}", lr=f"{sched.get_last_lr()[0]:.2e}")
+        last = step == total
+        if (cfg.eval_every and step % cfg.eval_every == 0) or last:
+            ev = evaluate_accuracy(head, embed, feats, held_rows, device, cfg.gamma)
+            if cfg.eval_tau_prompts and (last or cfg.eval_every):
+                ev["tau"] = evaluate_tau(head, target, held_prompts, budget=cfg.eval_budget,
+                                         max_new_tokens=cfg.eval_tau_tokens)
+            ev["step"] = step
+            history.append(ev)
+            logger.info("step %d: held-out top-1 %s, loss %.3f, tau %s", step, ev["top1"], ev["loss"], ev.get("tau"))
+            tqdm.write(f"step {step}: held-out top-1 {ev['top1']} loss {ev['loss']} tau {ev.get('tau')}")
+        if step % cfg.save_every == 0 or last:
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                        "step": step, "total": total, "draft_vocab": torch.as_tensor(draft_vocab)}, ckpt_path)
+    bar.close()
+    save_draft_head(head, cfg.out, dtype=torch.bfloat16)
+    summary = {
+        "config": asdict(cfg),
+        "sequences": {"train": len(train_ex), "held_out": len(held_ex),
+                      "train_tokens": int(feats.offsets[len(train_ex)])},
+        "steps": total,
+        "wall_time_s": {"generate": round(gen_s, 1), "teacher_features": round(feat_s, 1),
+                        "train": round(time.time() - t_train, 1), "total": round(time.time() - started, 1)},
+        "hardware": {"device": torch.cuda.get_device_name(device) if device.type == "cuda"
+                     else f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"},
+        "eval": history,
+    }
+    (Path(cfg.out) / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
