@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Callable, Container, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -39,7 +39,7 @@ from ngram_service.tree_search import DraftTree, SearchParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DartEngine", "StepOutput", "GenerationResult"]
+__all__ = ["DartEngine", "StepOutput", "GenerationResult", "NewSequence"]
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class StepOutput:
 
     seq_ids: list[int]  # indices into the request batch
     new_tokens: list[list[int]]  # tokens emitted this step (accepted drafts + bonus), stop-trimmed
-    finish_reasons: list[str | None]  # "stop", "length" or None (still running)
+    finish_reasons: list[str | None]  # "stop", "length", "cancelled" or None (still running)
     accepted_lengths: list[int]  # τ of this step per sequence (0 for the prefill step)
     draft_nodes: list[int]  # draft nodes verified per sequence (the tree budget chosen)
     num_nodes: int  # tree nodes verified per sequence, root included (padded count)
@@ -145,141 +145,177 @@ class DartEngine:
         return result
 
     @torch.inference_mode()
-    def generate_stream(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None, *,
-                        speculative: bool = True) -> Iterator[StepOutput]:
+    def generate_stream(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams]
+                        | None = None, *, speculative: bool = True, admit: Callable[[], list[NewSequence]] | None = None,
+                        cancelled: Container[int] = (), max_speculative_batch: int | None = None,
+                        ) -> Iterator[StepOutput]:
         """Decodes a batch; yields one :class:`StepOutput` per target forward.
 
         Args:
-            prompts: B token-id lists (different lengths allowed).
-            sampling: temperature 0 is greedy (lossless: equals the target's greedy output).
+            prompts: B token-id lists (different lengths allowed); seq_ids 0..B-1.
+            sampling: one :class:`SamplingParams` for all, or one per prompt.
+                Temperature 0 is greedy (lossless: equals the target's greedy output).
             speculative: False runs plain autoregressive decoding with the same engine.
+            admit: continuous batching: called before every step; the sequences it
+                returns are prefilled and join the running batch (seq_ids continue
+                after the last one given).  The loop ends when no sequence runs and
+                ``admit`` returns none.
+            cancelled: seq_ids to drop at the next step (finish reason "cancelled").
+            max_speculative_batch: steps with more running sequences than this are
+                plain autoregressive steps (speculation stops paying at large batch);
+                the draft head catches up on the skipped positions at the next draft.
 
         Raises:
             ValueError: empty prompt, token id outside the vocabulary, or a prompt
                 that leaves no room in the target's context.
         """
-        sampling = sampling or SamplingParams()
         speculative = speculative and self.head is not None
         prompts = [list(map(int, p)) for p in prompts]
+        if isinstance(sampling, (list, tuple)):
+            samplings = list(sampling)
+        else:  # one parameter set for the batch: row i samples with seed + i
+            sampling = sampling or SamplingParams()
+            samplings = [sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i)
+                         for i in range(len(prompts))]
+        if len(samplings) != len(prompts):
+            raise ValueError(f"{len(samplings)} sampling parameters for {len(prompts)} prompts")
         self._check_prompts(prompts)
-        if not prompts:
-            return
         target, device = self.target, self.target.device
-        generator = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None
-                                                  else int(torch.seed() % (1 << 63)))
-        stop_ids = set() if sampling.ignore_eos else set(sampling.stop_token_ids)
-        seq_ids = list(range(len(prompts)))
-        tokens = [list(p) for p in prompts]  # prompt + generated; tokens[b][-1] is the root, not yet cached
-        produced = [0] * len(prompts)
-        cache = TargetCache(len(prompts), device)
+        state = _BatchState.empty(self, speculative)
+        next_id = 0
+        pending = [NewSequence(p, s) for p, s in zip(prompts, samplings)]
+        while True:
+            if admit is not None:
+                joining = admit()
+                if joining:
+                    self._check_prompts([list(map(int, x.prompt)) for x in joining])
+                    pending += joining
+            if pending:
+                ids = list(range(next_id, next_id + len(pending)))
+                next_id += len(pending)
+                step = self._prefill(state, ids, pending)
+                pending = []
+                yield step
+                state.keep([i for i, r in enumerate(state.reasons) if r is None])
+                continue
+            gone = [i for i, sid in enumerate(state.seq_ids) if sid in cancelled]
+            if gone:
+                yield StepOutput([state.seq_ids[i] for i in gone], [[] for _ in gone], ["cancelled"] * len(gone),
+                                 [0] * len(gone), [0] * len(gone), 0, 0.0, 0.0, 0.0, 0.0)
+                state.keep([i for i in range(len(state.seq_ids)) if i not in set(gone)])
+            if not state.seq_ids:
+                if admit is None:
+                    return
+                joining = admit()
+                if not joining:
+                    return
+                pending += joining
+                continue
+            spec_now = speculative and (max_speculative_batch is None or len(state.seq_ids) <= max_speculative_batch)
+            yield self._step(state, spec_now)
+            state.keep([i for i, r in enumerate(state.reasons) if r is None])
 
-        # prefill -----------------------------------------------------------
+    def _prefill(self, state: "_BatchState", ids: list[int], joining: list["NewSequence"]) -> StepOutput:
+        """Prefills new sequences in their own cache and merges them into the running batch."""
+        target, device = self.target, self.target.device
         t0 = time.perf_counter()
+        prompts = [list(map(int, x.prompt)) for x in joining]
+        cache = TargetCache(len(prompts), device)
         out = target.prefill(prompts, cache)
-        last = cache.lengths - 1  # [B]
+        last = cache.lengths - 1  # [N]
         rows = torch.arange(len(prompts), device=device)
-        first = self._sample_rows(out.logits[rows, last], sampling, generator)
-        # draft-head inputs for the next step: taps of the new real positions, next tokens
-        pend_taps = out.taps  # [B, P, 3H]
-        pend_next = [p[1:] + [f] for p, f in zip(prompts, first)]
-        pend_pos = torch.arange(out.taps.shape[1], device=device)[None, :].expand(len(prompts), -1)
-        pend_last = last
-        head_cache = None
-        if speculative:
+        gens = [torch.Generator().manual_seed(x.sampling.seed if x.sampling.seed is not None
+                                              else int(torch.seed() % (1 << 63))) for x in joining]
+        first = self._sample_rows(out.logits[rows, last], [x.sampling for x in joining], gens)
+        new = _BatchState(seq_ids=ids, tokens=[list(p) for p in prompts], produced=[0] * len(prompts),
+                          samplings=[x.sampling for x in joining], generators=gens, cache=cache,
+                          pend_taps=out.taps, pend_next=[p[1:] + [f] for p, f in zip(prompts, first)],
+                          pend_pos=torch.arange(out.taps.shape[1], device=device)[None, :].expand(len(prompts), -1),
+                          pend_count=cache.lengths.clone(), head_cache=None, reasons=[None] * len(prompts))
+        if state.speculative:
             c = self.head.config
-            head_cache = HeadKVCache(len(prompts), c.num_key_value_heads, c.head_dim, device=device,
-                                     dtype=target.dtype)
-        new_tokens, reasons = [], []
+            new.head_cache = HeadKVCache(len(prompts), c.num_key_value_heads, c.head_dim, device=device,
+                                         dtype=target.dtype)
+        new_tokens = []
         for b, f in enumerate(first):
-            emitted, reason = self._emit(tokens[b], produced, b, [f], sampling, stop_ids)
+            emitted, new.reasons[b] = self._emit(new, b, [f])
             new_tokens.append(emitted)
-            reasons.append(reason)
+        state.merge(new)
         _sync(device)
         ms = 1e3 * (time.perf_counter() - t0)
-        yield StepOutput(list(seq_ids), new_tokens, reasons, [0] * len(seq_ids), [0] * len(seq_ids), 0, 0.0, 0.0,
-                         ms, ms)
+        return StepOutput(list(ids), new_tokens, list(new.reasons), [0] * len(ids), [0] * len(ids), 0, 0.0, 0.0,
+                          ms, ms)
 
-        while True:
-            keep = [i for i, r in enumerate(reasons) if r is None]
-            if not keep:
-                return
-            if len(keep) < len(seq_ids):
-                sel = torch.tensor(keep, device=device)
-                seq_ids = [seq_ids[i] for i in keep]
-                tokens = [tokens[i] for i in keep]
-                produced = [produced[i] for i in keep]
-                pend_next = [pend_next[i] for i in keep]
-                cache.select(sel)
-                pend_taps, pend_pos, pend_last = pend_taps[sel], pend_pos[sel], pend_last[sel]
-                if head_cache is not None:
-                    head_cache.select(sel)
-            b_size = len(seq_ids)
-            t_step = time.perf_counter()
-
-            # draft + tree search ---------------------------------------------
-            draft_ms = search_ms = 0.0
-            if speculative:
-                t0 = time.perf_counter()
-                topk_ids, topk_probs = self._draft(pend_taps, pend_next, pend_pos, pend_last, head_cache)
-                _sync(device)
-                draft_ms = 1e3 * (time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                trees = self.tree_search.search(topk_ids, topk_probs, [np.asarray(t, dtype=np.int64) for t in tokens],
-                                                self.search_params)
-                search_ms = 1e3 * (time.perf_counter() - t0)
-                if self.budget is not None:
-                    chosen = [self.budget.select(tr, topk_ids[i], topk_probs[i]) for i, tr in enumerate(trees)]
-                    trees = [tr for tr, _ in chosen]
-                    predicted = [pr for _, pr in chosen]
-            else:
-                trees = _root_only(tokens)
-            # never draft past max_new_tokens or the context window
-            trees = [_clip_depth(tr, min(sampling.max_new_tokens - produced[i] - 1,
-                                         target.max_context - len(tokens[i])))
-                     for i, tr in enumerate(trees)]
-
-            # verify ------------------------------------------------------------
+    def _step(self, state: "_BatchState", speculative: bool) -> StepOutput:
+        """One draft → tree search → verify → accept step for every running sequence."""
+        target, device = self.target, self.target.device
+        b_size = len(state.seq_ids)
+        t_step = time.perf_counter()
+        draft_ms = search_ms = 0.0
+        if speculative:
             t0 = time.perf_counter()
-            n = max(tr.num_nodes for tr in trees)
-            node_tokens = torch.zeros(b_size, n, dtype=torch.long)
-            depths = torch.zeros(b_size, n, dtype=torch.long)
-            tree_mask = torch.eye(n, dtype=torch.bool).repeat(b_size, 1, 1)  # padding nodes see themselves
-            for i, tr in enumerate(trees):
-                m = tr.num_nodes
-                node_tokens[i, :m] = torch.from_numpy(tr.tokens)
-                depths[i, :m] = torch.from_numpy(tr.depths.astype(np.int64))
-                tree_mask[i, :m, :m] = torch.from_numpy(tr.tree_mask)
-            node_tokens, depths, tree_mask = node_tokens.to(device), depths.to(device), tree_mask.to(device)
-            padded_len = cache.padded_length
-            mask = cache_mask(cache.lengths, padded_len, tree_mask, target.dtype)
-            out = target.forward(node_tokens, cache.lengths[:, None] + depths, mask, cache)
-            accepted = self._accept(trees, out.logits, sampling, generator)
-            a_max = max(len(acc.path) for acc in accepted)
-            path = torch.zeros(b_size, a_max, dtype=torch.long)
-            for i, acc in enumerate(accepted):
-                path[i, : len(acc.path)] = torch.tensor(acc.path)
-            path = path.to(device)
-            counts = torch.tensor([len(acc.path) for acc in accepted], device=device)
-            old_lengths = cache.lengths
-            cache.compact(padded_len + path, counts)
-            # the accepted positions feed the next draft
-            pend_taps = out.taps.gather(1, path[..., None].expand(-1, -1, out.taps.shape[-1]))
-            pend_pos = old_lengths[:, None] + torch.arange(a_max, device=device)[None, :]
-            pend_last = counts - 1
-            pend_next, new_tokens, reasons, acc_lens = [], [], [], []
-            for i, (tr, acc) in enumerate(zip(trees, accepted)):
-                drafted = [int(tr.tokens[j]) for j in acc.path[1:]]
-                if speculative and self.budget is not None:
-                    self.budget.observe(predicted[i], len(drafted), draft_ms + search_ms)
-                pend_next.append(drafted + [acc.bonus])
-                emitted, reason = self._emit(tokens[i], produced, i, drafted + [acc.bonus], sampling, stop_ids)
-                new_tokens.append(emitted)
-                reasons.append(reason)
-                acc_lens.append(len(drafted) + 1)
+            topk_ids, topk_probs = self._draft(state.pend_taps, state.pend_next, state.pend_pos, state.pend_count - 1,
+                                               state.head_cache)
+            state.clear_pending()
             _sync(device)
-            verify_ms = 1e3 * (time.perf_counter() - t0)
-            yield StepOutput(list(seq_ids), new_tokens, reasons, acc_lens, [tr.num_nodes - 1 for tr in trees], n,
-                             draft_ms, search_ms, verify_ms, 1e3 * (time.perf_counter() - t_step))
+            draft_ms = 1e3 * (time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            trees = self.tree_search.search(topk_ids, topk_probs, [np.asarray(t, dtype=np.int64) for t in state.tokens],
+                                            self.search_params)
+            search_ms = 1e3 * (time.perf_counter() - t0)
+            if self.budget is not None:
+                chosen = [self.budget.select(tr, topk_ids[i], topk_probs[i]) for i, tr in enumerate(trees)]
+                trees = [tr for tr, _ in chosen]
+                predicted = [pr for _, pr in chosen]
+        else:
+            trees = _root_only(state.tokens)
+        # never draft past max_new_tokens or the context window
+        trees = [_clip_depth(tr, min(state.samplings[i].max_new_tokens - state.produced[i] - 1,
+                                     target.max_context - len(state.tokens[i])))
+                 for i, tr in enumerate(trees)]
+
+        # verify ------------------------------------------------------------
+        t0 = time.perf_counter()
+        cache = state.cache
+        n = max(tr.num_nodes for tr in trees)
+        node_tokens = torch.zeros(b_size, n, dtype=torch.long)
+        depths = torch.zeros(b_size, n, dtype=torch.long)
+        tree_mask = torch.eye(n, dtype=torch.bool).repeat(b_size, 1, 1)  # padding nodes see themselves
+        for i, tr in enumerate(trees):
+            m = tr.num_nodes
+            node_tokens[i, :m] = torch.from_numpy(tr.tokens)
+            depths[i, :m] = torch.from_numpy(tr.depths.astype(np.int64))
+            tree_mask[i, :m, :m] = torch.from_numpy(tr.tree_mask)
+        node_tokens, depths, tree_mask = node_tokens.to(device), depths.to(device), tree_mask.to(device)
+        padded_len = cache.padded_length
+        mask = cache_mask(cache.lengths, padded_len, tree_mask, target.dtype)
+        out = target.forward(node_tokens, cache.lengths[:, None] + depths, mask, cache)
+        accepted = self._accept(trees, out.logits, state.samplings, state.generators)
+        a_max = max(len(acc.path) for acc in accepted)
+        path = torch.zeros(b_size, a_max, dtype=torch.long)
+        for i, acc in enumerate(accepted):
+            path[i, : len(acc.path)] = torch.tensor(acc.path)
+        path = path.to(device)
+        counts = torch.tensor([len(acc.path) for acc in accepted], device=device)
+        old_lengths = cache.lengths
+        cache.compact(padded_len + path, counts)
+        new_tokens, acc_lens, nexts = [], [], []
+        for i, (tr, acc) in enumerate(zip(trees, accepted)):
+            drafted = [int(tr.tokens[j]) for j in acc.path[1:]]
+            if speculative and self.budget is not None:
+                self.budget.observe(predicted[i], len(drafted), draft_ms + search_ms)
+            nexts.append(drafted + [acc.bonus])
+            emitted, state.reasons[i] = self._emit(state, i, drafted + [acc.bonus])
+            new_tokens.append(emitted)
+            acc_lens.append(len(drafted) + 1)
+        if state.speculative:  # the accepted positions feed the next draft
+            state.add_pending(out.taps.gather(1, path[..., None].expand(-1, -1, out.taps.shape[-1])),
+                              old_lengths[:, None] + torch.arange(a_max, device=device)[None, :], counts, nexts)
+        _sync(device)
+        verify_ms = 1e3 * (time.perf_counter() - t0)
+        return StepOutput(list(state.seq_ids), new_tokens, list(state.reasons), acc_lens,
+                          [tr.num_nodes - 1 for tr in trees], n, draft_ms, search_ms, verify_ms,
+                          1e3 * (time.perf_counter() - t_step))
 
     # -- internals ----------------------------------------------------------
 
@@ -294,26 +330,31 @@ class DartEngine:
             if len(p) >= self.target.max_context:
                 raise ValueError(f"prompt {i} has {len(p)} tokens; the target's context is {self.target.max_context}")
 
-    def _emit(self, seq: list[int], produced: list[int], i: int, candidates: list[int], sampling: SamplingParams,
-              stop_ids: set[int]) -> tuple[list[int], str | None]:
-        """Appends tokens to seq until a stop token, max_new_tokens or the context limit."""
+    def _emit(self, state: "_BatchState", i: int, candidates: list[int]) -> tuple[list[int], str | None]:
+        """Appends tokens to sequence i until a stop token, max_new_tokens or the context limit."""
+        sampling = state.samplings[i]
+        stop_ids = () if sampling.ignore_eos else sampling.stop_token_ids
+        seq = state.tokens[i]
         out: list[int] = []
         for tok in candidates:
             seq.append(tok)
             out.append(tok)
-            produced[i] += 1
+            state.produced[i] += 1
             if tok in stop_ids:
                 return out, "stop"
-            if produced[i] >= sampling.max_new_tokens or len(seq) >= self.target.max_context:
+            if state.produced[i] >= sampling.max_new_tokens or len(seq) >= self.target.max_context:
                 return out, "length"
         return out, None
 
-    def _sample_rows(self, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> list[int]:
-        """[B, V] logits -> one token per row (argmax at temperature 0)."""
-        if sampling.greedy:
-            return logits.argmax(-1).tolist()
-        probs = target_probs(logits, sampling).double().cpu()
-        return torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()
+    def _sample_rows(self, logits: torch.Tensor, samplings: list[SamplingParams],
+                     generators: list[torch.Generator]) -> list[int]:
+        """[B, V] logits -> one token per row (argmax at temperature 0), each row with its own parameters."""
+        out = logits.argmax(-1).tolist()
+        for i, s in enumerate(samplings):
+            if not s.greedy:
+                probs = target_probs(logits[i], s).double().cpu()
+                out[i] = int(torch.multinomial(probs, 1, generator=generators[i])[0])
+        return out
 
     @torch.inference_mode()
     def _draft(self, taps, next_tokens: list[list[int]], positions, last_index, head_cache: HeadKVCache):
@@ -333,10 +374,122 @@ class DartEngine:
         ids = head.draft_to_target(idx)
         return ids.cpu().numpy().astype(np.int64), probs.cpu().numpy().astype(np.float32)
 
-    def _accept(self, trees: list[DraftTree], logits: torch.Tensor, sampling: SamplingParams,
-                generator: torch.Generator) -> list[Acceptance]:
-        if sampling.greedy:
-            argmax = logits.argmax(-1).cpu().numpy()  # [B, N]
-            return [accept_greedy(tr.tokens, tr.parents, argmax[i]) for i, tr in enumerate(trees)]
-        return [accept_sampling(tr.tokens, tr.parents, logits[i, : tr.num_nodes], sampling, generator)
+    def _accept(self, trees: list[DraftTree], logits: torch.Tensor, samplings: list[SamplingParams],
+                generators: list[torch.Generator]) -> list[Acceptance]:
+        argmax = logits.argmax(-1).cpu().numpy()  # [B, N]
+        return [accept_greedy(tr.tokens, tr.parents, argmax[i]) if samplings[i].greedy else
+                accept_sampling(tr.tokens, tr.parents, logits[i, : tr.num_nodes], samplings[i], generators[i])
                 for i, tr in enumerate(trees)]
+
+
+@dataclass(frozen=True)
+class NewSequence:
+    """A sequence joining the batch (continuous batching)."""
+
+    prompt: Sequence[int]
+    sampling: SamplingParams
+
+
+def _pad_cat(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
+    """Concatenates along the batch (dim 0) after zero-padding dimension ``dim`` to the longer one."""
+    n = max(a.shape[dim], b.shape[dim])
+
+    def pad(x):
+        if x.shape[dim] == n:
+            return x
+        shape = list(x.shape)
+        shape[dim] = n - x.shape[dim]
+        return torch.cat([x, x.new_zeros(shape)], dim=dim)
+    return torch.cat([pad(a), pad(b)], dim=0)
+
+
+def _ragged_append(a: torch.Tensor, a_counts: torch.Tensor, b: torch.Tensor, b_counts: torch.Tensor) -> torch.Tensor:
+    """Row r of the result = a[r, :a_counts[r]] then b[r, :b_counts[r]], left-aligned, zero-padded ([B, T, ...])."""
+    rows, t_a, t_b = a.shape[0], a.shape[1], b.shape[1]
+    total = a_counts + b_counts
+    width = int(total.max()) if rows else 0
+    both = torch.cat([a, b], dim=1)
+    j = torch.arange(width, device=a.device)[None, :].expand(rows, width)
+    src = torch.where(j < a_counts[:, None], j, t_a + j - a_counts[:, None]).clamp(max=t_a + t_b - 1)
+    idx = src.reshape(rows, width, *([1] * (a.dim() - 2))).expand(rows, width, *a.shape[2:])
+    return both.gather(1, idx)
+
+
+@dataclass
+class _BatchState:
+    """Everything about the running sequences, row-aligned (continuous batching merges and drops rows)."""
+
+    seq_ids: list[int]
+    tokens: list[list[int]]  # prompt + generated; tokens[b][-1] is the root, not yet cached
+    produced: list[int]
+    samplings: list[SamplingParams]
+    generators: list[torch.Generator]
+    cache: TargetCache | None
+    # draft-head inputs not yet fed to the head: taps [B, P, 3H], positions [B, P],
+    # valid counts [B], and the next token of each pending position
+    pend_taps: torch.Tensor | None
+    pend_next: list[list[int]]
+    pend_pos: torch.Tensor | None
+    pend_count: torch.Tensor | None
+    head_cache: HeadKVCache | None
+    reasons: list[str | None]
+    speculative: bool = False
+
+    @classmethod
+    def empty(cls, engine: DartEngine, speculative: bool) -> "_BatchState":
+        return cls([], [], [], [], [], None, None, [], None, None, None, [], speculative)
+
+    def merge(self, new: "_BatchState") -> None:
+        if not self.seq_ids:
+            speculative = self.speculative
+            self.__dict__.update(new.__dict__)
+            self.speculative = speculative
+            return
+        self.seq_ids += new.seq_ids
+        self.tokens += new.tokens
+        self.produced += new.produced
+        self.samplings += new.samplings
+        self.generators += new.generators
+        self.reasons += new.reasons
+        old, nc = self.cache, new.cache
+        for lo, ln in zip(old.cache.layers, nc.cache.layers):
+            lo.keys, lo.values = _pad_cat(lo.keys, ln.keys, 2), _pad_cat(lo.values, ln.values, 2)
+        old.lengths = torch.cat([old.lengths, nc.lengths])
+        if self.speculative:
+            self.pend_taps = _pad_cat(self.pend_taps, new.pend_taps, 1)
+            self.pend_pos = _pad_cat(self.pend_pos, new.pend_pos, 1)
+            self.pend_count = torch.cat([self.pend_count, new.pend_count])
+            self.pend_next += new.pend_next
+            h, hn = self.head_cache, new.head_cache
+            h.keys, h.values = _pad_cat(h.keys, hn.keys, 2), _pad_cat(h.values, hn.values, 2)
+            h.lengths = torch.cat([h.lengths, hn.lengths])
+
+    def keep(self, rows: list[int]) -> None:
+        """Keeps the given rows (finished or cancelled sequences leave)."""
+        if len(rows) == len(self.seq_ids):
+            return
+        for name in ("seq_ids", "tokens", "produced", "samplings", "generators", "reasons", "pend_next"):
+            setattr(self, name, [getattr(self, name)[i] for i in rows])
+        if not rows:
+            self.cache = self.head_cache = self.pend_taps = self.pend_pos = self.pend_count = None
+            return
+        sel = torch.tensor(rows, device=self.cache.lengths.device)
+        self.cache.select(sel)
+        if self.speculative:
+            self.head_cache.select(sel)
+            self.pend_taps, self.pend_pos, self.pend_count = self.pend_taps[sel], self.pend_pos[sel], self.pend_count[sel]
+
+    def clear_pending(self) -> None:
+        b = len(self.seq_ids)
+        self.pend_taps = self.pend_taps[:, :0]
+        self.pend_pos = self.pend_pos[:, :0]
+        self.pend_count = torch.zeros(b, dtype=torch.long, device=self.pend_count.device)
+        self.pend_next = [[] for _ in range(b)]
+
+    def add_pending(self, taps: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor,
+                    nexts: list[list[int]]) -> None:
+        """Appends each row's newly accepted positions (taps [B, A, 3H], positions [B, A], counts [B])."""
+        self.pend_taps = _ragged_append(self.pend_taps, self.pend_count, taps, counts)
+        self.pend_pos = _ragged_append(self.pend_pos, self.pend_count, positions, counts)
+        self.pend_count = self.pend_count + counts
+        self.pend_next = [a + b for a, b in zip(self.pend_next, nexts)]

@@ -164,3 +164,47 @@ def test_sampling_is_reproducible_with_a_seed():
     a = engine.generate([[1, 2, 3], [4, 5]], sp).token_ids
     b = engine.generate([[1, 2, 3], [4, 5]], sp).token_ids
     assert a == b
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_continuous_batching_joins_leaves_and_stays_exact(arch):
+    """Sequences join a running batch at later steps, one is cancelled, steps above
+    max_speculative_batch run autoregressively, sampled and greedy rows share the
+    batch: every greedy output still equals transformers' generate."""
+    target = tiny_target(arch, seed=5)
+    rng = np.random.default_rng(5)
+    prompts = prompts_of(rng, [4, 9, 2, 6, 3])
+    truth = [hf_greedy(target, p, 30) for p in prompts]
+    oracle = OracleTreeSearch([p + t for p, t in zip(prompts, truth)], depth=5, seed=1)
+    engine = DartEngine(target, random_head(target), oracle, SearchParams(top_k=10, beam_width=6, budget=16))
+    greedy = SamplingParams(max_new_tokens=30)
+    sampled = SamplingParams(temperature=1.0, seed=3, max_new_tokens=30)
+    schedule = {2: [(prompts[1], greedy), (prompts[2], sampled)], 4: [(prompts[3], greedy)], 6: [(prompts[4], greedy)]}
+    calls = {"n": 0}
+
+    def admit():
+        calls["n"] += 1
+        from dart_core.engine import NewSequence
+        return [NewSequence(p, s) for p, s in schedule.pop(calls["n"], [])]
+
+    cancelled = set()
+    out: dict[int, list[int]] = {}
+    reasons: dict[int, str] = {}
+    batch_sizes = []
+    for step in engine.generate_stream([prompts[0]], greedy, admit=admit, cancelled=cancelled,
+                                       max_speculative_batch=3):
+        if step.accepted_lengths and max(step.accepted_lengths):  # a decoding step, not a prefill
+            batch_sizes.append((len(step.seq_ids), max(step.draft_nodes)))
+        for sid, toks, reason in zip(step.seq_ids, step.new_tokens, step.finish_reasons):
+            out.setdefault(sid, []).extend(toks)
+            if reason:
+                reasons[sid] = reason
+        if len(out.get(3, [])) >= 4:
+            cancelled.add(3)  # seq 3 (prompts[3]) is cancelled after a few tokens
+    assert reasons == {0: "length", 1: "length", 2: "length", 3: "cancelled", 4: "length"}
+    assert out[0] == truth[0] and out[1] == truth[1] and out[4] == truth[4]
+    assert out[3] == truth[3][: len(out[3])] and len(out[3]) < 30
+    assert len(out[2]) == 30
+    assert max(b for b, _ in batch_sizes) >= 4  # sequences joined a running batch
+    assert all(nodes == 0 for b, nodes in batch_sizes if b > 3)  # autoregressive above max_speculative_batch
+    assert any(nodes > 0 for b, nodes in batch_sizes if b <= 3)
