@@ -9,18 +9,21 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).parent
-PROTO_PACKAGE = "ngram_service/_proto"  # generated stubs land here (not committed)
+PROTO_PACKAGES = {  # generated stubs land here (not committed)
+    "ngram.proto": "ngram_service/_proto",  # internal tree-search RPC
+    "dart.proto": "deployments/_proto",  # public generation API (Serve gRPC proxy)
+}
 
 
 def generate_grpc_stubs() -> None:
-    """protos/*.proto -> ngram_service/_proto/*_pb2(_grpc).py with package-qualified imports."""
-    out = ROOT / PROTO_PACKAGE
-    out.mkdir(exist_ok=True)
-    (out / "__init__.py").write_text('"""gRPC stubs generated from protos/ at build time."""\n')
-    protos = sorted(str(p.relative_to(ROOT / "protos")) for p in (ROOT / "protos").glob("*.proto"))
-    cmd = [sys.executable, "-m", "grpc_tools.protoc", f"--proto_path={PROTO_PACKAGE}=protos",
-           "--python_out=.", "--grpc_python_out=.", "--pyi_out=.", *[f"{PROTO_PACKAGE}/{p}" for p in protos]]
-    subprocess.run(cmd, cwd=ROOT, check=True)
+    """protos/X.proto -> <package>/_proto/X_pb2(_grpc).py with package-qualified imports."""
+    for proto, package in PROTO_PACKAGES.items():
+        out = ROOT / package
+        out.mkdir(exist_ok=True)
+        (out / "__init__.py").write_text('"""gRPC stubs generated from protos/ at build time."""\n')
+        cmd = [sys.executable, "-m", "grpc_tools.protoc", f"--proto_path={package}=protos",
+               "--python_out=.", "--grpc_python_out=.", "--pyi_out=.", f"{package}/{proto}"]
+        subprocess.run(cmd, cwd=ROOT, check=True)
 
 
 class BuildPyWithStubs(build_py):

@@ -297,3 +297,29 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def ensure_default_trie(model: str | None = None, *, order: int = 3, progress: bool = True) -> Path:
+    """The default trie of a model (``default`` corpus), built on first use and cached.
+
+    Concurrent callers on one machine wait for a single build (file lock); the
+    file appears atomically, so a half-written trie is never opened.
+    """
+    import fcntl
+
+    from dart_core.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    path = default_trie_path(tokenizer.dart_model_name, "default", order)
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.is_file():
+            partial = path.with_suffix(".partial")
+            logger.info("building the default trie %s (first start only; a few minutes)", path)
+            build_trie_from_texts(iter_corpus("default"), partial, tokenizer, corpus_name="default", order=order,
+                                  progress=progress)
+            os.replace(partial, path)
+    return path
