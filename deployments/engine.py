@@ -133,12 +133,12 @@ class DartEngineDeployment:
         from dart_core.sampling import SamplingParams
 
         cfg = self.cfg
-        max_tokens = request.get("max_tokens") or cfg.default_max_tokens
-        if max_tokens > cfg.max_tokens_limit:
-            raise InvalidRequest(f"max_tokens {max_tokens} is above this server's limit of {cfg.max_tokens_limit}")
         room = self.max_context - prompt_len
         if room < 1:
             raise InvalidRequest(f"the prompt has {prompt_len} tokens; the model's context is {self.max_context}")
+        max_tokens = request.get("max_tokens") or min(cfg.default_max_tokens, cfg.max_tokens_limit)
+        if max_tokens > cfg.max_tokens_limit:
+            raise InvalidRequest(f"max_tokens {max_tokens} is above this server's limit of {cfg.max_tokens_limit}")
         eos = self.tokenizer.eos_token_id
         try:
             return SamplingParams(temperature=request.get("temperature", 0.0) or 0.0,
@@ -168,6 +168,7 @@ class DartEngineDeployment:
             raise InvalidRequest("the prompt is empty")
         sampling = self._sampling(request, len(ids))
         stops = [s for s in (request.get("stop") or []) if s]
+        hold = max((len(s) for s in stops), default=1) - 1
         loop = asyncio.get_running_loop()
         req = _Request(ids, sampling, loop, asyncio.Queue())
         self._incoming.put(req)
@@ -189,13 +190,15 @@ class DartEngineDeployment:
                 full = self.tokenizer.decode(generated, skip_special_tokens=True)
                 if full.endswith("\ufffd") and reason is None:
                     continue  # an incomplete UTF-8 sequence: wait for the next step
-                delta = full[len(text):]
                 stop_at = _find_stop(full, stops, len(text))
                 if stop_at is not None:
-                    delta, reason = full[len(text):stop_at], "stop"
+                    full, reason = full[:stop_at], "stop"
                     req.cancelled = True
-                text += delta
                 done = reason not in (None, "prefill")
+                # hold back a tail that could be the start of a stop string still to come
+                end = len(full) if done else max(len(text), len(full) - hold)
+                delta = full[len(text):end]
+                text += delta
                 yield {"text": delta, "token_ids": list(toks), "finish_reason": reason if done else None,
                        "completion_tokens": len(generated), "tau": round(accepted / max(steps, 1), 3),
                        "steps": steps}

@@ -115,6 +115,14 @@ def _grpc_response(pb, text: str, item: dict, prompt_tokens: int):
                                dart=pb.DartStats(tau=item.get("tau", 0.0), steps=item.get("steps", 0)))
 
 
+def _cause_message(e: BaseException) -> str:
+    """The message of the exception a deployment raised (without Ray's remote traceback)."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException) and cause is not e:
+        return _cause_message(cause)
+    return str(e.args[0]) if e.args else str(e)
+
+
 def _choice(chat: bool, text: str, finish_reason, *, full: bool) -> dict:
     if not chat:
         return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
@@ -194,7 +202,7 @@ class OpenAIIngress:
         try:
             head = await stream.__anext__()  # validation happens before the first item
         except InvalidRequest as e:
-            raise APIError(400, str(e)) from None
+            raise APIError(400, _cause_message(e)) from None
         except BackPressureError:
             raise APIError(503, "the server is at capacity; retry shortly", "server_busy",
                            headers={"Retry-After": "1"}) from None
@@ -252,7 +260,7 @@ class OpenAIIngress:
         except InvalidRequest as e:  # the code set on the context is what the client gets
             if context is not None:
                 context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
-                context.set_details(str(e))
+                context.set_details(_cause_message(e))
             raise
         except BackPressureError:
             if context is not None:
