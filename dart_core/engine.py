@@ -451,6 +451,7 @@ class _BatchState:
         self.samplings += new.samplings
         self.generators += new.generators
         self.reasons += new.reasons
+        self.pend_next += new.pend_next
         old, nc = self.cache, new.cache
         for lo, ln in zip(old.cache.layers, nc.cache.layers):
             lo.keys, lo.values = _pad_cat(lo.keys, ln.keys, 2), _pad_cat(lo.values, ln.values, 2)
@@ -459,7 +460,6 @@ class _BatchState:
             self.pend_taps = _pad_cat(self.pend_taps, new.pend_taps, 1)
             self.pend_pos = _pad_cat(self.pend_pos, new.pend_pos, 1)
             self.pend_count = torch.cat([self.pend_count, new.pend_count])
-            self.pend_next += new.pend_next
             h, hn = self.head_cache, new.head_cache
             h.keys, h.values = _pad_cat(h.keys, hn.keys, 2), _pad_cat(h.values, hn.values, 2)
             h.lengths = torch.cat([h.lengths, hn.lengths])

@@ -25,7 +25,7 @@ logger = logging.getLogger("ray.serve")
 
 
 @serve.deployment(name="NgramService", num_replicas=1, max_ongoing_requests=64, health_check_period_s=5,
-                  ray_actor_options={"num_cpus": 1})
+                  ray_actor_options={"num_cpus": 0.5})
 class NgramService:
     def __init__(self, config: dict, model: str | None = None) -> None:
         import ray

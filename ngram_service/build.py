@@ -309,10 +309,12 @@ def ensure_default_trie(model: str | None = None, *, order: int = 3, progress: b
 
     from dart_core.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(model)
-    path = default_trie_path(tokenizer.dart_model_name, "default", order)
-    if path.is_file():
+    from dart_core.tokenizer import resolve_model
+
+    path = default_trie_path(resolve_model(model).name, "default", order)
+    if path.is_file():  # the usual case: no tokenizer to load
         return path
+    tokenizer = load_tokenizer(model)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

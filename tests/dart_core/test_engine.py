@@ -166,8 +166,8 @@ def test_sampling_is_reproducible_with_a_seed():
     assert a == b
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_continuous_batching_joins_leaves_and_stays_exact(arch):
+@pytest.mark.parametrize("arch, speculative", [("llama", True), ("qwen3", True), ("llama", False)])
+def test_continuous_batching_joins_leaves_and_stays_exact(arch, speculative):
     """Sequences join a running batch at later steps, one is cancelled, steps above
     max_speculative_batch run autoregressively, sampled and greedy rows share the
     batch: every greedy output still equals transformers' generate."""
@@ -192,7 +192,7 @@ def test_continuous_batching_joins_leaves_and_stays_exact(arch):
     reasons: dict[int, str] = {}
     batch_sizes = []
     for step in engine.generate_stream([prompts[0]], greedy, admit=admit, cancelled=cancelled,
-                                       max_speculative_batch=3):
+                                       max_speculative_batch=3, speculative=speculative):
         if step.accepted_lengths and max(step.accepted_lengths):  # a decoding step, not a prefill
             batch_sizes.append((len(step.seq_ids), max(step.draft_nodes)))
         for sid, toks, reason in zip(step.seq_ids, step.new_tokens, step.finish_reasons):
@@ -207,4 +207,4 @@ def test_continuous_batching_joins_leaves_and_stays_exact(arch):
     assert len(out[2]) == 30
     assert max(b for b, _ in batch_sizes) >= 4  # sequences joined a running batch
     assert all(nodes == 0 for b, nodes in batch_sizes if b > 3)  # autoregressive above max_speculative_batch
-    assert any(nodes > 0 for b, nodes in batch_sizes if b <= 3)
+    assert any(nodes > 0 for b, nodes in batch_sizes if b <= 3) == speculative
