@@ -188,3 +188,28 @@ def test_killing_the_ngram_replica_fails_no_request(app):
     fb = engine.stats.remote().result()["ngram_fallbacks"]
     run(1)
     assert engine.stats.remote().result()["ngram_fallbacks"] == fb
+
+
+def test_smollm2_app_serves_the_targets_greedy_text(app, smollm2):
+    """The embedded default model behind the same app (second application on the
+    cluster, random head so every step drafts and verifies a tree)."""
+    from deployments.app import build_app
+
+    serve.run(build_app({"head": "random", "budget": 4, "ngram": {"enabled": False}}), name="smol",
+              route_prefix="/smol")
+    try:
+        from openai import OpenAI
+
+        c = OpenAI(base_url=f"{HTTP}/smol/v1", api_key="unused", max_retries=0)
+        msgs = [{"role": "user", "content": "Give me three tips for writing clear technical documentation."}]
+        ids = smollm2.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt",
+                                                    return_dict=True)
+        ref = smollm2.model.generate(**ids, max_new_tokens=48, do_sample=False)
+        want = smollm2.tokenizer.decode(ref[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+        out = c.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=48, temperature=0)
+        assert out.choices[0].message.content == want
+        streamed = c.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=48,
+                                             temperature=0, stream=True)
+        assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == want
+    finally:
+        serve.delete("smol")
