@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from dart_core.kv_cache import cache_mask, compact_
-from dart_core.tokenizer import load_tokenizer, resolve_model
+from dart_core.tokenizer import converted_cache, load_tokenizer, resolve_model, save_converted
 
 logger = logging.getLogger(__name__)
 
@@ -90,9 +90,16 @@ class TargetModel:
         """
         source = resolve_model(spec)
         logger.info("loading target %s from %s (%s)", source.name, source.folder, dtype)
-        model = AutoModelForCausalLM.from_pretrained(
-            source.folder, dtype=dtype, device_map=device_map, attn_implementation="sdpa",
-            **source.from_pretrained_kwargs())
+        cached = converted_cache(source, "model")
+        if cached is not None and (cached / "config.json").is_file():
+            model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype, device_map=device_map,
+                                                         attn_implementation="sdpa")
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                source.folder, dtype=dtype, device_map=device_map, attn_implementation="sdpa",
+                **source.from_pretrained_kwargs())
+            if cached is not None and dtype == torch.float32 and device_map is None:
+                save_converted(model, cached)  # the de-quantised fp32 weights, loaded in seconds next time
         if device_map is None:
             model = model.to(device)
         return cls(model, load_tokenizer(spec))

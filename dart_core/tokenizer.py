@@ -68,13 +68,60 @@ def resolve_model(spec: str | None = None) -> ModelSource:
     raise FileNotFoundError(f"model {spec!r} is neither {DEFAULT_MODEL!r}, a local model folder nor a .gguf file")
 
 
+def converted_cache(source: ModelSource, part: str) -> Path | None:
+    """Where the Hugging Face form of a GGUF model's ``part`` ("model" or
+    "tokenizer") is cached, keyed by the GGUF file's size and mtime: reading
+    a GGUF (de-quantising the weights, parsing the vocabulary) takes seconds,
+    loading the converted folder a fraction of that.  None for non-GGUF sources.
+    """
+    if not source.gguf_file:
+        return None
+    import os
+
+    st = (source.folder / source.gguf_file).stat()
+    root = Path(os.environ.get("DART_SERVE_CACHE", Path.home() / ".cache" / "dart-serve"))
+    return root / "models" / f"{source.name}-{st.st_size}-{st.st_mtime_ns}" / part
+
+
+def save_converted(obj, folder: Path) -> None:
+    """``obj.save_pretrained`` into ``folder`` atomically (a temporary sibling renamed into place);
+    a concurrent writer that got there first wins, and a failure only costs the cache."""
+    import shutil
+    import tempfile
+
+    tmp = None
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+        if hasattr(obj, "get_input_embeddings"):  # a model: GGUF-loaded models refuse save_pretrained
+            from safetensors.torch import save_model
+
+            config = obj.config.to_dict()
+            config.pop("quantization_config", None)
+            (tmp / "config.json").write_text(json.dumps(config, indent=2))
+            save_model(obj, str(tmp / "model.safetensors"))
+        else:
+            obj.save_pretrained(tmp)
+        tmp.rename(folder)
+    except Exception as e:  # noqa: BLE001 - the cache is an optimisation; loading already succeeded
+        logger.warning("could not cache the converted model at %s: %s", folder, e)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def load_tokenizer(spec: str | None = None):
     """Loads the (fast) tokenizer of a model spec (see :func:`resolve_model`)."""
     from transformers import AutoTokenizer
 
     source = resolve_model(spec)
-    logger.info("loading tokenizer of %s from %s", source.name, source.folder)
-    tok = AutoTokenizer.from_pretrained(source.folder, **source.from_pretrained_kwargs())
+    cached = converted_cache(source, "tokenizer")
+    if cached is not None and (cached / "tokenizer_config.json").is_file():
+        tok = AutoTokenizer.from_pretrained(cached)
+    else:
+        logger.info("loading tokenizer of %s from %s", source.name, source.folder)
+        tok = AutoTokenizer.from_pretrained(source.folder, **source.from_pretrained_kwargs())
+        if cached is not None:
+            save_converted(tok, cached)
     tok.dart_model_name = source.name
     return tok
 

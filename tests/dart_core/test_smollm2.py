@@ -55,3 +55,22 @@ def test_greedy_equals_autoregressive_and_transformers(smollm2, tmp_path):
         assert hf[0, len(p):].tolist() == out
     assert "prime" in smollm2.tokenizer.decode(ar.token_ids[0]).lower() or "def " in smollm2.tokenizer.decode(
         ar.token_ids[0])
+
+
+def test_converted_gguf_cache_loads_the_same_model(tmp_path, monkeypatch):
+    """The first load of the GGUF default writes its Hugging Face form to the cache; the
+    next load reads it (seconds instead of de-quantising again) with identical logits and vocabulary."""
+    from dart_core.target import TargetModel
+    from dart_core.tokenizer import converted_cache, resolve_model, tokenizer_identity
+
+    monkeypatch.setenv("DART_SERVE_CACHE", str(tmp_path))
+    first = TargetModel.from_pretrained(dtype=torch.float32)
+    cached = converted_cache(resolve_model(None), "model")
+    assert str(cached).startswith(str(tmp_path)) and (cached / "model.safetensors").is_file()
+    second = TargetModel.from_pretrained(dtype=torch.float32)
+    ids = torch.tensor([[1, 504, 2365, 6354, 28]])
+    with torch.no_grad():
+        assert torch.equal(first.model(ids).logits, second.model(ids).logits)
+    assert tokenizer_identity(first.tokenizer) == tokenizer_identity(second.tokenizer)
+    assert second.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == \
+        first.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
