@@ -180,8 +180,7 @@ class DartEngine:
         if len(samplings) != len(prompts):
             raise ValueError(f"{len(samplings)} sampling parameters for {len(prompts)} prompts")
         self._check_prompts(prompts)
-        target, device = self.target, self.target.device
-        state = _BatchState.empty(self, speculative)
+        state = _BatchState.empty(speculative)
         next_id = 0
         pending = [NewSequence(p, s) for p, s in zip(prompts, samplings)]
         while True:
@@ -198,19 +197,13 @@ class DartEngine:
                 yield step
                 state.keep([i for i, r in enumerate(state.reasons) if r is None])
                 continue
-            gone = [i for i, sid in enumerate(state.seq_ids) if sid in cancelled]
+            gone = {i for i, sid in enumerate(state.seq_ids) if sid in cancelled}
             if gone:
-                yield StepOutput([state.seq_ids[i] for i in gone], [[] for _ in gone], ["cancelled"] * len(gone),
-                                 [0] * len(gone), [0] * len(gone), 0, 0.0, 0.0, 0.0, 0.0)
-                state.keep([i for i in range(len(state.seq_ids)) if i not in set(gone)])
-            if not state.seq_ids:
-                if admit is None:
-                    return
-                joining = admit()
-                if not joining:
-                    return
-                pending += joining
-                continue
+                yield StepOutput([state.seq_ids[i] for i in sorted(gone)], [[] for _ in gone],
+                                 ["cancelled"] * len(gone), [0] * len(gone), [0] * len(gone), 0, 0.0, 0.0, 0.0, 0.0)
+                state.keep([i for i in range(len(state.seq_ids)) if i not in gone])
+            if not state.seq_ids:  # nothing runs and admit (called above) brought nothing
+                return
             spec_now = speculative and (max_speculative_batch is None or len(state.seq_ids) <= max_speculative_batch)
             yield self._step(state, spec_now)
             state.keep([i for i, r in enumerate(state.reasons) if r is None])
@@ -436,7 +429,7 @@ class _BatchState:
     speculative: bool = False
 
     @classmethod
-    def empty(cls, engine: DartEngine, speculative: bool) -> "_BatchState":
+    def empty(cls, speculative: bool) -> "_BatchState":
         return cls([], [], [], [], [], None, None, [], None, None, None, [], speculative)
 
     def merge(self, new: "_BatchState") -> None:

@@ -57,6 +57,19 @@ class TargetCache:
             layer.keys, layer.values = layer.keys[rows, :, :t], layer.values[rows, :, :t]
 
 
+def _save_dequantised(model, folder) -> None:
+    """config.json + model.safetensors of a GGUF-loaded model (whose save_pretrained refuses):
+    the de-quantised fp32 weights, loaded in seconds next time (shared tensors written once)."""
+    import json
+
+    from safetensors.torch import save_model
+
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    save_model(model, str(folder / "model.safetensors"))
+
+
 class TargetModel:
     """A Hugging Face causal LM seen as a DART target.
 
@@ -99,7 +112,7 @@ class TargetModel:
                 source.folder, dtype=dtype, device_map=device_map, attn_implementation="sdpa",
                 **source.from_pretrained_kwargs())
             if cached is not None and dtype == torch.float32 and device_map is None:
-                save_converted(model, cached)  # the de-quantised fp32 weights, loaded in seconds next time
+                save_converted(lambda folder: _save_dequantised(model, folder), cached)
         if device_map is None:
             model = model.to(device)
         return cls(model, load_tokenizer(spec))

@@ -18,6 +18,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +84,10 @@ def converted_cache(source: ModelSource, part: str) -> Path | None:
     return root / "models" / f"{source.name}-{st.st_size}-{st.st_mtime_ns}" / part
 
 
-def save_converted(obj, folder: Path) -> None:
-    """``obj.save_pretrained`` into ``folder`` atomically (a temporary sibling renamed into place);
-    a concurrent writer that got there first wins, and a failure only costs the cache."""
+def save_converted(write: Callable[[Path], None], folder: Path) -> None:
+    """Runs ``write(tmp)`` on a temporary sibling of ``folder`` and renames it into place
+    (atomic); a concurrent writer that got there first wins, and any failure only costs
+    the cache (logged), never the load that already succeeded."""
     import shutil
     import tempfile
 
@@ -93,17 +95,9 @@ def save_converted(obj, folder: Path) -> None:
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-        if hasattr(obj, "get_input_embeddings"):  # a model: GGUF-loaded models refuse save_pretrained
-            from safetensors.torch import save_model
-
-            config = obj.config.to_dict()
-            config.pop("quantization_config", None)
-            (tmp / "config.json").write_text(json.dumps(config, indent=2))
-            save_model(obj, str(tmp / "model.safetensors"))
-        else:
-            obj.save_pretrained(tmp)
+        write(tmp)
         tmp.rename(folder)
-    except Exception as e:  # noqa: BLE001 - the cache is an optimisation; loading already succeeded
+    except Exception as e:  # noqa: BLE001 - the cache is an optimisation
         logger.warning("could not cache the converted model at %s: %s", folder, e)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -121,7 +115,7 @@ def load_tokenizer(spec: str | None = None):
         logger.info("loading tokenizer of %s from %s", source.name, source.folder)
         tok = AutoTokenizer.from_pretrained(source.folder, **source.from_pretrained_kwargs())
         if cached is not None:
-            save_converted(tok, cached)
+            save_converted(tok.save_pretrained, cached)
     tok.dart_model_name = source.name
     return tok
 

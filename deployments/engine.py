@@ -84,12 +84,12 @@ class DartEngineDeployment:
         self._grpc = None
         tree_search = None
         if self._ngram is not None:
-            from dart_core.tokenizer import load_tokenizer
             from ngram_service.client import GrpcTreeSearch
 
+            # built at the first search, when self.tokenizer is loaded
             tree_search = _LazyGrpcSearch(lambda: GrpcTreeSearch(
                 resolver=self._resolve_ngram, timeout_ms=cfg.ngram.timeout_ms,
-                vocab_hash=tokenizer_identity(load_tokenizer(cfg.model))[1],
+                vocab_hash=tokenizer_identity(self.tokenizer)[1],
                 auth_token=os.environ.get(cfg.ngram.auth_token_env) or None))
             self._grpc = tree_search
         dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
@@ -117,21 +117,18 @@ class DartEngineDeployment:
         return self._ngram.address.remote().result(timeout_s=5)
 
     def _encode(self, request: dict) -> list[int]:
+        """Token ids as :meth:`DartModel.encode` makes them (chat template for messages, text as is)."""
         if request.get("messages") is not None:
             try:
-                ids = self.tokenizer.apply_chat_template(request["messages"], add_generation_prompt=True,
-                                                         tokenize=True, return_dict=True)["input_ids"]
+                return self.model.encode(request["messages"])
             except Exception as e:  # noqa: BLE001 - a template error is the caller's input
                 raise InvalidRequest(f"messages cannot be rendered with the chat template: {e}") from None
-            return list(ids)
         prompt = request.get("prompt")
         if not isinstance(prompt, str):
             raise InvalidRequest("give a prompt (text) or messages")
-        return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return self.model.encode(prompt)
 
     def _sampling(self, request: dict, prompt_len: int):
-        from dart_core.sampling import SamplingParams
-
         cfg = self.cfg
         room = self.max_context - prompt_len
         if room < 1:
@@ -139,12 +136,10 @@ class DartEngineDeployment:
         max_tokens = request.get("max_tokens") or min(cfg.default_max_tokens, cfg.max_tokens_limit)
         if max_tokens > cfg.max_tokens_limit:
             raise InvalidRequest(f"max_tokens {max_tokens} is above this server's limit of {cfg.max_tokens_limit}")
-        eos = self.tokenizer.eos_token_id
-        try:
-            return SamplingParams(temperature=request.get("temperature", 0.0) or 0.0,
-                                  top_p=request.get("top_p") or 1.0, top_k=request.get("top_k") or 0,
-                                  seed=request.get("seed"), max_new_tokens=min(max_tokens, room),
-                                  stop_token_ids=(eos,) if eos is not None else ())
+        try:  # stop at the model's EOS, as DartModel.generate does
+            return self.model._sampling(min(max_tokens, room), request.get("temperature", 0.0) or 0.0,
+                                        request.get("top_p") or 1.0, request.get("top_k") or 0,
+                                        request.get("seed"), None)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
 
@@ -224,8 +219,6 @@ class DartEngineDeployment:
         return out
 
     def _loop(self) -> None:
-        from dart_core.engine import NewSequence
-
         cfg = self.cfg
         while not self._stop.is_set():
             first = self._take(cfg.max_batch_size, block=True)
@@ -234,7 +227,7 @@ class DartEngineDeployment:
             by_seq: dict[int, _Request] = {}
             order: list[_Request] = []
 
-            def admit() -> list[NewSequence]:
+            def admit():  # -> list[dart_core.engine.NewSequence]
                 joining = self._take(cfg.max_batch_size - self._running, block=False)
                 return self._register(joining, by_seq, order)
 

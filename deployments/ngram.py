@@ -31,15 +31,13 @@ class NgramService:
         import ray
 
         from ngram_service.build import ensure_default_trie
-        from ngram_service.ray_actor import bind_to_numa_node
-        from ngram_service.server import NgramServer
+        from ngram_service.ray_actor import start_pinned_server
 
         cfg = NgramConfig.model_validate(config)
         trie = str(ensure_default_trie(model)) if cfg.trie == "auto" else cfg.trie
-        cpus = bind_to_numa_node(cfg.numa_node)
         self.host = ray.util.get_node_ip_address()
-        self.server = NgramServer(trie, host="0.0.0.0", port=cfg.port, threads=cfg.threads or len(cpus),
-                                  auth_token=os.environ.get(cfg.auth_token_env) or None).start()
+        self.server, _ = start_pinned_server(trie, port=cfg.port, threads=cfg.threads, numa_node=cfg.numa_node,
+                                             auth_token=os.environ.get(cfg.auth_token_env) or None)
         logger.info("n-gram service on %s:%d (trie %s, %d threads)", self.host, self.server.port, trie,
                     self.server.threads)
 

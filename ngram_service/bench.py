@@ -24,7 +24,6 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 

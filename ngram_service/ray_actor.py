@@ -25,7 +25,7 @@ from ngram_service.server import NgramServer
 logger = logging.getLogger(__name__)
 
 __all__ = ["NGRAM_RESOURCE", "ACTOR_NAME", "NAMESPACE", "NgramServiceActor", "start_ngram_service",
-           "resolve_address", "numa_nodes", "bind_to_numa_node"]
+           "resolve_address", "numa_nodes", "bind_to_numa_node", "start_pinned_server"]
 
 NGRAM_RESOURCE = "ngram_host"
 ACTOR_NAME = "dart-ngram-service"
@@ -81,6 +81,21 @@ def bind_to_numa_node(node: int | None = None, sysfs: str | Path = "/sys/devices
     return nodes[node]
 
 
+def start_pinned_server(trie_path: str | None, *, port: int, threads: int | None = None,
+                        numa_node: int | None = None, auth_token: str | None = None) -> tuple[NgramServer, list[int]]:
+    """Binds this process to one NUMA node's CPUs (:func:`bind_to_numa_node`) and starts the
+    server on all interfaces, with as many search threads as that node has CPUs unless
+    ``threads`` is given.  Used by the Ray actor and by the Serve deployment.
+
+    Returns:
+        the started server and the CPUs the process is bound to.
+    """
+    cpus = bind_to_numa_node(numa_node)
+    server = NgramServer(trie_path, host="0.0.0.0", port=port, threads=threads or len(cpus),
+                         auth_token=auth_token).start()
+    return server, cpus
+
+
 @ray.remote(max_restarts=-1, max_task_retries=-1)
 class NgramServiceActor:
     """Runs an :class:`NgramServer` inside a Ray actor on the n-gram host."""
@@ -88,11 +103,9 @@ class NgramServiceActor:
     def __init__(self, trie_path: str | None, port: int = DEFAULT_PORT, threads: int | None = None,
                  numa_node: int | None = None, auth_token: str | None = None) -> None:
         logging.basicConfig(level=logging.INFO)
-        cpus = bind_to_numa_node(numa_node)
         self.node_ip = ray.util.get_node_ip_address()
-        self.server = NgramServer(trie_path, host="0.0.0.0", port=port, threads=threads or len(cpus),
-                                  auth_token=auth_token).start()
-        self.cpus = cpus
+        self.server, self.cpus = start_pinned_server(trie_path, port=port, threads=threads, numa_node=numa_node,
+                                                     auth_token=auth_token)
 
     def address(self) -> str:
         return f"{self.node_ip}:{self.server.port}"

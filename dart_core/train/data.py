@@ -74,6 +74,14 @@ def _done(path: Path) -> set[int]:
     return done
 
 
+def _ends_mid_line(path: Path) -> bool:
+    with open(path, "rb") as f:
+        if f.seek(0, 2) == 0:
+            return False
+        f.seek(-1, 2)
+        return f.read(1) != b"\n"
+
+
 @torch.inference_mode()
 def generate_responses(target, config: DataConfig, folder: str | Path, *, progress: bool = True) -> Path:
     """Answers the training prompts with the target (resumable); returns the JSONL path.
@@ -111,7 +119,7 @@ def generate_responses(target, config: DataConfig, folder: str | Path, *, progre
     bar = tqdm(total=len(todo), desc="self-distilled responses", unit="prompt", disable=not progress)
     new_tokens = 0
     with open(out, "a", encoding="utf-8") as f:
-        if out.stat().st_size and not out.read_bytes().endswith(b"\n"):
+        if _ends_mid_line(out):
             f.write("\n")  # end the line a killed run left unfinished
         for batch in batches:
             width = max(len(ids) for _, ids in batch)

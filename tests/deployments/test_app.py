@@ -18,7 +18,6 @@ import grpc
 import httpx
 import pytest
 import ray
-import torch
 from ray import serve
 from ray.serve.config import gRPCOptions
 from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from dart_core.tokenizer import tokenizer_identity

@@ -6,7 +6,6 @@ returns."""
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
