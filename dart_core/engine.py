@@ -159,7 +159,9 @@ class DartEngine:
             admit: continuous batching: called before every step; the sequences it
                 returns are prefilled and join the running batch (seq_ids continue
                 after the last one given).  The loop ends when no sequence runs and
-                ``admit`` returns none.
+                ``admit`` returns none.  While a sequence that joined with
+                ``NewSequence.speculative=False`` runs, every step is autoregressive
+                (a per-request opt-out, used for A/B comparisons on one server).
             cancelled: seq_ids to drop at the next step (finish reason "cancelled").
             max_speculative_batch: steps with more running sequences than this are
                 plain autoregressive steps (speculation stops paying at large batch);
@@ -204,7 +206,8 @@ class DartEngine:
                 state.keep([i for i in range(len(state.seq_ids)) if i not in gone])
             if not state.seq_ids:  # nothing runs and admit (called above) brought nothing
                 return
-            spec_now = speculative and (max_speculative_batch is None or len(state.seq_ids) <= max_speculative_batch)
+            spec_now = (speculative and all(state.spec_ok)
+                        and (max_speculative_batch is None or len(state.seq_ids) <= max_speculative_batch))
             yield self._step(state, spec_now)
             state.keep([i for i, r in enumerate(state.reasons) if r is None])
 
@@ -224,7 +227,8 @@ class DartEngine:
                           samplings=[x.sampling for x in joining], generators=gens, cache=cache,
                           pend_taps=out.taps, pend_next=[p[1:] + [f] for p, f in zip(prompts, first)],
                           pend_pos=torch.arange(out.taps.shape[1], device=device)[None, :].expand(len(prompts), -1),
-                          pend_count=cache.lengths.clone(), head_cache=None, reasons=[None] * len(prompts))
+                          pend_count=cache.lengths.clone(), head_cache=None, reasons=[None] * len(prompts),
+                          spec_ok=[x.speculative for x in joining])
         if state.speculative:
             c = self.head.config
             new.head_cache = HeadKVCache(len(prompts), c.num_key_value_heads, c.head_dim, device=device,
@@ -381,6 +385,7 @@ class NewSequence:
 
     prompt: Sequence[int]
     sampling: SamplingParams
+    speculative: bool = True  # False: while this sequence runs, every step of the batch is autoregressive
 
 
 def _pad_cat(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
@@ -426,11 +431,12 @@ class _BatchState:
     pend_count: torch.Tensor | None
     head_cache: HeadKVCache | None
     reasons: list[str | None]
+    spec_ok: list[bool]  # per row: may this sequence's steps speculate (NewSequence.speculative)
     speculative: bool = False
 
     @classmethod
     def empty(cls, speculative: bool) -> "_BatchState":
-        return cls([], [], [], [], [], None, None, [], None, None, None, [], speculative)
+        return cls([], [], [], [], [], None, None, [], None, None, None, [], [], speculative)
 
     def merge(self, new: "_BatchState") -> None:
         if not self.seq_ids:
@@ -444,6 +450,7 @@ class _BatchState:
         self.samplings += new.samplings
         self.generators += new.generators
         self.reasons += new.reasons
+        self.spec_ok += new.spec_ok
         self.pend_next += new.pend_next
         old, nc = self.cache, new.cache
         for lo, ln in zip(old.cache.layers, nc.cache.layers):
@@ -461,7 +468,7 @@ class _BatchState:
         """Keeps the given rows (finished or cancelled sequences leave)."""
         if len(rows) == len(self.seq_ids):
             return
-        for name in ("seq_ids", "tokens", "produced", "samplings", "generators", "reasons", "pend_next"):
+        for name in ("seq_ids", "tokens", "produced", "samplings", "generators", "reasons", "spec_ok", "pend_next"):
             setattr(self, name, [getattr(self, name)[i] for i in rows])
         if not rows:
             self.cache = self.head_cache = self.pend_taps = self.pend_pos = self.pend_count = None

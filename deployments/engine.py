@@ -43,6 +43,7 @@ class InvalidRequest(ValueError):
 class _Request:
     prompt_ids: list[int]
     sampling: object  # dart_core.SamplingParams
+    speculative: bool
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
     arrived: float = field(default_factory=time.perf_counter)
@@ -148,7 +149,9 @@ class DartEngineDeployment:
 
         Args:
             request: ``prompt`` (text) or ``messages`` (chat), ``max_tokens``,
-                ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop`` (strings).
+                ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop`` (strings),
+                ``speculative`` (default true; false decodes without speculation, and
+                while the request runs its whole batch steps autoregressively).
 
         Yields:
             first ``{"prompt_tokens": n}``, then per step ``{"text": delta,
@@ -165,7 +168,10 @@ class DartEngineDeployment:
         stops = [s for s in (request.get("stop") or []) if s]
         hold = max((len(s) for s in stops), default=1) - 1
         loop = asyncio.get_running_loop()
-        req = _Request(ids, sampling, loop, asyncio.Queue())
+        speculative = request.get("speculative", True)
+        if not isinstance(speculative, bool):
+            raise InvalidRequest("speculative must be true or false")
+        req = _Request(ids, sampling, speculative, loop, asyncio.Queue())
         self._incoming.put(req)
         self.m_queue.set(self._incoming.qsize())
         yield {"prompt_tokens": len(ids)}
@@ -227,15 +233,14 @@ class DartEngineDeployment:
             by_seq: dict[int, _Request] = {}
             order: list[_Request] = []
 
-            def admit():  # -> list[dart_core.engine.NewSequence]
-                joining = self._take(cfg.max_batch_size - self._running, block=False)
+            def admit():  # -> list[dart_core.engine.NewSequence]; the first call brings the first batch
+                joining = first + self._take(cfg.max_batch_size - self._running - len(first), block=False)
+                first.clear()
                 return self._register(joining, by_seq, order)
 
-            initial = self._register(first, by_seq, order)
             try:
                 for step in self.engine.generate_stream(
-                        [x.prompt for x in initial], [x.sampling for x in initial], admit=admit,
-                        cancelled=_Cancelled(by_seq), speculative=cfg.speculative,
+                        [], [], admit=admit, cancelled=_Cancelled(by_seq), speculative=cfg.speculative,
                         max_speculative_batch=cfg.max_speculative_batch):
                     self._publish(step, by_seq)
             except Exception as e:  # noqa: BLE001 - fail the batch's requests, keep the replica serving
@@ -254,7 +259,7 @@ class DartEngineDeployment:
             self.m_wait.observe(1e3 * (time.perf_counter() - r.arrived))
         self._running += len(reqs)
         self.m_queue.set(self._incoming.qsize())
-        return [NewSequence(r.prompt_ids, r.sampling) for r in reqs]
+        return [NewSequence(r.prompt_ids, r.sampling, r.speculative) for r in reqs]
 
     def _publish(self, step, by_seq: dict[int, _Request]) -> None:
         prefill = not any(step.accepted_lengths)

@@ -60,6 +60,9 @@ class _Common(BaseModel):
     stop: str | list[str] | None = Field(None, description="up to 4 stop strings, not included in the text")
     stream: bool = False
     n: int = Field(1, ge=1, le=1, description="only n = 1 is supported")
+    speculative: bool = Field(True, description="dart-serve extension: false decodes this request without "
+                                                "speculation (A/B comparisons); while it runs, its batch "
+                                                "steps autoregressively")
 
 
 class ChatCompletionRequest(_Common):
@@ -197,7 +200,8 @@ class OpenAIIngress:
         if len(stop) > 4:
             raise APIError(400, "at most 4 stop strings", param="stop")
         payload |= {"max_tokens": body.max_completion_tokens or body.max_tokens, "temperature": body.temperature,
-                    "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed, "stop": stop}
+                    "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed, "stop": stop,
+                    "speculative": body.speculative}
         stream = self.engine.generate.options(stream=True).remote(payload)
         try:
             head = await stream.__anext__()  # validation happens before the first item
@@ -249,7 +253,8 @@ class OpenAIIngress:
 
         payload = {"max_tokens": request.max_tokens or None, "temperature": request.temperature,
                    "top_p": request.top_p or 1.0, "top_k": request.top_k,
-                   "seed": request.seed if request.HasField("seed") else None, "stop": list(request.stop)}
+                   "seed": request.seed if request.HasField("seed") else None, "stop": list(request.stop),
+                   "speculative": request.speculative if request.HasField("speculative") else True}
         if request.messages:
             payload["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
         else:

@@ -307,9 +307,7 @@ def ensure_default_trie(model: str | None = None, *, order: int = 3, progress: b
     """
     import fcntl
 
-    from dart_core.tokenizer import load_tokenizer
-
-    from dart_core.tokenizer import resolve_model
+    from dart_core.tokenizer import load_tokenizer, resolve_model
 
     path = default_trie_path(resolve_model(model).name, "default", order)
     if path.is_file():  # the usual case: no tokenizer to load

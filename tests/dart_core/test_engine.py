@@ -208,3 +208,38 @@ def test_continuous_batching_joins_leaves_and_stays_exact(arch, speculative):
     assert max(b for b, _ in batch_sizes) >= 4  # sequences joined a running batch
     assert all(nodes == 0 for b, nodes in batch_sizes if b > 3)  # autoregressive above max_speculative_batch
     assert any(nodes > 0 for b, nodes in batch_sizes if b <= 3) == speculative
+
+
+def test_a_sequence_that_opts_out_of_speculation_makes_its_batch_autoregressive():
+    """NewSequence(speculative=False) joins at step 2 and leaves after 6 tokens: steps while it
+    runs verify no draft node, speculation resumes after it leaves, every output stays exact."""
+    target = tiny_target("llama", seed=4)
+    rng = np.random.default_rng(4)
+    prompts = prompts_of(rng, [5, 3])
+    truth = [hf_greedy(target, p, 24) for p in prompts]
+    oracle = OracleTreeSearch([p + t for p, t in zip(prompts, truth)], depth=5, seed=2)
+    engine = DartEngine(target, random_head(target), oracle, SearchParams(top_k=10, beam_width=6, budget=16))
+    from dart_core.engine import NewSequence
+
+    joining = {2: [NewSequence(prompts[1], SamplingParams(max_new_tokens=6), speculative=False)]}
+    calls = {"n": 0}
+
+    def admit():
+        calls["n"] += 1
+        return joining.pop(calls["n"], [])
+
+    out: dict[int, list[int]] = {}
+    phases = []  # (is the opted-out sequence running, draft nodes of the step)
+    running_ar = False
+    for step in engine.generate_stream([prompts[0]], SamplingParams(max_new_tokens=24), admit=admit):
+        if step.accepted_lengths and max(step.accepted_lengths):
+            phases.append((running_ar, max(step.draft_nodes)))
+        for sid, toks, reason in zip(step.seq_ids, step.new_tokens, step.finish_reasons):
+            out.setdefault(sid, []).extend(toks)
+            if sid == 1:
+                running_ar = reason is None
+    assert out[0] == truth[0] and out[1] == truth[1][:6]
+    assert any(r for r, _ in phases)
+    assert all(nodes == 0 for r, nodes in phases if r)  # no draft tree while it runs
+    last_ar = max(i for i, (r, _) in enumerate(phases) if r)
+    assert any(nodes > 0 for _, nodes in phases[last_ar + 1:])  # speculation resumes once it has left

@@ -189,6 +189,68 @@ def test_killing_the_ngram_replica_fails_no_request(app):
     assert engine.stats.remote().result()["ngram_fallbacks"] == fb
 
 
+def test_per_request_opt_out_and_the_serving_benchmark(app, reference, tmp_path):
+    """``"speculative": false`` (the benchmark's baseline mode) gives the same greedy text
+    with τ = 1; the serving benchmark sweeps both modes on this app without an error."""
+    from dart_core.bench import serving
+
+    msgs = [{"role": "user", "content": "Say something about rivers."}]
+    out = client().chat.completions.create(model=NAME, messages=msgs, max_tokens=12, temperature=0,
+                                           extra_body={"speculative": False})
+    assert out.choices[0].message.content == reference(msgs, 12)
+    assert out.usage.model_extra["dart"]["tau"] == 1.0
+    bad = httpx.post(f"{HTTP}/v1/chat/completions", json={"model": NAME, "messages": msgs, "speculative": "maybe"})
+    assert bad.status_code == 400 and "speculative" in bad.json()["error"]["message"]
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"Tell me about the number {i}."}) for i in range(5)))
+    cfg = serving.ServingConfig(url=f"{HTTP}/v1", concurrency=[1, 3], requests_per_client=1, max_tokens=8,
+                                dataset=str(prompts))
+    result = serving.run_serving(cfg, progress=False)
+    rows = {(r["concurrency"], r["mode"]): r for r in result["rows"]}
+    assert set(rows) == {(1, "dart"), (1, "no-speculation"), (3, "dart"), (3, "no-speculation")}
+    assert all(r["errors"] == 0 and r["requests"] == r["concurrency"] for r in rows.values())
+    assert all(r["tokens_per_s"] > 0 and r["ttft_ms"]["p50"] is not None for r in rows.values())
+    assert rows[(1, "no-speculation")]["tau_mean"] == 1.0
+    paths = serving.save(result, tmp_path)
+    assert paths["png"].stat().st_size > 0 and "| 3 | no-speculation |" in paths["md"].read_text()
+
+
+def test_api_key_and_full_queue(app):
+    """An app that requires a bearer key (401 without it, in the OpenAI error shape) and
+    whose engine takes one request plus one queued: the rest get 503 with Retry-After,
+    and it serves again once the burst is over."""
+    from deployments.config import AppConfig
+    from deployments.engine import DartEngineDeployment
+    from deployments.ingress import OpenAIIngress
+
+    cfg = AppConfig.model_validate({"model": app["model"], "served_model_name": "guarded", "head": "random",
+                                    "budget": 4, "api_key_env": "DART_TEST_KEY", "ngram": {"enabled": False}})
+    engine = DartEngineDeployment.options(max_ongoing_requests=1, max_queued_requests=1,
+                                          ray_actor_options={"num_cpus": 0.5}).bind(cfg.model_dump(), None)
+    ingress = OpenAIIngress.options(ray_actor_options={
+        "num_cpus": 0.1, "runtime_env": {"env_vars": {"DART_TEST_KEY": "s3cret"}}}).bind(engine, cfg.model_dump())
+    serve.run(ingress, name="guarded", route_prefix="/guarded")
+    try:
+        url = f"{HTTP}/guarded/v1/chat/completions"
+        body = {"model": "guarded", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        for headers in ({}, {"authorization": "Bearer wrong"}):
+            r = httpx.post(url, json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        key = {"authorization": "Bearer s3cret"}
+        assert httpx.post(url, json=body, headers=key, timeout=60).status_code == 200
+
+        long = body | {"max_tokens": 60, "temperature": 0}
+        with cf.ThreadPoolExecutor(8) as pool:
+            replies = list(pool.map(lambda _: httpx.post(url, json=long, headers=key, timeout=120), range(8)))
+        busy = [r for r in replies if r.status_code == 503]
+        assert busy and all(r.status_code in (200, 503) for r in replies)
+        assert all(r.headers.get("retry-after") and r.json()["error"]["code"] == 503 for r in busy)
+        assert httpx.post(url, json=body, headers=key, timeout=60).status_code == 200
+    finally:
+        serve.delete("guarded")
+
+
 def test_smollm2_app_serves_the_targets_greedy_text(app, smollm2):
     """The embedded default model behind the same app (second application on the
     cluster, random head so every step drafts and verifies a tree)."""

@@ -1,0 +1,57 @@
+"""``python -m dart_core.bench``: the decoding benchmark (see :mod:`dart_core.bench.decoding`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from dart_core.bench.decoding import METHODS, DecodingConfig, markdown_table, run_decoding, save
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m dart_core.bench",
+        description="Decoding benchmark: autoregressive, Hugging Face generate and prompt lookup, and DART "
+                    "(without the n-gram term, with the trie in process, through the gRPC service) on the "
+                    "same prompts in one run.")
+    d = DecodingConfig()
+    ap.add_argument("--model", default=d.model, help="model folder or .gguf [embedded SmolLM2-135M-Instruct]")
+    ap.add_argument("--head", default=d.head, help="draft head folder [the head shipped for the model]")
+    ap.add_argument("--trie", default=d.trie, help='trie file, or "auto" (the default trie, built when missing)')
+    ap.add_argument("--datasets", nargs="+", default=d.datasets,
+                    help="mt-bench, humaneval, alpacaeval, or JSONL files of {'prompt'} / MT-Bench {'turns'}")
+    ap.add_argument("--num-prompts", type=int, default=d.num_prompts, help="first N prompts of each dataset")
+    ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    ap.add_argument("--temperature", type=float, default=d.temperature, help="0 (greedy, lossless check) or e.g. 1")
+    ap.add_argument("--repeats", type=int, default=d.repeats, help="timed passes (medians over them)")
+    ap.add_argument("--methods", nargs="+", default=d.methods, choices=METHODS)
+    ap.add_argument("--budget", default=d.budget, help='"auto" (adaptive, as served) or a fixed draft-node count')
+    ap.add_argument("--prompt-lookup-num-tokens", type=int, default=d.prompt_lookup_num_tokens)
+    ap.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--device", default=d.device)
+    ap.add_argument("--threads", type=int, default=d.threads)
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--out", default="bench/results", help="folder for decoding.json/.md/.png")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    fields = {f.name for f in dataclasses.fields(DecodingConfig)}
+    cfg = DecodingConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    try:
+        result = run_decoding(cfg, progress=not args.no_progress)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    paths = save(result, args.out)
+    print(markdown_table(result))
+    print(json.dumps({k: str(v) for k, v in paths.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

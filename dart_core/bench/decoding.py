@@ -1,0 +1,348 @@
+"""Decoding benchmark: DART against its baselines, side by side, in one run.
+
+Methods (all batch 1, same target weights, prompts, max new tokens and temperature):
+
+- ``autoregressive``: the DART engine with ``speculative=False`` (the baseline
+  of every speedup);
+- ``hf-generate``: Hugging Face ``generate`` (greedy, or sampling at T > 0);
+- ``hf-prompt-lookup``: Hugging Face prompt-lookup decoding
+  (``prompt_lookup_num_tokens``);
+- ``dart-no-ngram``: DART with the logits-only tree search (no trie);
+- ``dart``: DART with the n-gram trie searched in this process;
+- ``dart-grpc``: DART with the tree search served by ``ngram_service`` in its
+  own process over gRPC on loopback (the deployment's path).
+
+Protocol: one untimed warm-up generation per method, then ``repeats`` passes;
+within a pass every prompt is decoded by every method back to back, the
+method order rotating from prompt to prompt (so drift in machine speed falls
+on all methods alike).  Per (dataset, method): tokens/s = generated tokens ÷
+wall seconds of the pass, reported as the median over passes; speedup = the
+median over passes of tokens/s ÷ the autoregressive tokens/s of the same pass;
+τ = tokens emitted after prefill ÷ target forwards (bonus included); per-phase
+milliseconds per target forward (draft, tree search, verify, whole step);
+lossless = at T = 0, every prompt's tokens equal the autoregressive tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+__all__ = ["METHODS", "DART_METHODS", "DecodingConfig", "run_decoding", "hardware", "markdown_table", "plot_speedup"]
+
+METHODS = ("autoregressive", "hf-generate", "hf-prompt-lookup", "dart-no-ngram", "dart", "dart-grpc")
+DART_METHODS = ("dart-no-ngram", "dart", "dart-grpc")
+
+
+@dataclass
+class DecodingConfig:
+    """Settings of one decoding-benchmark run (``python -m dart_core.bench --help``)."""
+
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    head: str | None = None  # None: the head shipped for the model
+    trie: str = "auto"  # "auto": the default trie (built when missing), or a file
+    datasets: list[str] = field(default_factory=lambda: ["mt-bench", "humaneval", "alpacaeval"])
+    num_prompts: int = 8  # per dataset
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    repeats: int = 3
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    budget: str = "auto"  # "auto" (adaptive, as served) or a fixed number of draft nodes
+    prompt_lookup_num_tokens: int = 10
+    grpc_timeout_ms: float = 1000.0
+    dtype: str | None = None  # default: bfloat16 on CUDA, float32 on CPU
+    device: str | None = None
+    threads: int | None = None  # torch CPU threads (default: torch's)
+    seed: int = 0
+
+
+@dataclass
+class _Run:
+    tokens: list[int]
+    seconds: float
+    emitted_after_prefill: int = 0
+    sequence_steps: int = 0
+    target_forwards: int = 0
+    phase_ms: dict = field(default_factory=dict)
+
+
+def hardware(device: torch.device | str) -> dict:
+    """What the figures were measured on: CPU model and cores, GPU name, torch version, threads."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    out = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "python": platform.python_version()}
+    if str(device).startswith("cuda"):
+        out["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    try:
+        import transformers
+
+        out["transformers"] = transformers.__version__
+    except ImportError:  # pragma: no cover - a dependency
+        pass
+    return out
+
+
+class _GrpcServer:
+    """``python -m ngram_service.server`` in its own process on a free loopback port."""
+
+    def __init__(self, trie: str | None) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "ngram_service.server", "--port", str(port)] + (["--trie", trie] if trie else [])
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.address = f"127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        for line in self.proc.stdout:  # the server prints "serving on host:port" once it listens
+            if line.startswith("serving on"):
+                break
+            if time.monotonic() > deadline:
+                break
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"the n-gram server did not start ({' '.join(cmd)})")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+class _Bench:
+    def __init__(self, cfg: DecodingConfig) -> None:
+        from dart_core.api import DartModel
+        from dart_core.tokenizer import tokenizer_identity
+        from dart_core.tree_client import InProcessTreeSearch
+
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        unknown = sorted(set(cfg.methods) - set(METHODS))
+        if unknown:
+            raise ValueError(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
+        self.cfg = cfg
+        budget = cfg.budget if cfg.budget == "auto" else int(cfg.budget)
+        trie = cfg.trie
+        if trie == "auto" and any(m in ("dart", "dart-grpc") for m in cfg.methods):
+            from ngram_service.build import ensure_default_trie
+
+            trie = str(ensure_default_trie(None if cfg.model is None else cfg.model))
+        self.trie_path = None if trie in (None, "none", "auto") else str(trie)
+        dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
+        self.model = DartModel.from_pretrained(cfg.model, head=cfg.head, trie=self.trie_path, budget=budget,
+                                               dtype=dtype, device=cfg.device)
+        self.engine = self.model.engine
+        if self.engine.head is None and set(cfg.methods) & set(DART_METHODS):
+            raise ValueError("the DART methods need a draft head: pass --head (no head ships for this model yet)")
+        self.tokenizer = self.model.tokenizer
+        self.hf = self.engine.target.model
+        self.searchers = {"dart-no-ngram": InProcessTreeSearch(None), "dart": self.engine.tree_search}
+        self.grpc_server = None
+        if "dart-grpc" in cfg.methods:
+            from ngram_service.client import GrpcTreeSearch
+
+            self.grpc_server = _GrpcServer(self.trie_path)
+            self.searchers["dart-grpc"] = GrpcTreeSearch(
+                self.grpc_server.address, timeout_ms=cfg.grpc_timeout_ms,
+                vocab_hash=tokenizer_identity(self.tokenizer)[1])
+
+    def close(self) -> None:
+        if self.grpc_server is not None:
+            self.searchers["dart-grpc"].close()
+            self.grpc_server.close()
+
+    def run(self, method: str, ids: list[int], max_new_tokens: int, seed: int) -> _Run:
+        cfg = self.cfg
+        if method.startswith("hf-"):
+            return self._run_hf(method, ids, max_new_tokens, seed)
+        sampling = self.model._sampling(max_new_tokens, cfg.temperature, 1.0, 0, seed, None)
+        if method != "autoregressive":
+            self.engine.tree_search = self.searchers[method]
+        t0 = time.perf_counter()
+        res = self.engine.generate([ids], sampling, speculative=method != "autoregressive")
+        seconds = time.perf_counter() - t0
+        return _Run(res.token_ids[0], seconds, res.emitted_after_prefill, res.sequence_steps, res.target_forwards,
+                    dict(res.phase_ms))
+
+    def _run_hf(self, method: str, ids: list[int], max_new_tokens: int, seed: int) -> _Run:
+        cfg = self.cfg
+        device = self.engine.target.device
+        x = torch.tensor([ids], device=device)
+        kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=self.tokenizer.eos_token_id,
+                      pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
+                      attention_mask=torch.ones_like(x))
+        if cfg.temperature > 0:
+            torch.manual_seed(seed)
+            kwargs |= dict(do_sample=True, temperature=cfg.temperature, top_p=1.0, top_k=0)
+        else:
+            kwargs |= dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+        if method == "hf-prompt-lookup":
+            kwargs["prompt_lookup_num_tokens"] = cfg.prompt_lookup_num_tokens
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.hf.generate(x, **kwargs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - t0
+        return _Run(out[0, len(ids):].tolist(), seconds)
+
+
+def run_decoding(cfg: DecodingConfig, *, progress: bool = True) -> dict:
+    """Runs the benchmark; returns the results (see :func:`markdown_table` for the table).
+
+    Returns:
+        ``{"config", "hardware", "device", "dtype", "rows": [per (dataset, method)],
+        "prompts": {dataset: n}, "seconds"}``.
+
+    Raises:
+        ValueError: unknown method, or DART methods without a draft head.
+        FileNotFoundError: a dataset is not installed / a file is missing.
+    """
+    from tqdm import tqdm
+
+    from dart_core.bench.datasets import load_prompts
+
+    started = time.perf_counter()
+    bench = _Bench(cfg)
+    try:
+        prompts = {name: [bench.model.encode([{"role": "user", "content": t}])
+                          for t in load_prompts(name, cfg.num_prompts)] for name in cfg.datasets}
+        methods = list(cfg.methods)
+        if "autoregressive" not in methods:
+            methods.insert(0, "autoregressive")  # every speedup needs it
+        first = next(iter(prompts.values()))[0]
+        for m in methods:  # warm-up: kernels, allocator, the gRPC channel
+            bench.run(m, first, min(16, cfg.max_new_tokens), cfg.seed)
+        runs: dict[tuple[str, str], list[list[_Run]]] = {(d, m): [] for d in prompts for m in methods}
+        total = cfg.repeats * sum(len(p) for p in prompts.values()) * len(methods)
+        bar = tqdm(total=total, desc="decoding benchmark", unit="gen", disable=not progress)
+        for rep in range(cfg.repeats):
+            for dname, plist in prompts.items():
+                per = {m: [] for m in methods}
+                for i, ids in enumerate(plist):
+                    shift = (rep + i) % len(methods)
+                    for m in methods[shift:] + methods[:shift]:
+                        per[m].append(bench.run(m, ids, cfg.max_new_tokens, cfg.seed + i))
+                        bar.update()
+                for m in methods:
+                    runs[(dname, m)].append(per[m])
+        bar.close()
+        fallbacks = bench.searchers["dart-grpc"].fallbacks if "dart-grpc" in bench.searchers else 0
+        rows = _aggregate(runs, prompts, methods, cfg, fallbacks)
+    finally:
+        bench.close()
+    target = bench.engine.target
+    return {"config": asdict(cfg), "hardware": hardware(target.device), "device": str(target.device),
+            "dtype": str(target.dtype).replace("torch.", ""), "trie": bench.trie_path,
+            "prompts": {d: len(p) for d, p in prompts.items()}, "rows": rows,
+            "seconds": round(time.perf_counter() - started, 1)}
+
+
+def _aggregate(runs, prompts, methods, cfg: DecodingConfig, grpc_fallbacks: int) -> list[dict]:
+    rows = []
+    for dname in prompts:
+        ar_passes = runs[(dname, "autoregressive")]
+        ar_tps = [sum(len(r.tokens) for r in p) / sum(r.seconds for r in p) for p in ar_passes]
+        for m in methods:
+            passes = runs[(dname, m)]
+            tps = [sum(len(r.tokens) for r in p) / sum(r.seconds for r in p) for p in passes]
+            flat = [r for p in passes for r in p]
+            row = {"dataset": dname, "method": m, "prompts": len(prompts[dname]),
+                   "tokens": sum(len(r.tokens) for r in passes[0]),
+                   "tokens_per_s": round(statistics.median(tps), 2),
+                   "speedup": round(statistics.median(t / a for t, a in zip(tps, ar_tps)), 3),
+                   "tau": None, "ms_per_step": None, "lossless": None}
+            if not m.startswith("hf-"):
+                steps = sum(r.sequence_steps for r in flat)
+                fwd = sum(r.target_forwards for r in flat)
+                row["tau"] = round(sum(r.emitted_after_prefill for r in flat) / max(steps, 1), 3)
+                row["ms_per_step"] = {k: round(sum(r.phase_ms.get(k, 0.0) for r in flat) / max(fwd, 1), 2)
+                                      for k in ("draft", "tree_search", "verify", "total")}
+            if cfg.temperature == 0:
+                row["lossless"] = all(r.tokens == a.tokens for p, ap in zip(passes, ar_passes) for r, a in zip(p, ap))
+            if m == "dart-grpc":
+                row["grpc_fallbacks"] = grpc_fallbacks
+            rows.append(row)
+    return rows
+
+
+def _fmt(x, spec: str = "") -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def markdown_table(result: dict) -> str:
+    """The results as a Markdown table (one row per dataset and method)."""
+    cfg = result["config"]
+    lines = [f"T = {cfg['temperature']}, {cfg['max_new_tokens']} new tokens, batch 1, budget {cfg['budget']}, "
+             f"{result['device']} {result['dtype']}, median of {cfg['repeats']} passes",
+             "",
+             "| dataset | method | τ | tokens/s | speedup | draft ms | tree ms | verify ms | step ms | lossless |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+    for r in result["rows"]:
+        ms = r["ms_per_step"] or {}
+        lossless = "n/a (T > 0)" if r["lossless"] is None else ("yes" if r["lossless"] else "**NO**")
+        name = r["method"] + (f" ({r['grpc_fallbacks']} fallbacks)" if r.get("grpc_fallbacks") else "")
+        lines.append(f"| {r['dataset']} ({r['prompts']}) | {name} | {_fmt(r['tau'], '.2f')} | "
+                     f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}× | {_fmt(ms.get('draft'), '.1f')} | "
+                     f"{_fmt(ms.get('tree_search'), '.1f')} | {_fmt(ms.get('verify'), '.1f')} | "
+                     f"{_fmt(ms.get('total'), '.1f')} | {lossless} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_speedup(result: dict, path: str | Path) -> None:
+    """Bar chart of speedup vs autoregressive, grouped by dataset, one bar per method (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    width = 0.8 / len(methods)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.5 * len(datasets) * len(methods) / 3, 4))
+    for j, m in enumerate(methods):
+        ys = [next((r["speedup"] for r in rows if r["dataset"] == d and r["method"] == m), 0.0) for d in datasets]
+        xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(datasets))]
+        bars = ax.bar(xs, ys, width, label=m)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(range(len(datasets)), datasets)
+    ax.set_ylabel("speedup vs autoregressive (×)")
+    hw = result["hardware"].get("gpu") or re.sub(r"\s+", " ", result["hardware"]["cpu"])
+    cfg = result["config"]
+    ax.set_title(f"Decoding speedup, batch 1, T = {cfg['temperature']}, {cfg['max_new_tokens']} tokens\n{hw}",
+                 fontsize=9)
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.1))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def save(result: dict, out_dir: str | Path, stem: str = "decoding") -> dict[str, Path]:
+    """Writes ``<stem>.json``, ``<stem>.md`` and ``<stem>.png`` into ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md", "png": out / f"{stem}.png"}
+    paths["json"].write_text(json.dumps(result, indent=2) + "\n")
+    paths["md"].write_text(markdown_table(result))
+    plot_speedup(result, paths["png"])
+    return paths

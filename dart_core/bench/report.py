@@ -1,0 +1,201 @@
+"""Regenerates the results page in one command: ``python -m dart_core.bench.report --head DIR``.
+
+1. the decoding benchmark (:mod:`dart_core.bench.decoding`) on MT-Bench,
+   HumanEval and AlpacaEval;
+2. the serving benchmark (:mod:`dart_core.bench.serving`) against a dart-serve
+   app: the one at ``--url``, or one this command starts with
+   ``serve run`` on ``deployments/dart.yaml`` (with ``--head``) and stops after;
+3. the results block of the page (``BENCHMARKS.md``): tables, plots, the
+   exact command, the hardware.  Text outside the markers
+   ``<!-- results:start -->`` / ``<!-- results:end -->`` is kept.
+
+Presets: the default fits in 30 minutes on a 2-core CPU machine; ``--quick``
+(one prompt per dataset, short generations, one pass) in 5, and writes under
+``bench/results/quick`` so that it never overwrites the published figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from dart_core.bench import decoding, serving
+
+__all__ = ["main", "launch_app", "render_page"]
+
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Preset:
+    num_prompts: int
+    max_new_tokens: int
+    repeats: int
+    concurrency: tuple[int, ...]
+    requests_per_client: int
+    serve_max_tokens: int
+
+
+PRESETS = {"full": Preset(4, 128, 2, (1, 4, 16, 64), 2, 64),
+           "quick": Preset(1, 32, 1, (1, 4, 16), 1, 16)}
+
+
+class launch_app:  # noqa: N801 - used as a context manager, like open()
+    """``serve run`` of ``deployments/dart.yaml`` with the given head, as a context
+    manager that yields the OpenAI base URL once a chat completion succeeds.
+
+    Raises:
+        RuntimeError: the app did not answer within ``timeout_s`` (the tail of its log is in the message).
+    """
+
+    def __init__(self, head: str | None, *, port: int = 8000, timeout_s: float = 900.0, log: Path | None = None):
+        self.head, self.port, self.timeout_s = head, port, timeout_s
+        self.log = log or Path(tempfile.gettempdir()) / "dart-bench-serve.log"
+
+    def __enter__(self) -> str:
+        import yaml
+
+        cfg = yaml.safe_load((REPO / "deployments" / "dart.yaml").read_text())
+        cfg["http_options"]["port"] = self.port
+        if self.head:
+            cfg["applications"][0]["args"]["head"] = str(Path(self.head).resolve())
+        self._cfg = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
+        yaml.safe_dump(cfg, self._cfg)
+        self._cfg.close()
+        subprocess.run(["ray", "stop", "--force"], capture_output=True)
+        self._logf = open(self.log, "w")
+        self.proc = subprocess.Popen(["serve", "run", self._cfg.name], stdout=self._logf, stderr=subprocess.STDOUT,
+                                     cwd=REPO, start_new_session=True)
+        url = f"http://127.0.0.1:{self.port}/v1"
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                with urllib.request.urlopen(f"{url}/models", timeout=5) as r:
+                    model = json.load(r)["data"][0]["id"]
+                body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}],
+                                   "max_tokens": 2}).encode()
+                req = urllib.request.Request(f"{url}/chat/completions", body, {"content-type": "application/json"})
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    if r.status == 200:
+                        return url
+            except (OSError, ValueError, KeyError, IndexError):
+                pass
+            time.sleep(2)
+        self.__exit__(None, None, None)
+        tail = self.log.read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"the Serve app did not come up within {self.timeout_s:.0f} s; log {self.log}:\n{tail}")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)  # serve run shuts the app and its local Ray down
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        subprocess.run(["ray", "stop", "--force"], capture_output=True)
+        self._logf.close()
+        Path(self._cfg.name).unlink(missing_ok=True)
+
+
+def _hardware_line(hw: dict) -> str:
+    gpu = f", GPU {hw['gpu']}" if hw.get("gpu") else ", no GPU"
+    return (f"{hw['cpu']} ({hw['cpu_count']} CPUs){gpu}; Python {hw['python']}, torch {hw['torch']} "
+            f"({hw['threads']} threads), transformers {hw.get('transformers', '?')}")
+
+
+def render_page(dec: dict, srv: dict | None, command: str, out_dir: Path, page: Path) -> str:
+    """The generated results block (between the markers) for ``page``."""
+    rel = os.path.relpath(out_dir, page.parent)
+    lines = [START, "",
+             f"_Generated by `{command}` on {time.strftime('%Y-%m-%d')} in "
+             f"{dec['seconds'] + (srv['seconds'] if srv else 0):.0f} s._", "",
+             f"**Hardware**: {_hardware_line(dec['hardware'])}.", "",
+             f"**Target**: {dec['config']['model'] or 'SmolLM2-135M-Instruct (embedded)'}, {dec['dtype']} on "
+             f"{dec['device']}; **draft head**: `{dec['config']['head'] or 'shipped'}`; **trie**: "
+             f"`{dec['trie'] or 'none'}`.", "",
+             "### Decoding (batch 1)", "",
+             decoding.markdown_table(dec), "",
+             f"![decoding speedup]({rel}/decoding.png)", ""]
+    if srv:
+        lines += ["### Serving (`serve run deployments/dart.yaml`, concurrency sweep)", "",
+                  serving.markdown_table(srv), "",
+                  f"![serving sweep]({rel}/serving.png)", ""]
+    lines += [f"Raw results: `{rel}/decoding.json`" + (f", `{rel}/serving.json`" if srv else "") + ".", "", END]
+    return "\n".join(lines)
+
+
+def _write_page(page: Path, block: str) -> None:
+    if page.is_file():
+        text = page.read_text()
+        if START in text and END in text:
+            head, rest = text.split(START, 1)
+            text = head + block + rest.split(END, 1)[1]
+        else:
+            text = text.rstrip() + "\n\n" + block + "\n"
+    else:
+        text = "# Benchmarks\n\n" + block + "\n"
+    page.write_text(text)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dart_core.bench.report", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--head", default=None, help="draft head folder [the head shipped for the model]")
+    ap.add_argument("--model", default=None, help="model folder or .gguf [embedded SmolLM2-135M-Instruct]")
+    ap.add_argument("--quick", action="store_true", help="the < 5 minute preset (figures are not for publishing)")
+    ap.add_argument("--url", default=None, help="benchmark this running app instead of starting one")
+    ap.add_argument("--no-serving", action="store_true", help="decoding benchmark only")
+    ap.add_argument("--out", default=None, help="results folder [bench/results, or bench/results/quick]")
+    ap.add_argument("--page", default=None, help="results page [BENCHMARKS.md, or <out>/BENCHMARKS.md with --quick]")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    args = ap.parse_args(argv)
+    preset = PRESETS["quick" if args.quick else "full"]
+    out = Path(args.out or (REPO / "bench" / "results" / ("quick" if args.quick else "")))
+    page = Path(args.page or (out / "BENCHMARKS.md" if args.quick else REPO / "BENCHMARKS.md"))
+    command = "python -m dart_core.bench.report " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+
+    dec_cfg = decoding.DecodingConfig(model=args.model, head=args.head, num_prompts=preset.num_prompts,
+                                      max_new_tokens=preset.max_new_tokens, repeats=preset.repeats,
+                                      device=args.device, dtype=args.dtype)
+    try:
+        dec = decoding.run_decoding(dec_cfg)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    decoding.save(dec, out)
+    print(decoding.markdown_table(dec))
+    srv = None
+    if not args.no_serving:
+        srv_cfg = serving.ServingConfig(concurrency=list(preset.concurrency),
+                                        requests_per_client=preset.requests_per_client,
+                                        max_tokens=preset.serve_max_tokens)
+        if args.url:
+            srv_cfg.url = args.url
+            srv = serving.run_serving(srv_cfg)
+        else:
+            with launch_app(args.head) as url:
+                srv_cfg.url = url
+                srv = serving.run_serving(srv_cfg)
+        serving.save(srv, out, title=f"Serving sweep on {dec['hardware']['cpu']} ({dec['hardware']['cpu_count']} CPUs)"
+                     + (f", {dec['hardware']['gpu']}" if dec["hardware"].get("gpu") else ""))
+        print(serving.markdown_table(srv))
+    _write_page(page, render_page(dec, srv, command, out, page))
+    print(f"wrote {page} and {out}/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""Serving benchmark: a concurrency sweep against a running dart-serve app over
+HTTP with the official ``openai`` client (``python -m dart_core.bench.serving``).
+
+For each concurrency level C (default 1, 4, 16, 64) and each mode — ``dart``
+and ``no-speculation`` (the same server, requests sent with the dart-serve
+extension ``"speculative": false``, so both modes run in one run on one
+deployment) — C client threads each send ``requests_per_client`` streaming
+chat completions back to back (MT-Bench first turns, T = 0).  The two modes
+alternate which goes first from level to level.
+
+Reported per (level, mode): output tokens/s (completion tokens of all
+requests ÷ wall time of the level), requests/s, errors, time to first token
+(TTFT, request sent → first content chunk) p50/p99, inter-token latency (ITL,
+per request: (last chunk − first chunk) ÷ (completion tokens − 1), the
+definition of vLLM's TPOT) p50/p99, and the server's mean τ.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+__all__ = ["ServingConfig", "MODES", "run_serving", "markdown_table", "plot_serving", "save"]
+
+MODES = ("dart", "no-speculation")
+
+
+@dataclass
+class ServingConfig:
+    url: str = "http://localhost:8000/v1"
+    model: str | None = None  # None: the first of /v1/models
+    concurrency: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
+    requests_per_client: int = 2
+    max_tokens: int = 128
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    dataset: str = "mt-bench"
+    api_key: str | None = None  # default: $DART_API_KEY, else a placeholder
+    timeout_s: float = 900.0
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 2)
+
+
+def _level(client, model: str, prompts: list[str], concurrency: int, speculative: bool,
+           cfg: ServingConfig) -> dict:
+    lock = threading.Lock()
+    rec = {"tokens": 0, "requests": 0, "errors": [], "ttft": [], "itl": [], "tau": []}
+
+    def worker(cid: int) -> None:
+        for k in range(cfg.requests_per_client):
+            prompt = prompts[(cid + k * concurrency) % len(prompts)]
+            t0 = time.perf_counter()
+            first = last = None
+            usage = None
+            try:
+                stream = client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": prompt}], max_tokens=cfg.max_tokens,
+                    temperature=0, stream=True, stream_options={"include_usage": True},
+                    extra_body={"speculative": speculative})
+                for chunk in stream:
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        last = time.perf_counter()
+                        first = first or last
+                    if chunk.usage is not None:
+                        usage = chunk.usage
+            except Exception as e:  # noqa: BLE001 - counted and reported
+                with lock:
+                    rec["errors"].append(repr(e)[:200])
+                continue
+            with lock:
+                rec["requests"] += 1
+                if first is not None:
+                    rec["ttft"].append(1e3 * (first - t0))
+                if usage is not None:
+                    n = usage.completion_tokens
+                    rec["tokens"] += n
+                    if n > 1 and first is not None and last > first:
+                        rec["itl"].append(1e3 * (last - first) / (n - 1))
+                    dart = (usage.model_extra or {}).get("dart") or {}
+                    if "tau" in dart:
+                        rec["tau"].append(dart["tau"])
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(c,), daemon=True) for c in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    return {"concurrency": concurrency, "mode": "dart" if speculative else "no-speculation",
+            "seconds": round(wall, 2), "requests": rec["requests"], "errors": len(rec["errors"]),
+            "error_samples": rec["errors"][:3], "completion_tokens": rec["tokens"],
+            "tokens_per_s": round(rec["tokens"] / wall, 2), "requests_per_s": round(rec["requests"] / wall, 3),
+            "ttft_ms": {"p50": _pct(rec["ttft"], 0.5), "p99": _pct(rec["ttft"], 0.99)},
+            "itl_ms": {"p50": _pct(rec["itl"], 0.5), "p99": _pct(rec["itl"], 0.99)},
+            "tau_mean": round(statistics.mean(rec["tau"]), 3) if rec["tau"] else None}
+
+
+def run_serving(cfg: ServingConfig, *, progress: bool = True) -> dict:
+    """Runs the sweep against ``cfg.url``; returns ``{"config", "server", "rows", "seconds"}``.
+
+    Raises:
+        ValueError: an unknown mode or a concurrency below 1.
+        openai.APIConnectionError: the server does not answer ``/v1/models``.
+    """
+    from openai import OpenAI
+    from tqdm import tqdm
+
+    from dart_core.bench.datasets import load_prompts
+
+    if set(cfg.modes) - set(MODES) or not cfg.modes:
+        raise ValueError(f"modes must be among {', '.join(MODES)}")
+    if min(cfg.concurrency) < 1:
+        raise ValueError("concurrency levels must be ≥ 1")
+    started = time.perf_counter()
+    key = cfg.api_key or os.environ.get("DART_API_KEY") or "unused"
+    client = OpenAI(base_url=cfg.url, api_key=key, max_retries=0, timeout=cfg.timeout_s)
+    model = cfg.model or client.models.list().data[0].id
+    prompts = load_prompts(cfg.dataset)
+    rows = []
+    bar = tqdm(total=len(cfg.concurrency) * len(cfg.modes), desc="serving benchmark", unit="level",
+               disable=not progress)
+    for i, c in enumerate(cfg.concurrency):
+        modes = list(cfg.modes) if i % 2 == 0 else list(reversed(cfg.modes))
+        for mode in modes:
+            rows.append(_level(client, model, prompts, c, mode == "dart", cfg))
+            bar.update()
+    bar.close()
+    rows.sort(key=lambda r: (r["concurrency"], MODES.index(r["mode"])))
+    return {"config": asdict(cfg) | {"api_key": None}, "server": {"url": cfg.url, "model": model},
+            "rows": rows, "seconds": round(time.perf_counter() - started, 1)}
+
+
+def markdown_table(result: dict) -> str:
+    cfg = result["config"]
+    lines = [f"{result['server']['model']} at {result['server']['url']}: streaming chat, T = 0, "
+             f"{cfg['max_tokens']} max tokens, {cfg['requests_per_client']} requests per client",
+             "",
+             "| clients | mode | tokens/s | vs no-spec | requests | errors | TTFT p50 ms | TTFT p99 ms | "
+             "ITL p50 ms | ITL p99 ms | τ |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    base = {r["concurrency"]: r["tokens_per_s"] for r in result["rows"] if r["mode"] == "no-speculation"}
+
+    def f(x):
+        return "–" if x is None else f"{x:.0f}" if x >= 100 else f"{x:.1f}"
+
+    for r in result["rows"]:
+        ratio = "–" if not base.get(r["concurrency"]) else f"{r['tokens_per_s'] / base[r['concurrency']]:.2f}×"
+        tau = "–" if r["tau_mean"] is None else f"{r['tau_mean']:.2f}"
+        lines.append(f"| {r['concurrency']} | {r['mode']} | {r['tokens_per_s']:.1f} | {ratio} | {r['requests']} | "
+                     f"{r['errors']} | {f(r['ttft_ms']['p50'])} | {f(r['ttft_ms']['p99'])} | "
+                     f"{f(r['itl_ms']['p50'])} | {f(r['itl_ms']['p99'])} | {tau} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_serving(result: dict, path: str | Path, title: str = "") -> None:
+    """Throughput, TTFT p99 and ITL p99 against concurrency, one line per mode (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    panels = (("tokens/s (all clients)", lambda r: r["tokens_per_s"]),
+              ("TTFT p99 (ms)", lambda r: r["ttft_ms"]["p99"]),
+              ("ITL p99 (ms)", lambda r: r["itl_ms"]["p99"]))
+    for ax, (label, get) in zip(axes, panels):
+        for mode in MODES:
+            rows = [r for r in result["rows"] if r["mode"] == mode and get(r) is not None]
+            if rows:
+                ax.plot([r["concurrency"] for r in rows], [get(r) for r in rows], marker="o", label=mode)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(result["config"]["concurrency"], [str(c) for c in result["config"]["concurrency"]])
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title or f"Serving sweep, {result['server']['model']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def save(result: dict, out_dir: str | Path, stem: str = "serving", title: str = "") -> dict[str, Path]:
+    """Writes ``<stem>.json``, ``<stem>.md`` and ``<stem>.png`` into ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md", "png": out / f"{stem}.png"}
+    paths["json"].write_text(json.dumps(result, indent=2) + "\n")
+    paths["md"].write_text(markdown_table(result))
+    plot_serving(result, paths["png"], title)
+    return paths
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+
+    d = ServingConfig()
+    ap = argparse.ArgumentParser(prog="python -m dart_core.bench.serving", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", default=d.url)
+    ap.add_argument("--model", default=d.model, help="served model name [the first of /v1/models]")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=d.concurrency)
+    ap.add_argument("--requests-per-client", type=int, default=d.requests_per_client)
+    ap.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    ap.add_argument("--modes", nargs="+", default=d.modes, choices=MODES)
+    ap.add_argument("--dataset", default=d.dataset, help="mt-bench, humaneval, alpacaeval or a JSONL file")
+    ap.add_argument("--api-key", default=None, help="[$DART_API_KEY]")
+    ap.add_argument("--out", default="bench/results", help="folder for serving.json/.md/.png")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    fields = set(asdict(d))
+    cfg = ServingConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    try:
+        result = run_serving(cfg, progress=not args.no_progress)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    paths = save(result, args.out)
+    print(markdown_table(result))
+    print(json.dumps({k: str(v) for k, v in paths.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

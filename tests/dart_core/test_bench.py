@@ -1,0 +1,80 @@
+"""The benchmark suite on a tiny model: every method runs on the same prompts,
+DART (random head, so τ ≈ 1) is lossless against autoregressive decoding,
+the table, JSON and chart are written; prompt sets load from files and the
+AlpacaEval cache; the results page keeps its hand-written text."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dart_core.bench import datasets, decoding, report
+from ngram_service.build import build_trie_from_texts
+from ngram_service.corpus import cpython_stdlib_sources
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "p.jsonl"
+    rows = [{"prompt": "Write a function that adds two numbers."}, {"turns": ["Explain recursion.", "More?"]},
+            {"prompt": "def fib(n):"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+def test_decoding_benchmark_runs_every_method_losslessly(tiny_model_dir, default_tokenizer, prompts_file,
+                                                         tmp_path):
+    sources = cpython_stdlib_sources()
+    trie = tmp_path / "py.trie"
+    build_trie_from_texts((next(sources) for _ in range(50)), trie, default_tokenizer, progress=False)
+    cfg = decoding.DecodingConfig(model=tiny_model_dir, head="random", trie=str(trie), datasets=[prompts_file],
+                                  num_prompts=3, max_new_tokens=12, repeats=2, budget="6")
+    result = decoding.run_decoding(cfg, progress=False)
+    rows = {r["method"]: r for r in result["rows"]}
+    assert set(rows) == set(decoding.METHODS)
+    assert all(r["lossless"] is True for r in rows.values())  # HF baselines and all DART variants
+    assert rows["autoregressive"]["speedup"] == 1.0 and rows["autoregressive"]["tau"] == 1.0
+    assert all(rows[m]["tau"] >= 1.0 and rows[m]["ms_per_step"]["verify"] > 0 for m in decoding.DART_METHODS)
+    assert rows["dart-grpc"]["grpc_fallbacks"] == 0  # the search really went over gRPC
+    assert rows["dart"]["ms_per_step"]["tree_search"] > 0 and rows["hf-generate"]["tau"] is None
+    assert all(r["tokens"] > 0 and r["tokens_per_s"] > 0 for r in rows.values())
+    paths = decoding.save(result, tmp_path / "out")
+    table = paths["md"].read_text()
+    assert "| dart-grpc |" in table and "**NO**" not in table
+    assert json.loads(paths["json"].read_text())["rows"] == result["rows"]
+    assert paths["png"].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_decoding_benchmark_refuses_dart_without_a_head(tiny_model_dir, prompts_file):
+    cfg = decoding.DecodingConfig(model=tiny_model_dir, head=None, trie="none", datasets=[prompts_file],
+                                  methods=["autoregressive", "dart-no-ngram"])
+    with pytest.raises(ValueError, match="draft head"):
+        decoding.run_decoding(cfg, progress=False)
+
+
+def test_prompt_sets(prompts_file, tmp_path, monkeypatch):
+    assert datasets.load_prompts(prompts_file) == ["Write a function that adds two numbers.", "Explain recursion.",
+                                                   "def fib(n):"]
+    assert datasets.load_prompts(prompts_file, 1) == ["Write a function that adds two numbers."]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt here"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        datasets.load_prompts(str(bad))
+    with pytest.raises(FileNotFoundError, match="neither a dataset"):
+        datasets.load_prompts("no-such-set")
+    monkeypatch.setenv("DART_SERVE_CACHE", str(tmp_path))
+    with pytest.raises(FileNotFoundError):
+        datasets.alpacaeval_instructions(download=False)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / f"alpacaeval-{datasets.ALPACAEVAL_VERSION}.json").write_text('["a", "b"]')
+    assert datasets.load_prompts("alpacaeval") == ["a", "b"]
+    assert len(datasets.load_prompts("mt-bench")) == 80 and len(datasets.load_prompts("humaneval")) == 164
+
+
+def test_results_page_keeps_hand_written_text(tmp_path):
+    page = tmp_path / "BENCHMARKS.md"
+    page.write_text(f"# Benchmarks\n\nIntro.\n\n{report.START}\nold\n{report.END}\n\n## Reading the numbers\nKept.\n")
+    report._write_page(page, f"{report.START}\nnew\n{report.END}")
+    text = page.read_text()
+    assert "Intro." in text and "Kept." in text and "new" in text and "old" not in text
