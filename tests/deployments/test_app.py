@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import os
 import time
 
 import grpc
@@ -38,6 +39,9 @@ def app(tiny_model_dir, tmp_path_factory, default_tokenizer):
     sources = cpython_stdlib_sources()
     trie = tmp_path_factory.mktemp("trie") / "py.trie"
     build_trie_from_texts((next(sources) for _ in range(100)), trie, default_tokenizer, progress=False)
+    # a loaded 2-core machine can take longer than Serve's 5 s to start the proxy, which Serve then kills;
+    # the cluster's processes inherit this from the driver
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True)
     serve.start(http_options={"host": "127.0.0.1", "port": 8000},
                 grpc_options=gRPCOptions(port=9000, grpc_servicer_functions=[
