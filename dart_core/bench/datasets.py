@@ -17,62 +17,13 @@ Every prompt is sent as one user message through the target's chat template.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tarfile
-import tempfile
 from pathlib import Path
+
+from ngram_service.corpus import ALPACAEVAL_VERSION, alpacaeval_instructions
 
 __all__ = ["DATASETS", "load_prompts", "alpacaeval_instructions", "ALPACAEVAL_VERSION"]
 
 DATASETS = ("mt-bench", "humaneval", "alpacaeval")
-ALPACAEVAL_VERSION = "0.6.6"
-_ALPACA_MEMBER = f"alpaca_eval-{ALPACAEVAL_VERSION}/example/outputs.json"
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("DART_SERVE_CACHE", Path.home() / ".cache" / "dart-serve")) / "data"
-
-
-def alpacaeval_instructions(*, download: bool = True) -> list[str]:
-    """The AlpacaEval instructions (805), cached after the first call.
-
-    Args:
-        download: fetch the ``alpaca-eval`` sdist with pip when not cached.
-
-    Raises:
-        FileNotFoundError: not cached and ``download`` is False.
-        RuntimeError: pip could not download the sdist (no registry access), or
-            it does not hold ``example/outputs.json``.
-    """
-    cached = _cache_dir() / f"alpacaeval-{ALPACAEVAL_VERSION}.json"
-    if cached.is_file():
-        return json.loads(cached.read_text(encoding="utf-8"))
-    if not download:
-        raise FileNotFoundError(f"AlpacaEval prompts are not cached at {cached}")
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet",
-               "-d", tmp, f"alpaca-eval=={ALPACAEVAL_VERSION}"]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        archives = list(Path(tmp).glob("alpaca_eval-*.tar.gz"))
-        if done.returncode != 0 or not archives:
-            raise RuntimeError(f"could not download the alpaca-eval {ALPACAEVAL_VERSION} sdist from the package "
-                               f"registry ({' '.join(cmd)}): {done.stderr.strip()[-500:]}")
-        with tarfile.open(archives[0], "r:gz") as tar:
-            try:
-                member = tar.extractfile(_ALPACA_MEMBER)  # read in memory; nothing is extracted to disk
-            except KeyError:
-                member = None
-            if member is None:
-                raise RuntimeError(f"{archives[0].name} has no {_ALPACA_MEMBER}")
-            records = json.load(member)
-    instructions = [r["instruction"] for r in records if isinstance(r, dict) and isinstance(r.get("instruction"), str)]
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    partial = cached.with_suffix(".partial")
-    partial.write_text(json.dumps(instructions), encoding="utf-8")
-    partial.replace(cached)
-    return instructions
 
 
 def load_prompts(name: str, limit: int | None = None) -> list[str]:

@@ -21,6 +21,10 @@ def _add_fields(ap: argparse.ArgumentParser, cls, skip=()) -> None:
         if f.name in skip:
             continue
         default = f.default if f.default is not dataclasses.MISSING else None
+        if str(f.type) == "bool":
+            ap.add_argument("--" + f.name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=default,
+                            help=f"[{default}]")
+            continue
         kind = {"int": int, "float": float, "str": str}.get(str(f.type).split(" ")[0].replace("None", "").strip("| "),
                                                             str)
         ap.add_argument("--" + f.name.replace("_", "-"), type=kind, default=default,

@@ -1,6 +1,7 @@
 """Self-distillation data for the draft head (DART issue 5; DESIGN.md §2 "Training").
 
-Prompts are ShareGPT first turns (deduplicated, evaluation prompts removed,
+Prompts are ShareGPT first turns (deduplicated, MT-Bench, HumanEval and — with
+``exclude_alpacaeval``, the default — AlpacaEval prompts removed,
 :func:`ngram_service.corpus.sharegpt_first_prompts`), shuffled with a seed.
 Each prompt goes through the target's chat template and the **target itself**
 writes the response (greedy, batched, left-padded ``generate``), so the head
@@ -40,6 +41,7 @@ class DataConfig:
     prompt_seed: int = 0  # prompt shuffle
     eval_prompts: int = 64  # held out (the first ones of the shuffled list), never trained on
     cache_implementation: str | None = "static"  # preallocated KV cache: DynamicCache re-copies it every step
+    exclude_alpacaeval: bool = True  # drop AlpacaEval instructions too (fetches the alpaca-eval sdist once)
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ def training_prompts(config: DataConfig) -> list[str]:
     of which the first ``eval_prompts`` form the held-out slice."""
     from ngram_service.corpus import sharegpt_first_prompts
 
-    prompts = list(sharegpt_first_prompts())
+    prompts = list(sharegpt_first_prompts(exclude_alpacaeval=config.exclude_alpacaeval))
     random.Random(config.prompt_seed).shuffle(prompts)
     return prompts[: config.num_prompts]
 

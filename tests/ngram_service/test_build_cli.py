@@ -83,11 +83,25 @@ def test_sharegpt_reader_stops_at_truncation(tmp_path, monkeypatch):
     text = json.dumps(convs)
     path = tmp_path / "sharegpt.json"
     path.write_text(text[: text.index("answer 2") + 3])  # cut inside the third record
-    monkeypatch.setattr(corpus, "evaluation_prompts", lambda: {"mt-bench": ["Question 1"]})
+    monkeypatch.setattr(corpus, "evaluation_prompts", lambda **_: {"mt-bench": ["Question 1"]})
     assert [len(c) for c in corpus.sharegpt_conversations(path)] == [2, 2]
     # conversation 1 quotes an evaluation prompt (case and spacing aside) and is dropped
     assert list(corpus.sharegpt_assistant_turns(path)) == ["answer 0"]
     assert list(corpus.sharegpt_assistant_turns(path, exclude_evaluation=False)) == ["answer 0", "answer 1"]
+
+
+def test_training_prompts_can_exclude_alpacaeval(tmp_path, monkeypatch):
+    convs = [{"conversations": [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": "a"}]}
+             for i in range(3)]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(convs))
+    monkeypatch.setenv("DART_SERVE_CACHE", str(tmp_path))
+    with pytest.raises(FileNotFoundError):
+        corpus.alpacaeval_instructions(download=False)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / f"alpacaeval-{corpus.ALPACAEVAL_VERSION}.json").write_text('["Question  1"]')
+    assert list(corpus.sharegpt_first_prompts(path)) == ["question 0", "question 1", "question 2"]
+    assert list(corpus.sharegpt_first_prompts(path, exclude_alpacaeval=True)) == ["question 0", "question 2"]
 
 
 def test_real_sharegpt_and_stdlib_readers():
