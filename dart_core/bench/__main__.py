@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import sys
 
+from dart_core.bench import run_cli
 from dart_core.bench.decoding import METHODS, DecodingConfig, markdown_table, run_decoding, save
 
 
@@ -39,18 +38,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = parser().parse_args(argv)
-    fields = {f.name for f in dataclasses.fields(DecodingConfig)}
-    cfg = DecodingConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    try:
-        result = run_decoding(cfg, progress=not args.no_progress)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    paths = save(result, args.out)
-    print(markdown_table(result))
-    print(json.dumps({k: str(v) for k, v in paths.items()}))
-    return 0
+    return run_cli(DecodingConfig, parser().parse_args(argv), run_decoding, save, markdown_table)
 
 
 if __name__ == "__main__":

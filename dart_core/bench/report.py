@@ -182,13 +182,18 @@ def main(argv=None) -> int:
         srv_cfg = serving.ServingConfig(concurrency=list(preset.concurrency),
                                         requests_per_client=preset.requests_per_client,
                                         max_tokens=preset.serve_max_tokens)
-        if args.url:
-            srv_cfg.url = args.url
-            srv = serving.run_serving(srv_cfg)
-        else:
-            with launch_app(args.head) as url:
-                srv_cfg.url = url
+        try:
+            if args.url:
+                srv_cfg.url = args.url
                 srv = serving.run_serving(srv_cfg)
+            else:
+                with launch_app(args.head) as url:
+                    srv_cfg.url = url
+                    srv = serving.run_serving(srv_cfg)
+        except (ConnectionError, RuntimeError) as e:
+            print(f"error: {e}\n(the decoding results are in {out}/; rerun with --no-serving to publish them alone)",
+                  file=sys.stderr)
+            return 2
         serving.save(srv, out, title=f"Serving sweep on {dec['hardware']['cpu']} ({dec['hardware']['cpu_count']} CPUs)"
                      + (f", {dec['hardware']['gpu']}" if dec["hardware"].get("gpu") else ""))
         print(serving.markdown_table(srv))

@@ -110,9 +110,9 @@ def run_serving(cfg: ServingConfig, *, progress: bool = True) -> dict:
 
     Raises:
         ValueError: an unknown mode or a concurrency below 1.
-        openai.APIConnectionError: the server does not answer ``/v1/models``.
+        ConnectionError: no server answers ``/v1/models`` at ``cfg.url``.
     """
-    from openai import OpenAI
+    from openai import APIConnectionError, OpenAI
     from tqdm import tqdm
 
     from dart_core.bench.datasets import load_prompts
@@ -124,7 +124,11 @@ def run_serving(cfg: ServingConfig, *, progress: bool = True) -> dict:
     started = time.perf_counter()
     key = cfg.api_key or os.environ.get("DART_API_KEY") or "unused"
     client = OpenAI(base_url=cfg.url, api_key=key, max_retries=0, timeout=cfg.timeout_s)
-    model = cfg.model or client.models.list().data[0].id
+    try:
+        model = cfg.model or client.models.list().data[0].id
+    except APIConnectionError:
+        raise ConnectionError(f"no dart-serve app answers at {cfg.url} (start one: serve run "
+                              f"deployments/dart.yaml)") from None
     prompts = load_prompts(cfg.dataset)
     rows = []
     bar = tqdm(total=len(cfg.concurrency) * len(cfg.modes), desc="serving benchmark", unit="level",
@@ -203,7 +207,8 @@ def save(result: dict, out_dir: str | Path, stem: str = "serving", title: str = 
 
 def main(argv=None) -> int:
     import argparse
-    import sys
+
+    from dart_core.bench import run_cli
 
     d = ServingConfig()
     ap = argparse.ArgumentParser(prog="python -m dart_core.bench.serving", description=__doc__.split("\n\n")[0])
@@ -217,18 +222,7 @@ def main(argv=None) -> int:
     ap.add_argument("--api-key", default=None, help="[$DART_API_KEY]")
     ap.add_argument("--out", default="bench/results", help="folder for serving.json/.md/.png")
     ap.add_argument("--no-progress", action="store_true")
-    args = ap.parse_args(argv)
-    fields = set(asdict(d))
-    cfg = ServingConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    try:
-        result = run_serving(cfg, progress=not args.no_progress)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    paths = save(result, args.out)
-    print(markdown_table(result))
-    print(json.dumps({k: str(v) for k, v in paths.items()}))
-    return 0
+    return run_cli(ServingConfig, ap.parse_args(argv), run_serving, save, markdown_table)
 
 
 if __name__ == "__main__":

@@ -72,6 +72,13 @@ def test_prompt_sets(prompts_file, tmp_path, monkeypatch):
     assert len(datasets.load_prompts("mt-bench")) == 80 and len(datasets.load_prompts("humaneval")) == 164
 
 
+def test_serving_cli_without_a_server_says_so(capsys):
+    from dart_core.bench import serving
+
+    assert serving.main(["--url", "http://127.0.0.1:9/v1", "--no-progress", "--concurrency", "1"]) == 2
+    assert "no dart-serve app answers at http://127.0.0.1:9/v1" in capsys.readouterr().err
+
+
 def test_results_page_keeps_hand_written_text(tmp_path):
     page = tmp_path / "BENCHMARKS.md"
     page.write_text(f"# Benchmarks\n\nIntro.\n\n{report.START}\nold\n{report.END}\n\n## Reading the numbers\nKept.\n")
