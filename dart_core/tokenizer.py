@@ -77,11 +77,10 @@ def converted_cache(source: ModelSource, part: str) -> Path | None:
     """
     if not source.gguf_file:
         return None
-    import os
+    from ngram_service.cache import cache_root
 
     st = (source.folder / source.gguf_file).stat()
-    root = Path(os.environ.get("DART_SERVE_CACHE", Path.home() / ".cache" / "dart-serve"))
-    return root / "models" / f"{source.name}-{st.st_size}-{st.st_mtime_ns}" / part
+    return cache_root() / "models" / f"{source.name}-{st.st_size}-{st.st_mtime_ns}" / part
 
 
 def save_converted(write: Callable[[Path], None], folder: Path) -> None:

@@ -32,6 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ngram_service import _native
+from ngram_service.cache import cache_root
 from ngram_service.corpus import NAMED_CORPORA, iter_corpus, iter_files
 from ngram_service.trie import pack_ragged, write_checksums
 
@@ -64,8 +65,7 @@ class BuildSummary:
 
 def default_trie_path(model: str, corpus: str, order: int) -> Path:
     """``$DART_SERVE_CACHE`` (default ``~/.cache/dart-serve``)/tries/<model>-<corpus>-<order>gram.trie."""
-    cache = Path(os.environ.get("DART_SERVE_CACHE", Path.home() / ".cache" / "dart-serve"))
-    return cache / "tries" / f"{model}-{corpus}-{order}gram.trie"
+    return cache_root() / "tries" / f"{model}-{corpus}-{order}gram.trie"
 
 
 class _Counter:
@@ -261,6 +261,32 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def ensure_default_trie(model: str | None = None, *, order: int = 3, progress: bool = True) -> Path:
+    """The default trie of a model (``default`` corpus), built on first use and cached.
+
+    Concurrent callers on one machine wait for a single build (file lock); the
+    file appears atomically, so a half-written trie is never opened.
+    """
+    import fcntl
+
+    from dart_core.tokenizer import load_tokenizer, resolve_model
+
+    path = default_trie_path(resolve_model(model).name, "default", order)
+    if path.is_file():  # the usual case: no tokenizer to load
+        return path
+    tokenizer = load_tokenizer(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.is_file():
+            partial = path.with_suffix(".partial")
+            logger.info("building the default trie %s (first start only; a few minutes)", path)
+            build_trie_from_texts(iter_corpus("default"), partial, tokenizer, corpus_name="default", order=order,
+                                  progress=progress)
+            os.replace(partial, path)
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -297,29 +323,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def ensure_default_trie(model: str | None = None, *, order: int = 3, progress: bool = True) -> Path:
-    """The default trie of a model (``default`` corpus), built on first use and cached.
-
-    Concurrent callers on one machine wait for a single build (file lock); the
-    file appears atomically, so a half-written trie is never opened.
-    """
-    import fcntl
-
-    from dart_core.tokenizer import load_tokenizer, resolve_model
-
-    path = default_trie_path(resolve_model(model).name, "default", order)
-    if path.is_file():  # the usual case: no tokenizer to load
-        return path
-    tokenizer = load_tokenizer(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not path.is_file():
-            partial = path.with_suffix(".partial")
-            logger.info("building the default trie %s (first start only; a few minutes)", path)
-            build_trie_from_texts(iter_corpus("default"), partial, tokenizer, corpus_name="default", order=order,
-                                  progress=progress)
-            os.replace(partial, path)
-    return path

@@ -23,7 +23,6 @@ import gzip
 import importlib.util
 import json
 import logging
-import os
 import re
 import subprocess
 import sys
@@ -32,6 +31,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator
+
+from ngram_service.cache import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +115,7 @@ def alpacaeval_instructions(*, download: bool = True) -> list[str]:
         RuntimeError: pip could not download the sdist (no registry access: copy
             ``alpacaeval-0.6.6.json`` into the cache folder), or it lacks the file.
     """
-    cached = Path(os.environ.get("DART_SERVE_CACHE", Path.home() / ".cache" / "dart-serve")) / "data" / \
-        f"alpacaeval-{ALPACAEVAL_VERSION}.json"
+    cached = cache_root() / "data" / f"alpacaeval-{ALPACAEVAL_VERSION}.json"
     if cached.is_file():
         return json.loads(cached.read_text(encoding="utf-8"))
     if not download:
