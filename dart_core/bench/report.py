@@ -26,8 +26,10 @@ import sys
 import tempfile
 import time
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from dart_core.bench import decoding, serving
 
@@ -51,63 +53,63 @@ PRESETS = {"full": Preset(4, 128, 2, (1, 4, 16, 64), 2, 64),
            "quick": Preset(1, 32, 1, (1, 4, 16), 1, 16)}
 
 
-class launch_app:  # noqa: N801 - used as a context manager, like open()
-    """``serve run`` of ``deployments/dart.yaml`` with the given head, as a context
-    manager that yields the OpenAI base URL once a chat completion succeeds.
+@contextmanager
+def launch_app(head: str | None, *, port: int = 8000, timeout_s: float = 900.0,
+               log: Path | None = None) -> Iterator[str]:
+    """``serve run`` of ``deployments/dart.yaml`` with the given head; yields the
+    OpenAI base URL once a chat completion succeeds and stops the app (and its
+    local Ray) on exit.
 
     Raises:
         RuntimeError: the app did not answer within ``timeout_s`` (the tail of its log is in the message).
     """
+    import yaml
 
-    def __init__(self, head: str | None, *, port: int = 8000, timeout_s: float = 900.0, log: Path | None = None):
-        self.head, self.port, self.timeout_s = head, port, timeout_s
-        self.log = log or Path(tempfile.gettempdir()) / "dart-bench-serve.log"
+    log = log or Path(tempfile.gettempdir()) / "dart-bench-serve.log"
+    cfg = yaml.safe_load((REPO / "deployments" / "dart.yaml").read_text())
+    cfg["http_options"]["port"] = port
+    if head:
+        cfg["applications"][0]["args"]["head"] = str(Path(head).resolve())
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump(cfg, f)
+    subprocess.run(["ray", "stop", "--force"], capture_output=True)
+    with open(log, "w") as logf:
+        proc = subprocess.Popen(["serve", "run", f.name], stdout=logf, stderr=subprocess.STDOUT, cwd=REPO,
+                                start_new_session=True)
+        try:
+            url = f"http://127.0.0.1:{port}/v1"
+            if not _wait_ready(url, proc, timeout_s):
+                tail = log.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"the Serve app did not come up within {timeout_s:.0f} s; log {log}:\n{tail}")
+            yield url
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGINT)  # serve run shuts the app and its local Ray down
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+            subprocess.run(["ray", "stop", "--force"], capture_output=True)
+            Path(f.name).unlink(missing_ok=True)
 
-    def __enter__(self) -> str:
-        import yaml
 
-        cfg = yaml.safe_load((REPO / "deployments" / "dart.yaml").read_text())
-        cfg["http_options"]["port"] = self.port
-        if self.head:
-            cfg["applications"][0]["args"]["head"] = str(Path(self.head).resolve())
-        self._cfg = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
-        yaml.safe_dump(cfg, self._cfg)
-        self._cfg.close()
-        subprocess.run(["ray", "stop", "--force"], capture_output=True)
-        self._logf = open(self.log, "w")
-        self.proc = subprocess.Popen(["serve", "run", self._cfg.name], stdout=self._logf, stderr=subprocess.STDOUT,
-                                     cwd=REPO, start_new_session=True)
-        url = f"http://127.0.0.1:{self.port}/v1"
-        deadline = time.monotonic() + self.timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            try:
-                with urllib.request.urlopen(f"{url}/models", timeout=5) as r:
-                    model = json.load(r)["data"][0]["id"]
-                body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}],
-                                   "max_tokens": 2}).encode()
-                req = urllib.request.Request(f"{url}/chat/completions", body, {"content-type": "application/json"})
-                with urllib.request.urlopen(req, timeout=120) as r:
-                    if r.status == 200:
-                        return url
-            except (OSError, ValueError, KeyError, IndexError):
-                pass
-            time.sleep(2)
-        self.__exit__(None, None, None)
-        tail = self.log.read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"the Serve app did not come up within {self.timeout_s:.0f} s; log {self.log}:\n{tail}")
-
-    def __exit__(self, *exc) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)  # serve run shuts the app and its local Ray down
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        subprocess.run(["ray", "stop", "--force"], capture_output=True)
-        self._logf.close()
-        Path(self._cfg.name).unlink(missing_ok=True)
+def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Polls until a two-token chat completion succeeds; False on timeout or when ``proc`` exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(f"{url}/models", timeout=5) as r:
+                model = json.load(r)["data"][0]["id"]
+            body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}],
+                               "max_tokens": 2}).encode()
+            req = urllib.request.Request(f"{url}/chat/completions", body, {"content-type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                if r.status == 200:
+                    return True
+        except (OSError, ValueError, KeyError, IndexError):
+            pass
+        time.sleep(2)
+    return False
 
 
 def _hardware_line(hw: dict) -> str:
