@@ -294,7 +294,7 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
         last = step == total
         if (cfg.eval_every and step % cfg.eval_every == 0) or last:
             ev = evaluate_accuracy(head, embed, feats, held_rows, device, cfg.gamma)
-            if cfg.eval_tau_prompts and (last or cfg.eval_every):
+            if cfg.eval_tau_prompts:
                 ev["tau"] = evaluate_tau(head, target, held_prompts, budget=cfg.eval_budget,
                                          max_new_tokens=cfg.eval_tau_tokens)
             ev["step"] = step
