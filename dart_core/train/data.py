@@ -55,25 +55,39 @@ class Example:
         return self.prompt_ids + self.response_ids
 
 
-def training_prompts(config: DataConfig) -> list[str]:
+def training_prompts(config: DataConfig) -> list[str | None]:
     """The shuffled prompt list: the first ``num_prompts`` of it are answered,
-    of which the first ``eval_prompts`` form the held-out slice."""
+    of which the first ``eval_prompts`` form the held-out slice.
+
+    With ``exclude_alpacaeval`` the entries whose conversation quotes an
+    AlpacaEval instruction are ``None`` rather than removed: the list is
+    shuffled before that filter, so a prompt keeps its index with either
+    setting and a data folder stays usable when the setting changes (its
+    answers to excluded prompts are then ignored)."""
     from ngram_service.corpus import sharegpt_first_prompts
 
-    prompts = list(sharegpt_first_prompts(exclude_alpacaeval=config.exclude_alpacaeval))
+    prompts = list(sharegpt_first_prompts(exclude_alpacaeval=False))
     random.Random(config.prompt_seed).shuffle(prompts)
-    return prompts[: config.num_prompts]
+    prompts = prompts[: config.num_prompts]
+    if config.exclude_alpacaeval:
+        kept = set(sharegpt_first_prompts(exclude_alpacaeval=True))
+        prompts = [p if p in kept else None for p in prompts]
+    return prompts
 
 
-def _done(path: Path) -> set[int]:
-    done = set()
+def _records(path: Path) -> dict[int, dict]:
+    """index -> record of ``responses.jsonl`` (lines cut off by a killed run skipped)."""
+    rows = {}
     if path.is_file():
         for line in path.read_text(encoding="utf-8").splitlines():
             try:
-                done.add(int(json.loads(line)["index"]))
+                r = json.loads(line)
+                r = {"index": int(r["index"]), "prompt_ids": list(r["prompt_ids"]),
+                     "response_ids": list(r["response_ids"])}
+                rows[r["index"]] = r
             except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-                continue  # a line cut off by a killed run
-    return done
+                continue
+    return rows
 
 
 def _ends_mid_line(path: Path) -> bool:
@@ -85,24 +99,35 @@ def _ends_mid_line(path: Path) -> bool:
 
 
 @torch.inference_mode()
-def generate_responses(target, config: DataConfig, folder: str | Path, *, progress: bool = True) -> Path:
+def generate_responses(target, config: DataConfig, folder: str | Path, *, progress: bool = True,
+                       prompts: list[str | None] | None = None) -> Path:
     """Answers the training prompts with the target (resumable); returns the JSONL path.
 
     Args:
         target: a :class:`dart_core.target.TargetModel` with its tokenizer.
         folder: data folder; ``responses.jsonl`` is appended there.
+        prompts: :func:`training_prompts` of ``config`` when the caller has it already.
+
+    Raises:
+        ValueError: the folder holds answers to other prompts (another seed,
+            corpus or tokenizer) under the same indices.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     out = folder / RESPONSES
     tok = target.tokenizer
-    done = _done(out)
+    done = _records(out)
     todo = []
-    for i, text in enumerate(training_prompts(config)):
-        if i in done:
-            continue
+    for i, text in enumerate(training_prompts(config) if prompts is None else prompts):
+        if text is None:
+            continue  # an evaluation prompt: never answered, and an old answer is not loaded
         ids = list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                            tokenize=True, return_dict=True)["input_ids"])
+        if i in done:
+            if done[i]["prompt_ids"] != ids:
+                raise ValueError(f"{out} answers another prompt under index {i} (a different prompt seed, "
+                                 "corpus or tokenizer); use another work directory or remove that file")
+            continue
         if len(ids) <= config.max_prompt_tokens:
             todo.append((i, ids))
     if not todo:
@@ -147,9 +172,11 @@ def generate_responses(target, config: DataConfig, folder: str | Path, *, progre
     return out
 
 
-def load_examples(folder: str | Path, limit: int | None = None) -> list[Example]:
+def load_examples(folder: str | Path, limit: int | None = None,
+                  prompts: list[str | None] | None = None) -> list[Example]:
     """Reads ``responses.jsonl`` (sorted by prompt index; cut-off lines skipped),
-    keeping prompt indices below ``limit`` when given.
+    keeping prompt indices below ``limit`` when given, and with ``prompts``
+    (:func:`training_prompts`) only the indices whose prompt is not ``None``.
 
     Raises:
         FileNotFoundError: no responses in the folder.
@@ -157,13 +184,7 @@ def load_examples(folder: str | Path, limit: int | None = None) -> list[Example]
     path = Path(folder) / RESPONSES
     if not path.is_file():
         raise FileNotFoundError(f"no self-distilled responses at {path}; generate them first")
-    rows = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            r = json.loads(line)
-            if limit is not None and int(r["index"]) >= limit:
-                continue
-            rows[int(r["index"])] = Example(int(r["index"]), list(r["prompt_ids"]), list(r["response_ids"]))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            continue
-    return [rows[k] for k in sorted(rows)]
+    rows = _records(path)
+    keep = [k for k in sorted(rows) if (limit is None or k < limit)
+            and (prompts is None or (k < len(prompts) and prompts[k] is not None))]
+    return [Example(k, rows[k]["prompt_ids"], rows[k]["response_ids"]) for k in keep]

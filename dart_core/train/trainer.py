@@ -34,7 +34,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dart_core.draft_head import DartDraftHead, DraftHeadConfig, save_draft_head
-from dart_core.train.data import DataConfig, generate_responses, load_examples
+from dart_core.train.data import DataConfig, generate_responses, load_examples, training_prompts
 from dart_core.train.features import Features, choose_draft_vocab, compute_features
 
 logger = logging.getLogger(__name__)
@@ -226,9 +226,10 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
 
     data_dir = work / "data"
     t0 = time.time()
-    generate_responses(target, cfg.data, data_dir, progress=progress)
+    prompts = training_prompts(cfg.data)
+    generate_responses(target, cfg.data, data_dir, progress=progress, prompts=prompts)
     gen_s = time.time() - t0
-    examples = load_examples(data_dir, limit=cfg.data.num_prompts)
+    examples = load_examples(data_dir, limit=cfg.data.num_prompts, prompts=prompts)
     examples = [e for e in examples if len(e.response_ids) >= 2]
     eos = target.tokenizer.eos_token_id if target.tokenizer is not None else None
     train_ex = [e for e in examples if e.index >= cfg.data.eval_prompts]

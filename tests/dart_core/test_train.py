@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 
 import numpy as np
 import pytest
 import torch
 
 from dart_core.draft_head import load_draft_head
-from dart_core.train.data import DataConfig, Example, generate_responses, load_examples
+from dart_core.train.data import DataConfig, Example, generate_responses, load_examples, training_prompts
 from dart_core.train.features import choose_draft_vocab
 from dart_core.train.trainer import TrainConfig, evaluate_accuracy, init_head, train
 from dart_core.train.features import Features
@@ -35,6 +36,43 @@ def test_load_examples_skips_cut_lines_and_limits(tmp_path):
     assert [e.index for e in load_examples(tmp_path, limit=2)] == [0, 1]
     with pytest.raises(FileNotFoundError):
         load_examples(tmp_path / "nothing")
+
+
+def _fake_sharegpt(monkeypatch, n, quoting_alpacaeval):
+    from ngram_service import corpus
+
+    def first_prompts(path=None, *, exclude_evaluation=True, exclude_alpacaeval=False):
+        return iter([f"q{i}" for i in range(n) if not (exclude_alpacaeval and i in quoting_alpacaeval)])
+    monkeypatch.setattr(corpus, "sharegpt_first_prompts", first_prompts)
+
+
+def test_prompts_keep_their_index_when_alpacaeval_is_excluded(monkeypatch):
+    _fake_sharegpt(monkeypatch, 8, {2, 5})
+    full = training_prompts(DataConfig(num_prompts=8, exclude_alpacaeval=False))
+    kept = training_prompts(DataConfig(num_prompts=8, exclude_alpacaeval=True))
+    assert sorted(full) == [f"q{i}" for i in range(8)] and full != sorted(full)  # shuffled
+    assert kept == [None if p in ("q2", "q5") else p for p in full]
+    assert training_prompts(DataConfig(num_prompts=3, exclude_alpacaeval=False)) == full[:3]
+
+
+def test_a_data_folder_of_other_prompts_is_refused_and_excluded_answers_are_not_loaded(tmp_path, monkeypatch):
+    _fake_sharegpt(monkeypatch, 4, {1})
+    cfg = DataConfig(num_prompts=4, exclude_alpacaeval=True)
+    prompts = training_prompts(cfg)
+    ids = {p: [100 + int(p[1:])] for p in prompts if p is not None}
+    tok = types.SimpleNamespace(apply_chat_template=lambda msgs, **_: {"input_ids": ids[msgs[0]["content"]]})
+    target = types.SimpleNamespace(tokenizer=tok, model=None)  # generating anything would fail on model=None
+    rows = [{"index": i, "prompt_ids": ids.get(p, [101]), "response_ids": [7]} for i, p in enumerate(prompts)]
+    (tmp_path / "responses.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    generate_responses(target, cfg, tmp_path, progress=False)  # all answered: nothing to generate
+    excluded = prompts.index(None)
+    assert [e.index for e in load_examples(tmp_path, prompts=prompts)] == [i for i in range(4) if i != excluded]
+    assert len(load_examples(tmp_path)) == 4
+    other = 0 if excluded else 1
+    rows[other]["prompt_ids"] = [999]  # answered under another prompt seed or tokenizer
+    (tmp_path / "responses.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=f"another prompt under index {other}"):
+        generate_responses(target, cfg, tmp_path, progress=False)
 
 
 def _write_tiny_data(folder, target, n):
