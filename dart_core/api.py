@@ -24,7 +24,7 @@ from typing import Iterator, Sequence, Union
 
 import torch
 
-from dart_core.budget import AdaptiveBudget, VerifyCostCurve
+from dart_core.budget import AdaptiveBudget, SpeculationGate, VerifyCostCurve
 from dart_core.draft_head import DartDraftHead, DraftHeadConfig, load_draft_head
 from dart_core.engine import DartEngine, GenerationResult
 from dart_core.sampling import SamplingParams
@@ -107,8 +107,11 @@ class DartModel:
             dtype: default bfloat16 on CUDA, float32 on CPU.
             device: default CUDA when available; ignored with ``device_map``.
             device_map: forwarded to transformers/accelerate for targets larger than one device.
-            budget: ``"auto"`` measures verification cost at start-up and adapts the
-                tree size per step; an int fixes the number of draft nodes per tree.
+            budget: ``"auto"`` measures verification cost at start-up, adapts the
+                tree size per step (:class:`~dart_core.budget.AdaptiveBudget`) and, per
+                batch size, speculates only while speculative steps measure faster than
+                autoregressive ones (:class:`~dart_core.budget.SpeculationGate`); an int
+                fixes the number of draft nodes per tree and always speculates.
             tree_search: a tree-search client to use instead of the in-process one.
 
         Raises:
@@ -126,11 +129,12 @@ class DartModel:
             params.budget = budget
         if tree_search is None:
             tree_search = InProcessTreeSearch(cls._load_trie(trie, name, target.tokenizer))
-        policy = None
+        policy = gate = None
         if budget == "auto" and draft is not None:
             sizes = tuple(sorted({1, 2, 4, 8, 16, 32, 48, params.budget + 1}))
             policy = AdaptiveBudget(VerifyCostCurve.measure(target, node_counts=sizes))
-        return cls(DartEngine(target, draft, tree_search, params, budget=policy), target.tokenizer)
+            gate = SpeculationGate()
+        return cls(DartEngine(target, draft, tree_search, params, budget=policy, gate=gate), target.tokenizer)
 
     @staticmethod
     def _load_head(head, name: str, target: TargetModel) -> DartDraftHead | None:

@@ -33,7 +33,7 @@ from ngram_service.tree_search import DraftTree
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["VerifyCostCurve", "AdaptiveBudget", "subtree", "node_acceptance_estimates"]
+__all__ = ["VerifyCostCurve", "AdaptiveBudget", "SpeculationGate", "subtree", "node_acceptance_estimates"]
 
 
 @dataclass(frozen=True)
@@ -153,3 +153,70 @@ class AdaptiveBudget:
         if predicted > 1e-6:
             ratio = float(np.clip(accepted / predicted, 0.05, 20.0))
             self.calibration = float(np.clip((1 - self.ema) * self.calibration + self.ema * ratio, 0.05, 20.0))
+
+
+class SpeculationGate:
+    """Speculates only where it pays, measured online per batch size.
+
+    For each number of running sequences the gate keeps an exponential moving
+    average of tokens emitted per millisecond of step time, one for
+    speculative steps (draft, tree search, verification) and one for plain
+    autoregressive steps.  A step speculates while its average is at least the
+    autoregressive one; every ``probe_every``-th step at that batch size runs
+    the other mode so a change of content or load is seen.  The first
+    ``warmup`` steps of a batch size speculate, the next ``warmup`` do not
+    (measuring both).  Output is unaffected: both modes are lossless, and the
+    draft head catches up on skipped positions at its next draft.
+
+    This is what :class:`AdaptiveBudget` cannot do by itself: its smallest
+    tree still pays the draft and search overhead and a 2-token verification,
+    which on a CPU with a weak head costs more than the tokens it wins
+    (BENCHMARKS.md, verification cost curve).
+
+    Args:
+        ema: weight of the newest step in each average.
+        probe_every: steps between two tries of the losing mode (per batch size).
+        warmup: steps of each mode measured before the gate decides.
+    """
+
+    def __init__(self, ema: float = 0.1, probe_every: int = 32, warmup: int = 4) -> None:
+        if not (0 < ema <= 1) or probe_every < 2 or warmup < 1:
+            raise ValueError("need 0 < ema <= 1, probe_every >= 2 and warmup >= 1")
+        self.ema = ema
+        self.probe_every = probe_every
+        self.warmup = warmup
+        self._rate: dict[int, list[float]] = {}  # batch size -> [autoregressive, speculative] tokens/ms
+        self._seen: dict[int, list[int]] = {}  # batch size -> [autoregressive, speculative] steps observed
+        self._since_probe: dict[int, int] = {}
+
+    def speculate(self, batch: int) -> bool:
+        """Whether the next step of ``batch`` running sequences should speculate."""
+        seen = self._seen.setdefault(batch, [0, 0])
+        if seen[1] < self.warmup:
+            return True
+        if seen[0] < self.warmup:
+            return False
+        ar, spec = self._rate[batch]
+        winner = spec >= ar
+        n = self._since_probe.get(batch, 0) + 1
+        self._since_probe[batch] = n % self.probe_every
+        return (not winner) if n % self.probe_every == 0 else winner
+
+    def observe(self, batch: int, speculative: bool, tokens: int, step_ms: float) -> None:
+        """Feeds back one step: its mode, the tokens it emitted (all sequences) and its wall time."""
+        if step_ms <= 0:
+            return
+        rate = tokens / step_ms
+        rates = self._rate.setdefault(batch, [0.0, 0.0])
+        seen = self._seen.setdefault(batch, [0, 0])
+        k = int(speculative)
+        rates[k] = rate if seen[k] == 0 else (1 - self.ema) * rates[k] + self.ema * rate
+        seen[k] += 1
+
+    def speedup(self, batch: int) -> float | None:
+        """Measured speculative / autoregressive rate at ``batch`` (None before both were measured)."""
+        seen = self._seen.get(batch, [0, 0])
+        if min(seen) == 0:
+            return None
+        ar, spec = self._rate[batch]
+        return spec / ar if ar > 0 else None

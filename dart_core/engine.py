@@ -28,7 +28,7 @@ from typing import Callable, Container, Iterator, Sequence
 import numpy as np
 import torch
 
-from dart_core.budget import AdaptiveBudget
+from dart_core.budget import AdaptiveBudget, SpeculationGate
 from dart_core.draft_head import DartDraftHead
 from dart_core.kv_cache import HeadKVCache, cache_mask
 from dart_core.sampling import SamplingParams, target_probs
@@ -105,16 +105,20 @@ class DartEngine:
             ``budget`` draft nodes per tree (the most an adaptive budget may use).
         budget: None keeps ``search_params.budget`` fixed; an
             :class:`AdaptiveBudget` picks each tree's size per step.
+        gate: a :class:`SpeculationGate` that lets a step speculate only where
+            speculation measures faster than autoregressive steps; None always
+            speculates (when allowed).
     """
 
     def __init__(self, target: TargetModel, head: DartDraftHead | None = None,
                  tree_search: TreeSearchClient | None = None, search_params: SearchParams | None = None,
-                 budget: AdaptiveBudget | None = None) -> None:
+                 budget: AdaptiveBudget | None = None, gate: SpeculationGate | None = None) -> None:
         self.target = target
         self.head = head
         self.tree_search = tree_search or InProcessTreeSearch(None)
         self.search_params = search_params or SearchParams()
         self.budget = budget
+        self.gate = gate
         if head is not None:
             if head.config.target_hidden_size != target.config.hidden_size:
                 raise ValueError("draft head and target hidden sizes differ")
@@ -208,7 +212,13 @@ class DartEngine:
                 return
             spec_now = (speculative and all(state.spec_ok)
                         and (max_speculative_batch is None or len(state.seq_ids) <= max_speculative_batch))
-            yield self._step(state, spec_now)
+            gated = spec_now and self.gate is not None
+            if gated:
+                spec_now = self.gate.speculate(len(state.seq_ids))
+            step = self._step(state, spec_now)
+            if gated:
+                self.gate.observe(len(state.seq_ids), spec_now, sum(step.accepted_lengths), step.step_ms)
+            yield step
             state.keep([i for i, r in enumerate(state.reasons) if r is None])
 
     def _prefill(self, state: "_BatchState", ids: list[int], joining: list["NewSequence"]) -> StepOutput:

@@ -36,8 +36,10 @@ class AppConfig(BaseModel):
                                                "for a random head (tests)")
     dtype: str | None = Field(None, description="float32 / bfloat16 / float16 (default: bfloat16 on CUDA, float32 "
                                                 "on CPU)")
-    budget: int | str = Field("auto", description='draft nodes per tree: "auto" adapts to the measured verify cost, '
-                                                  "an int fixes it")
+    budget: int | str = Field("auto", description='draft nodes per tree: "auto" adapts the tree to the measured '
+                                                  "verify cost and speculates only at batch sizes where it measures "
+                                                  "faster than autoregressive steps; an int fixes it (always "
+                                                  "speculates)")
     top_k: int = Field(25, ge=1, le=256, description="draft tokens per level fed to the tree search")
     beam_width: int = Field(20, ge=1, le=256, description="beam width of the tree search")
     speculative: bool = Field(True, description="false = plain autoregressive serving (the baseline)")

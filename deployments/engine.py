@@ -274,6 +274,9 @@ class DartEngineDeployment:
             self.m_tokens.inc(len(toks))
         if not prefill:
             self.m_batch.set(len(step.seq_ids))
+            mode = "speculative" if max(step.draft_nodes, default=0) > 0 else "autoregressive"
+            self._steps[mode] += 1
+            self.m_steps.inc(tags={"mode": mode})
             for name, ms in (("draft", step.draft_ms), ("tree_search", step.tree_search_ms),
                              ("verify", step.verify_ms), ("step", step.step_ms)):
                 self.m_phase.observe(ms, tags={"phase": name})
@@ -292,15 +295,20 @@ class DartEngineDeployment:
         self.m_fallbacks = metrics.Counter("dart_ngram_fallbacks", description="tree searches answered by the "
                                                                                "in-process fallback")
         self.m_batch = metrics.Gauge("dart_batch_size", description="sequences in the running batch")
+        self.m_steps = metrics.Counter("dart_steps", description="decoding steps by mode: speculative (a draft tree "
+                                       "verified) or autoregressive (speculation off, opted out, batch too large, "
+                                       "or the speculation gate found it slower)", tag_keys=("mode",))
+        self._steps = {"speculative": 0, "autoregressive": 0}
         self.m_queue = metrics.Gauge("dart_queue_length", description="requests waiting to join the batch")
         self.m_wait = metrics.Histogram("dart_queue_wait_ms", description="time from arrival to joining the batch",
                                         boundaries=ms_buckets)
         self._fallbacks_seen = 0
 
     def stats(self) -> dict:
-        """Counters for tests and operators: n-gram calls and fallbacks, running sequences."""
+        """Counters for tests and operators: n-gram calls and fallbacks, running sequences, steps by mode."""
         g = self._grpc.client if self._grpc is not None else None
         return {"running": self._running, "queued": self._incoming.qsize(),
+                "speculative_steps": self._steps["speculative"], "autoregressive_steps": self._steps["autoregressive"],
                 "ngram_calls": g.calls if g else 0, "ngram_fallbacks": g.fallbacks if g else 0,
                 "ngram_address": g.address if g else None}
 

@@ -1,11 +1,14 @@
 """Adaptive tree budget: exact helpers on hand-written trees, the choice on
-flat (GPU-like) and steep (CPU-like) cost curves, and losslessness with it."""
+flat (GPU-like) and steep (CPU-like) cost curves, and losslessness with it;
+the speculation gate's decisions on given step rates, and an engine that
+follows a gate's decisions and stays exact."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from dart_core.budget import AdaptiveBudget, VerifyCostCurve, node_acceptance_estimates, subtree
+from dart_core.budget import AdaptiveBudget, SpeculationGate, VerifyCostCurve, node_acceptance_estimates, subtree
 from dart_core.engine import DartEngine
 from dart_core.sampling import SamplingParams
 
@@ -72,3 +75,76 @@ def test_measured_curve_and_lossless_with_adaptive_budget():
             out[sid].extend(toks)
     assert out == ar.token_ids
     assert all(1 <= n <= 12 for s in steps[1:] for n in s.draft_nodes if n)
+
+
+def _drive(gate, batch, steps, spec_rate, ar_rate):
+    """Runs the gate for ``steps`` steps where speculative / autoregressive steps emit the given tokens per ms."""
+    modes = []
+    for _ in range(steps):
+        spec = gate.speculate(batch)
+        modes.append(spec)
+        gate.observe(batch, spec, 10, 10 / (spec_rate if spec else ar_rate))
+    return modes
+
+
+def test_gate_measures_both_modes_then_keeps_the_faster_and_probes_the_other():
+    gate = SpeculationGate(probe_every=8, warmup=2)
+    modes = _drive(gate, 1, 36, spec_rate=0.5, ar_rate=1.0)  # speculation loses
+    assert modes[:4] == [True, True, False, False]
+    assert sum(modes[4:]) == 32 // 8  # only the probes speculate
+    assert gate.speedup(1) == pytest.approx(0.5)
+    modes = _drive(gate, 4, 36, spec_rate=2.0, ar_rate=1.0)  # speculation wins at batch 4: its own statistics
+    assert modes[:4] == [True, True, False, False] and modes[4:].count(False) == 32 // 8
+    assert gate.speedup(4) == pytest.approx(2.0) and gate.speedup(16) is None
+
+
+def test_gate_follows_a_change_seen_by_its_probes():
+    gate = SpeculationGate(ema=0.5, probe_every=4, warmup=1)
+    _drive(gate, 2, 20, spec_rate=0.5, ar_rate=1.0)
+    modes = _drive(gate, 2, 40, spec_rate=3.0, ar_rate=1.0)  # the draft head got good (e.g. code prompts)
+    assert modes[-20:].count(False) == 20 // 4  # speculation wins again; autoregressive steps are the probes
+
+
+@pytest.mark.parametrize("kw", [{"ema": 0}, {"ema": 1.5}, {"probe_every": 1}, {"warmup": 0}])
+def test_gate_rejects_bad_settings(kw):
+    with pytest.raises(ValueError):
+        SpeculationGate(**kw)
+
+
+class ScriptedGate:
+    """Speculates on even calls; records what the engine feeds back."""
+
+    def __init__(self):
+        self.calls = 0
+        self.seen = []
+
+    def speculate(self, batch):
+        self.calls += 1
+        return self.calls % 2 == 0
+
+    def observe(self, batch, speculative, tokens, step_ms):
+        self.seen.append((batch, speculative, tokens, step_ms))
+
+
+def test_engine_follows_the_gate_and_stays_exact():
+    target = tiny_target("llama", seed=4)
+    rng = np.random.default_rng(4)
+    prompts = prompts_of(rng, [6, 3])
+    sp = SamplingParams(max_new_tokens=30)
+    ar = DartEngine(target).generate(prompts, sp, speculative=False)
+    gate = ScriptedGate()
+    engine = DartEngine(target, random_head(target), OracleTreeSearch([p + o for p, o in zip(prompts, ar.token_ids)]),
+                        gate=gate)
+    out = [[], []]
+    decode_steps = []
+    for s in engine.generate_stream(prompts, sp):
+        for sid, toks in zip(s.seq_ids, s.new_tokens):
+            out[sid].extend(toks)
+        if any(s.accepted_lengths):
+            decode_steps.append(s)
+    assert out == ar.token_ids
+    assert len(gate.seen) == len(decode_steps) == gate.calls
+    for (batch, spec, tokens, ms), s in zip(gate.seen, decode_steps):
+        assert batch == len(s.seq_ids) and tokens == sum(s.accepted_lengths) and ms == s.step_ms
+        assert (max(s.draft_nodes) > 0) == spec  # the oracle drafts the truth: a speculative step drafts nodes
+    assert any(spec and tokens > batch for _, spec, tokens, _ in gate.seen)  # accepted drafts count as tokens

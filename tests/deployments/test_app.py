@@ -199,10 +199,15 @@ def test_per_request_opt_out_and_the_serving_benchmark(app, reference, tmp_path)
     from dart_core.bench import serving
 
     msgs = [{"role": "user", "content": "Say something about rivers."}]
+    engine = serve.get_deployment_handle("DartEngine", app_name="dart")
+    before = engine.stats.remote().result()
     out = client().chat.completions.create(model=NAME, messages=msgs, max_tokens=12, temperature=0,
                                            extra_body={"speculative": False})
     assert out.choices[0].message.content == reference(msgs, 12)
     assert out.usage.model_extra["dart"]["tau"] == 1.0
+    after = engine.stats.remote().result()  # the dart_steps counter's numbers: one step per token after the prefill
+    assert after["autoregressive_steps"] - before["autoregressive_steps"] == out.usage.completion_tokens - 1 > 0
+    assert after["speculative_steps"] == before["speculative_steps"]
     bad = httpx.post(f"{HTTP}/v1/chat/completions", json={"model": NAME, "messages": msgs, "speculative": "maybe"})
     assert bad.status_code == 400 and "speculative" in bad.json()["error"]["message"]
 
