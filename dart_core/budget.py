@@ -162,11 +162,13 @@ class SpeculationGate:
     average of tokens emitted per millisecond of step time, one for
     speculative steps (draft, tree search, verification) and one for plain
     autoregressive steps.  A step speculates while its average is at least the
-    autoregressive one; every ``probe_every``-th step at that batch size runs
-    the other mode so a change of content or load is seen.  The first
-    ``warmup`` steps of a batch size speculate, the next ``warmup`` do not
-    (measuring both).  Output is unaffected: both modes are lossless, and the
-    draft head catches up on skipped positions at its next draft.
+    autoregressive one; out of every ``probe_every`` steps at that batch size
+    the last ``probe_steps`` run the other mode, so a change of content or
+    load is seen.  The first step after a change of mode is not measured (it
+    carries the switch: the draft head catching up on the positions it
+    skipped).  The first ``warmup`` measured steps of a batch size speculate,
+    the next ``warmup`` do not.  Output is unaffected: both modes are
+    lossless.
 
     This is what :class:`AdaptiveBudget` cannot do by itself: its smallest
     tree still pays the draft and search overhead and a 2-token verification,
@@ -174,20 +176,27 @@ class SpeculationGate:
     (BENCHMARKS.md, verification cost curve).
 
     Args:
-        ema: weight of the newest step in each average.
-        probe_every: steps between two tries of the losing mode (per batch size).
-        warmup: steps of each mode measured before the gate decides.
+        ema: weight of the newest measured step in each average.
+        probe_every: period, in steps of one batch size, of the probes.
+        probe_steps: consecutive steps of the other mode per probe (≥ 2: the
+            first is not measured).
+        warmup: measured steps of each mode before the gate decides.
+
+    Raises:
+        ValueError: settings out of range.
     """
 
-    def __init__(self, ema: float = 0.1, probe_every: int = 32, warmup: int = 4) -> None:
-        if not (0 < ema <= 1) or probe_every < 2 or warmup < 1:
-            raise ValueError("need 0 < ema <= 1, probe_every >= 2 and warmup >= 1")
+    def __init__(self, ema: float = 0.1, probe_every: int = 64, probe_steps: int = 4, warmup: int = 4) -> None:
+        if not (0 < ema <= 1) or not (2 <= probe_steps < probe_every) or warmup < 1:
+            raise ValueError("need 0 < ema <= 1, 2 <= probe_steps < probe_every and warmup >= 1")
         self.ema = ema
         self.probe_every = probe_every
+        self.probe_steps = probe_steps
         self.warmup = warmup
         self._rate: dict[int, list[float]] = {}  # batch size -> [autoregressive, speculative] tokens/ms
-        self._seen: dict[int, list[int]] = {}  # batch size -> [autoregressive, speculative] steps observed
-        self._since_probe: dict[int, int] = {}
+        self._seen: dict[int, list[int]] = {}  # batch size -> [autoregressive, speculative] steps measured
+        self._steps: dict[int, int] = {}  # batch size -> steps decided after the warm-up
+        self._last: dict[int, bool] = {}  # batch size -> mode of its last step
 
     def speculate(self, batch: int) -> bool:
         """Whether the next step of ``batch`` running sequences should speculate."""
@@ -197,14 +206,16 @@ class SpeculationGate:
         if seen[0] < self.warmup:
             return False
         ar, spec = self._rate[batch]
-        winner = spec >= ar
-        n = self._since_probe.get(batch, 0) + 1
-        self._since_probe[batch] = n % self.probe_every
-        return (not winner) if n % self.probe_every == 0 else winner
+        n = self._steps.get(batch, 0) + 1
+        self._steps[batch] = n
+        probing = n % self.probe_every >= self.probe_every - self.probe_steps
+        return (spec >= ar) != probing
 
     def observe(self, batch: int, speculative: bool, tokens: int, step_ms: float) -> None:
         """Feeds back one step: its mode, the tokens it emitted (all sequences) and its wall time."""
-        if step_ms <= 0:
+        switched = self._last.get(batch, speculative) != speculative
+        self._last[batch] = speculative
+        if switched or step_ms <= 0:
             return
         rate = tokens / step_ms
         rates = self._rate.setdefault(batch, [0.0, 0.0])

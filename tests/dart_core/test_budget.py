@@ -88,24 +88,35 @@ def _drive(gate, batch, steps, spec_rate, ar_rate):
 
 
 def test_gate_measures_both_modes_then_keeps_the_faster_and_probes_the_other():
-    gate = SpeculationGate(probe_every=8, warmup=2)
-    modes = _drive(gate, 1, 36, spec_rate=0.5, ar_rate=1.0)  # speculation loses
-    assert modes[:4] == [True, True, False, False]
-    assert sum(modes[4:]) == 32 // 8  # only the probes speculate
+    gate = SpeculationGate(probe_every=8, probe_steps=2, warmup=2)
+    modes = _drive(gate, 1, 5 + 32, spec_rate=0.5, ar_rate=1.0)  # speculation loses
+    # 2 speculative steps, then 3 autoregressive (the first one after the switch is not measured)
+    assert modes[:5] == [True, True, False, False, False]
+    assert modes[5:].count(True) == 32 // 8 * 2  # only the probes speculate, two steps at a time
+    assert [i for i, m in enumerate(modes[5:]) if m][:4] == [5, 6, 13, 14]
     assert gate.speedup(1) == pytest.approx(0.5)
-    modes = _drive(gate, 4, 36, spec_rate=2.0, ar_rate=1.0)  # speculation wins at batch 4: its own statistics
-    assert modes[:4] == [True, True, False, False] and modes[4:].count(False) == 32 // 8
+    modes = _drive(gate, 4, 5 + 32, spec_rate=2.0, ar_rate=1.0)  # speculation wins at batch 4: its own statistics
+    assert modes[:5] == [True, True, False, False, False] and modes[5:].count(False) == 32 // 8 * 2
     assert gate.speedup(4) == pytest.approx(2.0) and gate.speedup(16) is None
 
 
+def test_gate_does_not_measure_the_step_after_a_switch():
+    gate = SpeculationGate(warmup=1)
+    gate.observe(1, True, 10, 10.0)
+    gate.observe(1, False, 1, 1000.0)  # the switch: a slow catch-up, ignored
+    gate.observe(1, False, 10, 20.0)
+    assert gate.speedup(1) == pytest.approx(2.0)
+
+
 def test_gate_follows_a_change_seen_by_its_probes():
-    gate = SpeculationGate(ema=0.5, probe_every=4, warmup=1)
+    gate = SpeculationGate(ema=0.5, probe_every=4, probe_steps=2, warmup=1)
     _drive(gate, 2, 20, spec_rate=0.5, ar_rate=1.0)
     modes = _drive(gate, 2, 40, spec_rate=3.0, ar_rate=1.0)  # the draft head got good (e.g. code prompts)
-    assert modes[-20:].count(False) == 20 // 4  # speculation wins again; autoregressive steps are the probes
+    assert modes[-20:].count(False) == 20 // 4 * 2  # speculation wins again; autoregressive steps are the probes
 
 
-@pytest.mark.parametrize("kw", [{"ema": 0}, {"ema": 1.5}, {"probe_every": 1}, {"warmup": 0}])
+@pytest.mark.parametrize("kw", [{"ema": 0}, {"ema": 1.5}, {"probe_steps": 1}, {"probe_every": 4, "probe_steps": 4},
+                                {"warmup": 0}])
 def test_gate_rejects_bad_settings(kw):
     with pytest.raises(ValueError):
         SpeculationGate(**kw)
