@@ -1,0 +1,50 @@
+"""The draft head shipped for SmolLM2-135M-Instruct (issue 5): the files are
+what the model card says (bf16, no embedding, ≤ 32 MB), it is the head every
+entry point loads by default, and with it greedy DART decoding on the real
+target is exact and accepts drafts (a random head's τ stays below 1.3)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from dart_core.api import SHIPPED_HEADS, DartModel
+from dart_core.engine import DartEngine
+from dart_core.sampling import SamplingParams
+from dart_core.tokenizer import DEFAULT_MODEL
+from dart_core.tree_client import InProcessTreeSearch
+from ngram_service.tree_search import SearchParams
+
+from .test_smollm2 import PROMPTS, chat
+
+HEAD = SHIPPED_HEADS[DEFAULT_MODEL]
+
+
+def test_shipped_head_files():
+    names = {p.name for p in HEAD.iterdir()}
+    assert {"config.json", "model.safetensors", "training.json", "README.md"} <= names
+    assert sum(p.stat().st_size for p in HEAD.iterdir()) <= 32 * 2**20
+    config = json.loads((HEAD / "config.json").read_text())
+    assert config["draft_length"] == 7 and config["hidden_size"] == 576 and config["vocab_size"] == 49152
+    with safe_open(str(HEAD / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert not any("embed" in k for k in keys)
+        dtypes = {f.get_tensor(k).dtype for k in keys if k not in ("d2t", "t2d")}
+    assert dtypes == {torch.bfloat16}
+    assert {"fc.weight", "midlayer.mask_rep", "lm_head.weight", "d2t", "t2d"} <= keys
+
+
+@pytest.mark.slow
+def test_shipped_head_is_the_default_and_exact_on_smollm2(smollm2):
+    head = DartModel._load_head(None, DEFAULT_MODEL, smollm2)  # what DartModel / the Serve app load for head=None
+    assert head is not None
+    prompts = [chat(smollm2, p) for p in PROMPTS]
+    engine = DartEngine(smollm2, head, InProcessTreeSearch(None), SearchParams(budget=16))
+    sp = SamplingParams(max_new_tokens=48)
+    ar = engine.generate(prompts, sp, speculative=False)
+    dart = engine.generate(prompts, sp)
+    assert dart.token_ids == ar.token_ids
+    assert dart.tau > 1.4, dart.tau
