@@ -121,6 +121,8 @@ def generate_responses(target, config: DataConfig, folder: str | Path, *, progre
     for i, text in enumerate(training_prompts(config) if prompts is None else prompts):
         if text is None:
             continue  # an evaluation prompt: never answered, and an old answer is not loaded
+        if i in done and tok is None:
+            continue  # nothing to check the stored prompt against (a tokenizer-less test target)
         ids = list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                            tokenize=True, return_dict=True)["input_ids"])
         if i in done:
