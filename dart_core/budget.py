@@ -156,15 +156,19 @@ class AdaptiveBudget:
 
 
 class SpeculationGate:
-    """Speculates only where it pays, measured online per batch size.
+    """Speculates only where it pays, measured online per batch-size bucket.
 
-    For each number of running sequences the gate keeps an exponential moving
+    For each bucket of running-sequence counts (1, 2, 3-4, 5-8, 9-16, ...:
+    continuous batching moves the batch size often, and every bucket pays
+    its own warm-up) the gate keeps an exponential moving
     average of tokens emitted per millisecond of step time, one for
     speculative steps (draft, tree search, verification) and one for plain
     autoregressive steps.  A step speculates while its average is at least the
-    autoregressive one; out of every ``probe_every`` steps at that batch size
-    the last ``probe_steps`` run the other mode, so a change of content or
-    load is seen.  The first step after a change of mode is not measured (it
+    autoregressive one; the last ``probe_steps`` of every probe period run
+    the other mode, so a change of content or load is seen.  The period
+    starts at ``probe_every`` steps and doubles (up to ``max_probe_every``)
+    each time a probe confirms the same winner, so a settled choice costs
+    little.  The first step after a change of mode is not measured (it
     carries the switch: the draft head catching up on the positions it
     skipped).  The first ``warmup`` measured steps of a batch size speculate,
     the next ``warmup`` do not.  Output is unaffected: both modes are
@@ -177,7 +181,8 @@ class SpeculationGate:
 
     Args:
         ema: weight of the newest measured step in each average.
-        probe_every: period, in steps of one batch size, of the probes.
+        probe_every: first probe period, in steps of one bucket.
+        max_probe_every: longest probe period.
         probe_steps: consecutive steps of the other mode per probe (≥ 2: the
             first is not measured).
         warmup: measured steps of each mode before the gate decides.
@@ -186,33 +191,51 @@ class SpeculationGate:
         ValueError: settings out of range.
     """
 
-    def __init__(self, ema: float = 0.1, probe_every: int = 64, probe_steps: int = 4, warmup: int = 4) -> None:
-        if not (0 < ema <= 1) or not (2 <= probe_steps < probe_every) or warmup < 1:
-            raise ValueError("need 0 < ema <= 1, 2 <= probe_steps < probe_every and warmup >= 1")
+    def __init__(self, ema: float = 0.1, probe_every: int = 64, probe_steps: int = 4, warmup: int = 2,
+                 max_probe_every: int = 1024) -> None:
+        if not (0 < ema <= 1) or not (2 <= probe_steps < probe_every <= max_probe_every) or warmup < 1:
+            raise ValueError("need 0 < ema <= 1, 2 <= probe_steps < probe_every <= max_probe_every and warmup >= 1")
         self.ema = ema
         self.probe_every = probe_every
+        self.max_probe_every = max_probe_every
         self.probe_steps = probe_steps
         self.warmup = warmup
         self._rate: dict[int, list[float]] = {}  # batch size -> [autoregressive, speculative] tokens/ms
         self._seen: dict[int, list[int]] = {}  # batch size -> [autoregressive, speculative] steps measured
-        self._steps: dict[int, int] = {}  # batch size -> steps decided after the warm-up
+        self._steps: dict[int, int] = {}  # bucket -> steps decided in the current probe period
+        self._period: dict[int, int] = {}  # bucket -> current probe period
+        self._winner: dict[int, bool] = {}  # bucket -> the mode that won at the end of the last period
         self._last: dict[int, bool] = {}  # batch size -> mode of its last step
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        """The bucket of a batch size: the next power of two (1, 2, 4, 8, ...)."""
+        return 1 << max(0, int(batch) - 1).bit_length()
 
     def speculate(self, batch: int) -> bool:
         """Whether the next step of ``batch`` running sequences should speculate."""
+        batch = self.bucket(batch)
         seen = self._seen.setdefault(batch, [0, 0])
         if seen[1] < self.warmup:
             return True
         if seen[0] < self.warmup:
             return False
         ar, spec = self._rate[batch]
+        winner = spec >= ar
         n = self._steps.get(batch, 0) + 1
+        period = self._period.get(batch, self.probe_every)
+        probing = n > period - self.probe_steps
+        if n >= period:  # the period's probe ends with this step
+            same = self._winner.get(batch) == winner
+            self._period[batch] = min(2 * period, self.max_probe_every) if same else self.probe_every
+            self._winner[batch] = winner
+            n = 0
         self._steps[batch] = n
-        probing = n % self.probe_every >= self.probe_every - self.probe_steps
-        return (spec >= ar) != probing
+        return winner != probing
 
     def observe(self, batch: int, speculative: bool, tokens: int, step_ms: float) -> None:
         """Feeds back one step: its mode, the tokens it emitted (all sequences) and its wall time."""
+        batch = self.bucket(batch)
         switched = self._last.get(batch, speculative) != speculative
         self._last[batch] = speculative
         if switched or step_ms <= 0:
@@ -225,7 +248,8 @@ class SpeculationGate:
         seen[k] += 1
 
     def speedup(self, batch: int) -> float | None:
-        """Measured speculative / autoregressive rate at ``batch`` (None before both were measured)."""
+        """Measured speculative / autoregressive rate in the bucket of ``batch`` (None before both were measured)."""
+        batch = self.bucket(batch)
         seen = self._seen.get(batch, [0, 0])
         if min(seen) == 0:
             return None

@@ -88,16 +88,24 @@ def _drive(gate, batch, steps, spec_rate, ar_rate):
 
 
 def test_gate_measures_both_modes_then_keeps_the_faster_and_probes_the_other():
-    gate = SpeculationGate(probe_every=8, probe_steps=2, warmup=2)
+    gate = SpeculationGate(probe_every=8, probe_steps=2, warmup=2, max_probe_every=8)  # a fixed probe period
     modes = _drive(gate, 1, 5 + 32, spec_rate=0.5, ar_rate=1.0)  # speculation loses
     # 2 speculative steps, then 3 autoregressive (the first one after the switch is not measured)
     assert modes[:5] == [True, True, False, False, False]
     assert modes[5:].count(True) == 32 // 8 * 2  # only the probes speculate, two steps at a time
-    assert [i for i, m in enumerate(modes[5:]) if m][:4] == [5, 6, 13, 14]
+    assert [i for i, m in enumerate(modes[5:]) if m][:4] == [6, 7, 14, 15]
     assert gate.speedup(1) == pytest.approx(0.5)
     modes = _drive(gate, 4, 5 + 32, spec_rate=2.0, ar_rate=1.0)  # speculation wins at batch 4: its own statistics
     assert modes[:5] == [True, True, False, False, False] and modes[5:].count(False) == 32 // 8 * 2
     assert gate.speedup(4) == pytest.approx(2.0) and gate.speedup(16) is None
+
+
+def test_gate_buckets_batch_sizes_by_powers_of_two():
+    assert [SpeculationGate.bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 2, 4, 4, 8, 8, 16, 16, 32]
+    gate = SpeculationGate(warmup=1)
+    _drive(gate, 5, 3, spec_rate=2.0, ar_rate=1.0)  # batch 5 measures bucket 8
+    assert gate.speedup(8) == pytest.approx(2.0) and gate.speedup(4) is None
+    assert gate.speculate(7)
 
 
 def test_gate_does_not_measure_the_step_after_a_switch():
@@ -109,14 +117,25 @@ def test_gate_does_not_measure_the_step_after_a_switch():
 
 
 def test_gate_follows_a_change_seen_by_its_probes():
-    gate = SpeculationGate(ema=0.5, probe_every=4, probe_steps=2, warmup=1)
+    gate = SpeculationGate(ema=0.5, probe_every=4, probe_steps=2, warmup=1, max_probe_every=4)
     _drive(gate, 2, 20, spec_rate=0.5, ar_rate=1.0)
     modes = _drive(gate, 2, 40, spec_rate=3.0, ar_rate=1.0)  # the draft head got good (e.g. code prompts)
     assert modes[-20:].count(False) == 20 // 4 * 2  # speculation wins again; autoregressive steps are the probes
 
 
+def test_gate_probes_less_often_while_the_same_mode_keeps_winning():
+    gate = SpeculationGate(ema=0.5, probe_every=4, probe_steps=2, warmup=1, max_probe_every=16)
+    warm = 3  # one speculative step, then two autoregressive (the first one after the switch is not measured)
+    modes = _drive(gate, 1, warm + 48, spec_rate=0.5, ar_rate=1.0)
+    # probe periods 4, 4 (the first end only records the winner), 8, 16, 16: one 2-step probe each
+    assert [i for i, m in enumerate(modes[warm:]) if m] == [2, 3, 6, 7, 14, 15, 30, 31, 46, 47]
+    modes = _drive(gate, 1, 40, spec_rate=3.0, ar_rate=1.0)  # speculation starts winning: the next probe sees it
+    assert modes.index(True) < 16  # the first probe of the 16-step period sees the change
+    assert modes[16:].count(True) > 3 * modes[16:].count(False)  # then autoregressive steps are only probes
+
+
 @pytest.mark.parametrize("kw", [{"ema": 0}, {"ema": 1.5}, {"probe_steps": 1}, {"probe_every": 4, "probe_steps": 4},
-                                {"warmup": 0}])
+                                {"probe_every": 64, "max_probe_every": 32}, {"warmup": 0}])
 def test_gate_rejects_bad_settings(kw):
     with pytest.raises(ValueError):
         SpeculationGate(**kw)
