@@ -110,9 +110,10 @@ def run_serving(cfg: ServingConfig, *, progress: bool = True) -> dict:
 
     Raises:
         ValueError: an unknown mode or a concurrency below 1.
-        ConnectionError: no server answers ``/v1/models`` at ``cfg.url``.
+        ConnectionError: no server answers ``/v1/models`` at ``cfg.url``, or it
+            answers with an error (e.g. 404 while Serve is still deploying the app).
     """
-    from openai import APIConnectionError, OpenAI
+    from openai import APIConnectionError, APIStatusError, OpenAI
     from tqdm import tqdm
 
     from dart_core.bench.datasets import load_prompts
@@ -129,6 +130,9 @@ def run_serving(cfg: ServingConfig, *, progress: bool = True) -> dict:
     except APIConnectionError:
         raise ConnectionError(f"no dart-serve app answers at {cfg.url} (start one: serve run "
                               f"deployments/dart.yaml)") from None
+    except APIStatusError as e:
+        raise ConnectionError(f"{cfg.url}/models answered HTTP {e.status_code}: not a ready dart-serve app "
+                              "(still deploying? wait for GET /health to answer ok)") from None
     prompts = load_prompts(cfg.dataset)
     rows = []
     bar = tqdm(total=len(cfg.concurrency) * len(cfg.modes), desc="serving benchmark", unit="level",

@@ -79,6 +79,23 @@ def test_serving_cli_without_a_server_says_so(capsys):
     assert "no dart-serve app answers at http://127.0.0.1:9/v1" in capsys.readouterr().err
 
 
+def test_serving_cli_against_a_server_that_is_not_ready_says_so(capsys):
+    """Serve's proxy answers 404 until the application is deployed: a one-line error, not a traceback."""
+    import http.server
+    import threading
+
+    from dart_core.bench import serving
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # 501 for GET
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/v1"
+        assert serving.main(["--url", url, "--no-progress", "--concurrency", "1"]) == 2
+        assert f"{url}/models answered HTTP 501" in capsys.readouterr().err
+    finally:
+        server.shutdown()
+
+
 def test_results_page_keeps_hand_written_text(tmp_path):
     page = tmp_path / "BENCHMARKS.md"
     page.write_text(f"# Benchmarks\n\nIntro.\n\n{report.START}\nold\n{report.END}\n\n## Reading the numbers\nKept.\n")
