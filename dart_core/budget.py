@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -200,58 +200,62 @@ class SpeculationGate:
         self.max_probe_every = max_probe_every
         self.probe_steps = probe_steps
         self.warmup = warmup
-        self._rate: dict[int, list[float]] = {}  # batch size -> [autoregressive, speculative] tokens/ms
-        self._seen: dict[int, list[int]] = {}  # batch size -> [autoregressive, speculative] steps measured
-        self._steps: dict[int, int] = {}  # bucket -> steps decided in the current probe period
-        self._period: dict[int, int] = {}  # bucket -> current probe period
-        self._winner: dict[int, bool] = {}  # bucket -> the mode that won at the end of the last period
-        self._last: dict[int, bool] = {}  # batch size -> mode of its last step
+        self._buckets: dict[int, _GateBucket] = {}
 
     @staticmethod
     def bucket(batch: int) -> int:
         """The bucket of a batch size: the next power of two (1, 2, 4, 8, ...)."""
         return 1 << max(0, int(batch) - 1).bit_length()
 
+    def _stats(self, batch: int) -> "_GateBucket":
+        key = self.bucket(batch)
+        if key not in self._buckets:
+            self._buckets[key] = _GateBucket(period=self.probe_every)
+        return self._buckets[key]
+
     def speculate(self, batch: int) -> bool:
         """Whether the next step of ``batch`` running sequences should speculate."""
-        batch = self.bucket(batch)
-        seen = self._seen.setdefault(batch, [0, 0])
-        if seen[1] < self.warmup:
+        b = self._stats(batch)
+        if b.seen[1] < self.warmup:
             return True
-        if seen[0] < self.warmup:
+        if b.seen[0] < self.warmup:
             return False
-        ar, spec = self._rate[batch]
-        winner = spec >= ar
-        n = self._steps.get(batch, 0) + 1
-        period = self._period.get(batch, self.probe_every)
-        probing = n > period - self.probe_steps
-        if n >= period:  # the period's probe ends with this step
-            same = self._winner.get(batch) == winner
-            self._period[batch] = min(2 * period, self.max_probe_every) if same else self.probe_every
-            self._winner[batch] = winner
-            n = 0
-        self._steps[batch] = n
+        winner = b.rate[1] >= b.rate[0]
+        b.steps += 1
+        probing = b.steps > b.period - self.probe_steps
+        if b.steps >= b.period:  # the period's probe ends with this step
+            b.period = min(2 * b.period, self.max_probe_every) if b.winner == winner else self.probe_every
+            b.winner = winner
+            b.steps = 0
         return winner != probing
 
     def observe(self, batch: int, speculative: bool, tokens: int, step_ms: float) -> None:
         """Feeds back one step: its mode, the tokens it emitted (all sequences) and its wall time."""
-        batch = self.bucket(batch)
-        switched = self._last.get(batch, speculative) != speculative
-        self._last[batch] = speculative
+        b = self._stats(batch)
+        switched = b.last is not None and b.last != speculative
+        b.last = speculative
         if switched or step_ms <= 0:
             return
-        rate = tokens / step_ms
-        rates = self._rate.setdefault(batch, [0.0, 0.0])
-        seen = self._seen.setdefault(batch, [0, 0])
         k = int(speculative)
-        rates[k] = rate if seen[k] == 0 else (1 - self.ema) * rates[k] + self.ema * rate
-        seen[k] += 1
+        rate = tokens / step_ms
+        b.rate[k] = rate if b.seen[k] == 0 else (1 - self.ema) * b.rate[k] + self.ema * rate
+        b.seen[k] += 1
 
     def speedup(self, batch: int) -> float | None:
         """Measured speculative / autoregressive rate in the bucket of ``batch`` (None before both were measured)."""
-        batch = self.bucket(batch)
-        seen = self._seen.get(batch, [0, 0])
-        if min(seen) == 0:
+        b = self._buckets.get(self.bucket(batch))
+        if b is None or min(b.seen) == 0 or b.rate[0] <= 0:
             return None
-        ar, spec = self._rate[batch]
-        return spec / ar if ar > 0 else None
+        return b.rate[1] / b.rate[0]
+
+
+@dataclass
+class _GateBucket:
+    """One batch-size bucket of :class:`SpeculationGate`; index 0 = autoregressive, 1 = speculative."""
+
+    period: int  # current probe period, steps
+    steps: int = 0  # steps decided in the current period
+    winner: bool | None = None  # the mode that won at the end of the last period (True = speculative)
+    last: bool | None = None  # mode of the last observed step
+    rate: list[float] = field(default_factory=lambda: [0.0, 0.0])  # tokens/ms, moving averages
+    seen: list[int] = field(default_factory=lambda: [0, 0])  # steps measured
