@@ -16,9 +16,11 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AttentionInterface, AutoModelForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from dart_core.kv_cache import cache_mask, compact_
+from dart_core.kv_cache import BufferedKVCache, cache_mask, compact_
 from dart_core.tokenizer import converted_cache, load_tokenizer, resolve_model, save_converted
 
 logger = logging.getLogger(__name__)
@@ -33,10 +35,13 @@ class TargetOutput:
 
 
 class TargetCache:
-    """The target's ``DynamicCache`` plus per-sequence valid lengths (layout in :mod:`dart_core.kv_cache`)."""
+    """The target's KV cache (a ``DynamicCache`` that appends in place) plus per-sequence valid lengths.
+
+    Layout in :mod:`dart_core.kv_cache`.
+    """
 
     def __init__(self, batch: int, device) -> None:
-        self.cache = DynamicCache()
+        self.cache = BufferedKVCache()
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [B]
 
     @property
@@ -55,6 +60,36 @@ class TargetCache:
         t = int(self.lengths.max()) if len(rows) else 0
         for layer in self.cache.layers:
             layer.keys, layer.values = layer.keys[rows, :, :t], layer.values[rows, :, :t]
+
+
+def _grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                  is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' ``sdpa`` attention, minus a copy on CPUs.
+
+    With a mask and more than one query token (tree verification, prefill)
+    transformers repeats every key/value head ``num_key_value_groups`` times
+    before calling SDPA: a copy of the whole KV cache in every layer, every
+    step (at batch 8 on a CPU it cost more than the attention itself).  On a
+    CPU, PyTorch's SDPA takes grouped heads directly (``enable_gqa``) with
+    bit-identical results; elsewhere (CUDA's masked kernels do not take
+    grouped heads) and for single-token queries (already copy-free) this
+    defers to transformers.
+
+    Shapes: query [B, H, Q, D], key/value [B, H_kv, T, D], attention_mask
+    [B, 1, Q, T] additive; returns ([B, Q, H, D], None).
+    """
+    if query.device.type != "cpu" or attention_mask is None or query.shape[2] == 1 or dropout:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                           scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+GROUPED_SDPA = "dart_grouped_sdpa"
+AttentionInterface.register(GROUPED_SDPA, _grouped_sdpa)
+AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)  # masks built by transformers (generate) stay sdpa's
 
 
 def _save_dequantised(model, folder) -> None:
@@ -82,6 +117,8 @@ class TargetModel:
 
     def __init__(self, model, tokenizer=None) -> None:
         self.model = model.eval()
+        if getattr(self.model.config, "_attn_implementation", None) == "sdpa":
+            self.model.set_attn_implementation(GROUPED_SDPA)
         self.tokenizer = tokenizer
         self.config = model.config
         layers = self.config.num_hidden_layers

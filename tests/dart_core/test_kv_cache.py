@@ -1,0 +1,109 @@
+"""The target's KV cache appends in place (no per-step copy of the cache) and its
+grouped-query attention skips transformers' head repetition, both with values
+identical to the stock ``DynamicLayer`` / ``sdpa`` path."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from dart_core.kv_cache import BufferedKVLayer, cache_mask, compact_
+from dart_core.target import GROUPED_SDPA, TargetCache
+
+from .conftest import VOCAB, tiny_target
+
+
+def _kv(b, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, 2, n, 4, generator=g), torch.randn(b, 2, n, 4, generator=g)
+
+
+def test_appends_match_concatenation_and_reuse_the_buffer():
+    buffered, ref = BufferedKVLayer(), DynamicLayer()
+    ptrs = set()
+    for step, n in enumerate([5, 1, 1, 3, 1, 40, 2, 90, 1]):
+        k, v = _kv(3, n, step)
+        bk, bv = buffered.update(k, v)
+        rk, rv = ref.update(k, v)
+        assert torch.equal(bk, rk) and torch.equal(bv, rv)
+        ptrs.add(buffered.keys.untyped_storage().data_ptr())
+    # 144 positions in 9 appends: capacity doubles, so the buffer moved only a few times
+    assert len(ptrs) <= 4
+    assert buffered.get_seq_length() == ref.get_seq_length() == 144
+
+
+def test_compaction_stays_in_the_buffer_and_later_appends_follow_it():
+    buffered, ref = BufferedKVLayer(), DynamicLayer()
+    lengths = torch.tensor([4, 2])
+    k, v = _kv(2, 4, 0)
+    buffered.update(k, v)
+    ref.update(k, v)
+    tree_k, tree_v = _kv(2, 5, 1)  # a 5-node tree per sequence
+    buffered.update(tree_k, tree_v)
+    ref.update(tree_k, tree_v)
+    src = torch.tensor([[4, 6, 7], [4, 8, 0]])
+    counts = torch.tensor([3, 2])
+    ptr = buffered.keys.untyped_storage().data_ptr()
+    buffered.keys, buffered.values = compact_(buffered.keys, buffered.values, lengths, src, counts)
+    ref.keys, ref.values = compact_(ref.keys.clone(), ref.values.clone(), lengths, src, counts)
+    assert torch.equal(buffered.keys, ref.keys) and torch.equal(buffered.values, ref.values)
+    assert buffered.keys.shape[2] == 7  # cropped to max(lengths + counts)
+    k, v = _kv(2, 1, 2)
+    bk, _ = buffered.update(k, v)
+    rk, _ = ref.update(k, v)
+    assert torch.equal(bk, rk)
+    assert buffered.keys.untyped_storage().data_ptr() == ptr  # no copy after compaction
+
+
+def test_rows_replaced_by_continuous_batching_are_copied_once():
+    layer = BufferedKVLayer()
+    k, v = _kv(3, 6, 0)
+    layer.update(k, v)
+    layer.keys, layer.values = layer.keys[torch.tensor([0, 2])], layer.values[torch.tensor([0, 2])]  # a row left
+    k2, v2 = _kv(2, 1, 1)
+    keys, values = layer.update(k2, v2)
+    assert torch.equal(keys, torch.cat([k[[0, 2]], k2], dim=2))
+    assert torch.equal(values, torch.cat([v[[0, 2]], v2], dim=2))
+    ptr = layer.keys.untyped_storage().data_ptr()
+    layer.update(*_kv(2, 1, 2))
+    assert layer.keys.untyped_storage().data_ptr() == ptr
+
+
+@torch.inference_mode()
+def test_grouped_attention_equals_transformers_sdpa_on_a_tree_step():
+    target = tiny_target("llama", seed=5)  # 4 query heads, 2 key-value heads
+    assert target.model.config._attn_implementation == GROUPED_SDPA
+    stock = copy.deepcopy(target)
+    stock.model.set_attn_implementation("sdpa")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (9, 4)]
+    outs = []
+    for model in (target, stock):
+        cache = TargetCache(2, "cpu")
+        pre = model.prefill(prompts, cache)
+        # a 4-node tree per sequence: root, two children, one grandchild
+        tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+        ids = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(1))
+        depths = torch.tensor([0, 1, 1, 2])
+        mask = cache_mask(cache.lengths, cache.padded_length, tree.expand(2, 4, 4), model.dtype)
+        out = model.forward(ids, cache.lengths[:, None] + depths, mask, cache)
+        outs.append((pre.logits, out.logits, out.taps))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_generate_masks_padding_with_the_grouped_attention():
+    """transformers builds its own masks for ``generate`` (left padding): the grouped
+    implementation must get sdpa's masks, not none."""
+    target = tiny_target("qwen3", seed=2)
+    stock = copy.deepcopy(target)
+    stock.model.set_attn_implementation("sdpa")
+    ids = torch.tensor([[0, 0, 0, 5, 6, 7], [1, 2, 3, 4, 5, 6]])
+    attention = torch.tensor([[0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    out = [m.model.generate(input_ids=ids, attention_mask=attention, max_new_tokens=8, do_sample=False)
+           for m in (target, stock)]
+    assert torch.equal(out[0], out[1])
+    alone = target.model.generate(input_ids=ids[:1, 3:], max_new_tokens=8, do_sample=False)
+    assert torch.equal(out[0][0, 6:], alone[0, 3:])  # the padding is really masked
