@@ -98,8 +98,10 @@ class DartEngine:
 
     Args:
         target: the target model adapter.
-        head: the draft head (on the target's device and dtype); None runs
-            plain autoregressive decoding only.
+        head: the draft head, on the target's device; None runs plain
+            autoregressive decoding only.  Its dtype may differ from the
+            target's (a bf16 head beside an fp32 target on a CPU): its inputs
+            are cast to it, and output stays exact since the target verifies.
         tree_search: tree-search client (default: in-process, logits-only).
         search_params: tree-search parameters; ``top_k`` drafts per level and
             ``budget`` draft nodes per tree (the most an adaptive budget may use).
@@ -242,7 +244,7 @@ class DartEngine:
         if state.speculative:
             c = self.head.config
             new.head_cache = HeadKVCache(len(prompts), c.num_key_value_heads, c.head_dim, device=device,
-                                         dtype=target.dtype)
+                                         dtype=self.head.lm_head.weight.dtype)
         new_tokens = []
         for b, f in enumerate(first):
             emitted, new.reasons[b] = self._emit(new, b, [f])
@@ -372,8 +374,9 @@ class DartEngine:
         for i, row in enumerate(next_tokens):
             nxt[i, : len(row)] = torch.tensor(row)
         nxt = nxt.to(device)
-        logits, new_k, new_v = head(taps, self.target.embed(nxt), positions, last_index, head_cache.keys,
-                                    head_cache.values, head_cache.lengths)
+        dtype = head.lm_head.weight.dtype
+        logits, new_k, new_v = head(taps.to(dtype), self.target.embed(nxt).to(dtype), positions, last_index,
+                                    head_cache.keys, head_cache.values, head_cache.lengths)
         head_cache.append(new_k, new_v, last_index + 1)
         k = min(self.search_params.top_k, logits.shape[-1])
         values, idx = torch.topk(logits.float(), k, dim=-1)  # [B, d, k]

@@ -243,3 +243,27 @@ def test_a_sequence_that_opts_out_of_speculation_makes_its_batch_autoregressive(
     assert all(nodes == 0 for r, nodes in phases if r)  # no draft tree while it runs
     last_ar = max(i for i, (r, _) in enumerate(phases) if r)
     assert any(nodes > 0 for _, nodes in phases[last_ar + 1:])  # speculation resumes once it has left
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_bf16_head_beside_an_fp32_target_stays_exact(arch):
+    """The CPU default pairs an fp32 target with a bf16 draft head (api.default_draft_dtype):
+    the head's inputs and KV cache take its dtype, sequences join mid-run, output stays exact."""
+    from dart_core.engine import NewSequence
+
+    target = tiny_target(arch, seed=4)
+    rng = np.random.default_rng(4)
+    prompts = prompts_of(rng, [6, 3, 8])
+    sp = SamplingParams(max_new_tokens=20)
+    ar = DartEngine(target).generate(prompts, sp, speculative=False).token_ids
+    head = random_head(target, seed=1).to(torch.bfloat16)
+    engine = DartEngine(target, head, search_params=SearchParams(top_k=8, beam_width=4, budget=12))
+    joined = iter([[], [NewSequence(prompts[2], sp)]])
+    out: dict[int, list[int]] = {}
+    drafted = 0
+    for step in engine.generate_stream(prompts[:2], sp, admit=lambda: next(joined, [])):
+        drafted += sum(step.draft_nodes)
+        for sid, toks in zip(step.seq_ids, step.new_tokens):
+            out.setdefault(sid, []).extend(toks)
+    assert [out[i] for i in range(3)] == ar
+    assert drafted > 0
