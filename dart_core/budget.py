@@ -161,7 +161,8 @@ class SpeculationGate:
     For each bucket of running-sequence counts (1, 2, 3-4, 5-8, 9-16, ...:
     continuous batching moves the batch size often, and every bucket pays
     its own warm-up) the gate keeps an exponential moving
-    average of tokens emitted per millisecond of step time, one for
+    average of tokens emitted per millisecond of wall time per step (the
+    step itself plus the caller's handling of its output), one for
     speculative steps (draft, tree search, verification) and one for plain
     autoregressive steps.  A step speculates while its average is at least the
     autoregressive one; the last ``probe_steps`` of every probe period run
@@ -170,7 +171,10 @@ class SpeculationGate:
     each time a probe confirms the same winner, so a settled choice costs
     little.  The first step after a change of mode is not measured (it
     carries the switch: the draft head catching up on the positions it
-    skipped).  The first ``warmup`` measured steps of a batch size speculate,
+    skipped), nor is a speculative step whose draft catches up on more
+    positions than one step can accept (a new prompt: the first step after a
+    prefill would otherwise make speculation look several times slower).
+    The first ``warmup`` measured steps of a batch size speculate,
     the next ``warmup`` do not.  Output is unaffected: both modes are
     lossless.
 
@@ -229,12 +233,16 @@ class SpeculationGate:
             b.steps = 0
         return winner != probing
 
-    def observe(self, batch: int, speculative: bool, tokens: int, step_ms: float) -> None:
-        """Feeds back one step: its mode, the tokens it emitted (all sequences) and its wall time."""
+    def observe(self, batch: int, speculative: bool, tokens: int, step_ms: float, typical: bool = True) -> None:
+        """Feeds back one step: its mode, the tokens it emitted (all sequences) and its wall time.
+
+        ``typical=False`` records the mode without measuring the step (the engine
+        passes it for a draft that catches up on a new prompt or on skipped positions).
+        """
         b = self._stats(batch)
         switched = b.last is not None and b.last != speculative
         b.last = speculative
-        if switched or step_ms <= 0:
+        if switched or not typical or step_ms <= 0:
             return
         k = int(speculative)
         rate = tokens / step_ms

@@ -217,10 +217,15 @@ class DartEngine:
             gated = spec_now and self.gate is not None
             if gated:
                 spec_now = self.gate.speculate(len(state.seq_ids))
+                # a draft over more positions than one step can accept is a catch-up (a new
+                # prompt, or autoregressive steps since the last draft): not a typical step
+                catch_up = spec_now and int(state.pend_count.max()) > self.head.config.draft_length + 2
+            t_step = time.perf_counter()
             step = self._step(state, spec_now)
-            if gated:
-                self.gate.observe(len(state.seq_ids), spec_now, sum(step.accepted_lengths), step.step_ms)
             yield step
+            if gated:  # wall time until the caller asks for the next step: its per-step work counts too
+                self.gate.observe(len(state.seq_ids), spec_now, sum(step.accepted_lengths),
+                                  1e3 * (time.perf_counter() - t_step), typical=not catch_up)
             state.keep([i for i, r in enumerate(state.reasons) if r is None])
 
     def _prefill(self, state: "_BatchState", ids: list[int], joining: list["NewSequence"]) -> StepOutput:

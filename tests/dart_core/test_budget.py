@@ -116,6 +116,15 @@ def test_gate_does_not_measure_the_step_after_a_switch():
     assert gate.speedup(1) == pytest.approx(2.0)
 
 
+def test_gate_ignores_atypical_steps():
+    gate = SpeculationGate(warmup=1)
+    gate.observe(1, True, 2, 1000.0, typical=False)  # the draft over a whole new prompt
+    gate.observe(1, True, 10, 10.0)
+    gate.observe(1, False, 1, 1000.0)  # switch
+    gate.observe(1, False, 10, 20.0)
+    assert gate.speedup(1) == pytest.approx(2.0)
+
+
 def test_gate_follows_a_change_seen_by_its_probes():
     gate = SpeculationGate(ema=0.5, probe_every=4, probe_steps=2, warmup=1, max_probe_every=4)
     _drive(gate, 2, 20, spec_rate=0.5, ar_rate=1.0)
@@ -152,14 +161,14 @@ class ScriptedGate:
         self.calls += 1
         return self.calls % 2 == 0
 
-    def observe(self, batch, speculative, tokens, step_ms):
-        self.seen.append((batch, speculative, tokens, step_ms))
+    def observe(self, batch, speculative, tokens, step_ms, typical=True):
+        self.seen.append((batch, speculative, tokens, step_ms, typical))
 
 
 def test_engine_follows_the_gate_and_stays_exact():
     target = tiny_target("llama", seed=4)
     rng = np.random.default_rng(4)
-    prompts = prompts_of(rng, [6, 3])
+    prompts = prompts_of(rng, [12, 3])
     sp = SamplingParams(max_new_tokens=30)
     ar = DartEngine(target).generate(prompts, sp, speculative=False)
     gate = ScriptedGate()
@@ -174,7 +183,11 @@ def test_engine_follows_the_gate_and_stays_exact():
             decode_steps.append(s)
     assert out == ar.token_ids
     assert len(gate.seen) == len(decode_steps) == gate.calls
-    for (batch, spec, tokens, ms), s in zip(gate.seen, decode_steps):
-        assert batch == len(s.seq_ids) and tokens == sum(s.accepted_lengths) and ms == s.step_ms
+    for (batch, spec, tokens, ms, _), s in zip(gate.seen, decode_steps):
+        assert batch == len(s.seq_ids) and tokens == sum(s.accepted_lengths) and ms >= s.step_ms
         assert (max(s.draft_nodes) > 0) == spec  # the oracle drafts the truth: a speculative step drafts nodes
-    assert any(spec and tokens > batch for _, spec, tokens, _ in gate.seen)  # accepted drafts count as tokens
+    assert any(spec and tokens > batch for _, spec, tokens, _, _ in gate.seen)  # accepted drafts count as tokens
+    # the head's first draft covers the prompts, and every draft after an autoregressive
+    # step covers two steps' tokens: only the former exceeds what one step can accept
+    typical = [t for _, spec, _, _, t in gate.seen if spec]
+    assert typical[0] is False and all(typical[1:])
