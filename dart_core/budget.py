@@ -13,12 +13,15 @@ the node's path (the draft head's own belief); ``c`` calibrates it online as
 an exponential moving average of accepted / predicted.  Nodes are taken in
 the search's own rank order (min-score along the path, then depth), so every
 truncation is prefix-closed.  ``t_verify(n)`` is a :class:`VerifyCostCurve`
-measured once at start-up (or configured).  The curve is measured at batch 1;
-for larger batches the choice is per sequence and approximate.
+measured once at start-up (or configured) at batch 1.  A batch verifies in
+one forward, so :meth:`AdaptiveBudget.select_batch` sizes all its trees
+together against ``t_verify(total query tokens)``: an approximation (the
+linear layers see the total; attention sees each sequence's own context).
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import statistics
 import time
@@ -44,7 +47,13 @@ class VerifyCostCurve:
     ms: tuple[float, ...]
 
     def __call__(self, num_nodes: int | np.ndarray) -> np.ndarray:
-        return np.interp(num_nodes, self.nodes, self.ms)
+        """ms for ``num_nodes`` query tokens; beyond the last measured size, the last segment's slope."""
+        n = np.asarray(num_nodes, dtype=np.float64)
+        ms = np.interp(n, self.nodes, self.ms)
+        if len(self.nodes) >= 2:
+            slope = max(0.0, (self.ms[-1] - self.ms[-2]) / (self.nodes[-1] - self.nodes[-2]))
+            ms = np.where(n > self.nodes[-1], self.ms[-1] + slope * (n - self.nodes[-1]), ms)
+        return ms
 
     @classmethod
     @torch.inference_mode()
@@ -145,6 +154,67 @@ class AdaptiveBudget:
         keep[0] = True
         keep[order[:best]] = True
         return subtree(tree, keep), float(expected[best] - 1.0)
+
+    def select_batch(self, trees: list[DraftTree], topk_ids: np.ndarray, topk_probs: np.ndarray,
+                     ) -> tuple[list[DraftTree], list[float]]:
+        """Sizes the trees of a whole batch together (one verification forward for all of them).
+
+        Batched verification costs ``curve(total query tokens)``, not the sum of
+        per-sequence costs, and the autoregressive alternative already emits one
+        token per sequence: so the nodes of all sequences compete for one budget.
+        Each sequence keeps its ``min_budget`` best nodes; the others are taken
+        across sequences by highest predicted acceptance (each sequence in its own
+        rank order, so every tree stays prefix-closed) while
+
+            (B + Σ P(node accepted)) / (overhead + curve(B + nodes))
+
+        grows.  At batch 1 this is :meth:`select`.
+
+        Args:
+            trees: B draft trees; topk_ids/topk_probs: [B, d, k] the draft top-k.
+
+        Returns:
+            (truncated trees, predicted accepted draft nodes per tree).
+        """
+        if len(trees) == 1:
+            tree, predicted = self.select(trees[0], topk_ids[0], topk_probs[0])
+            return [tree], [predicted]
+        orders, probs, taken = [], [], []
+        for i, tree in enumerate(trees):
+            if tree.num_nodes <= 1:
+                orders.append(np.zeros(0, dtype=np.int64))
+                probs.append(np.zeros(0))
+            else:
+                orders.append(_rank_order(tree))
+                probs.append(np.minimum(node_acceptance_estimates(tree, topk_ids[i], topk_probs[i])[orders[-1]]
+                                        * self.calibration, 1.0))
+            taken.append(min(self.min_budget, len(orders[-1])))
+        b = len(trees)
+        base = np.array(taken)
+        expected0 = b + sum(float(p[:k].sum()) for p, k in zip(probs, taken))
+        picks, gains = [], []  # the extra nodes in the order they are taken
+        heap = [(-p[k], i) for i, (p, k) in enumerate(zip(probs, taken)) if k < len(p)]
+        heapq.heapify(heap)
+        while heap:
+            neg_p, i = heapq.heappop(heap)
+            picks.append(i)
+            gains.append(-neg_p)
+            taken[i] += 1
+            if taken[i] < len(probs[i]):
+                heapq.heappush(heap, (-probs[i][taken[i]], i))
+        extra = np.arange(len(picks) + 1)
+        expected = expected0 + np.concatenate([[0.0], np.cumsum(gains)])
+        rate = expected / (self.overhead_ms + self.curve(b + int(base.sum()) + extra))
+        k_best = int(np.argmax(rate))
+        best = base + np.bincount(np.asarray(picks[:k_best], dtype=np.int64), minlength=b)
+        out, predicted = [], []
+        for tree, order, p, k in zip(trees, orders, probs, best):
+            keep = np.zeros(tree.num_nodes, dtype=bool)
+            keep[0] = True
+            keep[order[:k]] = True
+            out.append(subtree(tree, keep) if tree.num_nodes > 1 else tree)
+            predicted.append(float(p[:k].sum()))
+        return out, predicted
 
     def observe(self, predicted: float, accepted: int, overhead_ms: float) -> None:
         """Feeds back one sequence-step: predicted vs accepted draft nodes, and the step's draft+search time."""

@@ -278,9 +278,7 @@ class DartEngine:
                                             self.search_params)
             search_ms = 1e3 * (time.perf_counter() - t0)
             if self.budget is not None:
-                chosen = [self.budget.select(tr, topk_ids[i], topk_probs[i]) for i, tr in enumerate(trees)]
-                trees = [tr for tr, _ in chosen]
-                predicted = [pr for _, pr in chosen]
+                trees, predicted = self.budget.select_batch(trees, topk_ids, topk_probs)
         else:
             trees = _root_only(state.tokens)
         # never draft past max_new_tokens or the context window

@@ -51,6 +51,30 @@ def test_flat_cost_keeps_everything_steep_cost_keeps_the_likely_nodes():
     assert steep.select(tree, IDS, hopeless)[0].num_nodes == 2  # min_budget keeps one node to learn from
 
 
+def test_batch_selection_shares_one_verification_budget():
+    tree = with_scores(TREE, [0.0, -0.7, -1.2, -0.9, -3.0])  # rank: 1, 3, 2, 4 with P .5, .4, .3, .03
+    policy = AdaptiveBudget(VerifyCostCurve((1, 11), (30.0, 80.0)))  # 5 ms per query token
+    ids = np.stack([IDS, IDS])
+    probs = np.stack([PROBS, np.full_like(PROBS, 1e-4)])  # the second sequence's drafts are hopeless
+    (good, bad), predicted = policy.select_batch([tree, tree], ids, probs)
+    # both keep their best node (min_budget); then nodes pay while (2 + ΣP) / curve(2 + nodes) rises:
+    # +.4 and +.3 do (2.9/50, 3.2/55 > 2.5/45), +.03 does not, and the hopeless ones never
+    np.testing.assert_array_equal(good.tokens, [9, 1, 2, 3])  # nodes 1, 2, 3 in tree order
+    assert bad.num_nodes == 2
+    assert predicted[0] == pytest.approx(1.2) and predicted[1] < 1e-3
+    single, p1 = policy.select(tree, IDS, PROBS)
+    (alone,), (p2,) = policy.select_batch([tree], ids[:1], probs[:1])  # batch 1 is select()
+    np.testing.assert_array_equal(alone.tokens, single.tokens)
+    assert p1 == p2
+    flat = AdaptiveBudget(VerifyCostCurve((1, 64), (10.0, 10.0)))
+    assert [t.num_nodes for t in flat.select_batch([tree, tree], ids, probs)[0]] == [5, 5]
+
+
+def test_cost_curve_extrapolates_its_last_slope():
+    curve = VerifyCostCurve((1, 4, 8), (10.0, 16.0, 24.0))
+    np.testing.assert_allclose(curve(np.array([1, 6, 8, 12])), [10.0, 20.0, 24.0, 32.0])
+
+
 def test_calibration_follows_observations():
     policy = AdaptiveBudget(VerifyCostCurve((1, 64), (10.0, 10.0)), ema=0.5)
     for _ in range(10):
