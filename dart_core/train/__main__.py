@@ -16,6 +16,9 @@ from dart_core.train.data import DataConfig
 from dart_core.train.trainer import TrainConfig, train
 
 
+_SHOWN_DEFAULTS = {"work_dir": "$DART_SERVE_CACHE/train, default ~/.cache/dart-serve/train"}
+
+
 def _add_fields(ap: argparse.ArgumentParser, cls, skip=()) -> None:
     for f in dataclasses.fields(cls):
         if f.name in skip:
@@ -29,7 +32,7 @@ def _add_fields(ap: argparse.ArgumentParser, cls, skip=()) -> None:
                                                             str)
         ap.add_argument("--" + f.name.replace("_", "-"), type=kind, default=default,
                         required=f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
-                        help=f"[{default}]")
+                        help=f"[{_SHOWN_DEFAULTS.get(f.name, default)}]")
 
 
 def main(argv=None) -> int:

@@ -26,7 +26,7 @@ import math
 import platform
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from dart_core.draft_head import DartDraftHead, DraftHeadConfig, save_draft_head
 from dart_core.train.data import DataConfig, generate_responses, load_examples, training_prompts
 from dart_core.train.features import Features, choose_draft_vocab, compute_features
+from ngram_service.cache import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ __all__ = ["TrainConfig", "train", "evaluate_accuracy", "evaluate_tau"]
 @dataclass
 class TrainConfig:
     out: str  # output folder of the head (config.json + model.safetensors + training.json)
-    work_dir: str = "~/.cache/dart-serve/train"  # responses, teacher features, checkpoint
+    work_dir: str | None = None  # responses, teacher features, checkpoint; None = $DART_SERVE_CACHE/train
     model: str | None = None  # target: None = embedded SmolLM2-135M-Instruct
     data: DataConfig = field(default_factory=DataConfig)
     draft_vocab_size: int = 8192
@@ -217,7 +218,8 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
         torch.set_num_threads(cfg.threads)
     device = _device(cfg)
     torch.manual_seed(cfg.seed)
-    work = Path(cfg.work_dir).expanduser()
+    work = Path(cfg.work_dir).expanduser() if cfg.work_dir else cache_root() / "train"
+    cfg = replace(cfg, work_dir=str(work))  # training.json records the folder used
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if target is None:
         target = TargetModel.from_pretrained(cfg.model, dtype=dtype, device=device)

@@ -84,17 +84,19 @@ def _write_tiny_data(folder, target, n):
             f.write(json.dumps({"index": i, "prompt_ids": prompt, "response_ids": hf_greedy(target, prompt, 40)}) + "\n")
 
 
-def test_training_learns_saves_and_resumes(tmp_path):
+def test_training_learns_saves_and_resumes(tmp_path, monkeypatch):
     target = tiny_target("llama")
     n = 14
-    work = tmp_path / "work"
+    monkeypatch.setenv("DART_SERVE_CACHE", str(tmp_path / "cache"))
+    work = tmp_path / "cache" / "train"  # the default work_dir follows $DART_SERVE_CACHE
     _write_tiny_data(work / "data", target, n)
-    cfg = TrainConfig(out=str(tmp_path / "head"), work_dir=str(work), data=DataConfig(num_prompts=n, eval_prompts=2),
+    cfg = TrainConfig(out=str(tmp_path / "head"), data=DataConfig(num_prompts=n, eval_prompts=2),
                       draft_vocab_size=64, teacher_top_k=8, max_length=64, anchors_per_seq=16, epochs=12,
                       batch_size=3, lr=3e-3, warmup_steps=5, eval_every=0, eval_tau_prompts=2, eval_tau_tokens=8,
                       save_every=10, device="cpu")
     feats_before = None
     summary = train(cfg, target=target, progress=False)
+    assert summary["config"]["work_dir"] == str(work)
     assert summary["steps"] == 12 * (12 // 3)
     assert summary["sequences"] == {"train": 12, "held_out": 2, "train_tokens": summary["sequences"]["train_tokens"]}
     final = summary["eval"][-1]
