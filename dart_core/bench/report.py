@@ -126,7 +126,7 @@ def render_page(dec: dict, srv: dict | None, command: str, out_dir: Path, page: 
              f"{dec['seconds'] + (srv['seconds'] if srv else 0):.0f} s._", "",
              f"**Hardware**: {_hardware_line(dec['hardware'])}.", "",
              f"**Target**: {dec['config']['model'] or 'SmolLM2-135M-Instruct (embedded)'}, {dec['dtype']} on "
-             f"{dec['device']}; **draft head**: `{dec['config']['head'] or 'shipped'}`; **trie**: "
+             f"{dec['device']}; **draft head**: {'`' + dec['config']['head'] + '`' if dec['config']['head'] else 'the shipped one'}; **trie**: "
              f"`{dec['trie'] or 'none'}`.", "",
              "### Decoding (batch 1)", "",
              decoding.markdown_table(dec), "",
@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     preset = PRESETS["quick" if args.quick else "full"]
     out = Path(args.out or (REPO / "bench" / "results" / ("quick" if args.quick else "")))
     page = Path(args.page or (out / "BENCHMARKS.md" if args.quick else REPO / "BENCHMARKS.md"))
-    command = "python -m dart_core.bench.report " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    command = " ".join(["python -m dart_core.bench.report"] + [shlex.quote(a) for a in (argv or sys.argv[1:])])
 
     dec_cfg = decoding.DecodingConfig(model=args.model, head=args.head, num_prompts=preset.num_prompts,
                                       max_new_tokens=preset.max_new_tokens, repeats=preset.repeats,
