@@ -16,6 +16,7 @@ gRPC: Serve's gRPC proxy calls :meth:`OpenAIIngress.Generate` and
 """
 
 
+import asyncio
 import hmac
 import json
 import logging
@@ -145,6 +146,16 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
+ENGINE_DEPLOYMENT = "DartEngine"
+
+
+def _running_replicas(status, app_name: str, deployment: str) -> int:
+    """Replicas of ``deployment`` in ``app_name`` that are RUNNING in a ``serve.status()`` snapshot."""
+    app = status.applications.get(app_name)
+    dep = app.deployments.get(deployment) if app is not None else None
+    return int(dep.replica_states.get("RUNNING", 0)) if dep is not None else 0
+
+
 # the route handlers below see module globals as they are when the class is decorated:
 # every helper they use is defined above this line
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.25})
@@ -155,6 +166,11 @@ class OpenAIIngress:
         self.cfg = AppConfig.model_validate(config)
         self.api_key = os.environ.get(self.cfg.api_key_env) or None
         self.name = None
+        try:
+            self.app_name = serve.get_replica_context().app_name
+        except Exception:  # constructed outside Serve (tests)
+            self.app_name = None
+        self._engine_up, self._engine_checked = False, float("-inf")
 
     async def _model_name(self) -> str:
         if self.name is None:
@@ -172,6 +188,22 @@ class OpenAIIngress:
 
     @app.get("/health")
     async def health(self):
+        """200 while at least one engine replica is RUNNING (Serve's own view, refreshed at most
+        once a second), else 503 with Retry-After: a load balancer sends nothing to an app whose
+        engine is still loading.  It does not queue a request behind generations, so a busy
+        engine stays healthy."""
+        now = time.monotonic()
+        if now - self._engine_checked > 1.0:
+            try:
+                status = await asyncio.to_thread(serve.status)
+                self._engine_up = _running_replicas(status, self.app_name, ENGINE_DEPLOYMENT) > 0
+            except Exception:
+                logger.exception("serve.status() failed")
+                self._engine_up = False
+            self._engine_checked = now
+        if not self._engine_up:
+            return JSONResponse({"status": "unavailable", "detail": f"no {ENGINE_DEPLOYMENT} replica is running yet"},
+                                status_code=503, headers={"Retry-After": "5"})
         return {"status": "ok"}
 
     @app.get("/v1/models")

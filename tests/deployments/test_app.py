@@ -78,6 +78,24 @@ def test_models_and_health(app):
     assert [m.id for m in client().models.list().data] == [NAME]
 
 
+def test_health_follows_the_engine_replicas():
+    """/health is 503 until an engine replica is RUNNING (Serve's status), whatever else runs."""
+    from types import SimpleNamespace as NS
+
+    from deployments.ingress import ENGINE_DEPLOYMENT, _running_replicas
+
+    def snapshot(engine_states):
+        deps = {"OpenAIIngress": NS(replica_states={"RUNNING": 1}), "NgramService": NS(replica_states={"RUNNING": 1})}
+        if engine_states is not None:
+            deps[ENGINE_DEPLOYMENT] = NS(replica_states=engine_states)
+        return NS(applications={"dart": NS(deployments=deps)})
+
+    assert _running_replicas(snapshot({"STARTING": 1}), "dart", ENGINE_DEPLOYMENT) == 0
+    assert _running_replicas(snapshot(None), "dart", ENGINE_DEPLOYMENT) == 0
+    assert _running_replicas(snapshot({"RUNNING": 2, "STARTING": 1}), "dart", ENGINE_DEPLOYMENT) == 2
+    assert _running_replicas(snapshot({"RUNNING": 1}), "other-app", ENGINE_DEPLOYMENT) == 0
+
+
 def test_openai_chat_streamed_and_not_equals_greedy(app, reference):
     msgs = [{"role": "user", "content": "Write a haiku about caches."}]
     want = reference(msgs, 24)
