@@ -140,20 +140,9 @@ class AdaptiveBudget:
         self.overhead_ms = 0.0  # draft + tree search per step, EMA
 
     def select(self, tree: DraftTree, topk_ids: np.ndarray, topk_probs: np.ndarray) -> tuple[DraftTree, float]:
-        """Returns (the truncated tree, its predicted number of accepted draft nodes)."""
-        if tree.num_nodes <= 1:
-            return tree, 0.0
-        order = _rank_order(tree)
-        p = node_acceptance_estimates(tree, topk_ids, topk_probs)[order] * self.calibration
-        budgets = np.arange(len(order) + 1)  # draft nodes kept
-        expected = 1.0 + np.concatenate([[0.0], np.cumsum(np.minimum(p, 1.0))])
-        rate = expected / (self.overhead_ms + self.curve(budgets + 1))
-        lo = min(self.min_budget, len(order))
-        best = lo + int(np.argmax(rate[lo:]))
-        keep = np.zeros(tree.num_nodes, dtype=bool)
-        keep[0] = True
-        keep[order[:best]] = True
-        return subtree(tree, keep), float(expected[best] - 1.0)
+        """Returns (the truncated tree, its predicted number of accepted draft nodes): :meth:`select_batch` at batch 1."""
+        trees, predicted = self.select_batch([tree], topk_ids[None], topk_probs[None])
+        return trees[0], predicted[0]
 
     def select_batch(self, trees: list[DraftTree], topk_ids: np.ndarray, topk_probs: np.ndarray,
                      ) -> tuple[list[DraftTree], list[float]]:
@@ -168,7 +157,7 @@ class AdaptiveBudget:
 
             (B + Σ P(node accepted)) / (overhead + curve(B + nodes))
 
-        grows.  At batch 1 this is :meth:`select`.
+        grows.
 
         Args:
             trees: B draft trees; topk_ids/topk_probs: [B, d, k] the draft top-k.
@@ -176,9 +165,6 @@ class AdaptiveBudget:
         Returns:
             (truncated trees, predicted accepted draft nodes per tree).
         """
-        if len(trees) == 1:
-            tree, predicted = self.select(trees[0], topk_ids[0], topk_probs[0])
-            return [tree], [predicted]
         orders, probs, taken = [], [], []
         for i, tree in enumerate(trees):
             if tree.num_nodes <= 1:

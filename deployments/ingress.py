@@ -33,7 +33,7 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 
 from deployments.config import AppConfig
-from deployments.engine import InvalidRequest
+from deployments.engine import DartEngineDeployment, InvalidRequest
 
 logger = logging.getLogger("ray.serve")
 
@@ -146,9 +146,6 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-ENGINE_DEPLOYMENT = "DartEngine"
-
-
 def _running_replicas(status, app_name: str, deployment: str) -> int:
     """Replicas of ``deployment`` in ``app_name`` that are RUNNING in a ``serve.status()`` snapshot."""
     app = status.applications.get(app_name)
@@ -166,10 +163,6 @@ class OpenAIIngress:
         self.cfg = AppConfig.model_validate(config)
         self.api_key = os.environ.get(self.cfg.api_key_env) or None
         self.name = None
-        try:
-            self.app_name = serve.get_replica_context().app_name
-        except Exception:  # constructed outside Serve (tests)
-            self.app_name = None
         self._engine_up, self._engine_checked = False, float("-inf")
 
     async def _model_name(self) -> str:
@@ -196,13 +189,15 @@ class OpenAIIngress:
         if now - self._engine_checked > 1.0:
             try:
                 status = await asyncio.to_thread(serve.status)
-                self._engine_up = _running_replicas(status, self.app_name, ENGINE_DEPLOYMENT) > 0
+                self._engine_up = _running_replicas(status, serve.get_replica_context().app_name,
+                                                    DartEngineDeployment.name) > 0
             except Exception:
                 logger.exception("serve.status() failed")
                 self._engine_up = False
             self._engine_checked = now
         if not self._engine_up:
-            return JSONResponse({"status": "unavailable", "detail": f"no {ENGINE_DEPLOYMENT} replica is running yet"},
+            return JSONResponse({"status": "unavailable",
+                                 "detail": f"no {DartEngineDeployment.name} replica is running yet"},
                                 status_code=503, headers={"Retry-After": "5"})
         return {"status": "ok"}
 

@@ -82,7 +82,10 @@ def test_health_follows_the_engine_replicas():
     """/health is 503 until an engine replica is RUNNING (Serve's status), whatever else runs."""
     from types import SimpleNamespace as NS
 
-    from deployments.ingress import ENGINE_DEPLOYMENT, _running_replicas
+    from deployments.engine import DartEngineDeployment
+    from deployments.ingress import _running_replicas
+
+    ENGINE_DEPLOYMENT = DartEngineDeployment.name
 
     def snapshot(engine_states):
         deps = {"OpenAIIngress": NS(replica_states={"RUNNING": 1}), "NgramService": NS(replica_states={"RUNNING": 1})}
