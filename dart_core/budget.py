@@ -14,14 +14,14 @@ an exponential moving average of accepted / predicted.  Nodes are taken in
 the search's own rank order (min-score along the path, then depth), so every
 truncation is prefix-closed.  ``t_verify(n)`` is a :class:`VerifyCostCurve`
 measured once at start-up (or configured) at batch 1.  A batch verifies in
-one forward, so :meth:`AdaptiveBudget.select_batch` sizes all its trees
-together against ``t_verify(total query tokens)``: an approximation (the
-linear layers see the total; attention sees each sequence's own context).
+one forward with every tree padded to the largest, so
+:meth:`AdaptiveBudget.select_batch` gives all its trees one node count n and
+prices it at ``t_verify(B · (n + 1))``: an approximation (the linear layers
+see all B · (n + 1) query tokens; attention sees each sequence's own context).
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
 import statistics
 import time
@@ -148,16 +148,16 @@ class AdaptiveBudget:
                      ) -> tuple[list[DraftTree], list[float]]:
         """Sizes the trees of a whole batch together (one verification forward for all of them).
 
-        Batched verification costs ``curve(total query tokens)``, not the sum of
-        per-sequence costs, and the autoregressive alternative already emits one
-        token per sequence: so the nodes of all sequences compete for one budget.
-        Each sequence keeps its ``min_budget`` best nodes; the others are taken
-        across sequences by highest predicted acceptance (each sequence in its own
-        rank order, so every tree stays prefix-closed) while
+        The engine verifies a batch in one forward with every tree padded to the
+        largest, so a node count n costs ``curve(B · (n + 1))`` query tokens
+        whichever sequences use it: one sequence's seventh node makes all B
+        sequences pay for seven.  Every tree therefore gets the same n (its n
+        best nodes in its own rank order, so it stays prefix-closed; fewer if it
+        has fewer), and n ≥ ``min_budget`` maximises
 
-            (B + Σ P(node accepted)) / (overhead + curve(B + nodes))
+            (B + Σ_sequences Σ_{n best nodes} P(node accepted)) / (overhead + curve(B · (n + 1)))
 
-        grows.
+        At batch 1 this is the per-tree choice of the module docstring.
 
         Args:
             trees: B draft trees; topk_ids/topk_probs: [B, d, k] the draft top-k.
@@ -165,7 +165,7 @@ class AdaptiveBudget:
         Returns:
             (truncated trees, predicted accepted draft nodes per tree).
         """
-        orders, probs, taken = [], [], []
+        orders, probs = [], []
         for i, tree in enumerate(trees):
             if tree.num_nodes <= 1:
                 orders.append(np.zeros(0, dtype=np.int64))
@@ -174,32 +174,29 @@ class AdaptiveBudget:
                 orders.append(_rank_order(tree))
                 probs.append(np.minimum(node_acceptance_estimates(tree, topk_ids[i], topk_probs[i])[orders[-1]]
                                         * self.calibration, 1.0))
-            taken.append(min(self.min_budget, len(orders[-1])))
         b = len(trees)
-        base = np.array(taken)
-        expected0 = b + sum(float(p[:k].sum()) for p, k in zip(probs, taken))
-        picks, gains = [], []  # the extra nodes in the order they are taken
-        heap = [(-p[k], i) for i, (p, k) in enumerate(zip(probs, taken)) if k < len(p)]
-        heapq.heapify(heap)
-        while heap:
-            neg_p, i = heapq.heappop(heap)
-            picks.append(i)
-            gains.append(-neg_p)
-            taken[i] += 1
-            if taken[i] < len(probs[i]):
-                heapq.heappush(heap, (-probs[i][taken[i]], i))
-        extra = np.arange(len(picks) + 1)
-        expected = expected0 + np.concatenate([[0.0], np.cumsum(gains)])
-        rate = expected / (self.overhead_ms + self.curve(b + int(base.sum()) + extra))
-        k_best = int(np.argmax(rate))
-        best = base + np.bincount(np.asarray(picks[:k_best], dtype=np.int64), minlength=b)
+        sizes = np.array([len(o) for o in orders], dtype=np.int64)
+        max_n = int(sizes.max()) if b else 0
+        # cum[i, n]: predicted accepted nodes of sequence i's n best nodes (flat beyond its tree's size)
+        cum = np.zeros((b, max_n + 1))
+        for i, p in enumerate(probs):
+            if len(p):
+                c = np.cumsum(p)
+                cum[i, 1:len(p) + 1] = c
+                cum[i, len(p) + 1:] = c[-1]
+        counts = np.arange(min(self.min_budget, max_n), max_n + 1)
+        expected = b + cum[:, counts].sum(axis=0)
+        padded = 1 + np.minimum(sizes[:, None], counts[None, :]).max(axis=0)  # nodes per tree, root included
+        rate = expected / (self.overhead_ms + self.curve(b * padded))
+        n = int(counts[int(np.argmax(rate))])  # ties: the smallest tree
         out, predicted = [], []
-        for tree, order, p, k in zip(trees, orders, probs, best):
+        for tree, order, i in zip(trees, orders, range(b)):
+            k = min(n, len(order))
             keep = np.zeros(tree.num_nodes, dtype=bool)
             keep[0] = True
             keep[order[:k]] = True
             out.append(subtree(tree, keep) if tree.num_nodes > 1 else tree)
-            predicted.append(float(p[:k].sum()))
+            predicted.append(float(cum[i, k]))
         return out, predicted
 
     def observe(self, predicted: float, accepted: int, overhead_ms: float) -> None:

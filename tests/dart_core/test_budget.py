@@ -51,23 +51,34 @@ def test_flat_cost_keeps_everything_steep_cost_keeps_the_likely_nodes():
     assert steep.select(tree, IDS, hopeless)[0].num_nodes == 2  # min_budget keeps one node to learn from
 
 
-def test_batch_selection_shares_one_verification_budget():
+def test_batch_selection_prices_the_padded_verification():
     tree = with_scores(TREE, [0.0, -0.7, -1.2, -0.9, -3.0])  # rank: 1, 3, 2, 4 with P .5, .4, .3, .03
     policy = AdaptiveBudget(VerifyCostCurve((1, 11), (30.0, 80.0)))  # 5 ms per query token
     ids = np.stack([IDS, IDS])
-    probs = np.stack([PROBS, np.full_like(PROBS, 1e-4)])  # the second sequence's drafts are hopeless
-    (good, bad), predicted = policy.select_batch([tree, tree], ids, probs)
-    # both keep their best node (min_budget); then nodes pay while (2 + ΣP) / curve(2 + nodes) rises:
-    # +.4 and +.3 do (2.9/50, 3.2/55 > 2.5/45), +.03 does not, and the hopeless ones never
-    np.testing.assert_array_equal(good.tokens, [9, 1, 2, 3])  # nodes 1, 2, 3 in tree order
-    assert bad.num_nodes == 2
-    assert predicted[0] == pytest.approx(1.2) and predicted[1] < 1e-3
+    hopeless = np.full_like(PROBS, 1e-4)
+    # one promising and one hopeless sequence: the trees are padded to one size, so a second node
+    # costs both sequences one query token: 2.9 / curve(2 * 3) = 2.9/55 < 2.5 / curve(2 * 2) = 2.5/45.
+    # (Pricing nodes one at a time, as if unpadded, would have given the first tree three.)
+    (good, bad), predicted = policy.select_batch([tree, tree], ids, np.stack([PROBS, hopeless]))
+    np.testing.assert_array_equal(good.tokens, [9, 1])
+    np.testing.assert_array_equal(bad.tokens, [9, 1])  # min_budget: every tree keeps one node
+    assert predicted[0] == pytest.approx(0.5) and predicted[1] < 1e-3
+    # two promising sequences: 3.8/55 beats 3.0/45 and 4.4/65, so both get two nodes
+    both, predicted = policy.select_batch([tree, tree], ids, np.stack([PROBS, PROBS]))
+    for t in both:
+        np.testing.assert_array_equal(t.tokens, [9, 1, 3])
+    assert predicted == pytest.approx([0.9, 0.9])
+    # a tree smaller than the chosen count keeps all it has (2 ms per query token: 3.4/40 is the best rate)
+    small = subtree(tree, np.array([True, True, False, False, False]))
+    cheaper = AdaptiveBudget(VerifyCostCurve((1, 11), (30.0, 50.0)))
+    (big, little), _ = cheaper.select_batch([tree, small], ids, np.stack([PROBS, PROBS]))
+    assert (big.num_nodes, little.num_nodes) == (3, 2)
     single, p1 = policy.select(tree, IDS, PROBS)
-    (alone,), (p2,) = policy.select_batch([tree], ids[:1], probs[:1])  # batch 1 is select()
+    (alone,), (p2,) = policy.select_batch([tree], ids[:1], PROBS[None])  # batch 1 is select()
     np.testing.assert_array_equal(alone.tokens, single.tokens)
     assert p1 == p2
     flat = AdaptiveBudget(VerifyCostCurve((1, 64), (10.0, 10.0)))
-    assert [t.num_nodes for t in flat.select_batch([tree, tree], ids, probs)[0]] == [5, 5]
+    assert [t.num_nodes for t in flat.select_batch([tree, tree], ids, np.stack([PROBS, hopeless]))[0]] == [5, 5]
 
 
 def test_cost_curve_extrapolates_its_last_slope():
