@@ -190,7 +190,7 @@ class AdaptiveBudget:
         rate = expected / (self.overhead_ms + self.curve(b * padded))
         n = int(counts[int(np.argmax(rate))])  # ties: the smallest tree
         out, predicted = [], []
-        for tree, order, i in zip(trees, orders, range(b)):
+        for i, (tree, order) in enumerate(zip(trees, orders)):
             k = min(n, len(order))
             keep = np.zeros(tree.num_nodes, dtype=bool)
             keep[0] = True
