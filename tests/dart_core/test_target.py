@@ -1,0 +1,81 @@
+"""The target adapter's oneDNN-packed linear layers (dart_core.target.PackedLinear)."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from dart_core.engine import DartEngine
+from dart_core.sampling import SamplingParams
+from dart_core.target import PackedLinear, TargetModel, can_pack, pack_linears
+
+from .conftest import VOCAB, OracleTreeSearch, hf_greedy, tiny_config, tiny_target
+from .test_engine import random_head
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                reason="this PyTorch build has no oneDNN: nothing is packed")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("lead", [(), (1,), (3,), (2, 5), (8, 2)])
+def test_packed_linear_equals_the_dense_layer(bias, lead):
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(48, 80, bias=bias)
+    packed = PackedLinear(dense)
+    x = torch.randn(*lead, 48)
+    with torch.inference_mode():
+        y = packed(x)
+        assert y.shape == (*lead, 80)
+        torch.testing.assert_close(y, dense(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed(x.transpose(0, -1).contiguous().transpose(0, -1)), y)  # strided input
+    assert torch.equal(packed.weight, dense.weight.detach())
+    assert "packed_weight" not in packed.state_dict()
+    twin = copy.deepcopy(packed)
+    with torch.inference_mode():
+        assert torch.equal(twin(x), y)
+
+
+def test_target_packs_float32_on_cpu_only():
+    def count(target):
+        mods = list(target.model.modules())
+        return (sum(isinstance(m, PackedLinear) for m in mods), sum(type(m) is torch.nn.Linear for m in mods))
+
+    assert count(tiny_target("llama")) == (6 * 7 + 1, 0)  # q k v o gate up down per layer, lm_head
+    from transformers import AutoModelForCausalLM
+
+    bf16 = AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.bfloat16)
+    assert not can_pack(bf16)
+    assert count(TargetModel(bf16))[0] == 0
+    fp32 = AutoModelForCausalLM.from_config(tiny_config("qwen3"))
+    assert count(TargetModel(fp32, pack=False)) == (0, 6 * 7 + 1)
+    assert pack_linears(fp32) == 6 * 7 + 1
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_packed_target_stays_exact_against_the_stock_model(arch):
+    """DART on the packed target (multi-token trees from an oracle) and plain greedy
+    decoding on the packed target both equal greedy decoding of the unpacked model."""
+    stock = tiny_target(arch, seed=7)  # packed (float32 on a CPU)
+    unpacked = copy.deepcopy(stock)  # the same weights back in nn.Linear layers
+    for name, mod in list(unpacked.model.named_modules()):
+        for child_name, child in list(mod.named_children()):
+            if isinstance(child, PackedLinear):
+                dense = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                with torch.no_grad():
+                    dense.weight.copy_(child.weight)
+                    if child.bias is not None:
+                        dense.bias.copy_(child.bias)
+                setattr(mod, child_name, dense)
+    assert not any(isinstance(m, PackedLinear) for m in unpacked.model.modules())
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (6, 3, 11)]
+    reference = [hf_greedy(unpacked, p, 32) for p in prompts]
+    sp = SamplingParams(max_new_tokens=32)
+    assert DartEngine(stock).generate(prompts, sp, speculative=False).token_ids == reference
+    oracle = OracleTreeSearch([p + r for p, r in zip(prompts, reference)], depth=6)
+    dart = DartEngine(stock, random_head(stock), oracle).generate(prompts, sp)
+    assert dart.token_ids == reference
+    assert dart.tau > 2.0
