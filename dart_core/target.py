@@ -188,12 +188,18 @@ class TargetModel:
             CPU with oneDNN (:func:`can_pack`), where it makes a forward 1.3x
             (one token) to 1.8x (2 to 16 tokens) cheaper.  The model then serves
             inference only (no gradients through the packed layers).
+
+    Raises:
+        ValueError: ``pack=True`` for a model that :func:`can_pack` refuses,
+            or a target with fewer than 5 layers (DART's taps need them).
     """
 
     def __init__(self, model, tokenizer=None, *, pack: bool | None = None) -> None:
         self.model = model.eval()
         if pack is None:
             pack = can_pack(model)
+        elif pack and not can_pack(model):
+            raise ValueError("pack=True needs float32 weights on a CPU and a PyTorch built with oneDNN")
         if pack:
             logger.info("packed %d linear layers for oneDNN", pack_linears(self.model))
         if getattr(self.model.config, "_attn_implementation", None) == "sdpa":

@@ -49,6 +49,8 @@ def test_target_packs_float32_on_cpu_only():
     bf16 = AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.bfloat16)
     assert not can_pack(bf16)
     assert count(TargetModel(bf16))[0] == 0
+    with pytest.raises(ValueError, match="float32 weights on a CPU"):
+        TargetModel(bf16, pack=True)
     fp32 = AutoModelForCausalLM.from_config(tiny_config("qwen3"))
     assert count(TargetModel(fp32, pack=False)) == (0, 6 * 7 + 1)
     assert pack_linears(fp32) == 6 * 7 + 1
