@@ -62,7 +62,7 @@ def test_packed_target_stays_exact_against_the_stock_model(arch):
     decoding on the packed target both equal greedy decoding of the unpacked model."""
     stock = tiny_target(arch, seed=7)  # packed (float32 on a CPU)
     unpacked = copy.deepcopy(stock)  # the same weights back in nn.Linear layers
-    for name, mod in list(unpacked.model.named_modules()):
+    for mod in list(unpacked.model.modules()):
         for child_name, child in list(mod.named_children()):
             if isinstance(child, PackedLinear):
                 dense = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
