@@ -242,9 +242,12 @@ class DartEngine:
         first = self._sample_rows(out.logits[rows, last], [x.sampling for x in joining], gens)
         new = _BatchState(seq_ids=ids, tokens=[list(p) for p in prompts], produced=[0] * len(prompts),
                           samplings=[x.sampling for x in joining], generators=gens, cache=cache,
-                          pend_taps=out.taps, pend_next=[p[1:] + [f] for p, f in zip(prompts, first)],
+                          pend_taps=out.taps, pend_next=[p[1:] + [f] if x.speculative else []
+                                                         for p, f, x in zip(prompts, first, joining)],
                           pend_pos=torch.arange(out.taps.shape[1], device=device)[None, :].expand(len(prompts), -1),
-                          pend_count=cache.lengths.clone(), head_cache=None, reasons=[None] * len(prompts),
+                          pend_count=torch.where(torch.tensor([x.speculative for x in joining], device=device),
+                                                 cache.lengths, 0),
+                          head_cache=None, reasons=[None] * len(prompts),
                           spec_ok=[x.speculative for x in joining])
         if state.speculative:
             c = self.head.config
@@ -320,9 +323,11 @@ class DartEngine:
             emitted, state.reasons[i] = self._emit(state, i, drafted + [acc.bonus])
             new_tokens.append(emitted)
             acc_lens.append(len(drafted) + 1)
-        if state.speculative:  # the accepted positions feed the next draft
+        if state.speculative:  # the accepted positions feed the next draft (rows that opted out never draft)
+            drafts = torch.tensor(state.spec_ok, device=device)
             state.add_pending(out.taps.gather(1, path[..., None].expand(-1, -1, out.taps.shape[-1])),
-                              old_lengths[:, None] + torch.arange(a_max, device=device)[None, :], counts, nexts)
+                              old_lengths[:, None] + torch.arange(a_max, device=device)[None, :],
+                              torch.where(drafts, counts, 0), [n if ok else [] for n, ok in zip(nexts, state.spec_ok)])
         _sync(device)
         verify_ms = 1e3 * (time.perf_counter() - t0)
         return StepOutput(list(state.seq_ids), new_tokens, list(state.reasons), acc_lens,
