@@ -242,13 +242,14 @@ class DartEngine:
         first = self._sample_rows(out.logits[rows, last], [x.sampling for x in joining], gens)
         new = _BatchState(seq_ids=ids, tokens=[list(p) for p in prompts], produced=[0] * len(prompts),
                           samplings=[x.sampling for x in joining], generators=gens, cache=cache,
-                          pend_taps=out.taps, pend_next=[p[1:] + [f] if x.speculative else []
-                                                         for p, f, x in zip(prompts, first, joining)],
-                          pend_pos=torch.arange(out.taps.shape[1], device=device)[None, :].expand(len(prompts), -1),
-                          pend_count=torch.where(torch.tensor([x.speculative for x in joining], device=device),
-                                                 cache.lengths, 0),
+                          pend_taps=out.taps[:, :0], pend_next=[[] for _ in prompts],
+                          pend_pos=torch.zeros(len(prompts), 0, dtype=torch.long, device=device),
+                          pend_count=torch.zeros(len(prompts), dtype=torch.long, device=device),
                           head_cache=None, reasons=[None] * len(prompts),
                           spec_ok=[x.speculative for x in joining])
+        # the prompt's positions feed the first draft (rows that opted out keep none)
+        new.add_pending(out.taps, torch.arange(out.taps.shape[1], device=device)[None, :].expand(len(prompts), -1),
+                        cache.lengths, [p[1:] + [f] for p, f in zip(prompts, first)])
         if state.speculative:
             c = self.head.config
             new.head_cache = HeadKVCache(len(prompts), c.num_key_value_heads, c.head_dim, device=device,
@@ -323,11 +324,9 @@ class DartEngine:
             emitted, state.reasons[i] = self._emit(state, i, drafted + [acc.bonus])
             new_tokens.append(emitted)
             acc_lens.append(len(drafted) + 1)
-        if state.speculative:  # the accepted positions feed the next draft (rows that opted out never draft)
-            drafts = torch.tensor(state.spec_ok, device=device)
+        if state.speculative:  # the accepted positions feed the next draft
             state.add_pending(out.taps.gather(1, path[..., None].expand(-1, -1, out.taps.shape[-1])),
-                              old_lengths[:, None] + torch.arange(a_max, device=device)[None, :],
-                              torch.where(drafts, counts, 0), [n if ok else [] for n, ok in zip(nexts, state.spec_ok)])
+                              old_lengths[:, None] + torch.arange(a_max, device=device)[None, :], counts, nexts)
         _sync(device)
         verify_ms = 1e3 * (time.perf_counter() - t0)
         return StepOutput(list(state.seq_ids), new_tokens, list(state.reasons), acc_lens,
@@ -509,7 +508,13 @@ class _BatchState:
 
     def add_pending(self, taps: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor,
                     nexts: list[list[int]]) -> None:
-        """Appends each row's newly accepted positions (taps [B, A, 3H], positions [B, A], counts [B])."""
+        """Appends each row's newly accepted positions (taps [B, A, 3H], positions [B, A], counts [B]).
+
+        Rows that opted out of speculation (``spec_ok`` false) keep none: they never draft.
+        """
+        drafts = torch.tensor(self.spec_ok, dtype=torch.bool, device=counts.device)
+        counts = torch.where(drafts, counts, 0)
+        nexts = [n if ok else [] for n, ok in zip(nexts, self.spec_ok)]
         self.pend_taps = _ragged_append(self.pend_taps, self.pend_count, taps, counts)
         self.pend_pos = _ragged_append(self.pend_pos, self.pend_count, positions, counts)
         self.pend_count = self.pend_count + counts
