@@ -62,28 +62,51 @@ class TargetCache:
             layer.keys, layer.values = layer.keys[rows, :, :t], layer.values[rows, :, :t]
 
 
+_SMALL_QUERY = 8  # at most this many query tokens per sequence: attention as two batched matmuls
+
+
 def _grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                   is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' ``sdpa`` attention, minus a copy on CPUs.
+    """transformers' ``sdpa`` attention, minus two costs on CPUs.
 
-    With a mask and more than one query token (tree verification, prefill)
-    transformers repeats every key/value head ``num_key_value_groups`` times
-    before calling SDPA: a copy of the whole KV cache in every layer, every
-    step (at batch 8 on a CPU it cost more than the attention itself).  On a
-    CPU, PyTorch's SDPA takes grouped heads directly (``enable_gqa``) with
-    bit-identical results; elsewhere (CUDA's masked kernels do not take
-    grouped heads) and for single-token queries (already copy-free) this
-    defers to transformers.
+    1. With a mask and more than one query token (tree verification,
+       prefill) transformers repeats every key/value head
+       ``num_key_value_groups`` times before calling SDPA: a copy of the
+       whole KV cache in every layer, every step.  Here the grouped heads go
+       to PyTorch's SDPA directly (``enable_gqa``), with identical results.
+    2. For 2 to ``_SMALL_QUERY`` query tokens (a verification step) PyTorch's
+       CPU flash-attention kernel is slow at batch > 1: on this project's
+       2-core CPU, batch 8, 300 cached tokens, SmolLM2's 9 query / 3 key-value
+       heads, one layer took 285 µs for 2 query tokens and 600 µs for 8,
+       against 163 and 396 µs for the plain softmax(q·kᵀ)·v in two batched
+       matmuls used here (equal to float32 rounding, ≤ 5e-7; the same at
+       batch 1).  Each query head group shares its key/value head without a
+       copy, as ``enable_gqa`` does.
+
+    Elsewhere (CUDA's masked kernels do not take grouped heads) and for
+    single-token queries (already copy-free) this defers to transformers.
+    Boolean masks (transformers' own, e.g. in ``generate``) take SDPA.
 
     Shapes: query [B, H, Q, D], key/value [B, H_kv, T, D], attention_mask
-    [B, 1, Q, T] additive; returns ([B, Q, H, D], None).
+    [B, 1, Q, T] additive (the engine's) or boolean; returns ([B, Q, H, D], None).
     """
     if query.device.type != "cpu" or attention_mask is None or query.shape[2] == 1 or dropout:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                                           scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
+    attention_mask = attention_mask[:, :, :, : key.shape[-2]]
+    if query.shape[2] > _SMALL_QUERY or attention_mask.shape[1] != 1 or not attention_mask.is_floating_point():
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                               scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
+        return out.transpose(1, 2).contiguous(), None
+    b, h, q, d = query.shape
+    h_kv, t = key.shape[1], key.shape[2]
+    groups = h // h_kv
+    scale = d ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query.reshape(b, h_kv, groups * q, d), key.transpose(-1, -2)) * scale
+    scores = scores.view(b, h_kv, groups, q, t) + attention_mask[:, :, None]
+    probs = scores.softmax(-1).view(b, h_kv, groups * q, t)
+    out = torch.matmul(probs, value).view(b, h, q, d)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -92,21 +115,27 @@ AttentionInterface.register(GROUPED_SDPA, _grouped_sdpa)
 AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)  # masks built by transformers (generate) stay sdpa's
 
 
+_PACK_ROWS = 16  # oneDNN picks the weight layout for this many input rows; 8 to 64 all time the same
+
+
 class PackedLinear(torch.nn.Module):
-    """``nn.Linear`` for float32 inference on a CPU, its weight held in oneDNN's
-    layout (``Tensor.to_mkldnn``) and applied with oneDNN's matmul, the op
-    behind ``torch.utils.mkldnn.MkldnnLinear``.
+    """``nn.Linear`` for float32 inference on a CPU, its weight reordered once
+    into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``)
+    and applied by ``torch.ops.mkldnn._linear_pointwise``: the pair that
+    PyTorch's Inductor puts in place of a frozen linear layer on a CPU,
+    called here without compiling the model.  Input and output stay ordinary
+    dense tensors.
 
     PyTorch's dense float32 ``F.linear`` on a CPU takes MKL's GEMV for one
     row but a GEMM that costs about twice as much for 2 to 16 rows, which is
     exactly the range of a verification forward (a draft tree of a few nodes,
-    a batch of a few sequences).  On this project's 2-core CPU a whole
-    SmolLM2-135M forward at batch 1 after 256 cached tokens (median of 7,
-    three runs) took 47 ms dense / 34-43 ms packed for 1 token, 69-90 / 40-53
-    ms for 2 to 8 tokens and 80-96 / 51-63 ms for 16; at batch 8 a
-    continuous-batching run decoded about 1.3x more tokens/s.  Results agree
-    with the dense layer to float32 rounding (SmolLM2 logits within 1e-4,
-    same argmax).
+    a batch of a few sequences).  On this project's 2-core CPU the linear
+    layers of SmolLM2-135M (30 decoder layers plus the output layer; median
+    of 7) take 35 / 57 / 72 ms dense for 1 / 8 / 16 rows and 16 / 18 / 21
+    ms packed: a forward costs about the same for 1 to 8 query tokens.
+    Results agree with the dense layer to float32 rounding (SmolLM2 logits
+    within 1e-4, same argmax), and a row's result does not depend on the
+    other rows of the call.
 
     Shapes: x [..., in_features] float32 → [..., out_features].
     ``weight`` gives a dense copy of the weight (for code that reads it,
@@ -117,7 +146,8 @@ class PackedLinear(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("packed_weight", linear.weight.detach().to_mkldnn(), persistent=False)
+        weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), _PACK_ROWS)
+        self.register_buffer("packed_weight", weight, persistent=False)
         self.bias = linear.bias
 
     @property
@@ -135,17 +165,17 @@ class PackedLinear(torch.nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).contiguous().to_mkldnn()
-        y = torch._C._nn.mkldnn_linear(rows, self.packed_weight, None).to_dense()
-        if self.bias is not None:
-            y = y + self.bias
+        rows = x.reshape(-1, self.in_features)
+        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)
 
 
 def can_pack(model) -> bool:
-    """True where :class:`PackedLinear` applies: float32 weights on a CPU, a PyTorch built with oneDNN."""
+    """True where :class:`PackedLinear` applies: float32 weights on a CPU, a PyTorch built with
+    oneDNN and its two linear ops (private to PyTorch: a release without them packs nothing)."""
     weight = model.get_input_embeddings().weight
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 def pack_linears(model: torch.nn.Module) -> int:
@@ -185,8 +215,8 @@ class TargetModel:
         tokenizer: optional; needed for text and chat inputs.
         pack: replace the model's linear layers (in place) by
             :class:`PackedLinear`; None (default) packs a float32 model on a
-            CPU with oneDNN (:func:`can_pack`), where it makes a forward 1.3x
-            (one token) to 1.8x (2 to 16 tokens) cheaper.  The model then serves
+            CPU with oneDNN (:func:`can_pack`), where it makes a forward 1.9x
+            (one token) to 2.5-3x (2 to 16 tokens) cheaper.  The model then serves
             inference only (no gradients through the packed layers).
 
     Raises:

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from transformers.cache_utils import DynamicLayer
 
 from dart_core.kv_cache import BufferedKVLayer, cache_mask, compact_
-from dart_core.target import GROUPED_SDPA, TargetCache
+from dart_core.target import _SMALL_QUERY, GROUPED_SDPA, TargetCache, _grouped_sdpa
 
 from .conftest import VOCAB, tiny_target
 
@@ -73,12 +74,14 @@ def test_rows_replaced_by_continuous_batching_are_copied_once():
 
 @torch.inference_mode()
 def test_grouped_attention_equals_transformers_sdpa_on_a_tree_step():
+    """Prefill (more than ``_SMALL_QUERY`` query tokens) goes through SDPA with grouped heads: identical
+    to transformers' sdpa.  A small tree step takes the two-matmul path: equal to float32 rounding."""
     target = tiny_target("llama", seed=5)  # 4 query heads, 2 key-value heads
     assert target.model.config._attn_implementation == GROUPED_SDPA
     stock = copy.deepcopy(target)
     stock.model.set_attn_implementation("sdpa")
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (9, 4)]
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (_SMALL_QUERY + 3, 4)]
     outs = []
     for model in (target, stock):
         cache = TargetCache(2, "cpu")
@@ -89,9 +92,30 @@ def test_grouped_attention_equals_transformers_sdpa_on_a_tree_step():
         depths = torch.tensor([0, 1, 1, 2])
         mask = cache_mask(cache.lengths, cache.padded_length, tree.expand(2, 4, 4), model.dtype)
         out = model.forward(ids, cache.lengths[:, None] + depths, mask, cache)
-        outs.append((pre.logits, out.logits, out.taps))
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
+        outs.append((pre.logits, pre.taps, out.logits, out.taps))
+    (pre_l, pre_t, tree_l, tree_t), (s_pre_l, s_pre_t, s_tree_l, s_tree_t) = outs
+    assert torch.equal(pre_l, s_pre_l) and torch.equal(pre_t, s_pre_t)
+    torch.testing.assert_close(tree_l, s_tree_l, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(tree_t, s_tree_t, atol=1e-5, rtol=1e-5)
+    assert torch.equal(tree_l.argmax(-1), s_tree_l.argmax(-1))
+
+
+@pytest.mark.parametrize("batch,heads,kv_heads,queries", [(1, 4, 2, 2), (3, 9, 3, 5), (2, 4, 4, 8), (4, 6, 1, 3)])
+def test_small_query_attention_equals_sdpa(batch, heads, kv_heads, queries):
+    """The two-matmul path for 2..``_SMALL_QUERY`` query tokens against PyTorch's SDPA on repeated
+    key/value heads, with a mask that hides padding, a tree's off-path nodes and a padded query row."""
+    g = torch.Generator().manual_seed(batch * 100 + queries)
+    t = 7 + queries
+    q = torch.randn(batch, heads, queries, 16, generator=g)
+    k, v = (torch.randn(batch, kv_heads, t, 16, generator=g) for _ in range(2))
+    allowed = torch.rand(batch, 1, queries, t, generator=g) > 0.4
+    allowed[..., -queries:] = torch.eye(queries, dtype=torch.bool)  # every query sees at least itself
+    mask = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+    out, _ = _grouped_sdpa(None, q, k, v, mask)
+    groups = heads // kv_heads
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1),
+                                                           v.repeat_interleave(groups, 1), attn_mask=mask)
+    torch.testing.assert_close(out, ref.transpose(1, 2), atol=1e-6, rtol=1e-5)
 
 
 def test_generate_masks_padding_with_the_grouped_attention():
