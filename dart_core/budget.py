@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -130,14 +131,28 @@ class AdaptiveBudget:
         ema: weight of the newest observation in the calibration factor.
         min_budget: draft nodes always verified, so the calibration keeps learning
             even when drafts look hopeless.
+        depth_window: batch steps remembered by :meth:`search_depth`.
     """
 
-    def __init__(self, curve: VerifyCostCurve, ema: float = 0.05, min_budget: int = 1) -> None:
+    def __init__(self, curve: VerifyCostCurve, ema: float = 0.05, min_budget: int = 1, depth_window: int = 16) -> None:
         self.curve = curve
         self.ema = ema
         self.min_budget = min_budget
         self.calibration = 1.0
         self.overhead_ms = 0.0  # draft + tree search per step, EMA
+        self._kept_depths: deque[int] = deque(maxlen=depth_window)  # deepest kept node of each recent batch step
+
+    def search_depth(self, max_depth: int) -> int:
+        """How deep the next step should draft and search (≤ ``max_depth``).
+
+        One level deeper than the deepest node kept over the last ``depth_window``
+        steps: levels nobody keeps cost draft-head slots and search time for
+        nothing, and the extra level lets deeper trees come back when they pay.
+        Before any step, ``max_depth``.
+        """
+        if not self._kept_depths:
+            return max_depth
+        return max(1, min(max_depth, max(self._kept_depths) + 1))
 
     def select(self, tree: DraftTree, topk_ids: np.ndarray, topk_probs: np.ndarray) -> tuple[DraftTree, float]:
         """Returns (the truncated tree, its predicted number of accepted draft nodes): :meth:`select_batch` at batch 1."""
@@ -197,6 +212,8 @@ class AdaptiveBudget:
             keep[order[:k]] = True
             out.append(subtree(tree, keep) if tree.num_nodes > 1 else tree)
             predicted.append(float(cum[i, k]))
+        if out:
+            self._kept_depths.append(max(int(t.depths.max()) for t in out))
         return out, predicted
 
     def observe(self, predicted: float, accepted: int, overhead_ms: float) -> None:

@@ -198,16 +198,27 @@ class DartDraftHead(nn.Module):
         past_k: torch.Tensor,  # [B, Hkv, K, D] head KV cache (real positions only)
         past_v: torch.Tensor,  # [B, Hkv, K, D]
         past_lengths: torch.Tensor,  # [B] valid cache entries per sequence (left-aligned)
+        levels: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One draft forward for a batch with ragged new positions.
 
+        ``levels`` (1..d, default d) drafts only the first levels: ``levels - 1``
+        mask slots.  Slot j attends to the real positions and the earlier slots
+        only, so these levels equal the first ones of a full draft (tested);
+        a step that verifies shallow trees pays for fewer slots.
+
         Returns:
-            logits: [B, d, V_draft] for x_{t+2} .. x_{t+1+d} (t = last real position);
+            logits: [B, levels, V_draft] for x_{t+2} .. x_{t+1+levels} (t = last real position);
             new_k, new_v: [B, Hkv, T, D] keys/values of the real positions, for the caller's cache.
+
+        Raises:
+            ValueError: ``levels`` outside 1..d.
         """
         c = self.config
         b, t, _ = taps.shape
-        slots = c.draft_length
+        if levels is not None and not 1 <= levels <= c.depth:
+            raise ValueError(f"levels must be in 1..{c.depth}, got {levels}")
+        slots = c.draft_length if levels is None else levels - 1
         last_pos = positions.gather(1, last_index[:, None])  # [B, 1]
         slot_pos = last_pos + torch.arange(1, slots + 1, device=positions.device)  # [B, slots]
         mask = _head_mask(past_lengths, past_k.shape[2], last_index, t, slots, taps.dtype)

@@ -273,7 +273,7 @@ class DartEngine:
         if speculative:
             t0 = time.perf_counter()
             topk_ids, topk_probs = self._draft(state.pend_taps, state.pend_next, state.pend_pos, state.pend_count - 1,
-                                               state.head_cache)
+                                               state.head_cache, self._draft_levels())
             state.clear_pending()
             _sync(device)
             draft_ms = 1e3 * (time.perf_counter() - t0)
@@ -372,18 +372,28 @@ class DartEngine:
                 out[i] = int(torch.multinomial(probs, 1, generator=generators[i])[0])
         return out
 
+    def _draft_levels(self) -> int:
+        """Draft levels this step needs: a tree of n nodes is at most n deep, and the
+        adaptive budget asks for one level more than it recently kept (its ``search_depth``)."""
+        depth = min(self.head.config.depth, self.search_params.max_depth, self.search_params.budget)
+        if self.budget is not None:
+            depth = self.budget.search_depth(depth)
+        return max(1, depth)
+
     @torch.inference_mode()
-    def _draft(self, taps, next_tokens: list[list[int]], positions, last_index, head_cache: HeadKVCache):
-        """Draft head forward → (topk_ids [B, d, k] int64 target ids, topk_probs [B, d, k] float32)."""
+    def _draft(self, taps, next_tokens: list[list[int]], positions, last_index, head_cache: HeadKVCache,
+               levels: int | None = None):
+        """Draft head forward → (topk_ids [B, L, k] int64 target ids, topk_probs [B, L, k] float32),
+        L = ``levels`` (default d); the tree search goes no deeper than L."""
         head, device = self.head, self.target.device
         b, t = taps.shape[:2]
         nxt = torch.zeros(b, t, dtype=torch.long)
         for i, row in enumerate(next_tokens):
             nxt[i, : len(row)] = torch.tensor(row)
         nxt = nxt.to(device)
-        dtype = head.lm_head.weight.dtype
+        dtype = head.midlayer.mask_rep.dtype
         logits, new_k, new_v = head(taps.to(dtype), self.target.embed(nxt).to(dtype), positions, last_index,
-                                    head_cache.keys, head_cache.values, head_cache.lengths)
+                                    head_cache.keys, head_cache.values, head_cache.lengths, levels)
         head_cache.append(new_k, new_v, last_index + 1)
         k = min(self.search_params.top_k, logits.shape[-1])
         values, idx = torch.topk(logits.float(), k, dim=-1)  # [B, d, k]

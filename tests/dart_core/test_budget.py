@@ -81,6 +81,22 @@ def test_batch_selection_prices_the_padded_verification():
     assert [t.num_nodes for t in flat.select_batch([tree, tree], ids, np.stack([PROBS, hopeless]))[0]] == [5, 5]
 
 
+def test_search_depth_follows_the_kept_trees():
+    """One level deeper than the deepest node kept over the recent steps, within max_depth."""
+    tree = with_scores(TREE, [0.0, -0.7, -1.2, -0.9, -3.0])  # depths 1, 1, 2, 2
+    policy = AdaptiveBudget(VerifyCostCurve((1, 2, 3, 4, 5), (30.0, 40.0, 50.0, 60.0, 70.0)), depth_window=2)
+    assert policy.search_depth(8) == 8  # nothing kept yet
+    hopeless = np.full_like(PROBS, 1e-4)
+    policy.select(tree, IDS, hopeless)  # keeps one depth-1 node
+    assert policy.search_depth(8) == 2
+    policy.select(tree, IDS, PROBS)  # keeps 1 -> 3: depth 2
+    assert policy.search_depth(8) == 3 and policy.search_depth(2) == 2
+    policy.select(tree, IDS, hopeless)
+    assert policy.search_depth(8) == 3  # the depth-2 step is still in the window of 2
+    policy.select(tree, IDS, hopeless)
+    assert policy.search_depth(8) == 2
+
+
 def test_cost_curve_extrapolates_its_last_slope():
     curve = VerifyCostCurve((1, 4, 8), (10.0, 16.0, 24.0))
     np.testing.assert_allclose(curve(np.array([1, 6, 8, 12])), [10.0, 20.0, 24.0, 32.0])

@@ -119,6 +119,28 @@ def test_cached_forward_equals_full_forward(head):
     torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-5)
 
 
+def test_fewer_levels_equal_the_first_levels_of_a_full_draft(head):
+    """``levels=L`` appends L-1 mask slots: the same first L distributions and the same real-position
+    keys/values as a full draft, for a ragged batch over a cache."""
+    torch.manual_seed(2)
+    c = head.config
+    b, t = 2, 4
+    taps = torch.randn(b, t, 3 * c.target_hidden_size)
+    emb = torch.randn(b, t, c.hidden_size)
+    pos = torch.arange(3, 3 + t).expand(b, t)
+    past_k, past_v = (torch.randn(b, c.num_key_value_heads, 3, c.head_dim) for _ in range(2))
+    args = (taps, emb, pos, torch.tensor([3, 1]), past_k, past_v, torch.tensor([3, 2]))
+    full, k, v = head(*args)
+    for levels in range(1, c.depth + 1):
+        part, pk, pv = head(*args, levels=levels)
+        assert part.shape == (b, levels, c.draft_vocab_size)
+        torch.testing.assert_close(part, full[:, :levels], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pk, k) and torch.testing.assert_close(pv, v)
+    for bad in (0, c.depth + 1):
+        with pytest.raises(ValueError, match="levels"):
+            head(*args, levels=bad)
+
+
 def test_d2t_outside_the_vocabulary_is_refused(tmp_path, head):
     head.d2t[-1] = 10_000
     save_draft_head(head, tmp_path)

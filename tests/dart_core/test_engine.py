@@ -267,3 +267,37 @@ def test_a_bf16_head_beside_an_fp32_target_stays_exact(arch):
             out.setdefault(sid, []).extend(toks)
     assert [out[i] for i in range(3)] == ar
     assert drafted > 0
+
+
+class DepthRecordingSearch(InProcessTreeSearch):
+    """The logits-only search, recording how many draft levels each call gets."""
+
+    def __init__(self):
+        super().__init__(None)
+        self.levels = []
+
+    def search(self, topk_ids, topk_probs, contexts, params):
+        self.levels.append(topk_ids.shape[1])
+        return super().search(topk_ids, topk_probs, contexts, params)
+
+
+def test_the_draft_goes_no_deeper_than_the_trees_can():
+    """A fixed budget of n nodes drafts min(n, max_depth, d) levels; an adaptive budget drafts one level
+    past the trees it keeps.  Output stays exact."""
+    from dart_core.budget import AdaptiveBudget, VerifyCostCurve
+
+    target = tiny_target("llama", seed=3)
+    prompts = prompts_of(np.random.default_rng(3), [5, 8])
+    sp = SamplingParams(max_new_tokens=12)
+    ar = DartEngine(target).generate(prompts, sp, speculative=False).token_ids
+    head = random_head(target)
+    for params, expected in ((SearchParams(budget=1), {1}), (SearchParams(budget=3), {3}),
+                             (SearchParams(budget=60, max_depth=5), {5}), (SearchParams(), {head.config.depth})):
+        search = DepthRecordingSearch()
+        assert DartEngine(target, head, search, params).generate(prompts, sp).token_ids == ar
+        assert set(search.levels) == expected
+    # steep cost: the budget keeps one node per tree, so after the first step the draft has 2 levels
+    search = DepthRecordingSearch()
+    steep = AdaptiveBudget(VerifyCostCurve((1, 64), (10.0, 1000.0)))
+    assert DartEngine(target, head, search, budget=steep).generate(prompts, sp).token_ids == ar
+    assert search.levels[0] == head.config.depth and set(search.levels[1:]) == {2}
