@@ -272,8 +272,9 @@ class DartEngine:
         draft_ms = search_ms = 0.0
         if speculative:
             t0 = time.perf_counter()
-            topk_ids, topk_probs = self._draft(state.pend_taps, state.pend_next, state.pend_pos, state.pend_count - 1,
-                                               state.head_cache, self._draft_levels())
+            width = int(state.pend_count.max())
+            topk_ids, topk_probs = self._draft(state.pend_taps[:, :width], state.pend_next, state.pend_pos[:, :width],
+                                               state.pend_count - 1, state.head_cache, self._draft_levels())
             state.clear_pending()
             _sync(device)
             draft_ms = 1e3 * (time.perf_counter() - t0)
@@ -431,16 +432,21 @@ def _pad_cat(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([pad(a), pad(b)], dim=0)
 
 
-def _ragged_append(a: torch.Tensor, a_counts: torch.Tensor, b: torch.Tensor, b_counts: torch.Tensor) -> torch.Tensor:
-    """Row r of the result = a[r, :a_counts[r]] then b[r, :b_counts[r]], left-aligned, zero-padded ([B, T, ...])."""
-    rows, t_a, t_b = a.shape[0], a.shape[1], b.shape[1]
-    total = a_counts + b_counts
-    width = int(total.max()) if rows else 0
-    both = torch.cat([a, b], dim=1)
-    j = torch.arange(width, device=a.device)[None, :].expand(rows, width)
-    src = torch.where(j < a_counts[:, None], j, t_a + j - a_counts[:, None]).clamp(max=t_a + t_b - 1)
-    idx = src.reshape(rows, width, *([1] * (a.dim() - 2))).expand(rows, width, *a.shape[2:])
-    return both.gather(1, idx)
+def _append_in_place(buf: torch.Tensor, counts: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Writes new[r, :] at buf[r, counts[r]:] and returns the buffer ([B, capacity, ...]).
+
+    Amortised O(new): the buffer grows (doubling, zero-filled, so padding stays finite) only
+    when a row would run past its capacity; entries past a row's count are padding.
+    """
+    rows, t_new = new.shape[0], new.shape[1]
+    need = int(counts.max()) + t_new if rows else 0
+    if need > buf.shape[1]:
+        shape = list(buf.shape)
+        shape[1] = max(need, 2 * buf.shape[1]) - buf.shape[1]
+        buf = torch.cat([buf, buf.new_zeros(shape)], dim=1)
+    idx = counts[:, None] + torch.arange(t_new, device=counts.device)[None, :]
+    buf.scatter_(1, idx.reshape(rows, t_new, *([1] * (new.dim() - 2))).expand_as(new), new)
+    return buf
 
 
 @dataclass
@@ -453,8 +459,9 @@ class _BatchState:
     samplings: list[SamplingParams]
     generators: list[torch.Generator]
     cache: TargetCache | None
-    # draft-head inputs not yet fed to the head: taps [B, P, 3H], positions [B, P],
-    # valid counts [B], and the next token of each pending position
+    # draft-head inputs not yet fed to the head: taps [B, P, 3H], positions [B, P] (buffers:
+    # row b's first pend_count[b] entries are valid, the rest padding), valid counts [B],
+    # and the next token of each pending position
     pend_taps: torch.Tensor | None
     pend_next: list[list[int]]
     pend_pos: torch.Tensor | None
@@ -510,9 +517,8 @@ class _BatchState:
             self.pend_taps, self.pend_pos, self.pend_count = self.pend_taps[sel], self.pend_pos[sel], self.pend_count[sel]
 
     def clear_pending(self) -> None:
+        """Empties every row's pending inputs (the buffers keep their capacity)."""
         b = len(self.seq_ids)
-        self.pend_taps = self.pend_taps[:, :0]
-        self.pend_pos = self.pend_pos[:, :0]
         self.pend_count = torch.zeros(b, dtype=torch.long, device=self.pend_count.device)
         self.pend_next = [[] for _ in range(b)]
 
@@ -525,7 +531,7 @@ class _BatchState:
         drafts = torch.tensor(self.spec_ok, dtype=torch.bool, device=counts.device)
         counts = torch.where(drafts, counts, 0)
         nexts = [n if ok else [] for n, ok in zip(nexts, self.spec_ok)]
-        self.pend_taps = _ragged_append(self.pend_taps, self.pend_count, taps, counts)
-        self.pend_pos = _ragged_append(self.pend_pos, self.pend_count, positions, counts)
+        self.pend_taps = _append_in_place(self.pend_taps, self.pend_count, taps)
+        self.pend_pos = _append_in_place(self.pend_pos, self.pend_count, positions)
         self.pend_count = self.pend_count + counts
         self.pend_next = [a + b for a, b in zip(self.pend_next, nexts)]

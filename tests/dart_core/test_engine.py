@@ -301,3 +301,27 @@ def test_the_draft_goes_no_deeper_than_the_trees_can():
     steep = AdaptiveBudget(VerifyCostCurve((1, 64), (10.0, 1000.0)))
     assert DartEngine(target, head, search, budget=steep).generate(prompts, sp).token_ids == ar
     assert search.levels[0] == head.config.depth and set(search.levels[1:]) == {2}
+
+
+def test_pending_inputs_append_in_place():
+    """Row r keeps its first counts[r] entries and gets the new ones right after; the buffer grows
+    (zero-filled) only when a row would run past it, so appends are amortised O(new)."""
+    from dart_core.engine import _append_in_place
+
+    g = torch.Generator().manual_seed(0)
+    buf = torch.zeros(3, 0, 2)
+    counts = torch.zeros(3, dtype=torch.long)
+    rows = [[], [], []]
+    capacities = []
+    for step in range(12):
+        new = torch.randn(3, 1 + step % 3, 2, generator=g)
+        valid = torch.randint(0, new.shape[1] + 1, (3,), generator=g)
+        buf = _append_in_place(buf, counts, new)
+        for r in range(3):
+            rows[r] += new[r, : valid[r]].tolist()
+        counts = counts + valid
+        capacities.append(buf.shape[1])
+        for r in range(3):
+            assert buf[r, : counts[r]].tolist() == rows[r]
+        assert torch.isfinite(buf).all()
+    assert len(set(capacities)) < len(capacities) / 2  # grown a few times, not at every append
