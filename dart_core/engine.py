@@ -392,12 +392,12 @@ class DartEngine:
         for i, row in enumerate(next_tokens):
             nxt[i, : len(row)] = torch.tensor(row)
         nxt = nxt.to(device)
-        dtype = head.midlayer.mask_rep.dtype
+        dtype = head.lm_head.weight.dtype
         logits, new_k, new_v = head(taps.to(dtype), self.target.embed(nxt).to(dtype), positions, last_index,
                                     head_cache.keys, head_cache.values, head_cache.lengths, levels)
         head_cache.append(new_k, new_v, last_index + 1)
         k = min(self.search_params.top_k, logits.shape[-1])
-        values, idx = torch.topk(logits.float(), k, dim=-1)  # [B, d, k]
+        values, idx = torch.topk(logits.float(), k, dim=-1)  # [B, L, k]
         probs = values.softmax(-1)
         ids = head.draft_to_target(idx)
         return ids.cpu().numpy().astype(np.int64), probs.cpu().numpy().astype(np.float32)
