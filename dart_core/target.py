@@ -253,8 +253,15 @@ class TargetModel:
             dtype: e.g. torch.float32 / torch.bfloat16 on CPU, torch.bfloat16 / torch.float16 on CUDA.
             device: where the model goes when ``device_map`` is None.
             device_map: passed to transformers/accelerate (e.g. "auto") for models larger than one device.
-            pack: see the class; never with a ``device_map``.
+            pack: see the class; None with a ``device_map`` keeps ``nn.Linear`` (accelerate places
+                the layers and its hooks wrap them).
+
+        Raises:
+            ValueError: ``pack=True`` together with a ``device_map``.
         """
+        if pack and device_map is not None:
+            raise ValueError("pack=True cannot be combined with a device_map: accelerate places and wraps the "
+                             "linear layers; load without device_map to pack")
         source = resolve_model(spec)
         logger.info("loading target %s from %s (%s)", source.name, source.folder, dtype)
         cached = converted_cache(source, "model")

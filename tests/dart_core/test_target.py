@@ -51,6 +51,8 @@ def test_target_packs_float32_on_cpu_only():
     assert count(TargetModel(bf16))[0] == 0
     with pytest.raises(ValueError, match="float32 weights on a CPU"):
         TargetModel(bf16, pack=True)
+    with pytest.raises(ValueError, match="device_map"):  # refused before anything loads
+        TargetModel.from_pretrained("/nonexistent", device_map="auto", pack=True)
     fp32 = AutoModelForCausalLM.from_config(tiny_config("qwen3"))
     assert count(TargetModel(fp32, pack=False)) == (0, 6 * 7 + 1)
     assert pack_linears(fp32) == 6 * 7 + 1
