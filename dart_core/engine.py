@@ -419,17 +419,19 @@ class NewSequence:
     speculative: bool = True  # False: while this sequence runs, every step of the batch is autoregressive
 
 
+def _zero_pad(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """``x`` with dimension ``dim`` zero-padded at the end to length ``n`` (x itself when already n long)."""
+    if x.shape[dim] >= n:
+        return x
+    shape = list(x.shape)
+    shape[dim] = n - x.shape[dim]
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
 def _pad_cat(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
     """Concatenates along the batch (dim 0) after zero-padding dimension ``dim`` to the longer one."""
     n = max(a.shape[dim], b.shape[dim])
-
-    def pad(x):
-        if x.shape[dim] == n:
-            return x
-        shape = list(x.shape)
-        shape[dim] = n - x.shape[dim]
-        return torch.cat([x, x.new_zeros(shape)], dim=dim)
-    return torch.cat([pad(a), pad(b)], dim=0)
+    return torch.cat([_zero_pad(a, dim, n), _zero_pad(b, dim, n)], dim=0)
 
 
 def _append_in_place(buf: torch.Tensor, counts: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -441,9 +443,7 @@ def _append_in_place(buf: torch.Tensor, counts: torch.Tensor, new: torch.Tensor)
     rows, t_new = new.shape[0], new.shape[1]
     need = int(counts.max()) + t_new if rows else 0
     if need > buf.shape[1]:
-        shape = list(buf.shape)
-        shape[1] = max(need, 2 * buf.shape[1]) - buf.shape[1]
-        buf = torch.cat([buf, buf.new_zeros(shape)], dim=1)
+        buf = _zero_pad(buf, 1, max(need, 2 * buf.shape[1]))
     idx = counts[:, None] + torch.arange(t_new, device=counts.device)[None, :]
     buf.scatter_(1, idx.reshape(rows, t_new, *([1] * (new.dim() - 2))).expand_as(new), new)
     return buf
