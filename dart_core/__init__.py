@@ -2,7 +2,11 @@
 (:mod:`~dart_core.target`), DART draft head (:mod:`~dart_core.draft_head`),
 verification and sampling (:mod:`~dart_core.verify`, :mod:`~dart_core.sampling`),
 the batched decoding engine (:mod:`~dart_core.engine`), the adaptive tree
-budget (:mod:`~dart_core.budget`) and the public API (:class:`DartModel`)."""
+budget (:mod:`~dart_core.budget`), continuous batching with its request and
+chunk types (:mod:`~dart_core.batcher`, :mod:`~dart_core.request`,
+:mod:`~dart_core.detokenizer`) and the public API (:class:`DartModel`).
+It depends on :mod:`ngram_service` (tree search, trie, tokenizer identity),
+never the reverse."""
 
 from __future__ import annotations
 

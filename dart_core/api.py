@@ -18,20 +18,21 @@ from __future__ import annotations
 
 import logging
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Sequence, Union
 
 import torch
 
 from dart_core.budget import AdaptiveBudget, SpeculationGate, VerifyCostCurve
+from dart_core.detokenizer import IncrementalDetokenizer
 from dart_core.draft_head import DartDraftHead, DraftHeadConfig, load_draft_head
 from dart_core.engine import DartEngine, GenerationResult
 from dart_core.sampling import SamplingParams
 from dart_core.target import TargetModel
 from dart_core.tokenizer import DEFAULT_MODEL, tokenizer_identity
-from dart_core.tree_client import InProcessTreeSearch, TreeSearchClient
-from ngram_service.build import default_trie_path
+from ngram_service.client import InProcessTreeSearch, TreeSearchClient
+from ngram_service.cache import default_trie_path
 from ngram_service.trie import NgramTrie
 from ngram_service.tree_search import SearchParams
 
@@ -121,8 +122,8 @@ class DartModel:
             dtype: the target's; default bfloat16 on CUDA, float32 on CPU.
             draft_dtype: the draft head's; default the target's, except bfloat16
                 beside a float32 target on a CPU with native bf16 matrix
-                multiplication (AVX512-BF16 / AMX: drafts 1.8-2.3x cheaper on a
-                2-core EPYC).  Output is exact either way: the target verifies.
+                multiplication (AVX512-BF16 / AMX; figures in the README).  Output is
+                exact either way: the target verifies.
             device: default CUDA when available; ignored with ``device_map``.
             device_map: forwarded to transformers/accelerate for targets larger than one device.
             budget: ``"auto"`` measures verification cost at start-up, adapts the
@@ -144,7 +145,10 @@ class DartModel:
         draft = cls._load_head(head, name, target, draft_dtype or default_draft_dtype(target))
         params = search_params or SearchParams()
         if isinstance(budget, int):
-            params.budget = budget
+            params = replace(params, budget=budget)
+        eos = target.tokenizer.eos_token_id if target.tokenizer is not None else None
+        if params.eos_token_id < 0 and eos is not None:  # trees stop drafting past the end of the answer
+            params = replace(params, eos_token_id=int(eos))
         if tree_search is None:
             tree_search = InProcessTreeSearch(cls._load_trie(trie, name, target.tokenizer))
         policy = gate = None
@@ -199,12 +203,19 @@ class DartModel:
         single = isinstance(inputs, str) or (len(inputs) > 0 and isinstance(inputs[0], (numbers.Integral, dict)))
         return [self.encode(inputs)] if single else [self.encode(p) for p in inputs]
 
-    def _sampling(self, max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids) -> SamplingParams:
-        if stop_token_ids is None:
-            eos = self.tokenizer.eos_token_id
-            stop_token_ids = () if eos is None else (eos,)
-        return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                              max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_token_ids))
+    def sampling_params(self, *, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+                        top_k: int = 0, seed: int | None = None, stop_token_ids: Sequence[int] | None = None,
+                        logprobs: int | None = None) -> SamplingParams:
+        """:class:`SamplingParams` for this model: generation stops at its EOS token unless
+        ``stop_token_ids`` says otherwise.
+
+        Raises:
+            ValueError: a value out of range.
+        """
+        return SamplingParams.stopping_at(
+            self.tokenizer.eos_token_id, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+            top_k=top_k, seed=seed, logprobs=logprobs,
+            stop_token_ids=None if stop_token_ids is None else tuple(stop_token_ids))
 
     def generate(self, inputs: Prompt | Sequence[Prompt], *, max_new_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
@@ -216,7 +227,8 @@ class DartModel:
             ``stream=True`` an iterator of :class:`StreamChunk`.
         """
         prompts = self._batch(inputs)
-        sampling = self._sampling(max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids)
+        sampling = self.sampling_params(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                        top_k=top_k, seed=seed, stop_token_ids=stop_token_ids)
         if stream:
             return self._stream(prompts, sampling, speculative)
         result = self.engine.generate(prompts, sampling, speculative=speculative)
@@ -224,14 +236,10 @@ class DartModel:
                                for ids, reason in zip(result.token_ids, result.finish_reasons)], result)
 
     def _stream(self, prompts, sampling, speculative) -> Iterator[StreamChunk]:
-        generated: list[list[int]] = [[] for _ in prompts]
-        texts = [""] * len(prompts)
+        detoks = [IncrementalDetokenizer(self.tokenizer) for _ in prompts]
         for step in self.engine.generate_stream(prompts, sampling, speculative=speculative):
             for sid, toks, reason in zip(step.seq_ids, step.new_tokens, step.finish_reasons):
-                generated[sid].extend(toks)
-                text = self.tokenizer.decode(generated[sid], skip_special_tokens=True)
-                if text.endswith("\ufffd") and reason is None:  # an incomplete UTF-8 sequence: wait for more
-                    delta = ""
-                else:
-                    delta, texts[sid] = text[len(texts[sid]):], text
+                delta = detoks[sid].add(toks)
+                if reason is not None:
+                    delta += detoks[sid].finish()
                 yield StreamChunk(sid, list(toks), delta, reason)

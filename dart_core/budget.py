@@ -1,8 +1,8 @@
 """Tree budget: how many draft nodes each step verifies.
 
 On a GPU a 60-node tree costs about as much to verify as one token; on a CPU
-it costs 3-4x more (DESIGN.md §4), so the budget that maximises tokens per
-second depends on the device.  :class:`AdaptiveBudget` picks it per step and
+it costs several times more (docs/design.md §2, "Tree budget"), so the budget
+that maximises tokens per second depends on the device.  :class:`AdaptiveBudget` picks it per step and
 per sequence:
 
     tokens/s(B) = E[tokens | B] / (t_draft+search + t_verify(B + 1))
@@ -37,7 +37,7 @@ from ngram_service.tree_search import DraftTree
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["VerifyCostCurve", "AdaptiveBudget", "SpeculationGate", "subtree", "node_acceptance_estimates"]
+__all__ = ["VerifyCostCurve", "AdaptiveBudget", "SpeculationGate", "node_acceptance_estimates"]
 
 
 @dataclass(frozen=True)
@@ -86,17 +86,6 @@ class VerifyCostCurve:
         curve = cls(tuple(node_counts), tuple(round(m, 3) for m in medians))
         logger.info("verify cost (nodes -> ms): %s", dict(zip(curve.nodes, curve.ms)))
         return curve
-
-
-def subtree(tree: DraftTree, keep: np.ndarray) -> DraftTree:
-    """The nodes where ``keep`` [N] is True (must be prefix-closed and hold the root), re-indexed."""
-    idx = np.flatnonzero(keep)
-    new_of = np.full(tree.num_nodes, -1, dtype=np.int32)
-    new_of[idx] = np.arange(len(idx), dtype=np.int32)
-    parents = tree.parents[idx]
-    parents = np.where(parents >= 0, new_of[np.maximum(parents, 0)], -1).astype(np.int32)
-    return DraftTree(tokens=tree.tokens[idx], parents=parents, depths=tree.depths[idx], scores=tree.scores[idx],
-                     tree_mask=tree.tree_mask[np.ix_(idx, idx)], retrieve_indices=np.zeros((0, 0), np.int32))
 
 
 def node_acceptance_estimates(tree: DraftTree, topk_ids: np.ndarray, topk_probs: np.ndarray) -> np.ndarray:
@@ -210,7 +199,7 @@ class AdaptiveBudget:
             keep = np.zeros(tree.num_nodes, dtype=bool)
             keep[0] = True
             keep[order[:k]] = True
-            out.append(subtree(tree, keep) if tree.num_nodes > 1 else tree)
+            out.append(tree.select(keep))
             predicted.append(float(cum[i, k]))
         if out:
             self._kept_depths.append(max(int(t.depths.max()) for t in out))

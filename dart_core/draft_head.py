@@ -1,5 +1,5 @@
 """The DART draft head: one Llama-style decoder layer that drafts d tokens in
-one forward (DART, arXiv 2601.19278; DESIGN.md §2).
+one forward (DART, arXiv 2601.19278; docs/design.md §2).
 
 Per real position t the head reads three target hidden states (the inputs of
 decoder layers 2, L//2 and L-3, concatenated low|mid|high → [3H]) and the

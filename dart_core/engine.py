@@ -1,6 +1,6 @@
 """The DART decoding engine: one generator loop, batch-first.
 
-A step for a batch of active sequences (DESIGN.md §2):
+A step for a batch of active sequences (docs/design.md §2):
 
 1. **draft** — one forward of the draft head over each sequence's newly
    accepted positions plus d-1 mask slots → top-k per level;
@@ -33,13 +33,13 @@ from dart_core.draft_head import DartDraftHead
 from dart_core.kv_cache import HeadKVCache, cache_mask
 from dart_core.sampling import SamplingParams, target_probs
 from dart_core.target import TargetCache, TargetModel
-from dart_core.tree_client import InProcessTreeSearch, TreeSearchClient
+from ngram_service.client import InProcessTreeSearch, TreeSearchClient
 from dart_core.verify import Acceptance, accept_greedy, accept_sampling
 from ngram_service.tree_search import DraftTree, SearchParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DartEngine", "StepOutput", "GenerationResult", "NewSequence"]
+__all__ = ["DartEngine", "StepOutput", "TokenLogprobs", "GenerationResult", "NewSequence"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,26 @@ class StepOutput:
     tree_search_ms: float
     verify_ms: float  # target forward + acceptance + KV compaction
     step_ms: float
+    logprobs: list["TokenLogprobs | None"] = field(default_factory=list)  # per sequence, when its sampling asks
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities of a sequence's emitted tokens under the target's own distribution (log-softmax
+    of its logits, before temperature, top-p and top-k).  Lists are aligned with the emitted tokens."""
+
+    logprobs: list[float]  # [n] of each emitted token
+    top_ids: list[list[int]]  # [n, k] the k most likely tokens at that position, best first
+    top_logprobs: list[list[float]]  # [n, k]
+
+
+def _token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> TokenLogprobs:
+    """logits [n, V] predicting tokens [n] -> their :class:`TokenLogprobs` with the top ``k``."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long, device=lp.device)]
+    top = lp.topk(k, dim=-1) if k else None
+    return TokenLogprobs(chosen.tolist(), top.indices.tolist() if k else [[] for _ in tokens],
+                         top.values.tolist() if k else [[] for _ in tokens])
 
 
 @dataclass
@@ -81,16 +101,6 @@ def _sync(device: torch.device) -> None:
 
 def _root_only(tokens: list[list[int]]) -> list[DraftTree]:
     return [DraftTree.from_parents([t[-1]], [-1], [0], [0.0]) for t in tokens]
-
-
-def _clip_depth(tree: DraftTree, max_depth: int) -> DraftTree:
-    """Drops nodes deeper than max_depth (nodes are depth-ordered: a prefix stays prefix-closed)."""
-    n = int(np.searchsorted(tree.depths, max_depth, side="right"))
-    if n == tree.num_nodes:
-        return tree
-    return DraftTree(tokens=tree.tokens[:n], parents=tree.parents[:n], depths=tree.depths[:n],
-                     scores=tree.scores[:n], tree_mask=tree.tree_mask[:n, :n],
-                     retrieve_indices=np.zeros((0, 0), dtype=np.int32))
 
 
 class DartEngine:
@@ -208,7 +218,8 @@ class DartEngine:
             gone = {i for i, sid in enumerate(state.seq_ids) if sid in cancelled}
             if gone:
                 yield StepOutput([state.seq_ids[i] for i in sorted(gone)], [[] for _ in gone],
-                                 ["cancelled"] * len(gone), [0] * len(gone), [0] * len(gone), 0, 0.0, 0.0, 0.0, 0.0)
+                                 ["cancelled"] * len(gone), [0] * len(gone), [0] * len(gone), 0, 0.0, 0.0, 0.0, 0.0,
+                                 [None] * len(gone))
                 state.keep([i for i in range(len(state.seq_ids)) if i not in gone])
             if not state.seq_ids:  # nothing runs and admit (called above) brought nothing
                 return
@@ -254,15 +265,17 @@ class DartEngine:
             c = self.head.config
             new.head_cache = HeadKVCache(len(prompts), c.num_key_value_heads, c.head_dim, device=device,
                                          dtype=self.head.lm_head.weight.dtype)
-        new_tokens = []
+        new_tokens, logprobs = [], []
         for b, f in enumerate(first):
             emitted, new.reasons[b] = self._emit(new, b, [f])
             new_tokens.append(emitted)
+            k = joining[b].sampling.logprobs
+            logprobs.append(None if k is None else _token_logprobs(out.logits[b, last[b]][None], emitted, k))
         state.merge(new)
         _sync(device)
         ms = 1e3 * (time.perf_counter() - t0)
         return StepOutput(list(ids), new_tokens, list(new.reasons), [0] * len(ids), [0] * len(ids), 0, 0.0, 0.0,
-                          ms, ms)
+                          ms, ms, logprobs)
 
     def _step(self, state: "_BatchState", speculative: bool) -> StepOutput:
         """One draft → tree search → verify → accept step for every running sequence."""
@@ -287,8 +300,8 @@ class DartEngine:
         else:
             trees = _root_only(state.tokens)
         # never draft past max_new_tokens or the context window
-        trees = [_clip_depth(tr, min(state.samplings[i].max_new_tokens - state.produced[i] - 1,
-                                     target.max_context - len(state.tokens[i])))
+        trees = [tr.clip_depth(min(state.samplings[i].max_new_tokens - state.produced[i] - 1,
+                                   target.max_context - len(state.tokens[i])))
                  for i, tr in enumerate(trees)]
 
         # verify ------------------------------------------------------------
@@ -316,7 +329,7 @@ class DartEngine:
         counts = torch.tensor([len(acc.path) for acc in accepted], device=device)
         old_lengths = cache.lengths
         cache.compact(padded_len + path, counts)
-        new_tokens, acc_lens, nexts = [], [], []
+        new_tokens, acc_lens, nexts, logprobs = [], [], [], []
         for i, (tr, acc) in enumerate(zip(trees, accepted)):
             drafted = [int(tr.tokens[j]) for j in acc.path[1:]]
             if speculative and self.budget is not None:
@@ -325,6 +338,9 @@ class DartEngine:
             emitted, state.reasons[i] = self._emit(state, i, drafted + [acc.bonus])
             new_tokens.append(emitted)
             acc_lens.append(len(drafted) + 1)
+            k = state.samplings[i].logprobs  # token j of the path is predicted by the node before it
+            logprobs.append(None if k is None else
+                            _token_logprobs(out.logits[i, list(acc.path[: len(emitted)])], emitted, k))
         if state.speculative:  # the accepted positions feed the next draft
             state.add_pending(out.taps.gather(1, path[..., None].expand(-1, -1, out.taps.shape[-1])),
                               old_lengths[:, None] + torch.arange(a_max, device=device)[None, :], counts, nexts)
@@ -332,7 +348,7 @@ class DartEngine:
         verify_ms = 1e3 * (time.perf_counter() - t0)
         return StepOutput(list(state.seq_ids), new_tokens, list(state.reasons), acc_lens,
                           [tr.num_nodes - 1 for tr in trees], n, draft_ms, search_ms, verify_ms,
-                          1e3 * (time.perf_counter() - t_step))
+                          1e3 * (time.perf_counter() - t_step), logprobs)
 
     # -- internals ----------------------------------------------------------
 

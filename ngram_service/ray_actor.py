@@ -1,4 +1,4 @@
-"""Hosting the tree-search service in Ray (DESIGN.md §1).
+"""Hosting the tree-search service in Ray (docs/design.md §1).
 
 :func:`start_ngram_service` starts a named, detached, restartable actor that
 requests the custom resource ``ngram_host`` (declared only by the

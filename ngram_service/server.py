@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 import numpy as np
@@ -121,21 +121,17 @@ class _Servicer(ngram_pb2_grpc.NgramTreeSearchServicer):
         return flat, offsets
 
     def _params(self, overrides) -> SearchParams:
-        p = self.params
-        params = SearchParams(**{f: getattr(p, f) for f in (*OVERRIDE_FIELDS, "epsilon", "num_threads")})
-        for f in OVERRIDE_FIELDS:
-            if overrides.HasField(f):
-                setattr(params, f, getattr(overrides, f))
+        changes = {f: getattr(overrides, f) for f in OVERRIDE_FIELDS if overrides.HasField(f)}
+        try:
+            params = replace(self.params, **changes) if changes else self.params
+        except ValueError as e:
+            raise _InvalidArgument(str(e)) from None
         lim = self.limits
         _require(params.top_k <= lim.max_k, f"top_k {params.top_k} exceeds the limit of {lim.max_k}")
         _require(params.beam_width <= lim.max_beam_width,
                  f"beam_width {params.beam_width} exceeds the limit of {lim.max_beam_width}")
         _require(params.max_depth <= lim.max_depth, f"max_depth {params.max_depth} exceeds the limit of {lim.max_depth}")
         _require(params.budget <= lim.max_budget, f"budget {params.budget} exceeds the limit of {lim.max_budget}")
-        try:
-            params.validate()
-        except ValueError as e:
-            raise _InvalidArgument(str(e)) from None
         return params
 
     # -- RPCs -----------------------------------------------------------------
@@ -218,8 +214,10 @@ class NgramServer:
     Args:
         trie_path: trie to memory-map; None serves the logits-only search.
         host, port: bind address; port 0 picks a free port (see :attr:`port`).
-        threads: search threads (default: the CPUs this process may use).
-        params: default search parameters (reference defaults).
+        threads: search threads (default: the CPUs this process may use): one call searches
+            its sequences on up to this many threads (``SearchParams.num_threads``), and up to
+            this many calls run at once.
+        params: default search parameters (reference defaults); their ``num_threads`` is ``threads``.
         auth_token: shared secret required as ``authorization: Bearer <token>``.
     """
 
@@ -230,7 +228,7 @@ class NgramServer:
         self.host = host
         self.requested_port = port
         self.threads = threads or len(os.sched_getaffinity(0))
-        self.params = params or SearchParams()
+        self.params = replace(params or SearchParams(), num_threads=self.threads)
         self.limits = limits or ServerLimits()
         self.auth_token = auth_token
         self.port: int | None = None

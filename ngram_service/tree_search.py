@@ -2,7 +2,7 @@
 
 The draft head gives, for each of d future positions, a top-k of draft
 tokens with probabilities.  The tree search (DART, arXiv 2601.19278,
-"N-gram-enforced pruning"; DESIGN.md §2) beam-searches paths through these
+"N-gram-enforced pruning"; docs/design.md §2) beam-searches paths through these
 levels, scoring each path by the draft probabilities and an n-gram trie:
 
     score(child) = score(parent) + λ_l · (μ_l · log(p_draft + ε) + ν · log(p_ngram + ε))
@@ -27,7 +27,7 @@ Worked example (k=2, w=1, depth 2, budget 2, logits-only)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Sequence
 
 import numpy as np
@@ -37,13 +37,39 @@ from ngram_service.trie import NgramTrie, pack_ragged
 
 __all__ = ["DraftTree", "SearchParams", "search_tree", "search_trees"]
 
-#: Bound C++ parameter struct; every field is a runtime setting (keyword-only
-#: constructor, validated): top_k=25, beam_width=20, max_depth=8, budget=60
-#: (draft nodes, root excluded), level_weight_exponent=0.7 (λ_l),
-#: logit_weight_base=0.9 (μ_l), ngram_weight=0.5 (ν), epsilon=1e-10,
-#: eos_token_id=-1 (none), ngram_at_level0=False, use_ngram=True,
-#: num_threads=1 (sequences searched in parallel by :func:`search_trees`).
-SearchParams = _native.SearchParams
+@dataclass(frozen=True)
+class SearchParams:
+    """Tree-search parameters: the one place their defaults are written (the
+    reference DART defaults).  Frozen and validated on construction; change a
+    field with :func:`dataclasses.replace`.  Converted to the C++ struct once,
+    at construction (:meth:`native`).
+
+    Raises:
+        ValueError: a field out of range (non-positive sizes, λ / μ / ν / ε
+            outside their ranges, ``num_threads`` < 1).
+    """
+
+    top_k: int = 25  # draft tokens per level
+    beam_width: int = 20  # beam survivors per level
+    max_depth: int = 8  # levels searched (≤ the draft length d)
+    budget: int = 60  # draft nodes in the tree, root excluded
+    level_weight_exponent: float = 0.7  # λ_l = (l+1)^-exponent
+    logit_weight_base: float = 0.9  # μ_l = base^l
+    ngram_weight: float = 0.5  # ν
+    epsilon: float = 1e-10  # added before every log
+    eos_token_id: int = -1  # candidates ending in it rank last and are not extended; -1: none
+    ngram_at_level0: bool = False  # the paper leaves level 0 to the draft head
+    use_ngram: bool = True  # False: logits-only search (the fallback)
+    num_threads: int = 1  # sequences searched in parallel by one batched call
+    _native: object = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        object.__setattr__(self, "_native", _native.SearchParams(**values))  # validates (ValueError)
+
+    def native(self):
+        """The bound C++ struct (read-only) that the search functions take."""
+        return self._native
 
 
 @dataclass(frozen=True)
@@ -80,16 +106,37 @@ class DraftTree:
         for i in range(1, n):
             mask[i] = mask[parents[i]]
             mask[i, i] = True
-        leaves = np.setdiff1d(np.arange(n), parents[1:])
-        width = int(depths.max()) + 1
-        retrieve = np.full((len(leaves), width), -1, dtype=np.int32)
-        for row, leaf in enumerate(leaves):
-            v = int(leaf)
-            while v >= 0:
-                retrieve[row, depths[v]] = v
-                v = int(parents[v])
         return cls(tokens=tokens, parents=parents, depths=depths, scores=np.asarray(scores, dtype=np.float64),
-                   tree_mask=mask, retrieve_indices=retrieve)
+                   tree_mask=mask, retrieve_indices=_retrieve_indices(parents, depths, mask))
+
+    def select(self, keep: np.ndarray) -> "DraftTree":
+        """The subtree of the nodes where ``keep`` [num_nodes] bool is True, re-indexed in
+        the same order, every field consistent (mask, retrieve indices).  Returns ``self``
+        when every node is kept.
+
+        Raises:
+            ValueError: ``keep`` drops the root or keeps a node without its parent.
+        """
+        keep = np.asarray(keep, dtype=bool)
+        if keep.shape != (self.num_nodes,):
+            raise ValueError(f"keep has shape {keep.shape}, the tree {self.num_nodes} nodes")
+        if keep.all():
+            return self
+        if not keep[0] or np.any(keep[1:] & ~keep[np.maximum(self.parents[1:], 0)]):
+            raise ValueError("a subtree must keep the root and every kept node's parent (prefix-closed)")
+        idx = np.flatnonzero(keep)
+        new_of = np.full(self.num_nodes, -1, dtype=np.int32)
+        new_of[idx] = np.arange(len(idx), dtype=np.int32)
+        parents = self.parents[idx]
+        parents = np.where(parents >= 0, new_of[np.maximum(parents, 0)], -1).astype(np.int32)
+        depths = self.depths[idx]
+        mask = self.tree_mask[np.ix_(idx, idx)]
+        return DraftTree(tokens=self.tokens[idx], parents=parents, depths=depths, scores=self.scores[idx],
+                         tree_mask=mask, retrieve_indices=_retrieve_indices(parents, depths, mask))
+
+    def clip_depth(self, max_depth: int) -> "DraftTree":
+        """Without the nodes deeper than ``max_depth`` (the root alone for ``max_depth`` ≤ 0)."""
+        return self.select(self.depths <= max(max_depth, 0))
 
     @classmethod
     def _from_native(cls, d: dict) -> "DraftTree":
@@ -101,6 +148,18 @@ class DraftTree:
             tree_mask=d["tree_mask"].view(np.bool_),
             retrieve_indices=d["retrieve_indices"],
         )
+
+
+def _retrieve_indices(parents: np.ndarray, depths: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """[num_leaves, max_depth + 1] int32 root-to-leaf node paths padded -1, from the ancestor mask."""
+    n = len(parents)
+    is_parent = np.zeros(n, dtype=bool)
+    is_parent[parents[1:]] = True
+    leaves = np.flatnonzero(~is_parent)
+    retrieve = np.full((len(leaves), int(depths.max()) + 1), -1, dtype=np.int32)
+    rows, nodes = np.nonzero(mask[leaves])
+    retrieve[rows, depths[nodes]] = nodes
+    return retrieve
 
 
 def _native_trie(trie: NgramTrie | None):
@@ -134,7 +193,7 @@ def search_tree(
         TrieFormatError: the trie is found corrupt during the search.
     """
     return DraftTree._from_native(
-        _native.search_tree(params or SearchParams(), _native_trie(trie), topk_ids, topk_probs,
+        _native.search_tree((params or SearchParams()).native(), _native_trie(trie), topk_ids, topk_probs,
                             np.asarray(context, dtype=np.int64)))
 
 
@@ -159,5 +218,5 @@ def search_trees(
         ValueError / TrieFormatError: as :func:`search_tree`.
     """
     flat, offsets = pack_ragged(contexts)
-    trees = _native.search_trees(params or SearchParams(), _native_trie(trie), topk_ids, topk_probs, flat, offsets)
+    trees = _native.search_trees((params or SearchParams()).native(), _native_trie(trie), topk_ids, topk_probs, flat, offsets)
     return [DraftTree._from_native(t) for t in trees]

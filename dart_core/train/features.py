@@ -1,6 +1,6 @@
 """Teacher features of the self-distilled sequences, computed once by one target
 forward per sequence and kept on disk as plain ``.npy`` arrays (read with
-``allow_pickle=False``; DESIGN.md §2 "Training": the teacher distributions
+``allow_pickle=False``; docs/design.md §2 "Training": the teacher distributions
 come from one target forward over the sequence).
 
 Per sequence position t (all sequences concatenated, ``offsets`` delimits them):

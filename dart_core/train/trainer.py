@@ -1,4 +1,4 @@
-"""Training of the DART draft head (DESIGN.md §2 "Training"; issue 5).
+"""Training of the DART draft head (docs/design.md §2 "Training"; issue 5).
 
 Objective (DART, arXiv 2601.19278): for an anchor position a the head drafts
 d distributions q_1..q_d of x_{a+2} .. x_{a+1+d} in one forward; the loss is
@@ -170,11 +170,10 @@ def evaluate_tau(head, target, prompts: list[list[int]], *, budget: int, max_new
     from dart_core.api import DartModel
     from dart_core.engine import DartEngine
     from dart_core.sampling import SamplingParams
-    from dart_core.tree_client import InProcessTreeSearch
+    from ngram_service.client import InProcessTreeSearch
     from ngram_service.tree_search import SearchParams
 
-    params = SearchParams()
-    params.budget = budget
+    params = SearchParams(budget=budget)
     trie_obj = None
     if target.tokenizer is not None and trie is not None:
         trie_obj = DartModel._load_trie(trie, getattr(target.tokenizer, "dart_model_name", ""), target.tokenizer)

@@ -145,22 +145,23 @@ PYBIND11_MODULE(_native, m) {
              p.validate();
              return p;
            }),
-           py::kw_only(), py::arg("top_k") = 25, py::arg("beam_width") = 20, py::arg("max_depth") = 8,
-           py::arg("budget") = 60, py::arg("level_weight_exponent") = 0.7, py::arg("logit_weight_base") = 0.9,
-           py::arg("ngram_weight") = 0.5, py::arg("epsilon") = 1e-10, py::arg("eos_token_id") = -1,
-           py::arg("ngram_at_level0") = false, py::arg("use_ngram") = true, py::arg("num_threads") = 1)
-      .def_readwrite("top_k", &SearchParams::top_k)
-      .def_readwrite("beam_width", &SearchParams::beam_width)
-      .def_readwrite("max_depth", &SearchParams::max_depth)
-      .def_readwrite("budget", &SearchParams::budget)
-      .def_readwrite("level_weight_exponent", &SearchParams::level_weight_exponent)
-      .def_readwrite("logit_weight_base", &SearchParams::logit_weight_base)
-      .def_readwrite("ngram_weight", &SearchParams::ngram_weight)
-      .def_readwrite("epsilon", &SearchParams::epsilon)
-      .def_readwrite("eos_token_id", &SearchParams::eos_token_id)
-      .def_readwrite("ngram_at_level0", &SearchParams::ngram_at_level0)
-      .def_readwrite("use_ngram", &SearchParams::use_ngram)
-      .def_readwrite("num_threads", &SearchParams::num_threads)
+           // no defaults here: ngram_service.tree_search.SearchParams holds them and passes every field
+           py::kw_only(), py::arg("top_k"), py::arg("beam_width"), py::arg("max_depth"), py::arg("budget"),
+           py::arg("level_weight_exponent"), py::arg("logit_weight_base"), py::arg("ngram_weight"),
+           py::arg("epsilon"), py::arg("eos_token_id"), py::arg("ngram_at_level0"), py::arg("use_ngram"),
+           py::arg("num_threads"))
+      .def_readonly("top_k", &SearchParams::top_k)
+      .def_readonly("beam_width", &SearchParams::beam_width)
+      .def_readonly("max_depth", &SearchParams::max_depth)
+      .def_readonly("budget", &SearchParams::budget)
+      .def_readonly("level_weight_exponent", &SearchParams::level_weight_exponent)
+      .def_readonly("logit_weight_base", &SearchParams::logit_weight_base)
+      .def_readonly("ngram_weight", &SearchParams::ngram_weight)
+      .def_readonly("epsilon", &SearchParams::epsilon)
+      .def_readonly("eos_token_id", &SearchParams::eos_token_id)
+      .def_readonly("ngram_at_level0", &SearchParams::ngram_at_level0)
+      .def_readonly("use_ngram", &SearchParams::use_ngram)
+      .def_readonly("num_threads", &SearchParams::num_threads)
       .def("validate", &SearchParams::validate);
 
   m.def(

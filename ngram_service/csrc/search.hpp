@@ -1,6 +1,6 @@
 // DART draft-tree search: beam search over the draft head's per-level top-k
 // tokens, scored by the draft probabilities and an n-gram trie
-// (DART, arXiv 2601.19278, "N-gram-enforced pruning"; DESIGN.md §2).
+// (DART, arXiv 2601.19278, "N-gram-enforced pruning"; docs/design.md §2).
 //
 //   score(child) = score(parent) + λ_l · (μ_l · log(p_draft + ε) + ν · log(p_ngram + ε))
 //   λ_l = (l+1)^-level_weight_exponent,  μ_l = logit_weight_base^l
@@ -23,19 +23,21 @@
 
 namespace dart_ngram {
 
+// Values come from the Python SearchParams (ngram_service/tree_search.py), the
+// one place the defaults are written; every field is set there.
 struct SearchParams {
-  int top_k = 25;                      // draft tokens per level
-  int beam_width = 20;                 // survivors per level
-  int max_depth = 8;                   // levels searched (≤ the draft length d)
-  int budget = 60;                     // draft nodes in the tree, root excluded
-  double level_weight_exponent = 0.7;  // λ_l = (l+1)^-exponent
-  double logit_weight_base = 0.9;      // μ_l = base^l
-  double ngram_weight = 0.5;           // ν
-  double epsilon = 1e-10;              // added before every log
+  int top_k = 0;                       // draft tokens per level
+  int beam_width = 0;                  // survivors per level
+  int max_depth = 0;                   // levels searched (≤ the draft length d)
+  int budget = 0;                      // draft nodes in the tree, root excluded
+  double level_weight_exponent = 0;    // λ_l = (l+1)^-exponent
+  double logit_weight_base = 0;        // μ_l = base^l
+  double ngram_weight = 0;             // ν
+  double epsilon = 0;                  // added before every log
   int64_t eos_token_id = -1;           // -1: no EOS handling
   bool ngram_at_level0 = false;        // the paper leaves level 0 to the draft head
-  bool use_ngram = true;               // false: logits-only search (fallback)
-  int num_threads = 1;                 // batched calls: sequences in parallel
+  bool use_ngram = false;              // false: logits-only search (fallback)
+  int num_threads = 0;                 // batched calls: sequences in parallel
 
   void validate() const;  // throws std::invalid_argument
 };

@@ -49,7 +49,7 @@ class MappedTrie {
   // written to `out` (capacity kMaxOrder).
   int suffix_nodes(const token_t* context, size_t len, NodeRef* out) const;
 
-  // DART back-off probability (DESIGN.md §2): count(s.tok) / count(s) for the
+  // DART back-off probability (docs/design.md §2): count(s.tok) / count(s) for the
   // longest stored suffix s of the context that has `tok` as a child; 0 when
   // no non-empty suffix predicts tok.  `suffixes` comes from suffix_nodes.
   double probability(const NodeRef* suffixes, int num_suffixes, token_t tok) const;

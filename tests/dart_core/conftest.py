@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from dart_core.target import TargetModel
-from dart_core.tree_client import TreeSearchClient
+from ngram_service.client import TreeSearchClient
 from ngram_service.tree_search import DraftTree
 
 VOCAB = 96

@@ -88,3 +88,15 @@ def test_cuda_greedy_equals_autoregressive(tiny_folder):
     dart = model.generate(prompts, max_new_tokens=24, stop_token_ids=[])
     ar = model.generate(prompts, max_new_tokens=24, stop_token_ids=[], speculative=False)
     assert [c.token_ids for c in dart] == [c.token_ids for c in ar]
+
+
+def test_the_tree_search_knows_the_eos_token(tiny_folder):
+    """Trees stop drafting past the end of the answer: the search gets the tokenizer's EOS id."""
+    model = DartModel.from_pretrained(str(tiny_folder), head="random", trie=None, budget=6, device="cpu")
+    eos = model.tokenizer.eos_token_id
+    assert eos is not None and model.engine.search_params.eos_token_id == eos
+    from ngram_service.tree_search import SearchParams
+
+    mine = DartModel.from_pretrained(str(tiny_folder), head="random", trie=None, budget=6, device="cpu",
+                                     search_params=SearchParams(eos_token_id=5))
+    assert mine.engine.search_params.eos_token_id == 5  # an explicit one is kept

@@ -102,3 +102,53 @@ def test_results_page_keeps_hand_written_text(tmp_path):
     report._write_page(page, f"{report.START}\nnew\n{report.END}")
     text = page.read_text()
     assert "Intro." in text and "Kept." in text and "new" in text and "old" not in text
+
+
+def _without(monkeypatch, *modules):
+    """Makes ``modules`` look uninstalled to the benchmarks' dependency checks and imports."""
+    import importlib.util
+    import sys
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in modules else real(name, *a))
+    for m in modules:
+        monkeypatch.setitem(sys.modules, m, None)  # `import m` raises ImportError
+
+
+def test_serving_results_are_written_without_matplotlib(tmp_path, monkeypatch):
+    from dart_core.bench import serving
+
+    _without(monkeypatch, "matplotlib")
+    result = {"config": {"max_tokens": 8, "requests_per_client": 1, "concurrency": [1]},
+              "server": {"model": "m", "url": "u"},
+              "rows": [{"concurrency": 1, "mode": "dart", "tokens_per_s": 10.0, "requests": 1, "errors": 0,
+                        "ttft_ms": {"p50": 1.0, "p99": 1.0}, "itl_ms": {"p50": 1.0, "p99": 1.0}, "tau_mean": 1.5}]}
+    paths = serving.save(result, tmp_path)
+    assert paths["png"] is None and not (tmp_path / "serving.png").exists()
+    assert json.loads(paths["json"].read_text()) == result and "| 1 | dart |" in paths["md"].read_text()
+
+
+def test_serving_cli_checks_its_dependencies_before_the_sweep(monkeypatch, capsys):
+    from dart_core.bench import serving
+
+    _without(monkeypatch, "openai")
+    started = []
+    monkeypatch.setattr(serving, "run_serving", lambda *a, **kw: started.append(1))
+    assert serving.main(["--url", "http://127.0.0.1:9/v1", "--no-progress"]) == 2
+    assert started == [] and "needs openai" in capsys.readouterr().err
+
+
+def test_batching_benchmark_runs_without_ray(tiny_model_dir, prompts_file, tmp_path):
+    from dart_core.bench import batching, serving
+
+    cfg = batching.BatchingConfig(model=tiny_model_dir, head="random", trie="none", concurrency=[1, 3],
+                                  requests_per_client=2, max_tokens=6, dataset=prompts_file, budget="4")
+    result = batching.run_batching(cfg, progress=False)
+    rows = {(r["concurrency"], r["mode"]): r for r in result["rows"]}
+    assert set(rows) == {(1, "dart"), (1, "no-speculation"), (3, "dart"), (3, "no-speculation")}
+    assert all(r["errors"] == 0 and r["requests"] == 2 * r["concurrency"] for r in rows.values())
+    assert all(r["completion_tokens"] == 6 * r["requests"] and r["tokens_per_s"] > 0 for r in rows.values())
+    assert rows[(3, "no-speculation")]["tau_mean"] == 1.0 and rows[(3, "dart")]["tau_mean"] >= 1.0
+    paths = batching.save(result, tmp_path)
+    assert "| 3 | no-speculation |" in paths["md"].read_text() and json.loads(paths["json"].read_text())["rows"]
+    assert serving.level_row(1, True, 2.0, serving.new_record())["tokens_per_s"] == 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dart_core.budget import AdaptiveBudget, SpeculationGate, VerifyCostCurve, node_acceptance_estimates, subtree
+from dart_core.budget import AdaptiveBudget, SpeculationGate, VerifyCostCurve, node_acceptance_estimates
 from dart_core.engine import DartEngine
 from dart_core.sampling import SamplingParams
 
@@ -32,7 +32,7 @@ def test_node_acceptance_estimates():
 
 
 def test_subtree_reindexes():
-    sub = subtree(TREE, np.array([True, True, False, True, False]))
+    sub = TREE.select(np.array([True, True, False, True, False]))
     np.testing.assert_array_equal(sub.tokens, [9, 1, 3])
     np.testing.assert_array_equal(sub.parents, [-1, 0, 1])
     np.testing.assert_array_equal(sub.tree_mask, [[1, 0, 0], [1, 1, 0], [1, 1, 1]])
@@ -69,7 +69,7 @@ def test_batch_selection_prices_the_padded_verification():
         np.testing.assert_array_equal(t.tokens, [9, 1, 3])
     assert predicted == pytest.approx([0.9, 0.9])
     # a tree smaller than the chosen count keeps all it has (2 ms per query token: 3.4/40 is the best rate)
-    small = subtree(tree, np.array([True, True, False, False, False]))
+    small = tree.select(np.array([True, True, False, False, False]))
     cheaper = AdaptiveBudget(VerifyCostCurve((1, 11), (30.0, 50.0)))
     (big, little), _ = cheaper.select_batch([tree, small], ids, np.stack([PROBS, PROBS]))
     assert (big.num_nodes, little.num_nodes) == (3, 2)

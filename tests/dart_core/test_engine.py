@@ -13,7 +13,7 @@ from scipy import stats
 from dart_core.draft_head import DartDraftHead, DraftHeadConfig
 from dart_core.engine import DartEngine
 from dart_core.sampling import SamplingParams, target_probs
-from dart_core.tree_client import InProcessTreeSearch
+from ngram_service.client import InProcessTreeSearch
 from ngram_service.build import build_trie
 from ngram_service.trie import NgramTrie
 from ngram_service.tree_search import SearchParams

@@ -15,7 +15,7 @@ from dart_core.api import SHIPPED_HEADS, DartModel, default_draft_dtype
 from dart_core.engine import DartEngine
 from dart_core.sampling import SamplingParams
 from dart_core.tokenizer import DEFAULT_MODEL
-from dart_core.tree_client import InProcessTreeSearch
+from ngram_service.client import InProcessTreeSearch
 from ngram_service.tree_search import SearchParams
 
 from .test_smollm2 import PROMPTS, chat

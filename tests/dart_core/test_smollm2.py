@@ -11,7 +11,7 @@ import torch
 from dart_core.draft_head import DartDraftHead, DraftHeadConfig
 from dart_core.engine import DartEngine
 from dart_core.sampling import SamplingParams
-from dart_core.tree_client import InProcessTreeSearch
+from ngram_service.client import InProcessTreeSearch
 from ngram_service.build import build_trie_from_texts
 from ngram_service.corpus import cpython_stdlib_sources
 from ngram_service.trie import NgramTrie

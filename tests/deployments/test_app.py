@@ -141,6 +141,69 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(app, body, status,
     assert ok.choices[0].finish_reason == "length"
 
 
+@pytest.mark.parametrize("extra, status, needle", [
+    ({"presence_penalty": 0.5}, 400, "presence_penalty is not supported"),
+    ({"logit_bias": {"42": 5}}, 400, "logit_bias is not supported"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools is not supported"),
+    ({"response_format": {"type": "json_object"}}, 400, "response_format is not supported"),
+    ({"top_logprobs": 2}, 400, "top_logprobs needs logprobs"),
+    ({"repetition_penalty": 1.2}, 400, "unknown or unsupported field: repetition_penalty"),
+    ({"presence_penalty": 0, "frequency_penalty": 0.0, "user": "u1", "logit_bias": {}, "store": False}, 200, ""),
+])
+def test_openai_fields_work_or_are_refused(app, extra, status, needle):
+    body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2} | extra
+    r = httpx.post(f"{HTTP}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    if status != 200:
+        assert needle in r.json()["error"]["message"] and r.json()["error"]["code"] == status
+
+
+def test_errors_before_the_apps_own_validation_are_openai_shaped(app):
+    for r, status in ((httpx.post(f"{HTTP}/v1/chat/completions", content=b'{"model": "\xff\xfe"}',
+                                  headers={"content-type": "application/json"}), 400),
+                      (httpx.post(f"{HTTP}/v1/chat/completions", content=b"\xff\xfe\x00",
+                                  headers={"content-type": "application/json"}), 400),
+                      (httpx.post(f"{HTTP}/v1/chat/completions", content=b"[1, 2]",
+                                  headers={"content-type": "application/json"}), 400),
+                      (httpx.get(f"{HTTP}/v1/nothing-here"), 404),
+                      (httpx.get(f"{HTTP}/v1/chat/completions"), 405)):
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert err["code"] == status and err["message"] and err["type"]
+
+
+def test_logprobs_chat_and_completions(app):
+    c = client()
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    out = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=6, temperature=0, logprobs=True,
+                                    top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens == 6
+    assert "".join(e.token for e in content) == out.choices[0].message.content
+    for e in content:  # greedy: the chosen token is the most likely one
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token
+        assert e.logprob == pytest.approx(e.top_logprobs[0].logprob) and e.logprob <= 0
+    streamed = list(c.chat.completions.create(model=NAME, messages=msgs, max_tokens=6, temperature=0,
+                                              logprobs=True, stream=True))
+    tokens = [e.token for ch in streamed if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert tokens == [e.token for e in content]
+    plain = c.chat.completions.create(model=NAME, messages=msgs, max_tokens=6, temperature=0)
+    assert plain.choices[0].logprobs is None
+    comp = c.completions.create(model=NAME, prompt="def fib(n):", max_tokens=5, temperature=0, logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5 and lp.text_offset[0] == 0
+    assert "".join(lp.tokens) == comp.choices[0].text and all(len(t) == 2 for t in lp.top_logprobs)
+
+
+def test_usage_chunk_only_when_asked_for(app):
+    msgs = [{"role": "user", "content": "hi"}]
+    without = list(client().chat.completions.create(model=NAME, messages=msgs, max_tokens=3, stream=True))
+    assert all(ch.usage is None for ch in without)
+    with_usage = list(client().chat.completions.create(model=NAME, messages=msgs, max_tokens=3, stream=True,
+                                                       stream_options={"include_usage": True}))
+    assert with_usage[-1].usage.completion_tokens == 3 and not with_usage[-1].choices
+
+
 def test_grpc_generate_and_stream(app, reference):
     from deployments._proto import dart_pb2, dart_pb2_grpc
 
@@ -157,6 +220,10 @@ def test_grpc_generate_and_stream(app, reference):
         with pytest.raises(grpc.RpcError) as e:
             stub.Generate(dart_pb2.GenerateRequest(prompt="hi", max_tokens=1000), metadata=meta, timeout=60)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "limit" in e.value.details()
+        both = dart_pb2.GenerateRequest(prompt="hi", messages=[dart_pb2.ChatMessage(role="user", content="hi")])
+        with pytest.raises(grpc.RpcError) as e:  # the proto says: exactly one of them
+            stub.Generate(both, metadata=meta, timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not both" in e.value.details()
 
 
 def test_concurrent_streams_are_batched_and_exact(app, reference):

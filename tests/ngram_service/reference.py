@@ -1,7 +1,7 @@
 """Plain-Python reference of the n-gram counts, back-off lookup and DART tree
 search, written for clarity, used only by the tests to check the C++ engine.
 
-It follows DESIGN.md §2 and the ordering rules documented in
+It follows docs/design.md §2 and the ordering rules documented in
 ``ngram_service/csrc/search.hpp`` and performs the same floating-point
 operations in the same order, so results must match bit for bit.
 """

@@ -39,6 +39,7 @@ def test_actor_lands_on_the_ngram_host_and_survives_a_kill(ray_cluster, trie_pat
 
     client = GrpcTreeSearch(resolver=lambda: resolve_address("ngram-test", "dart-serve-tests").replace(
         "0.0.0.0", "127.0.0.1"), vocab_hash=HASH, timeout_ms=2000, cooldown_s=0.2)
+    assert client.wait_resolved(30)
     trie = NgramTrie(trie_path)
     rng = np.random.default_rng(0)
     ids, probs, contexts = inputs(rng, 3)

@@ -3,6 +3,8 @@ equality with the Python reference on more than 1,000 random cases."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -113,9 +115,11 @@ def test_invalid_params_raise(field, value):
     with pytest.raises(ValueError, match=field):
         SearchParams(**{field: value})
     params = SearchParams()
-    setattr(params, field, value)
+    with pytest.raises(dataclasses.FrozenInstanceError):  # no setter can skip the validation
+        setattr(params, field, value)
     with pytest.raises(ValueError, match=field):
-        search_tree(np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32), [1], params=params)
+        dataclasses.replace(params, **{field: value})
+    assert getattr(params.native(), field) == getattr(params, field)
 
 
 def _random_case(rng: np.random.Generator, vocab: int, reference_defaults: bool):
@@ -205,3 +209,28 @@ def test_batched_and_threaded_equal_single(tmp_path):
         search_trees(ids, probs, contexts[:-1], trie=trie)
     with pytest.raises(ValueError, match="non-empty context"):
         search_trees(ids[:2], probs[:2], [[1], []], trie=trie, params=SearchParams(num_threads=2))
+
+
+def test_selecting_a_subtree_keeps_every_field_consistent():
+    rng = np.random.default_rng(11)
+    for _ in range(30):
+        ids = rng.integers(0, 40, size=(4, 6))
+        probs = rng.dirichlet(np.ones(6), size=4).astype(np.float32)
+        tree = search_tree(ids, probs, [1, 2], params=SearchParams(top_k=6, beam_width=3, budget=12,
+                                                                    use_ngram=False))
+        keep = np.zeros(tree.num_nodes, dtype=bool)
+        keep[0] = True
+        for i in range(1, tree.num_nodes):  # a random prefix-closed subset
+            keep[i] = keep[tree.parents[i]] and rng.random() < 0.7
+        sub = tree.select(keep)
+        rebuilt = DraftTree.from_parents(sub.tokens, sub.parents, sub.depths, sub.scores)
+        for f in FIELDS:
+            np.testing.assert_array_equal(getattr(sub, f), getattr(rebuilt, f), err_msg=f)
+        assert sub.retrieve_indices.shape[0] >= 1 and (sub.retrieve_indices[:, 0] == 0).all()
+        clipped = tree.clip_depth(2)
+        assert clipped.depths.max() <= 2 and clipped.retrieve_indices.shape[1] == int(clipped.depths.max()) + 1
+        assert tree.select(np.ones(tree.num_nodes, dtype=bool)) is tree
+    with pytest.raises(ValueError, match="prefix-closed"):
+        tree.select(np.r_[True, False, np.ones(tree.num_nodes - 2, dtype=bool)])
+    with pytest.raises(ValueError, match="prefix-closed"):
+        tree.select(np.r_[False, np.ones(tree.num_nodes - 1, dtype=bool)])

@@ -232,3 +232,80 @@ def test_server_killed_mid_stream_then_restarted(trie_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_slow_resolver_never_stalls_a_search(server, trie_path):
+    """The resolver (a Serve handle call, seconds while a replica is replaced) runs on a
+    background thread: searches fall back meanwhile instead of waiting for it."""
+    import threading
+
+    release, asked = threading.Event(), threading.Event()
+
+    def resolver():
+        asked.set()
+        if not release.wait(30):
+            raise TimeoutError("never released")
+        return server.address
+
+    client = GrpcTreeSearch(resolver=resolver, vocab_hash=HASH, timeout_ms=2000, cooldown_s=0.05)
+    ids, probs, contexts = inputs(np.random.default_rng(4), 2)
+    assert asked.wait(10)
+    trees = client.search(ids, probs, contexts, SearchParams())  # resolver still blocked: fallback at once
+    assert len(trees) == 2 and client.fallbacks == 1 and client.errors == {} and not release.is_set()
+    release.set()
+    assert client.wait_resolved(10)
+    trie = NgramTrie(trie_path)
+    assert_same(client.search(ids, probs, contexts, SearchParams()),
+                search_trees(ids, probs, contexts, trie=trie, params=SearchParams()))
+    assert client.fallbacks == 1
+    client.close()
+
+
+def test_server_threads_search_the_sequences_of_a_call_in_parallel(trie_path, monkeypatch):
+    """``threads`` sizes both the call pool and the C++ search's own threads (num_threads)."""
+    from ngram_service import server as server_module
+
+    seen = []
+    real = server_module.search_trees
+    monkeypatch.setattr(server_module, "search_trees", lambda *a, **kw: seen.append(kw["params"]) or real(*a, **kw))
+    srv = NgramServer(str(trie_path), threads=3).start()
+    try:
+        assert srv.params.num_threads == 3
+        client = GrpcTreeSearch(srv.address, vocab_hash=HASH, timeout_ms=5000)
+        client.search(*inputs(np.random.default_rng(5), 4), SearchParams(budget=7))
+        client.close()
+        assert client.fallbacks == 0 and [(p.num_threads, p.budget) for p in seen] == [(3, 7)]
+    finally:
+        srv.stop()
+
+
+def test_a_new_address_ends_the_cooldown(server):
+    """After a failure the service is skipped for cooldown_s; when the resolver then reports
+    another address, the next search goes there at once instead of waiting out the cooldown."""
+    import threading
+
+    addresses = iter(["127.0.0.1:1", server.address])  # a dead one first, then the live server
+    second = threading.Event()
+
+    def resolver():
+        address = next(addresses, server.address)
+        if address == server.address:
+            second.set()
+        return address
+
+    client = GrpcTreeSearch(resolver=resolver, vocab_hash=HASH, timeout_ms=500, retries=0, cooldown_s=0.2)
+    assert client.wait_resolved(10)
+    ids, probs, contexts = inputs(np.random.default_rng(6), 2)
+    client.search(ids, probs, contexts, SearchParams())  # the dead address: fallback, cooldown
+    assert client.fallbacks == 1
+    time.sleep(0.25)
+    client.search(ids, probs, contexts, SearchParams())  # cooldown over: re-resolve in the background
+    assert second.wait(10)
+    for _ in range(100):
+        if client.address == server.address:
+            break
+        time.sleep(0.02)
+    fallbacks = client.fallbacks
+    client.search(ids, probs, contexts, SearchParams())
+    assert client.address == server.address and client.fallbacks == fallbacks
+    client.close()

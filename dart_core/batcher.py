@@ -1,0 +1,395 @@
+"""Continuous batching around a :class:`~dart_core.engine.DartEngine`, without Ray.
+
+The serving core: requests come in from any thread (or asyncio task), join
+the running batch at the next decoding step, leave it when they finish or
+are cancelled, and get their tokens back step by step as
+:class:`~dart_core.request.GenerationChunk` s.  One background thread owns the
+engine and runs its single decode loop (:meth:`DartEngine.generate_stream`
+with ``admit`` and ``cancelled``); the Serve deployment is a thin shell
+around this class, and benchmarks and tests drive it directly
+(``python -m dart_core.bench.batching``).
+
+Per request, in the caller's thread (:meth:`ContinuousBatcher.submit`): the
+prompt is encoded (chat template for messages), checked against the context
+window and the server's ``max_tokens`` limit, and turned into
+:class:`~dart_core.sampling.SamplingParams`; any problem raises
+:class:`~dart_core.request.InvalidRequest` before anything is queued.
+
+Per step, in the engine thread: each sequence's new tokens go through its
+:class:`~dart_core.detokenizer.IncrementalDetokenizer` (UTF-8 hold-back, stop
+strings); a stop string ends the request at once (finish reason ``"stop"``)
+and the engine drops the sequence at its next step.  Steps with more than
+``max_speculative_batch`` running sequences, and every step while a request
+that opted out of speculation runs, are autoregressive; the engine's
+speculation gate (when it has one) decides the rest.
+
+Observability goes through an optional :class:`BatcherObserver` (the Serve
+deployment feeds Ray's Prometheus metrics from it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Iterator
+
+from dart_core.detokenizer import IncrementalDetokenizer
+from dart_core.engine import DartEngine, NewSequence, StepOutput, TokenLogprobs
+from dart_core.request import GenerationChunk, GenerationRequest, InvalidRequest, TokenLogprob
+from dart_core.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BatcherConfig", "BatcherObserver", "ContinuousBatcher", "RequestHandle", "encode_prompt"]
+
+
+@dataclass(frozen=True)
+class BatcherConfig:
+    """Batching limits (the Serve app's ``args`` set them; see ``deployments.config``)."""
+
+    max_batch_size: int = 16  # sequences decoded together
+    max_speculative_batch: int | None = 8  # above this many running sequences a step is autoregressive
+    speculative: bool = True  # False: every step autoregressive (the baseline)
+    default_max_tokens: int = 256  # when a request gives none
+    max_tokens_limit: int = 2048  # the largest a request may ask for
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1 or self.default_max_tokens < 1 or self.max_tokens_limit < 1:
+            raise ValueError("max_batch_size, default_max_tokens and max_tokens_limit must be >= 1")
+        if self.max_speculative_batch is not None and self.max_speculative_batch < 1:
+            raise ValueError("max_speculative_batch must be None or >= 1")
+
+
+class BatcherObserver:
+    """Hooks called from the engine thread (keep them cheap); the defaults do nothing."""
+
+    def on_admit(self, wait_ms: float, queued: int) -> None:
+        """A request joined the batch after ``wait_ms`` in the queue; ``queued`` still wait."""
+
+    def on_step(self, step: StepOutput, prefill: bool) -> None:
+        """A decoding step (or a prefill) finished."""
+
+    def on_finish(self, chunk: GenerationChunk) -> None:
+        """A request ended (its last chunk; not called for cancelled ones)."""
+
+
+def encode_prompt(tokenizer, request: GenerationRequest) -> list[int]:
+    """Token ids of a request: a text prompt as is, messages through the chat template.
+
+    Raises:
+        InvalidRequest: the chat template refuses the messages, or the prompt encodes to nothing.
+    """
+    if request.messages is not None:
+        try:
+            ids = list(tokenizer.apply_chat_template(request.chat(), add_generation_prompt=True, tokenize=True,
+                                                     return_dict=True)["input_ids"])
+        except Exception as e:  # noqa: BLE001 - a template error is the caller's input
+            raise InvalidRequest(f"messages cannot be rendered with the chat template: {e}") from None
+    else:
+        ids = tokenizer(request.prompt, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise InvalidRequest("the prompt is empty")
+    return ids
+
+
+Sink = Callable[["GenerationChunk | BaseException"], None]
+
+
+@dataclass
+class _Request:
+    ids: list[int]
+    sampling: SamplingParams
+    speculative: bool
+    detok: IncrementalDetokenizer
+    sink: Sink
+    arrived: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+    done: bool = False
+    completion_tokens: int = 0
+    steps: int = 0
+    step_tokens: int = 0
+
+
+def _send(req: _Request, item: "GenerationChunk | BaseException") -> None:
+    """Hands an item to the request's sink; a sink that fails (its event loop closed: the
+    client went away) cancels its own request and nothing else."""
+    try:
+        req.sink(item)
+    except Exception:  # noqa: BLE001
+        logger.debug("a request's sink failed; cancelling the request", exc_info=True)
+        req.cancelled = True
+
+
+class RequestHandle:
+    """A submitted request: :meth:`cancel` drops it at the next step (nothing more is sent)."""
+
+    def __init__(self, req: _Request, prompt_tokens: int) -> None:
+        self._req = req
+        self.prompt_tokens = prompt_tokens
+
+    def cancel(self) -> None:
+        self._req.cancelled = True
+
+    @property
+    def done(self) -> bool:
+        return self._req.done
+
+
+@contextmanager
+def _cancel_unless_done(handle: RequestHandle):
+    """Cancels the request when its consumer leaves before the last chunk (closed, cancelled, failed)."""
+    try:
+        yield handle
+    finally:
+        if not handle.done:
+            handle.cancel()
+
+
+def _unwrap(item: "GenerationChunk | BaseException") -> GenerationChunk:
+    if isinstance(item, BaseException):
+        raise item
+    return item
+
+
+class _Cancelled:
+    """``seq_id in cancelled`` for the engine loop: asks the request behind the id."""
+
+    def __init__(self, by_seq: dict[int, _Request]) -> None:
+        self.by_seq = by_seq
+
+    def __contains__(self, sid: int) -> bool:
+        req = self.by_seq.get(sid)
+        return req is not None and req.cancelled
+
+
+class ContinuousBatcher:
+    """Continuous batching of requests over one engine (see the module docstring).
+
+    Args:
+        engine: the decoding engine (its draft head, tree search, budget and gate as configured).
+        tokenizer: the target's Hugging Face tokenizer (chat template, decoding).
+        config: batching limits.
+        observer: metric hooks.
+
+    Use ``start()`` (or a ``with`` block) before submitting, ``close()`` at the end.
+    """
+
+    def __init__(self, engine: DartEngine, tokenizer, config: BatcherConfig | None = None,
+                 observer: BatcherObserver | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.config = config or BatcherConfig()
+        self.observer = observer or BatcherObserver()
+        self.max_context = engine.target.max_context
+        self.running = 0
+        self.steps = {"speculative": 0, "autoregressive": 0}
+        self._incoming: queue.Queue[_Request] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def start(self) -> "ContinuousBatcher":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="dart-batcher", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stops the engine thread after the current step; requests still running get an error."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)
+
+    def __enter__(self) -> "ContinuousBatcher":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def queued(self) -> int:
+        return self._incoming.qsize()
+
+    # -- requests -------------------------------------------------------------------
+
+    def sampling_params(self, request: GenerationRequest, prompt_tokens: int) -> SamplingParams:
+        """The request's sampling parameters under this server's limits.
+
+        Raises:
+            InvalidRequest: no room left in the context, or ``max_tokens`` above the limit.
+        """
+        cfg = self.config
+        room = self.max_context - prompt_tokens
+        if room < 1:
+            raise InvalidRequest(f"the prompt has {prompt_tokens} tokens; the model's context is {self.max_context}")
+        max_tokens = request.max_tokens or min(cfg.default_max_tokens, cfg.max_tokens_limit)
+        if max_tokens > cfg.max_tokens_limit:
+            raise InvalidRequest(f"max_tokens {max_tokens} is above this server's limit of {cfg.max_tokens_limit}")
+        try:
+            return SamplingParams.stopping_at(
+                self.tokenizer.eos_token_id, max_new_tokens=min(max_tokens, room), temperature=request.temperature,
+                top_p=request.top_p, top_k=request.top_k, seed=request.seed, logprobs=request.logprobs)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+
+    def submit(self, request: GenerationRequest, sink: Sink) -> RequestHandle:
+        """Queues a request; ``sink`` then receives its chunks, or one exception, from the engine thread.
+
+        Raises:
+            InvalidRequest: before anything is queued (see :meth:`sampling_params`, :func:`encode_prompt`).
+            RuntimeError: the batcher is not running.
+        """
+        if not self.alive or self._stop.is_set():
+            raise RuntimeError("the batcher is not running (call start())")
+        ids = encode_prompt(self.tokenizer, request)
+        sampling = self.sampling_params(request, len(ids))
+        req = _Request(ids, sampling, request.speculative, IncrementalDetokenizer(self.tokenizer, request.stop), sink)
+        self._incoming.put(req)
+        return RequestHandle(req, len(ids))
+
+    def generate(self, request: GenerationRequest, timeout_s: float | None = None) -> Iterator[GenerationChunk]:
+        """The request's chunks, blocking (closing the iterator early cancels the request).
+
+        Raises:
+            InvalidRequest: before the first chunk.
+            RuntimeError: the generation failed in the engine.
+            queue.Empty: no chunk within ``timeout_s``.
+        """
+        box: queue.Queue = queue.Queue()
+        with _cancel_unless_done(self.submit(request, box.put)):
+            while True:
+                chunk = _unwrap(box.get(timeout=timeout_s))
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+
+    async def agenerate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """:meth:`generate` for asyncio: the chunks arrive on the running event loop; a
+        consumer that stops early (or is cancelled) cancels the request."""
+        loop = asyncio.get_running_loop()
+        box: asyncio.Queue = asyncio.Queue()
+        with _cancel_unless_done(self.submit(request, lambda item: loop.call_soon_threadsafe(box.put_nowait, item))):
+            while True:
+                chunk = _unwrap(await box.get())
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+
+    def stats(self) -> dict:
+        """Running and queued requests, and decoding steps by mode."""
+        return {"running": self.running, "queued": self.queued, "speculative_steps": self.steps["speculative"],
+                "autoregressive_steps": self.steps["autoregressive"]}
+
+    # -- the engine thread ------------------------------------------------------------
+
+    def _take(self, limit: int, block: bool) -> list[_Request]:
+        out: list[_Request] = []
+        while len(out) < limit:
+            try:
+                req = self._incoming.get(block=block and not out, timeout=0.5 if block and not out else None)
+            except queue.Empty:
+                break
+            if not req.cancelled:
+                out.append(req)
+        return out
+
+    def _loop(self) -> None:
+        cfg = self.config
+        while not self._stop.is_set():
+            first = self._take(cfg.max_batch_size, block=True)
+            if not first:
+                continue
+            by_seq: dict[int, _Request] = {}
+            order: list[_Request] = []
+
+            def admit() -> list[NewSequence]:  # the first call brings the first batch
+                if self._stop.is_set():
+                    return []
+                joining = first + self._take(cfg.max_batch_size - self.running - len(first), block=False)
+                first.clear()
+                return self._register(joining, by_seq, order)
+
+            try:
+                for step in self.engine.generate_stream(
+                        [], [], admit=admit, cancelled=_Cancelled(by_seq), speculative=cfg.speculative,
+                        max_speculative_batch=cfg.max_speculative_batch):
+                    self._publish(step, by_seq)
+                    if self._stop.is_set():
+                        raise RuntimeError("the server is shutting down")
+            except Exception as e:  # noqa: BLE001 - fail the batch's requests, keep serving the next ones
+                if not self._stop.is_set():
+                    logger.exception("engine step failed")
+                for req in by_seq.values():
+                    if not req.done:
+                        req.done = True
+                        _send(req, RuntimeError(f"generation failed: {e}"))
+                self.running = 0
+        while True:  # closed: nobody will serve what is still queued
+            try:
+                req = self._incoming.get_nowait()
+            except queue.Empty:
+                break
+            req.done = True
+            _send(req, RuntimeError("the server is shutting down"))
+
+    def _register(self, reqs: list[_Request], by_seq: dict[int, _Request], order: list[_Request]) -> list[NewSequence]:
+        now = time.perf_counter()
+        for r in reqs:
+            by_seq[len(order)] = r
+            order.append(r)
+            self.observer.on_admit(1e3 * (now - r.arrived), self.queued)
+        self.running += len(reqs)
+        return [NewSequence(r.ids, r.sampling, r.speculative) for r in reqs]
+
+    def _publish(self, step: StepOutput, by_seq: dict[int, _Request]) -> None:
+        prefill = not any(step.accepted_lengths)
+        if not prefill:
+            self.steps["speculative" if max(step.draft_nodes, default=0) > 0 else "autoregressive"] += 1
+        logprobs = step.logprobs or [None] * len(step.seq_ids)
+        for sid, toks, reason, lp in zip(step.seq_ids, step.new_tokens, step.finish_reasons, logprobs):
+            req = by_seq[sid]
+            if reason is not None:
+                self.running -= 1
+                del by_seq[sid]
+            if req.done:
+                continue  # a stop string ended it already; the engine drops it now
+            if reason == "cancelled":
+                req.done = True
+                continue
+            chunk = self._chunk(req, toks, reason, prefill, lp)
+            if chunk.finish_reason is not None:
+                req.done = True
+                req.cancelled = True  # a stop string: the engine drops the sequence at its next step
+                self.observer.on_finish(chunk)
+            _send(req, chunk)
+        self.observer.on_step(step, prefill)
+
+    def _chunk(self, req: _Request, toks: list[int], reason: str | None, prefill: bool,
+               lp: TokenLogprobs | None) -> GenerationChunk:
+        text = req.detok.add(toks)
+        if req.detok.stopped:
+            reason = "stop"
+        elif reason is not None:
+            text += req.detok.finish()
+        req.completion_tokens += len(toks)
+        if not prefill and toks:
+            req.steps += 1
+            req.step_tokens += len(toks)
+        logprobs = None
+        if lp is not None:
+            decode = self.tokenizer.decode
+            logprobs = tuple(TokenLogprob(t, decode([t]), p, tuple((i, decode([i]), q) for i, q in zip(ids, qs)))
+                             for t, p, ids, qs in zip(toks, lp.logprobs, lp.top_ids, lp.top_logprobs))
+        return GenerationChunk(text=text, token_ids=tuple(toks), finish_reason=reason,
+                               prompt_tokens=len(req.ids), completion_tokens=req.completion_tokens,
+                               steps=req.steps, step_tokens=req.step_tokens, logprobs=logprobs)

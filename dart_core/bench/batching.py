@@ -1,0 +1,171 @@
+"""Continuous-batching benchmark without Ray: ``python -m dart_core.bench.batching``.
+
+The serving benchmark's sweep (:mod:`dart_core.bench.serving`), run in one
+process against :class:`~dart_core.batcher.ContinuousBatcher`: no Ray, no
+HTTP, no gRPC hop to the n-gram service (the trie is searched in process).
+It measures what the serving core itself does under concurrency, on any
+machine torch runs on (a GPU machine without Ray included), and separates it
+from what Serve's proxies and the network add.
+
+For each concurrency level C (default 1, 4, 16) and each mode — ``dart`` and
+``no-speculation`` (requests sent with ``speculative=False``, so both modes
+share one engine and one batcher) — C client threads each submit
+``requests_per_client`` chat requests back to back (MT-Bench first turns,
+T = 0); the modes alternate which goes first from level to level.  Reported
+per (level, mode), as the serving benchmark does: output tokens/s (all
+completion tokens ÷ wall time of the level), requests, TTFT and ITL p50/p99,
+and the mean τ of the requests.  ``--no-gate`` turns the speculation gate off,
+as the decoding benchmark does, so batch-1 figures compare with its rows.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from dart_core.bench.serving import MODES  # the same two modes as the serving sweep
+
+__all__ = ["BatchingConfig", "run_batching", "save", "main"]
+
+
+@dataclass
+class BatchingConfig:
+    """Settings of one batching-benchmark run (``python -m dart_core.bench.batching --help``)."""
+
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    head: str | None = None  # None: the head shipped for the model
+    trie: str = "auto"  # "auto": the default trie (built when missing), a file, or "none"
+    concurrency: list[int] = field(default_factory=lambda: [1, 4, 16])
+    requests_per_client: int = 2
+    max_tokens: int = 128
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    dataset: str = "mt-bench"
+    budget: str = "auto"  # "auto" (adaptive, as served) or a fixed number of draft nodes
+    gate: bool = True  # the speculation gate, as served; False measures speculation at every step
+    max_batch_size: int = 16
+    max_speculative_batch: int | None = 8
+    dtype: str | None = None
+    device: str | None = None
+    threads: int | None = None  # torch CPU threads (default: torch's)
+
+
+def _level(batcher, prompts: list[str], concurrency: int, speculative: bool, cfg: BatchingConfig) -> dict:
+    from dart_core.bench.serving import add_request, level_row, new_record, run_clients
+    from dart_core.request import ChatMessage, GenerationRequest
+
+    lock = threading.Lock()
+    rec = new_record()
+
+    def worker(cid: int) -> None:
+        for k in range(cfg.requests_per_client):
+            prompt = prompts[(cid + k * concurrency) % len(prompts)]
+            request = GenerationRequest(messages=(ChatMessage("user", prompt),), max_tokens=cfg.max_tokens,
+                                        speculative=speculative)
+            t0 = time.perf_counter()
+            first = last = None
+            try:
+                for chunk in batcher.generate(request, timeout_s=600):
+                    last = time.perf_counter()
+                    first = first or last
+            except Exception as e:  # noqa: BLE001 - counted and reported
+                with lock:
+                    rec["errors"].append(repr(e)[:200])
+                continue
+            with lock:
+                add_request(rec, t0, first, last, chunk.completion_tokens, chunk.tau)
+
+    return level_row(concurrency, speculative, run_clients(concurrency, worker), rec)
+
+
+def run_batching(cfg: BatchingConfig, *, progress: bool = True) -> dict:
+    """Loads the model, runs the sweep, returns ``{"config", "server", "hardware", "rows", "seconds"}``
+    (the serving benchmark's shape, so its table and plot apply).
+
+    Raises:
+        ValueError: an unknown mode, a concurrency below 1, or a bad budget.
+        FileNotFoundError: the model, head or trie cannot be found.
+    """
+    import torch
+    from tqdm import tqdm
+
+    from dart_core.api import DartModel
+    from dart_core.batcher import BatcherConfig, ContinuousBatcher
+    from dart_core.bench.datasets import load_prompts
+    from dart_core.bench.decoding import hardware
+    from dart_core.request import GenerationRequest
+
+    if set(cfg.modes) - set(MODES) or not cfg.modes:
+        raise ValueError(f"modes must be among {', '.join(MODES)}")
+    if min(cfg.concurrency) < 1:
+        raise ValueError("concurrency levels must be ≥ 1")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    started = time.perf_counter()
+    budget = cfg.budget if cfg.budget == "auto" else int(cfg.budget)
+    trie = None if cfg.trie in (None, "none") else cfg.trie
+    if trie == "auto":
+        from ngram_service.build import ensure_default_trie
+
+        trie = str(ensure_default_trie(cfg.model, progress=progress))
+    model = DartModel.from_pretrained(cfg.model, head=cfg.head, trie=trie, budget=budget,
+                                      dtype=getattr(torch, cfg.dtype) if cfg.dtype else None, device=cfg.device)
+    if not cfg.gate:
+        model.engine.gate = None
+    prompts = load_prompts(cfg.dataset)
+    batch = BatcherConfig(max_batch_size=max(cfg.max_batch_size, max(cfg.concurrency)),
+                          max_speculative_batch=cfg.max_speculative_batch, max_tokens_limit=max(cfg.max_tokens, 8))
+    rows = []
+    with ContinuousBatcher(model.engine, model.tokenizer, batch) as batcher:
+        list(batcher.generate(GenerationRequest(prompt=prompts[0], max_tokens=8)))  # warm-up
+        bar = tqdm(total=len(cfg.concurrency) * len(cfg.modes), desc="batching benchmark", unit="level",
+                   disable=not progress)
+        for i, c in enumerate(cfg.concurrency):
+            modes = list(cfg.modes) if i % 2 == 0 else list(reversed(cfg.modes))
+            for mode in modes:
+                rows.append(_level(batcher, prompts, c, mode == "dart", cfg))
+                bar.update()
+        bar.close()
+    rows.sort(key=lambda r: (r["concurrency"], MODES.index(r["mode"])))
+    name = getattr(model.tokenizer, "dart_model_name", "model")
+    return {"config": asdict(cfg), "server": {"url": "in process (ContinuousBatcher, no Ray)", "model": name},
+            "hardware": hardware(model.engine.target.device), "rows": rows,
+            "seconds": round(time.perf_counter() - started, 1)}
+
+
+def save(result: dict, out_dir: str | Path, stem: str = "batching") -> dict[str, Path | None]:
+    """Writes ``<stem>.json`` and ``<stem>.md``, then ``<stem>.png`` (None without matplotlib)."""
+    from dart_core.bench import serving
+
+    hw = result["hardware"].get("gpu") or result["hardware"]["cpu"]
+    return serving.save(result, out_dir, stem=stem, title=f"Continuous batching without Ray, {result['server']['model']}"
+                                                           f" on {hw}")
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    from dart_core.bench import run_cli
+    from dart_core.bench.serving import add_sweep_arguments, markdown_table
+
+    d = BatchingConfig()
+    ap = argparse.ArgumentParser(prog="python -m dart_core.bench.batching", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=d.model, help="local model folder or .gguf [embedded SmolLM2-135M-Instruct]")
+    ap.add_argument("--head", default=d.head, help='draft head folder, or "random" [the shipped head]')
+    ap.add_argument("--trie", default=d.trie, help='trie file, "auto" (default trie) or "none" (logits-only)')
+    add_sweep_arguments(ap, d)
+    ap.add_argument("--budget", default=d.budget, help='"auto" or a fixed number of draft nodes')
+    ap.add_argument("--no-gate", dest="gate", action="store_false", help="speculate at every step (no gate)")
+    ap.add_argument("--max-batch-size", type=int, default=d.max_batch_size)
+    ap.add_argument("--max-speculative-batch", type=int, default=d.max_speculative_batch)
+    ap.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--device", default=d.device)
+    ap.add_argument("--threads", type=int, default=d.threads)
+    ap.add_argument("--out", default="bench/results", help="folder for batching.json/.md/.png")
+    ap.add_argument("--no-progress", action="store_true")
+    return run_cli(BatchingConfig, ap.parse_args(argv), run_batching, save, markdown_table)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

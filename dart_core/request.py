@@ -1,0 +1,137 @@
+"""The typed boundary between a front end (HTTP, gRPC, a Python caller) and the
+batcher: one validated request type in, one chunk type out.
+
+:class:`GenerationRequest` is checked when it is made, so a bad field raises
+:class:`InvalidRequest` (HTTP 400, gRPC ``INVALID_ARGUMENT``) before anything
+is queued.  The stream of a request is a sequence of :class:`GenerationChunk`:
+each carries the step's new tokens and the text that may be shown now, and
+the running statistics of the request; the last one has a finish reason.
+
+Terms (DART, arXiv 2601.19278; speculative decoding in general): a *step* is
+one verification forward of the target; it emits the draft tokens the target
+accepted plus one *bonus* token (the target's own next token), so τ = tokens
+emitted by steps ÷ steps ≥ 1.  The first token comes from the prefill, which
+is no step.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+__all__ = ["InvalidRequest", "ChatMessage", "GenerationRequest", "TokenLogprob", "GenerationChunk",
+           "MAX_STOP_STRINGS", "MAX_TOP_LOGPROBS"]
+
+MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
+FINISH_REASONS = ("stop", "length")
+
+
+class InvalidRequest(ValueError):
+    """A request the server refuses, with a message for the client (HTTP 400, gRPC INVALID_ARGUMENT)."""
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str  # "system", "user", "assistant", ...
+    content: str
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidRequest(message)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One completion request: a text prompt or chat messages, and how to sample.
+
+    Fields are validated on construction.
+
+    Raises:
+        InvalidRequest: neither or both of ``prompt`` and ``messages``; an
+            empty prompt; a field of the wrong type or out of range.
+    """
+
+    prompt: str | None = None  # plain text, tokenised as is (no chat template)
+    messages: tuple[ChatMessage, ...] | None = None  # rendered with the model's chat template
+    max_tokens: int | None = None  # None: the server's default
+    temperature: float = 0.0  # 0 = greedy: exactly the target's greedy output
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # stop strings, not included in the text
+    speculative: bool = True  # False: decode this request without speculation (its batch steps autoregressively)
+    logprobs: int | None = None  # None: none; k >= 0: each token's log-probability and the k most likely
+
+    def __post_init__(self) -> None:
+        _require((self.prompt is None) != (self.messages is None), "give either a prompt or messages, not both")
+        if self.prompt is not None:
+            _require(isinstance(self.prompt, str), "prompt must be text")
+            _require(len(self.prompt) > 0, "the prompt is empty")
+        else:
+            msgs = tuple(self.messages)
+            _require(len(msgs) > 0, "messages must not be empty")
+            _require(all(isinstance(m, ChatMessage) and isinstance(m.role, str) and isinstance(m.content, str)
+                         for m in msgs), "each message needs a role and text content")
+            object.__setattr__(self, "messages", msgs)
+        _require(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+                 "max_tokens must be an integer >= 1")
+        _require(_is_number(self.temperature) and self.temperature >= 0, "temperature must be >= 0")
+        _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]")
+        _require(_is_int(self.top_k) and self.top_k >= 0, "top_k must be an integer >= 0")
+        _require(self.seed is None or _is_int(self.seed), "seed must be an integer")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        _require(all(isinstance(s, str) for s in stop), "stop must be strings")
+        stop = tuple(s for s in stop if s)
+        _require(len(stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings")
+        object.__setattr__(self, "stop", stop)
+        _require(isinstance(self.speculative, bool), "speculative must be true or false")
+        _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
+                 f"top logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}")
+
+    def chat(self) -> list[dict] | None:
+        """The messages as the chat template takes them (None for a text prompt)."""
+        return None if self.messages is None else [{"role": m.role, "content": m.content} for m in self.messages]
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability under the target (before temperature,
+    top-p and top-k: the model's own distribution, as vLLM reports by default)."""
+
+    token_id: int
+    token: str  # the token decoded alone (a part of a multi-byte character reads as U+FFFD)
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()  # (id, text, logprob) of the most likely tokens, best first
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """One step of a request's stream.
+
+    ``text`` may be empty while an incomplete character or a possible stop string is held
+    back; joined over the stream it is the completion.  The counters are the request's totals so far.
+    """
+
+    text: str
+    token_ids: tuple[int, ...]  # tokens emitted by this step (after a stop string: the ones before it)
+    finish_reason: str | None  # "stop" (EOS or a stop string), "length", or None while running
+    prompt_tokens: int
+    completion_tokens: int
+    steps: int  # verification steps so far (the prefill is none)
+    step_tokens: int  # tokens those steps emitted (accepted draft tokens + bonus tokens)
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token of token_ids, when asked for
+
+    @property
+    def tau(self) -> float | None:
+        """Mean acceptance length so far: tokens per verification step, bonus included (None before any step)."""
+        return self.step_tokens / self.steps if self.steps else None

@@ -1,0 +1,260 @@
+"""The Ray-free continuous batcher: outputs equal the engine's under concurrent
+submission, admission respects the batch limit, cancellation frees the slot,
+stop strings and characters split over steps come out right, a request that
+opts out of speculation steps autoregressively, bad requests are refused
+before queueing, and logprobs are the target's."""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import pytest
+import torch
+
+from dart_core.api import DartModel
+from dart_core.batcher import BatcherConfig, BatcherObserver, ContinuousBatcher
+from dart_core.engine import StepOutput
+from dart_core.request import ChatMessage, GenerationRequest, InvalidRequest
+from dart_core.sampling import SamplingParams
+
+from .conftest import OracleTreeSearch
+
+PROMPTS = ["The capital of France", "def fib(n):", "Once upon a time", "1, 2, 3,", "Roses are red",
+           "import numpy as np", "Dear Sir or Madam,"]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return DartModel.from_pretrained(tiny_model_dir, head="random", trie=None, budget=6)
+
+
+def engine_output(model, prompt: str, n: int, speculative: bool = True) -> list[int]:
+    ids = model.encode(prompt)
+    return model.engine.generate([ids], model.sampling_params(max_new_tokens=n), speculative=speculative).token_ids[0]
+
+
+class Recorder(BatcherObserver):
+    def __init__(self) -> None:
+        self.batch_sizes: list[int] = []
+        self.finished = 0
+
+    def on_step(self, step: StepOutput, prefill: bool) -> None:
+        if not prefill:
+            self.batch_sizes.append(len(step.seq_ids))
+
+    def on_finish(self, chunk) -> None:
+        self.finished += 1
+
+
+def wait_idle(batcher, timeout_s: float = 10.0) -> None:
+    """Waits until no sequence runs (a request ended by a stop string or a cancel leaves at the
+    engine's next step, after its last chunk went out)."""
+    deadline = threading.Event()
+    for _ in range(int(timeout_s / 0.05)):
+        if batcher.stats()["running"] == 0:
+            return
+        deadline.wait(0.05)
+    raise AssertionError(f"still running: {batcher.stats()}")
+
+
+def run_all(batcher, requests):
+    """Submits every request from its own thread at once; returns each one's chunks."""
+    results = [None] * len(requests)
+
+    def one(i):
+        results[i] = list(batcher.generate(requests[i], timeout_s=120))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_concurrent_requests_equal_the_engine_and_respect_the_batch_limit(model):
+    n = 12
+    wants = [engine_output(model, p, n) for p in PROMPTS]
+    full = [model.encode(p) + w for p, w in zip(PROMPTS, wants)]
+    saved, model.engine.tree_search = model.engine.tree_search, OracleTreeSearch(full, depth=4)  # multi-token steps
+    rec = Recorder()
+    try:
+        with ContinuousBatcher(model.engine, model.tokenizer, BatcherConfig(max_batch_size=3), rec) as b:
+            results = run_all(b, [GenerationRequest(prompt=p, max_tokens=n) for p in PROMPTS])
+            wait_idle(b)
+    finally:
+        model.engine.tree_search = saved
+    for chunks, want, prompt in zip(results, wants, PROMPTS):
+        ids = [t for c in chunks for t in c.token_ids]
+        assert ids == want
+        assert "".join(c.text for c in chunks) == model.tokenizer.decode(want, skip_special_tokens=True)
+        last = chunks[-1]
+        assert last.finish_reason == "length" and last.completion_tokens == n
+        assert last.prompt_tokens == len(model.encode(prompt)) and all(c.finish_reason is None for c in chunks[:-1])
+        assert last.steps >= 1 and last.step_tokens == n - 1  # the first token comes from the prefill
+    assert max(rec.batch_sizes) == 3 and rec.finished == len(PROMPTS)
+    assert max(c.tau for r in results for c in r[-1:]) > 1.5  # the oracle's drafts were accepted
+
+
+def test_chat_messages_use_the_chat_template(model):
+    msgs = (ChatMessage("user", "Hello there"),)
+    ids = model.encode([{"role": "user", "content": "Hello there"}])
+    want = model.engine.generate([ids], model.sampling_params(max_new_tokens=5)).token_ids[0]
+    with ContinuousBatcher(model.engine, model.tokenizer) as b:
+        chunks = list(b.generate(GenerationRequest(messages=msgs, max_tokens=5)))
+    assert [t for c in chunks for t in c.token_ids] == want and chunks[-1].prompt_tokens == len(ids)
+
+
+def test_cancellation_frees_the_slot_and_leaves_the_others_exact(model):
+    want = engine_output(model, PROMPTS[0], 10)
+    with ContinuousBatcher(model.engine, model.tokenizer, BatcherConfig(max_batch_size=2)) as b:
+        long = b.generate(GenerationRequest(prompt=PROMPTS[1], max_tokens=200))
+        first = next(long)
+        assert first.finish_reason is None
+        long.close()  # the consumer goes away: the request is cancelled
+        chunks = list(b.generate(GenerationRequest(prompt=PROMPTS[0], max_tokens=10)))
+        assert [t for c in chunks for t in c.token_ids] == want
+        wait_idle(b)
+
+
+def test_stop_strings_end_the_request_and_trim_the_text(model):
+    want = model.tokenizer.decode(engine_output(model, PROMPTS[2], 16), skip_special_tokens=True)
+    at = next(i for i in range(1, len(want) - 3) if want.find(want[i:i + 3]) == i)  # a first occurrence
+    stop = want[at:at + 3]
+    with ContinuousBatcher(model.engine, model.tokenizer) as b:
+        chunks = list(b.generate(GenerationRequest(prompt=PROMPTS[2], max_tokens=200, stop=("\x00never", stop))))
+        assert "".join(c.text for c in chunks) == want[:at]
+        assert chunks[-1].finish_reason == "stop"
+        wait_idle(b)  # the engine dropped the sequence at once, not after 200 tokens
+        s = b.stats()
+        assert s["speculative_steps"] + s["autoregressive_steps"] <= 17
+
+
+def test_opting_out_of_speculation_steps_autoregressively(model):
+    want = engine_output(model, PROMPTS[3], 8, speculative=False)
+    with ContinuousBatcher(model.engine, model.tokenizer) as b:
+        before = b.stats()
+        chunks = list(b.generate(GenerationRequest(prompt=PROMPTS[3], max_tokens=8, speculative=False)))
+        after = b.stats()
+    assert [t for c in chunks for t in c.token_ids] == want
+    assert after["autoregressive_steps"] - before["autoregressive_steps"] == 7
+    assert after["speculative_steps"] == before["speculative_steps"] and chunks[-1].tau == 1.0
+
+
+def test_bad_requests_are_refused_before_queueing(model):
+    cfg = BatcherConfig(max_tokens_limit=32)
+    with ContinuousBatcher(model.engine, model.tokenizer, cfg) as b:
+        with pytest.raises(InvalidRequest, match="limit of 32"):
+            b.submit(GenerationRequest(prompt="hi", max_tokens=33), lambda item: None)
+        with pytest.raises(InvalidRequest, match="context"):
+            b.submit(GenerationRequest(prompt="word " * 600), lambda item: None)
+        assert b.queued == 0
+    for bad in (dict(), dict(prompt="a", messages=(ChatMessage("user", "b"),)), dict(prompt=""),
+                dict(prompt="a", temperature=-1), dict(prompt="a", top_p=0), dict(prompt="a", max_tokens=0),
+                dict(prompt="a", stop=("1", "2", "3", "4", "5")), dict(prompt="a", speculative="no"),
+                dict(prompt="a", logprobs=21)):
+        with pytest.raises(InvalidRequest):
+            GenerationRequest(**bad)
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_logprobs_are_the_targets(model, speculative):
+    prompt = model.encode(PROMPTS[4])
+    with ContinuousBatcher(model.engine, model.tokenizer) as b:
+        chunks = list(b.generate(GenerationRequest(prompt=PROMPTS[4], max_tokens=6, logprobs=3,
+                                                   speculative=speculative)))
+    tokens = [t for c in chunks for t in c.token_ids]
+    entries = [e for c in chunks for e in c.logprobs]
+    assert [e.token_id for e in entries] == tokens
+    with torch.no_grad():
+        logits = model.engine.target.model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+    ref = torch.log_softmax(logits.float(), -1)
+    for i, e in enumerate(entries):
+        assert e.logprob == pytest.approx(float(ref[i, e.token_id]), abs=1e-4)
+        assert [t for t, _, _ in e.top] == ref[i].topk(3).indices.tolist()
+        assert e.top[0][0] == e.token_id  # greedy: the chosen token is the most likely one
+        assert e.token == model.tokenizer.decode([e.token_id])
+
+
+class ScriptedEngine:
+    """:meth:`DartEngine.generate_stream`'s protocol (admit, cancelled, finish reasons) with scripted
+    output: a sequence whose prompt is ``p`` emits ``scripts[tuple(p)]``, ``per_step`` tokens a step."""
+
+    def __init__(self, scripts: dict, per_step: int = 1) -> None:
+        self.scripts = scripts
+        self.per_step = per_step
+        self.target = types.SimpleNamespace(max_context=4096)
+
+    @staticmethod
+    def _emit(seq, n):
+        out = []
+        while seq["todo"] and len(out) < n:
+            out.append(seq["todo"].pop(0))
+            if len(seq["out"]) + len(out) >= seq["sampling"].max_new_tokens:
+                return out, "length"
+        return out, None if seq["todo"] else "stop"
+
+    def generate_stream(self, prompts, sampling, *, speculative=True, admit=None, cancelled=(),
+                        max_speculative_batch=None):
+        seqs, next_id = {}, 0
+        while True:
+            joining = admit() if admit else []
+            if joining:
+                ids = list(range(next_id, next_id + len(joining)))
+                next_id += len(joining)
+                toks, reasons = [], []
+                for sid, x in zip(ids, joining):
+                    seqs[sid] = {"todo": list(self.scripts[tuple(x.prompt)]), "out": [], "sampling": x.sampling}
+                    t, r = self._emit(seqs[sid], 1)
+                    seqs[sid]["out"] += t
+                    toks.append(t)
+                    reasons.append(r)
+                yield StepOutput(ids, toks, reasons, [0] * len(ids), [0] * len(ids), 0, 0.0, 0.0, 0.0, 0.0)
+                seqs = {k: v for k, v in seqs.items() if k not in [i for i, r in zip(ids, reasons) if r]}
+                continue
+            gone = [sid for sid in seqs if sid in cancelled]
+            if gone:
+                yield StepOutput(gone, [[] for _ in gone], ["cancelled"] * len(gone), [0] * len(gone),
+                                 [0] * len(gone), 0, 0.0, 0.0, 0.0, 0.0)
+                seqs = {k: v for k, v in seqs.items() if k not in gone}
+            if not seqs:
+                return
+            ids = list(seqs)
+            out = [self._emit(seqs[sid], self.per_step) for sid in ids]
+            for sid, (t, _) in zip(ids, out):
+                seqs[sid]["out"] += t
+            yield StepOutput(ids, [t for t, _ in out], [r for _, r in out], [len(t) for t, _ in out],
+                             [self.per_step - 1] * len(ids), self.per_step, 0.0, 0.0, 0.0, 0.0)
+            seqs = {k: v for (k, v), (_, r) in zip(list(seqs.items()), out) if r is None}
+
+
+@pytest.mark.parametrize("per_step", [1, 2, 3])
+def test_characters_split_over_steps_and_stop_strings_across_steps(default_tokenizer, per_step):
+    tok = default_tokenizer
+    text = "Parrot: 🦜 漢字, then END of story"
+    script = tok(text, add_special_tokens=False)["input_ids"]
+    prompt = tok("go", add_special_tokens=False)["input_ids"]
+    engine = ScriptedEngine({tuple(prompt): script}, per_step=per_step)
+    with ContinuousBatcher(engine, tok) as b:
+        chunks = list(b.generate(GenerationRequest(prompt="go", max_tokens=100)))
+        assert "".join(c.text for c in chunks) == text
+        assert all("\ufffd" not in c.text for c in chunks)  # no chunk shows half a character
+        assert [t for c in chunks for t in c.token_ids] == script
+        cut = list(b.generate(GenerationRequest(prompt="go", max_tokens=100, stop=("END",))))
+        assert "".join(c.text for c in cut) == "Parrot: 🦜 漢字, then " and cut[-1].finish_reason == "stop"
+        wait_idle(b)
+
+
+def test_a_closed_batcher_refuses_requests(model):
+    b = ContinuousBatcher(model.engine, model.tokenizer).start()
+    b.close()
+    with pytest.raises(RuntimeError, match="not running"):
+        b.submit(GenerationRequest(prompt="hi"), lambda item: None)
+
+
+def test_sampling_parameters_have_a_public_constructor(model):
+    s = model.sampling_params(max_new_tokens=5, temperature=0.5, logprobs=2)
+    assert s.stop_token_ids == (model.tokenizer.eos_token_id,) and s.logprobs == 2
+    assert SamplingParams.stopping_at(None, max_new_tokens=3).stop_token_ids == ()
+    assert SamplingParams.stopping_at(7, stop_token_ids=(1,)).stop_token_ids == (1,)

@@ -1,0 +1,59 @@
+"""The application's config, without a cluster: its bounds are the n-gram
+server's, the budget is "auto" or an int in range, the tree-search defaults
+come from one place, the n-gram replica gets model-free settings, and the engine's gRPC client is a proper tree-search client."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from deployments.config import AppConfig
+from ngram_service.client import TreeSearchClient
+from ngram_service.server import ServerLimits
+from ngram_service.tree_search import SearchParams
+
+LIMITS = ServerLimits()
+
+
+@pytest.mark.parametrize("field", ["top_k", "beam_width"])
+def test_tree_search_bounds_are_the_servers(field):
+    limit = getattr(LIMITS, {"top_k": "max_k", "beam_width": "max_beam_width"}[field])
+    assert getattr(AppConfig.model_validate({field: limit}), field) == limit
+    with pytest.raises(ValidationError, match=field):  # the server would refuse every search
+        AppConfig.model_validate({field: limit + 1})
+
+
+@pytest.mark.parametrize("budget", ["Auto", "AUTO", "sixty", -1, 0, LIMITS.max_budget + 1, 2.5])
+def test_a_budget_is_auto_or_an_int_in_range(budget):
+    with pytest.raises(ValidationError, match="budget"):
+        AppConfig.model_validate({"budget": budget})
+
+
+def test_search_params_follow_the_config():
+    assert AppConfig.model_validate({"budget": "auto"}).search_params() == SearchParams()
+    cfg = AppConfig.model_validate({"budget": 7, "top_k": 9, "beam_width": 3})
+    assert cfg.search_params() == SearchParams(top_k=9, beam_width=3, budget=7)
+    assert AppConfig().top_k == SearchParams().top_k and AppConfig().beam_width == SearchParams().beam_width
+
+
+def test_the_ngram_replica_gets_model_free_settings():
+    from deployments.ngram import resolve_ngram_config
+
+    default = resolve_ngram_config(AppConfig())
+    assert default.trie == "auto" and default.tokenizer is None  # the replica resolves the default model's
+    mine = resolve_ngram_config(AppConfig.model_validate({"model": "/models/my-llama"}))
+    assert mine.tokenizer == "/models/my-llama"
+    given = AppConfig.model_validate({"ngram": {"trie": "/data/x.trie"}})
+    assert resolve_ngram_config(given) == given.ngram  # a path is passed as it is
+    with pytest.raises(ValidationError, match="corpus"):
+        AppConfig.model_validate({"ngram": {"corpus": "wikipedia"}})
+
+
+def test_the_engines_grpc_client_is_a_tree_search_client():
+    from deployments.engine import grpc_tree_search
+
+    resolved = []
+    client = grpc_tree_search(AppConfig().ngram, lambda: resolved.append(1) or "127.0.0.1:1", "hash")
+    assert isinstance(client, TreeSearchClient)
+    assert client.wait_resolved(10) and resolved == [1]
+    client.close()
