@@ -1,14 +1,15 @@
-"""Self-distillation data for the draft head (DART issue 5; DESIGN.md §2 "Training").
+"""Self-distillation data for the draft head (DART issue 5; docs/design.md §2 "Training").
 
 Prompts are ShareGPT first turns (deduplicated, MT-Bench, HumanEval and — with
 ``exclude_alpacaeval``, the default — AlpacaEval prompts removed,
 :func:`ngram_service.corpus.sharegpt_first_prompts`), shuffled with a seed.
 Each prompt goes through the target's chat template and the **target itself**
-writes the response (greedy, batched, left-padded ``generate``), so the head
-learns the distribution it will be asked to predict.  Responses are appended
-to ``responses.jsonl`` in the data folder after every batch; a rerun skips the
-prompts already answered (resumable), and a truncated last line from a killed
-run is ignored.
+writes the response (greedy, with dart-serve's own engine: continuous
+batching of ``generate_batch_size`` sequences, packed linear layers on a
+CPU), so the head learns the distribution it will be asked to predict.  Each
+response is appended to ``responses.jsonl`` in the data folder as soon as it
+is finished; a rerun skips the prompts already answered (resumable), and a
+truncated last line from a killed run is ignored.
 
 Record: ``{"index": i, "prompt_ids": [...], "response_ids": [...]}`` where
 ``response_ids`` ends with the EOS token when the target stopped by itself.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,10 +39,9 @@ class DataConfig:
     num_prompts: int = 4000  # prompts to answer
     max_prompt_tokens: int = 256  # longer prompts (after the chat template) are skipped
     max_new_tokens: int = 256  # response length cap
-    generate_batch_size: int = 32  # generation batch (it fixes the batches, hence the exact responses)
+    generate_batch_size: int = 64  # sequences decoded together (continuous batching)
     prompt_seed: int = 0  # prompt shuffle
     eval_prompts: int = 64  # held out (the first ones of the shuffled list), never trained on
-    cache_implementation: str | None = "static"  # preallocated KV cache: DynamicCache re-copies it every step
     exclude_alpacaeval: bool = True  # drop AlpacaEval instructions too (fetches the alpaca-eval sdist once)
 
 
@@ -134,42 +135,50 @@ def generate_responses(target, config: DataConfig, folder: str | Path, *, progre
             todo.append((i, ids))
     if not todo:
         return out
-    # prompts are answered in list order, chunk by chunk, so a run stopped early
-    # holds a prefix of the list (give that prefix's size as num_prompts to use it);
-    # within a chunk similar prompt lengths share a batch (less padding)
-    chunk = config.generate_batch_size * 8
-    batches = []
-    for c in range(0, len(todo), chunk):
-        part = sorted(todo[c: c + chunk], key=lambda x: len(x[1]))
-        batches += [part[k: k + config.generate_batch_size] for k in range(0, len(part), config.generate_batch_size)]
+    # prompts join in list order (continuous batching: a finished answer's slot goes to the next
+    # prompt at the next step), so a run stopped early holds about a prefix of the list (give that
+    # prefix's size as num_prompts to use it); answers are written as they finish
+    from dart_core.engine import DartEngine, NewSequence
+    from dart_core.sampling import SamplingParams
+
     eos = tok.eos_token_id
-    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
-    model = target.model
+    sampling = SamplingParams(max_new_tokens=config.max_new_tokens, stop_token_ids=() if eos is None else (eos,))
+    engine = DartEngine(target)  # no draft head: plain greedy decoding, the target's own answers
+    queue = list(reversed(todo))
+    running: dict[int, tuple[int, list[int]]] = {}  # seq id -> (prompt index, prompt ids)
+    next_id = 0
+
+    def admit() -> list[NewSequence]:
+        nonlocal next_id
+        joining = []
+        # joining copies the batch's KV cache once: let a few slots free up first (a quarter of the batch)
+        if running and config.generate_batch_size - len(running) < max(1, config.generate_batch_size // 4):
+            return joining
+        while queue and len(running) + len(joining) < config.generate_batch_size:
+            i, ids = queue.pop()
+            running[next_id + len(joining)] = (i, ids)
+            joining.append(NewSequence(ids, sampling))
+        next_id += len(joining)
+        return joining
+
     bar = tqdm(total=len(todo), desc="self-distilled responses", unit="prompt", disable=not progress)
-    new_tokens = 0
+    new_tokens, t0 = 0, time.perf_counter()
+    answers: dict[int, list[int]] = {}
     with open(out, "a", encoding="utf-8") as f:
         if _ends_mid_line(out):
             f.write("\n")  # end the line a killed run left unfinished
-        for batch in batches:
-            width = max(len(ids) for _, ids in batch)
-            input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
-            attention = torch.zeros((len(batch), width), dtype=torch.long)
-            for r, (_, ids) in enumerate(batch):
-                input_ids[r, width - len(ids):] = torch.tensor(ids)
-                attention[r, width - len(ids):] = 1
-            gen = model.generate(input_ids=input_ids.to(target.device), attention_mask=attention.to(target.device),
-                                 max_new_tokens=config.max_new_tokens, do_sample=False, eos_token_id=eos,
-                                 pad_token_id=pad, temperature=None, top_p=None, top_k=None,
-                                 cache_implementation=config.cache_implementation)
-            for r, (i, ids) in enumerate(batch):
-                resp = gen[r, width:].tolist()
-                if eos in resp:
-                    resp = resp[: resp.index(eos) + 1]
-                new_tokens += len(resp)
+        for step in engine.generate_stream([], sampling, admit=admit):
+            for sid, toks, reason in zip(step.seq_ids, step.new_tokens, step.finish_reasons):
+                answers.setdefault(sid, []).extend(toks)
+                new_tokens += len(toks)
+                if reason is None:
+                    continue
+                i, ids = running.pop(sid)
+                resp = answers.pop(sid)
                 f.write(json.dumps({"index": i, "prompt_ids": ids, "response_ids": resp}) + "\n")
-            f.flush()
-            bar.update(len(batch))
-            bar.set_postfix(tokens=new_tokens)
+                f.flush()
+                bar.update(1)
+                bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
     bar.close()
     return out
 
