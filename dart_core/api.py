@@ -74,16 +74,19 @@ class StreamChunk:
     finish_reason: str | None
 
 
+def native_bf16_cpu() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX, through oneDNN)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch build without oneDNN
+        return False
+
+
 def default_draft_dtype(target: TargetModel) -> torch.dtype:
     """The draft head's dtype: the target's, or bfloat16 beside a float32 target on a CPU that
     multiplies bf16 matrices natively (where a float32 head costs about 2x more per draft)."""
-    if target.device.type == "cpu" and target.dtype == torch.float32:
-        try:
-            native_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        except (AttributeError, RuntimeError):  # a torch build without oneDNN
-            native_bf16 = False
-        if native_bf16:
-            return torch.bfloat16
+    if target.device.type == "cpu" and target.dtype == torch.float32 and native_bf16_cpu():
+        return torch.bfloat16
     return target.dtype
 
 

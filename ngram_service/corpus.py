@@ -59,7 +59,8 @@ def _package_file(package: str, rel: str) -> Path | None:
     return path if path.is_file() else None
 
 
-def _normalise(text: str) -> str:
+def normalise_text(text: str) -> str:
+    """Lower case, whitespace collapsed: how prompts are compared."""
     return re.sub(r"\s+", " ", text).strip().lower()
 
 
@@ -177,7 +178,7 @@ def sharegpt_conversations(path: str | Path | None = None) -> Iterator[list[dict
 
 def sharegpt_assistant_turns(path: str | Path | None = None, *, exclude_evaluation: bool = True) -> Iterator[str]:
     """Yields the assistant turns of ShareGPT, without conversations that quote an evaluation prompt."""
-    for turns in _clean_conversations(path, exclude_evaluation):
+    for turns in clean_sharegpt_conversations(path, exclude_evaluation):
         for t in turns:
             if t.get("from") == "gpt" and t["value"].strip():
                 yield t["value"]
@@ -190,27 +191,29 @@ def sharegpt_first_prompts(path: str | Path | None = None, *, exclude_evaluation
     too with ``exclude_alpacaeval``; see :func:`alpacaeval_instructions` for
     what that may download) and without repeats (compared normalised)."""
     seen: set[str] = set()
-    for turns in _clean_conversations(path, exclude_evaluation, exclude_alpacaeval):
+    for turns in clean_sharegpt_conversations(path, exclude_evaluation, exclude_alpacaeval):
         first = next((t["value"] for t in turns if t.get("from") == "human"), "")
-        norm = _normalise(first)
+        norm = normalise_text(first)
         if norm and norm not in seen:
             seen.add(norm)
             yield first.strip()
 
 
-def _clean_conversations(path, exclude_evaluation: bool, alpacaeval: bool = False) -> Iterator[list[dict]]:
+def clean_sharegpt_conversations(path=None, exclude_evaluation: bool = True, alpacaeval: bool = False,
+                                 ) -> Iterator[list[dict]]:
+    """ShareGPT conversations without those quoting an evaluation prompt (AlpacaEval's too with ``alpacaeval``)."""
     exact: set[str] = set()
     prefixes: set[str] = set()
     if exclude_evaluation:
         for prompts in evaluation_prompts(alpacaeval=alpacaeval).values():
             for p in prompts:
-                norm = _normalise(p)
+                norm = normalise_text(p)
                 exact.add(norm)
                 if len(norm) >= _PREFIX_CHARS:
                     prefixes.add(norm[:_PREFIX_CHARS])
     dropped = 0
     for turns in sharegpt_conversations(path):
-        human = [_normalise(t["value"]) for t in turns if t.get("from") == "human"]
+        human = [normalise_text(t["value"]) for t in turns if t.get("from") == "human"]
         if any(h in exact or h[:_PREFIX_CHARS] in prefixes for h in human):
             dropped += 1
             continue

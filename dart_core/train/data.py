@@ -29,9 +29,13 @@ from tqdm.auto import tqdm
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DataConfig", "Example", "generate_responses", "load_examples", "training_prompts"]
+__all__ = ["DataConfig", "Example", "generate_responses", "load_examples", "training_prompts", "sharegpt_examples",
+           "SHAREGPT_INDEX_BASE"]
 
 RESPONSES = "responses.jsonl"
+#: Example indices of the teacher-forced ShareGPT source start here (self-distilled ones are prompt indices).
+SHAREGPT_INDEX_BASE = 10_000_000
+_ROLES = {"human": "user", "gpt": "assistant"}
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class DataConfig:
     prompt_seed: int = 0  # prompt shuffle
     eval_prompts: int = 64  # held out (the first ones of the shuffled list), never trained on
     exclude_alpacaeval: bool = True  # drop AlpacaEval instructions too (fetches the alpaca-eval sdist once)
+    sharegpt_turns: int = 0  # teacher-forced source: ShareGPT's own assistant turns (0 = none)
 
 
 @dataclass(frozen=True)
@@ -199,3 +204,47 @@ def load_examples(folder: str | Path, limit: int | None = None,
     keep = [k for k in sorted(rows) if (limit is None or k < limit)
             and (prompts is None or (k < len(prompts) and prompts[k] is not None))]
     return [Example(k, rows[k]["prompt_ids"], rows[k]["response_ids"]) for k in keep]
+
+
+def sharegpt_examples(tokenizer, config: DataConfig) -> list[Example]:
+    """The teacher-forced source: ShareGPT's own assistant turns, as the target's chat template
+    puts them, for a target forward to label (its distributions over text it did not write).
+
+    Conversations are shuffled with ``prompt_seed``; each assistant turn becomes one example:
+    the conversation up to it through the chat template (with the generation prompt) as the
+    prompt, its text plus EOS as the response (anchors lie in the response only).  Turns whose
+    prompt exceeds ``max_prompt_tokens`` are skipped; the first ``sharegpt_turns`` kept are
+    returned.  Conversations whose first prompt is a held-out one (the first ``eval_prompts``
+    of :func:`training_prompts`) or that quote an evaluation prompt are left out, as are
+    conversations with roles other than human/gpt alternating from a human turn.  Example
+    indices are ``SHAREGPT_INDEX_BASE + k``.
+    """
+    from ngram_service.corpus import clean_sharegpt_conversations, normalise_text
+
+    if config.sharegpt_turns <= 0:
+        return []
+    held_out = {normalise_text(p) for p in training_prompts(config)[: config.eval_prompts] if p is not None}
+    conversations = [c for c in clean_sharegpt_conversations(None, True, config.exclude_alpacaeval)
+                     if c and normalise_text(c[0]["value"]) not in held_out]
+    random.Random(config.prompt_seed + 1).shuffle(conversations)
+    eos = tokenizer.eos_token_id
+    out: list[Example] = []
+    for turns in conversations:
+        roles = [_ROLES.get(t.get("from")) for t in turns]
+        if None in roles or any(r != ("user", "assistant")[i % 2] for i, r in enumerate(roles)):
+            continue
+        messages = [{"role": r, "content": t["value"]} for r, t in zip(roles, turns)]
+        for i in range(1, len(messages), 2):
+            prompt = list(tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=True,
+                                                        return_dict=True)["input_ids"])
+            if len(prompt) > config.max_prompt_tokens:
+                break  # later turns only grow the history
+            response = tokenizer(messages[i]["content"].strip(), add_special_tokens=False)["input_ids"]
+            if not response:
+                continue
+            out.append(Example(SHAREGPT_INDEX_BASE + len(out), prompt,
+                               response[: config.max_new_tokens] + ([eos] if eos is not None else [])))
+            if len(out) >= config.sharegpt_turns:
+                return out
+    logger.warning("ShareGPT gave %d teacher-forced turns of the %d asked for", len(out), config.sharegpt_turns)
+    return out

@@ -13,9 +13,20 @@ Many anchors of one sequence share one forward through
 from the response part of each self-distilled sequence, ``anchors_per_seq`` at
 most.
 
+Data: the self-distilled responses (the target's own greedy answers) and,
+with ``sharegpt_turns``, ShareGPT's own assistant turns teacher-forced
+(:func:`~dart_core.train.data.sharegpt_examples`).  Teacher features are
+computed once for all of them (resumable); ``train_tokens`` trains on a seeded
+random subset of about that many tokens, so one feature store serves every
+point of a learning curve.
+
 AdamW, linear warm-up then cosine decay, gradient clipping, bf16 autocast on
-CUDA; a checkpoint (``checkpoint.pt``: tensors and numbers only, loaded with
-``weights_only=True``) every ``save_every`` steps makes a killed run resumable.
+CUDA and on CPUs that multiply bf16 natively; a checkpoint (tensors and numbers
+only, loaded with ``weights_only=True``) every ``save_every`` steps, kept under
+``<work_dir>/runs/<run key>/`` so runs of different settings do not collide,
+makes a killed run resumable; ``max_minutes`` stops a run on purpose the same
+way.  What happens when the work dir is gone: everything is computed again
+(the responses are regenerated, the features recomputed, training restarts).
 """
 
 from __future__ import annotations
@@ -34,7 +45,8 @@ import torch
 from tqdm.auto import tqdm
 
 from dart_core.draft_head import DartDraftHead, DraftHeadConfig, save_draft_head
-from dart_core.train.data import DataConfig, generate_responses, load_examples, training_prompts
+from dart_core.train.data import (SHAREGPT_INDEX_BASE, DataConfig, generate_responses, load_examples,
+                                  sharegpt_examples, training_prompts)
 from dart_core.train.features import Features, choose_draft_vocab, compute_features
 from ngram_service.cache import cache_root
 
@@ -69,6 +81,9 @@ class TrainConfig:
     seed: int = 0
     device: str | None = None  # default CUDA when available
     threads: int | None = None  # torch CPU threads
+    train_tokens: int | None = None  # train on a seeded random subset of about this many tokens (learning curves)
+    max_minutes: float | None = None  # stop (checkpointed, resumable) after this long: for time-limited machines
+    autocast: str = "auto"  # "auto": bf16 on CUDA and on CPUs with native bf16 matmul; "bf16" or "off"
 
 
 def _device(cfg: TrainConfig) -> torch.device:
@@ -199,16 +214,56 @@ def _lr_lambda(cfg: TrainConfig, total: int):
     return f
 
 
+def _autocast(cfg: TrainConfig, device: torch.device):
+    """The training autocast context: bf16 on CUDA and on CPUs with native bf16 matmul (``auto``)."""
+    want = cfg.autocast
+    if want == "auto":
+        from dart_core.api import native_bf16_cpu
+
+        want = "bf16" if device.type == "cuda" or native_bf16_cpu() else "off"
+    if want == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16), "bf16"
+    if want != "off":
+        raise ValueError(f'autocast must be "auto", "bf16" or "off", got {cfg.autocast!r}')
+    return torch.autocast(device.type, enabled=False), "off"
+
+
+def _subset(rows: list[int], feats: Features, budget: int | None, seed: int) -> list[int]:
+    """A seeded random subset of ``rows`` holding about ``budget`` tokens (all rows when None)."""
+    if budget is None:
+        return rows
+    order = list(rows)
+    random.Random(seed + 7).shuffle(order)
+    out, total = [], 0
+    for r in order:
+        if total >= budget:
+            break
+        out.append(r)
+        total += int(feats.offsets[r + 1] - feats.offsets[r])
+    return sorted(out)
+
+
+def _run_key(cfg: TrainConfig, train_rows: list[int]) -> str:
+    """What makes two runs the same run (their checkpoints interchangeable)."""
+    import hashlib
+
+    fields = {k: v for k, v in asdict(cfg).items() if k not in ("out", "work_dir", "threads", "device", "max_minutes",
+                                                                "eval_every", "save_every", "eval_tau_prompts")}
+    blob = json.dumps(fields, sort_keys=True, default=str) + json.dumps(train_rows)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
 def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
     """Generates the data (if not cached), computes teacher features (if not
     cached), trains, and writes the head to ``cfg.out``.  Returns the summary
-    also written to ``training.json``.
+    also written to ``training.json`` (``"finished": False`` when ``max_minutes``
+    stopped it first: run it again to continue).
 
     Args:
         target: an already loaded :class:`~dart_core.target.TargetModel` (tests); default loads ``cfg.model``.
 
     Raises:
-        ValueError: no usable training sequences.
+        ValueError: no usable training sequences, or a bad ``autocast``.
     """
     from dart_core.target import TargetModel
 
@@ -232,19 +287,23 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
     gen_s = time.time() - t0
     examples = load_examples(data_dir, limit=cfg.data.num_prompts, prompts=prompts)
     examples = [e for e in examples if len(e.response_ids) >= 2]
-    eos = target.tokenizer.eos_token_id if target.tokenizer is not None else None
     train_ex = [e for e in examples if e.index >= cfg.data.eval_prompts]
     held_ex = [e for e in examples if e.index < cfg.data.eval_prompts]
+    if cfg.data.sharegpt_turns and target.tokenizer is not None:
+        train_ex += sharegpt_examples(target.tokenizer, cfg.data)
     if not train_ex:
         raise ValueError(f"no training sequences in {data_dir} below prompt index {cfg.data.num_prompts}")
+    eos = target.tokenizer.eos_token_id if target.tokenizer is not None else None
     draft_vocab = choose_draft_vocab(train_ex, cfg.draft_vocab_size, target.config.vocab_size,
                                      always=(eos,) if eos is not None else ())
     t0 = time.time()
     feats = compute_features(target, train_ex + held_ex, work / "features", draft_vocab=draft_vocab,
                              top_k=cfg.teacher_top_k, max_length=cfg.max_length, progress=progress)
     feat_s = time.time() - t0
-    train_rows = list(range(len(train_ex)))
+    train_rows = _subset(list(range(len(train_ex))), feats, cfg.train_tokens, cfg.seed)
     held_rows = list(range(len(train_ex), len(train_ex) + len(held_ex)))
+    train_tokens = int(sum(feats.offsets[r + 1] - feats.offsets[r] for r in train_rows))
+    self_distilled = sum(1 for r in train_rows if train_ex[r].index < SHAREGPT_INDEX_BASE)
 
     head = init_head(target, draft_vocab, cfg.seed).to(device).train()
     embed = target.embed_tokens
@@ -252,8 +311,10 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
     steps_per_epoch = max(1, len(train_rows) // cfg.batch_size)
     total = max(1, int(cfg.epochs * steps_per_epoch))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg, total))
-    ckpt_path = work / "checkpoint.pt"
-    step = 0
+    run_dir = work / "runs" / _run_key(cfg, train_rows)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path = run_dir / "checkpoint.pt"
+    step, history, train_s = 0, [], 0.0
     if ckpt_path.is_file():
         state = torch.load(ckpt_path, map_location=device, weights_only=True)
         if state.get("total") == total and state["draft_vocab"].tolist() == draft_vocab.tolist():
@@ -261,10 +322,10 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
             opt.load_state_dict(state["opt"])
             sched.load_state_dict(state["sched"])
             step = int(state["step"])
+            train_s = float(state.get("train_s", 0.0))
+            history = json.loads((run_dir / "history.json").read_text()) if (run_dir / "history.json").is_file() else []
             logger.info("resuming at step %d of %d from %s", step, total, ckpt_path)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast(
-        "cpu", enabled=False)
-    rng = random.Random(cfg.seed * 1000 + step)
+    autocast, autocast_name = _autocast(cfg, device)
     order_rng = random.Random(cfg.seed)
     order = []
     for _ in range(math.ceil(cfg.epochs) + 1):
@@ -272,12 +333,14 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
         order_rng.shuffle(perm)
         order += perm
     held_prompts = [e.prompt_ids for e in held_ex[: cfg.eval_tau_prompts]]
-    history = []
     bar = tqdm(total=total, initial=step, desc="training draft head", unit="step", disable=not progress)
-    t_train = time.time()
+    t_train = time.time() - train_s
+    anchors_seen = 0
+    deadline = None if cfg.max_minutes is None else time.time() + 60 * cfg.max_minutes
     while step < total:
         opt.zero_grad(set_to_none=True)
         batch = order[step * cfg.batch_size: (step + 1) * cfg.batch_size]
+        rng = random.Random(cfg.seed * 1_000_003 + step)  # per step: a resumed run samples the same anchors
         loss_sum = 0.0
         for i in batch:
             seq = feats.sequence(i)
@@ -287,6 +350,7 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
             loss, _, _ = _sequence_loss(head, embed, seq, anchors, cfg.gamma, device, autocast)
             (loss / len(batch)).backward()
             loss_sum += float(loss.detach())
+            anchors_seen += len(anchors)
         torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
         opt.step()
         sched.step()
@@ -294,6 +358,7 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
         bar.update(1)
         bar.set_postfix(loss=f"{loss_sum / max(len(batch), 1):.3f}", lr=f"{sched.get_last_lr()[0]:.2e}")
         last = step == total
+        out_of_time = deadline is not None and time.time() > deadline and not last
         if (cfg.eval_every and step % cfg.eval_every == 0) or last:
             ev = evaluate_accuracy(head, embed, feats, held_rows, device, cfg.gamma)
             if cfg.eval_tau_prompts:
@@ -303,21 +368,50 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
             history.append(ev)
             logger.info("step %d: held-out top-1 %s, loss %.3f, tau %s", step, ev["top1"], ev["loss"], ev.get("tau"))
             tqdm.write(f"step {step}: held-out top-1 {ev['top1']} loss {ev['loss']} tau {ev.get('tau')}")
-        if step % cfg.save_every == 0 or last:
+        if step % cfg.save_every == 0 or last or out_of_time:
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                        "step": step, "total": total, "draft_vocab": torch.as_tensor(draft_vocab)}, ckpt_path)
+                        "step": step, "total": total, "draft_vocab": torch.as_tensor(draft_vocab),
+                        "train_s": time.time() - t_train}, ckpt_path)
+            (run_dir / "history.json").write_text(json.dumps(history))
+        if out_of_time:
+            logger.info("stopped after %.1f minutes at step %d of %d (resumable: run again)", cfg.max_minutes,
+                        step, total)
+            break
     bar.close()
-    save_draft_head(head, cfg.out, dtype=torch.bfloat16)
+    finished = step >= total
+    train_wall = time.time() - t_train
+    if finished:
+        save_draft_head(head, cfg.out, dtype=torch.bfloat16)
     summary = {
         "config": asdict(cfg),
-        "sequences": {"train": len(train_ex), "held_out": len(held_ex),
-                      "train_tokens": int(feats.offsets[len(train_ex)])},
+        "finished": finished,
+        "sequences": {"train": len(train_rows), "train_self_distilled": self_distilled,
+                      "train_sharegpt": len(train_rows) - self_distilled, "held_out": len(held_ex),
+                      "train_tokens": train_tokens, "available_train_sequences": len(train_ex)},
         "steps": total,
+        "steps_done": step,
         "wall_time_s": {"generate": round(gen_s, 1), "teacher_features": round(feat_s, 1),
-                        "train": round(time.time() - t_train, 1), "total": round(time.time() - started, 1)},
+                        "train": round(train_wall, 1), "total": round(time.time() - started, 1)},
+        "throughput": {"teacher_tokens_per_s": feats.meta.get("tokens_per_s"),
+                       "anchors_this_call": anchors_seen,
+                       "train_anchors_per_s_this_call": round(anchors_seen / max(time.time() - started - gen_s
+                                                                                  - feat_s, 1e-9), 1),
+                       "feature_bytes_per_token": feats.meta.get("bytes_per_token")},
+        "autocast": autocast_name,
         "hardware": {"device": torch.cuda.get_device_name(device) if device.type == "cuda"
-                     else f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"},
+                     else f"CPU {_cpu_name()}, {torch.get_num_threads()} threads"},
         "eval": history,
     }
-    (Path(cfg.out) / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if finished:
+        (Path(cfg.out) / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

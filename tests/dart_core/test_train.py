@@ -98,7 +98,9 @@ def test_training_learns_saves_and_resumes(tmp_path, monkeypatch):
     summary = train(cfg, target=target, progress=False)
     assert summary["config"]["work_dir"] == str(work)
     assert summary["steps"] == 12 * (12 // 3)
-    assert summary["sequences"] == {"train": 12, "held_out": 2, "train_tokens": summary["sequences"]["train_tokens"]}
+    seqs = summary["sequences"]
+    assert (seqs["train"], seqs["held_out"], seqs["train_self_distilled"], seqs["train_sharegpt"]) == (12, 2, 12, 0)
+    assert summary["finished"] and summary["steps_done"] == summary["steps"]
     final = summary["eval"][-1]
     assert len(final["top1"]) == 8 and final["tau"] >= 1.0
 
@@ -112,7 +114,7 @@ def test_training_learns_saves_and_resumes(tmp_path, monkeypatch):
     assert after["top1"][0] > before["top1"][0] + 0.2, (before, after)
     # a rerun finds the finished checkpoint: no step is trained again, the same head comes out
     again = train(cfg, target=target, progress=False)
-    assert again["wall_time_s"]["train"] < summary["wall_time_s"]["train"]
+    assert again["throughput"]["anchors_this_call"] == 0 and summary["throughput"]["anchors_this_call"] > 0
     reloaded = load_draft_head(tmp_path / "head", target.config)
     for (name, a), b in zip(trained.state_dict().items(), reloaded.state_dict().values()):
         assert torch.equal(a, b), name
@@ -136,3 +138,96 @@ def test_self_distilled_data_is_the_targets_greedy_output_and_resumable(tmp_path
                        progress=False)
     again = load_examples(tmp_path)
     assert [e.index for e in again] == [0, 1, 2] and again[:2] == first
+
+
+def test_a_token_budget_trains_on_a_subset_and_a_time_limit_stops_resumably(tmp_path, monkeypatch):
+    target = tiny_target("llama")
+    n = 14
+    monkeypatch.setenv("DART_SERVE_CACHE", str(tmp_path / "cache"))
+    _write_tiny_data(tmp_path / "cache" / "train" / "data", target, n)
+    base = dict(data=DataConfig(num_prompts=n, eval_prompts=2), draft_vocab_size=64, teacher_top_k=8, max_length=64,
+                anchors_per_seq=8, epochs=2, batch_size=2, warmup_steps=2, eval_every=0, eval_tau_prompts=0,
+                save_every=100, device="cpu")
+    full = train(TrainConfig(out=str(tmp_path / "full"), **base), target=target, progress=False)
+    small = train(TrainConfig(out=str(tmp_path / "small"), train_tokens=150, **base), target=target, progress=False)
+    assert small["sequences"]["train"] < full["sequences"]["train"] == 12
+    assert 150 <= small["sequences"]["train_tokens"] < 150 + 60  # one sequence past the budget at most
+    assert small["steps"] < full["steps"]
+    # the same run in another work dir (the same settings in this one would find the finished run)
+    monkeypatch.setenv("DART_SERVE_CACHE", str(tmp_path / "cache2"))
+    _write_tiny_data(tmp_path / "cache2" / "train" / "data", target, n)
+    stopped = train(TrainConfig(out=str(tmp_path / "timed"), max_minutes=0.0, **base), target=target, progress=False)
+    assert not stopped["finished"] and 1 <= stopped["steps_done"] < stopped["steps"]
+    assert not (tmp_path / "timed" / "config.json").exists()  # no head until the run is finished
+    resumed = train(TrainConfig(out=str(tmp_path / "timed"), **base), target=target, progress=False)
+    assert resumed["finished"] and (tmp_path / "timed" / "config.json").is_file()
+    a = load_draft_head(tmp_path / "timed", target.config)
+    b = load_draft_head(tmp_path / "full", target.config)
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(x, y), name  # stopping and resuming trains exactly what one run trains
+
+
+def test_compact_features_are_resumable_and_close_to_float32(tmp_path):
+    from dart_core.train.features import compute_features, quantize_taps
+
+    taps = torch.randn(50, 3 * 64) * torch.logspace(-2, 2, 3 * 64)  # channels of very different scales
+    q, scale = quantize_taps(taps)
+    back = (q.float().view(50, 3, 64) * scale.float()[:, :, None]).view(50, -1)
+    rel = (back - taps).abs().view(50, 3, 64).amax(-1) / taps.abs().view(50, 3, 64).amax(-1)
+    assert q.dtype == torch.int8 and rel.max() <= 0.5 / 127 + 1e-3  # half a step of each tap's own absmax
+
+    target = tiny_target("llama")
+    rng = np.random.default_rng(1)
+    examples = [Example(i, rng.integers(0, 96, 5).tolist(), rng.integers(0, 96, 20).tolist()) for i in range(7)]
+    vocab = np.arange(0, 96, 2)
+    whole = compute_features(target, examples, tmp_path / "whole", draft_vocab=vocab, top_k=4, progress=False)
+    calls = {"n": 0}
+    real = target.model.forward
+
+    def dies_after_three(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    from dart_core.train import features as features_module
+
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(features_module, "_PROGRESS_EVERY", 2)
+    monkey.setattr(target.model, "forward", dies_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        compute_features(target, examples, tmp_path / "part", draft_vocab=vocab, top_k=4, progress=False)
+    monkey.setattr(target.model, "forward", lambda *a, **kw: (calls.__setitem__("n", calls["n"] + 1), real(*a, **kw))[1])
+    calls["n"] = 0
+    part = compute_features(target, examples, tmp_path / "part", draft_vocab=vocab, top_k=4, progress=False)
+    monkey.undo()
+    assert calls["n"] == 7 - 2  # continued after the two sequences recorded as done
+    for name in ("taps_q", "taps_scale", "teacher_ids", "teacher_probs", "tokens", "offsets"):
+        np.testing.assert_array_equal(getattr(part, name), getattr(whole, name), err_msg=name)
+    seq = whole.sequence(3)
+    assert seq["taps"].dtype == np.float32 and seq["taps"].shape == (25, 3 * 64)
+    assert whole.teacher_ids.dtype == np.int16 and whole.meta["bytes_per_token"] < 3 * 64 + 30
+
+
+def test_sharegpt_turns_are_teacher_forced_examples(default_tokenizer, monkeypatch):
+    from dart_core.train import data as data_module
+    from ngram_service import corpus
+
+    convs = [[{"from": "human", "value": "held out question"}, {"from": "gpt", "value": "no"}],
+             [{"from": "human", "value": "What is 2+2?"}, {"from": "gpt", "value": "4."},
+              {"from": "human", "value": "And 3+3?"}, {"from": "gpt", "value": "6."}],
+             [{"from": "gpt", "value": "starts with the assistant"}, {"from": "human", "value": "x"}],
+             [{"from": "human", "value": "long " * 400}, {"from": "gpt", "value": "too long a prompt"}],
+             [{"from": "human", "value": "Hi"}, {"from": "system", "value": "odd role"}]]
+    monkeypatch.setattr(corpus, "clean_sharegpt_conversations", lambda *a, **kw: iter(convs))
+    monkeypatch.setattr(data_module, "training_prompts", lambda cfg: ["held out question"])
+    cfg = DataConfig(num_prompts=1, eval_prompts=1, sharegpt_turns=10, exclude_alpacaeval=False)
+    out = data_module.sharegpt_examples(default_tokenizer, cfg)
+    tok = default_tokenizer
+    assert [e.index for e in out] == [data_module.SHAREGPT_INDEX_BASE, data_module.SHAREGPT_INDEX_BASE + 1]
+    texts = [tok.decode(e.response_ids) for e in out]
+    assert sorted(texts) == ["4.<|im_end|>", "6.<|im_end|>"]
+    second = out[texts.index("6.<|im_end|>")]
+    assert "What is 2+2?" in tok.decode(second.prompt_ids) and tok.decode(second.prompt_ids).endswith(
+        "<|im_start|>assistant\n")
+    assert data_module.sharegpt_examples(default_tokenizer, DataConfig(sharegpt_turns=0)) == []
