@@ -38,6 +38,7 @@ native = Pybind11Extension(
         "ngram_service/csrc/trie.cpp",
         "ngram_service/csrc/builder.cpp",
         "ngram_service/csrc/search.cpp",
+        "ngram_service/csrc/context_index.cpp",
     ],
     include_dirs=["ngram_service/csrc"],
     cxx_std=17,

@@ -9,7 +9,8 @@ per sequence:
     E[tokens | B] = 1 + c · Σ_{B best nodes} P(node accepted)
 
 P(node accepted) is estimated as the product of the draft probabilities on
-the node's path (the draft head's own belief); ``c`` calibrates it online as
+the node's path (the draft head's own belief, or a context continuation's
+weighted probability where the search used that: ``DraftTree.probs``); ``c`` calibrates it online as
 an exponential moving average of accepted / predicted.  Nodes are taken in
 the search's own rank order (min-score along the path, then depth), so every
 truncation is prefix-closed.  ``t_verify(n)`` is a :class:`VerifyCostCurve`
@@ -88,17 +89,14 @@ class VerifyCostCurve:
         return curve
 
 
-def node_acceptance_estimates(tree: DraftTree, topk_ids: np.ndarray, topk_probs: np.ndarray) -> np.ndarray:
-    """[N] product of draft probabilities along each node's path (root 1).
-
-    topk_ids/topk_probs: [d, k] this sequence's draft top-k (level l = depth - 1).
-    """
+def node_acceptance_estimates(tree: DraftTree) -> np.ndarray:
+    """[N] product of the acceptance estimates along each node's path (root 1), from ``tree.probs``:
+    the head's probability, or on a context chain the chain's evidence q when higher (README,
+    "Context in the tree"), so every node is priced the same way."""
     est = np.ones(tree.num_nodes)
-    lookup = [dict(zip(ids.tolist(), probs.tolist())) for ids, probs in zip(topk_ids, topk_probs)]
+    probs = tree.probs.astype(np.float64)
     for i in range(1, tree.num_nodes):
-        level = int(tree.depths[i]) - 1
-        p = lookup[level].get(int(tree.tokens[i]), 0.0) if level < len(lookup) else 0.0
-        est[i] = est[tree.parents[i]] * p
+        est[i] = est[tree.parents[i]] * probs[i]
     return est
 
 
@@ -143,13 +141,12 @@ class AdaptiveBudget:
             return max_depth
         return max(1, min(max_depth, max(self._kept_depths) + 1))
 
-    def select(self, tree: DraftTree, topk_ids: np.ndarray, topk_probs: np.ndarray) -> tuple[DraftTree, float]:
+    def select(self, tree: DraftTree) -> tuple[DraftTree, float]:
         """Returns (the truncated tree, its predicted number of accepted draft nodes): :meth:`select_batch` at batch 1."""
-        trees, predicted = self.select_batch([tree], topk_ids[None], topk_probs[None])
+        trees, predicted = self.select_batch([tree])
         return trees[0], predicted[0]
 
-    def select_batch(self, trees: list[DraftTree], topk_ids: np.ndarray, topk_probs: np.ndarray,
-                     ) -> tuple[list[DraftTree], list[float]]:
+    def select_batch(self, trees: list[DraftTree]) -> tuple[list[DraftTree], list[float]]:
         """Sizes the trees of a whole batch together (one verification forward for all of them).
 
         The engine verifies a batch in one forward with every tree padded to the
@@ -164,7 +161,7 @@ class AdaptiveBudget:
         At batch 1 this is the per-tree choice of the module docstring.
 
         Args:
-            trees: B draft trees; topk_ids/topk_probs: [B, d, k] the draft top-k.
+            trees: B draft trees (their ``probs`` give the acceptance estimates).
 
         Returns:
             (truncated trees, predicted accepted draft nodes per tree).
@@ -176,7 +173,7 @@ class AdaptiveBudget:
                 probs.append(np.zeros(0))
             else:
                 orders.append(_rank_order(tree))
-                probs.append(np.minimum(node_acceptance_estimates(tree, topk_ids[i], topk_probs[i])[orders[-1]]
+                probs.append(np.minimum(node_acceptance_estimates(tree)[orders[-1]]
                                         * self.calibration, 1.0))
         b = len(trees)
         sizes = np.array([len(o) for o in orders], dtype=np.int64)

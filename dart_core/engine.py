@@ -33,8 +33,9 @@ from dart_core.draft_head import DartDraftHead
 from dart_core.kv_cache import HeadKVCache, cache_mask
 from dart_core.sampling import SamplingParams, target_probs
 from dart_core.target import TargetCache, TargetModel
-from ngram_service.client import InProcessTreeSearch, TreeSearchClient
 from dart_core.verify import Acceptance, accept_greedy, accept_sampling
+from ngram_service.client import InProcessTreeSearch, TreeSearchClient
+from ngram_service.context import ContextIndex
 from ngram_service.tree_search import DraftTree, SearchParams
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _root_only(tokens: list[list[int]]) -> list[DraftTree]:
-    return [DraftTree.from_parents([t[-1]], [-1], [0], [0.0]) for t in tokens]
+    return [DraftTree.from_parents([t[-1]], [-1], [0], [0.0], [1.0]) for t in tokens]
 
 
 class DartEngine:
@@ -120,17 +121,25 @@ class DartEngine:
         gate: a :class:`SpeculationGate` that lets a step speculate only where
             speculation measures faster than autoregressive steps; None always
             speculates (when allowed).
+        context_window: with ``search_params.context_weight`` > 0, each sequence keeps a
+            :class:`~ngram_service.context.ContextIndex` of its prompt and accepted tokens
+            (contexts of up to ``context_order`` tokens, at most this many tokens indexed), and
+            each step's tree search gets its continuation (docs/design.md §2, "Context in the tree").
+        context_order: longest context the index matches, in tokens.
     """
 
     def __init__(self, target: TargetModel, head: DartDraftHead | None = None,
                  tree_search: TreeSearchClient | None = None, search_params: SearchParams | None = None,
-                 budget: AdaptiveBudget | None = None, gate: SpeculationGate | None = None) -> None:
+                 budget: AdaptiveBudget | None = None, gate: SpeculationGate | None = None,
+                 context_window: int = 1 << 16, context_order: int = 4) -> None:
         self.target = target
         self.head = head
         self.tree_search = tree_search or InProcessTreeSearch(None)
         self.search_params = search_params or SearchParams()
         self.budget = budget
         self.gate = gate
+        self.context_window = context_window
+        self.context_order = context_order
         if head is not None:
             if head.config.target_hidden_size != target.config.hidden_size:
                 raise ValueError("draft head and target hidden sizes differ")
@@ -257,7 +266,8 @@ class DartEngine:
                           pend_pos=torch.zeros(len(prompts), 0, dtype=torch.long, device=device),
                           pend_count=torch.zeros(len(prompts), dtype=torch.long, device=device),
                           head_cache=None, reasons=[None] * len(prompts),
-                          spec_ok=[x.speculative for x in joining])
+                          spec_ok=[x.speculative for x in joining],
+                          context=[self._new_context(p) for p in prompts])
         # the prompt's positions feed the first draft (rows that opted out keep none)
         new.add_pending(out.taps, torch.arange(out.taps.shape[1], device=device)[None, :].expand(len(prompts), -1),
                         cache.lengths, [p[1:] + [f] for p, f in zip(prompts, first)])
@@ -277,6 +287,18 @@ class DartEngine:
         return StepOutput(list(ids), new_tokens, list(new.reasons), [0] * len(ids), [0] * len(ids), 0, 0.0, 0.0,
                           ms, ms, logprobs)
 
+    @property
+    def uses_context(self) -> bool:
+        """Whether sequences keep a context index (the head drafts and the search weighs its chains)."""
+        return self.head is not None and self.search_params.context_weight > 0
+
+    def _new_context(self, prompt: list[int]) -> ContextIndex | None:
+        if not self.uses_context:
+            return None
+        index = ContextIndex(self.context_order, self.context_window)
+        index.append(prompt)
+        return index
+
     def _step(self, state: "_BatchState", speculative: bool) -> StepOutput:
         """One draft → tree search → verify → accept step for every running sequence."""
         target, device = self.target, self.target.device
@@ -292,11 +314,14 @@ class DartEngine:
             _sync(device)
             draft_ms = 1e3 * (time.perf_counter() - t0)
             t0 = time.perf_counter()
+            levels = topk_ids.shape[1]
+            chains = [c.continuation(levels) if c is not None else None for c in state.context] \
+                if self.uses_context else None
             trees = self.tree_search.search(topk_ids, topk_probs, [np.asarray(t, dtype=np.int64) for t in state.tokens],
-                                            self.search_params)
+                                            self.search_params, chains)
             search_ms = 1e3 * (time.perf_counter() - t0)
             if self.budget is not None:
-                trees, predicted = self.budget.select_batch(trees, topk_ids, topk_probs)
+                trees, predicted = self.budget.select_batch(trees)
         else:
             trees = _root_only(state.tokens)
         # never draft past max_new_tokens or the context window
@@ -369,9 +394,12 @@ class DartEngine:
         stop_ids = () if sampling.ignore_eos else sampling.stop_token_ids
         seq = state.tokens[i]
         out: list[int] = []
+        context = state.context[i]
         for tok in candidates:
             seq.append(tok)
             out.append(tok)
+            if context is not None:
+                context.append((tok,))
             state.produced[i] += 1
             if tok in stop_ids:
                 return out, "stop"
@@ -485,11 +513,12 @@ class _BatchState:
     head_cache: HeadKVCache | None
     reasons: list[str | None]
     spec_ok: list[bool]  # per row: may this sequence's steps speculate (NewSequence.speculative)
+    context: list[ContextIndex | None]  # per row: its prompt + accepted tokens indexed (None: not used)
     speculative: bool = False
 
     @classmethod
     def empty(cls, speculative: bool) -> "_BatchState":
-        return cls([], [], [], [], [], None, None, [], None, None, None, [], [], speculative)
+        return cls([], [], [], [], [], None, None, [], None, None, None, [], [], [], speculative)
 
     def merge(self, new: "_BatchState") -> None:
         if not self.seq_ids:
@@ -504,6 +533,7 @@ class _BatchState:
         self.generators += new.generators
         self.reasons += new.reasons
         self.spec_ok += new.spec_ok
+        self.context += new.context
         self.pend_next += new.pend_next
         old, nc = self.cache, new.cache
         for lo, ln in zip(old.cache.layers, nc.cache.layers):
@@ -521,7 +551,8 @@ class _BatchState:
         """Keeps the given rows (finished or cancelled sequences leave)."""
         if len(rows) == len(self.seq_ids):
             return
-        for name in ("seq_ids", "tokens", "produced", "samplings", "generators", "reasons", "spec_ok", "pend_next"):
+        for name in ("seq_ids", "tokens", "produced", "samplings", "generators", "reasons", "spec_ok", "pend_next",
+                     "context"):
             setattr(self, name, [getattr(self, name)[i] for i in rows])
         if not rows:
             self.cache = self.head_cache = self.pend_taps = self.pend_pos = self.pend_count = None

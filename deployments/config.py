@@ -68,6 +68,10 @@ class AppConfig(BaseModel):
                                                                             "tree search")
     beam_width: int = Field(_DEFAULTS.beam_width, ge=1, le=_LIMITS.max_beam_width,
                             description="beam width of the tree search")
+    context_weight: float = Field(_DEFAULTS.context_weight, ge=0,
+                                  description="κ: how far the draft tree trusts a continuation copied from the "
+                                              "request's own prompt and output (README, Context in the tree); "
+                                              "0 = the paper's search, without the request's context")
     speculative: bool = Field(True, description="false = plain autoregressive serving (the baseline)")
     max_batch_size: int = Field(16, ge=1, le=_LIMITS.max_batch,
                                 description="sequences decoded together by one engine replica")
@@ -82,4 +86,5 @@ class AppConfig(BaseModel):
     def search_params(self) -> SearchParams:
         """The engine's tree-search parameters (a fixed budget's node count; "auto" starts at the default)."""
         budget = self.budget if isinstance(self.budget, int) else _DEFAULTS.budget
-        return SearchParams(top_k=self.top_k, beam_width=self.beam_width, budget=budget)
+        return SearchParams(top_k=self.top_k, beam_width=self.beam_width, budget=budget,
+                            context_weight=self.context_weight)

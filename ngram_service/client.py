@@ -28,12 +28,15 @@ import numpy as np
 
 from ngram_service._proto import ngram_pb2, ngram_pb2_grpc
 from ngram_service.server import OVERRIDE_FIELDS
-from ngram_service.tree_search import DraftTree, SearchParams, search_trees
+from ngram_service.tree_search import ContextChain, DraftTree, SearchParams, search_trees
 from ngram_service.trie import NgramTrie
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TreeSearchClient", "InProcessTreeSearch", "GrpcTreeSearch"]
+__all__ = ["TreeSearchClient", "InProcessTreeSearch", "GrpcTreeSearch", "MAX_CONTEXT_TAIL"]
+
+#: Context tokens sent per sequence before the service's trie order is known (orders go up to 6).
+MAX_CONTEXT_TAIL = 8
 
 
 class TreeSearchClient(ABC):
@@ -41,9 +44,11 @@ class TreeSearchClient(ABC):
 
     @abstractmethod
     def search(self, topk_ids: np.ndarray, topk_probs: np.ndarray, contexts: Sequence[np.ndarray],
-               params: SearchParams) -> list[DraftTree]:
+               params: SearchParams, chains: Sequence[ContextChain | None] | None = None) -> list[DraftTree]:
         """Args: topk_ids [B, d, k] int64 target ids; topk_probs [B, d, k] float32;
-        contexts: B token arrays ending with each root (bonus) token.
+        contexts: B token arrays ending with each root (bonus) token (the search reads only
+        the last order - 1); chains: None or B context continuations (used when
+        ``params.context_weight`` > 0).
         Returns: B prefix-closed trees (node 0 = root).
         Raises: ValueError on bad shapes or ids (the in-process search; a remote one falls back)."""
 
@@ -58,8 +63,8 @@ class InProcessTreeSearch(TreeSearchClient):
     def __init__(self, trie: NgramTrie | None = None) -> None:
         self.trie = trie
 
-    def search(self, topk_ids, topk_probs, contexts, params):
-        return search_trees(topk_ids, topk_probs, contexts, trie=self.trie, params=params)
+    def search(self, topk_ids, topk_probs, contexts, params, chains=None):
+        return search_trees(topk_ids, topk_probs, contexts, trie=self.trie, params=params, chains=chains)
 
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
@@ -115,6 +120,7 @@ class GrpcTreeSearch(TreeSearchClient):
         self._stub = None
         self._resolving = False
         self._closed = False
+        self._tail: int | None = None
         self._connected = threading.Event()
         if address is not None:
             self._connect(address)
@@ -136,6 +142,8 @@ class GrpcTreeSearch(TreeSearchClient):
         self._address = address
         self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._stub = ngram_pb2_grpc.NgramTreeSearchStub(self._channel)
+        self._tail = None
+        self._learn_tail(self._stub)
         self._connected.set()
 
     def wait_resolved(self, timeout_s: float | None = None) -> bool:
@@ -164,16 +172,41 @@ class GrpcTreeSearch(TreeSearchClient):
 
         threading.Thread(target=run, name="ngram-resolve", daemon=True).start()
 
-    def _request(self, topk_ids, topk_probs, contexts, params: SearchParams) -> ngram_pb2.TreeSearchRequest:
+    @property
+    def context_tail(self) -> int:
+        """Tokens of each context sent: the trie's order - 1 once the service said it (``Info``),
+        until then :data:`MAX_CONTEXT_TAIL` (enough for any supported order)."""
+        return self._tail or MAX_CONTEXT_TAIL
+
+    def _learn_tail(self, stub) -> None:
+        """Asks the service for its trie order (on a daemon thread: never in a search)."""
+        def run() -> None:
+            try:
+                info = stub.Info(ngram_pb2.InfoRequest(), timeout=max(self.timeout_s, 2.0), metadata=self.metadata)
+            except (grpc.RpcError, ValueError):
+                return  # keep sending the longer tail; asked again after the next connection
+            self._tail = max(info.order - 1, 1)  # a logits-only service (order 0) needs the root only
+
+        threading.Thread(target=run, name="ngram-info", daemon=True).start()
+
+    def _request(self, topk_ids, topk_probs, contexts, params: SearchParams, chains) -> ngram_pb2.TreeSearchRequest:
         b, d, k = topk_ids.shape
-        return ngram_pb2.TreeSearchRequest(
+        tail = self.context_tail
+        contexts = [c[-tail:] for c in contexts]  # the search reads no further back
+        request = ngram_pb2.TreeSearchRequest(
             batch=b, depth=d, k=k, topk_ids=topk_ids.ravel().tolist(), topk_probs=topk_probs.ravel().tolist(),
             contexts=np.concatenate(contexts).tolist() if len(contexts) else [],
             context_lengths=[len(c) for c in contexts], vocab_hash=self.vocab_hash,
             params=ngram_pb2.SearchOverrides(**{f: getattr(params, f) for f in OVERRIDE_FIELDS}))
+        if chains is not None and params.context_weight > 0:
+            present = [c for c in chains if c is not None]
+            request.chain_lengths.extend([0 if c is None else len(c.tokens) for c in chains])
+            request.chain_tokens.extend(int(t) for c in present for t in c.tokens)
+            request.chain_probs.extend(float(p) for c in present for p in c.probs)
+        return request
 
     def search(self, topk_ids: np.ndarray, topk_probs: np.ndarray, contexts: Sequence[np.ndarray],
-               params: SearchParams) -> list[DraftTree]:
+               params: SearchParams, chains: Sequence[ContextChain | None] | None = None) -> list[DraftTree]:
         topk_ids = np.asarray(topk_ids, dtype=np.int64)
         topk_probs = np.asarray(topk_probs, dtype=np.float32)
         contexts = [np.asarray(c, dtype=np.int64) for c in contexts]
@@ -186,10 +219,10 @@ class GrpcTreeSearch(TreeSearchClient):
         if retry_after_failure:
             self._resolve_in_background()  # the service may have come back somewhere else
         if cooling:
-            return self._fall_back(topk_ids, topk_probs, contexts, params, None)
+            return self._fall_back(topk_ids, topk_probs, contexts, params, chains, None)
         if stub is None:  # no address yet: waiting for the resolver is no failure, its failing is
-            return self._fall_back(topk_ids, topk_probs, contexts, params, None if resolving else "UNRESOLVED")
-        request = self._request(topk_ids, topk_probs, contexts, params)
+            return self._fall_back(topk_ids, topk_probs, contexts, params, chains, None if resolving else "UNRESOLVED")
+        request = self._request(topk_ids, topk_probs, contexts, params, chains)
         code = None
         for _ in range(1 + self.retries):
             try:
@@ -204,12 +237,20 @@ class GrpcTreeSearch(TreeSearchClient):
                     logger.error("n-gram service refused the call (%s): %s", code.name, e.details())
                     break  # retrying cannot help
                 continue
+            try:
+                trees = [DraftTree.from_parents(t.tokens, t.parents, t.depths, t.scores, t.probs)
+                         for t in response.trees]
+            except ValueError as e:  # a malformed answer (another version of the service?) is a failure
+                logger.error("n-gram service answered a malformed tree: %s", e)
+                code = grpc.StatusCode.INTERNAL
+                break
             with self._lock:
                 self._skip_until = 0.0
-            return [DraftTree.from_parents(t.tokens, t.parents, t.depths, t.scores) for t in response.trees]
-        return self._fall_back(topk_ids, topk_probs, contexts, params, code.name if code else "UNKNOWN", address)
+            return trees
+        return self._fall_back(topk_ids, topk_probs, contexts, params, chains, code.name if code else "UNKNOWN",
+                               address)
 
-    def _fall_back(self, topk_ids, topk_probs, contexts, params, error: str | None,
+    def _fall_back(self, topk_ids, topk_probs, contexts, params, chains, error: str | None,
                    address: str | None = None) -> list[DraftTree]:
         """Answers in process; an ``error`` at ``address`` starts the cooldown, unless the client has
         moved to another address meanwhile (the failure was the old one's)."""
@@ -222,7 +263,7 @@ class GrpcTreeSearch(TreeSearchClient):
                         logger.warning("n-gram service at %s failed (%s): logits-only tree search for %.1f s",
                                        self._address, error, self.cooldown_s)
                     self._skip_until = time.monotonic() + self.cooldown_s
-        return self.fallback.search(topk_ids, topk_probs, contexts, params)
+        return self.fallback.search(topk_ids, topk_probs, contexts, params, chains)
 
     def info(self) -> ngram_pb2.InfoResponse:
         """The service's trie description (raises grpc.RpcError when unreachable)."""

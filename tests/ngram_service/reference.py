@@ -50,6 +50,8 @@ class _Cand:
     score: float
     eff: float
     eos: bool
+    chain: bool = False
+    prob: float = 0.0
 
 
 @dataclass
@@ -65,14 +67,61 @@ class RefParams:
     eos_token_id: int = -1
     ngram_at_level0: bool = False
     use_ngram: bool = True
+    context_weight: float = 0.0
 
 
-def reference_search(topk_ids, topk_probs, context, ngram: ReferenceNgram | None, p: RefParams) -> dict:
+class ReferenceContext:
+    """The per-request context index, written plainly: n-gram counts of one sequence."""
+
+    def __init__(self, max_context: int, max_tokens: int) -> None:
+        self.max_context, self.max_tokens = max_context, max_tokens
+        self.tokens: list[int] = []
+
+    def append(self, tokens) -> None:
+        for t in tokens:
+            self.tokens.append(int(t))
+            if len(self.tokens) > self.max_tokens:
+                self.tokens = self.tokens[-(self.max_tokens // 2):]
+
+    def _occurrences(self, s: tuple, seq: list[int]) -> list[int]:
+        """Positions of the token after each occurrence of s in seq that has a following token."""
+        m = len(s)
+        return [i + m for i in range(len(seq) - m) if tuple(seq[i:i + m]) == s]
+
+    def probability(self, extra, tok: int) -> float:
+        seq = self.tokens
+        tail = (seq + [int(x) for x in extra])[-self.max_context:]
+        for m in range(len(tail), 0, -1):
+            s = tuple(tail[-m:])
+            after = [seq[j] for j in self._occurrences(s, seq)]
+            if after and tok in after:
+                return (m / self.max_context) * (after.count(tok) / len(after))
+        return 0.0
+
+    def continuation(self, max_len: int):
+        seq = self.tokens
+        for m in range(min(self.max_context, len(seq)), 0, -1):
+            after = self._occurrences(tuple(seq[-m:]), seq)
+            if not after:
+                continue
+            pos, out, probs = after[-1], [], []
+            for _ in range(max_len):
+                tok = seq[pos] if pos < len(seq) else out[pos - len(seq)]
+                probs.append(np.float32(self.probability(out, tok)))
+                out.append(tok)
+                pos += 1
+            return out, probs, m
+        return [], [], 0
+
+
+def reference_search(topk_ids, topk_probs, context, ngram: ReferenceNgram | None, p: RefParams,
+                     chain=(), chain_probs=()) -> dict:
     ids = np.asarray(topk_ids)
     probs = np.asarray(topk_probs, dtype=np.float32)
     levels = min(p.max_depth, ids.shape[0])
     k = min(p.top_k, ids.shape[1])
     use_ngram = p.use_ngram and ngram is not None and p.ngram_weight > 0
+    chain_used = len(chain) if p.context_weight > 0 else 0
     cands: list[_Cand] = []
     beam = [-1]
     for level in range(levels):
@@ -91,13 +140,28 @@ def reference_search(topk_ids, topk_probs, context, ngram: ReferenceNgram | None
             ctx = list(context) + path[::-1]
             ps = cands[parent].score if parent >= 0 else 0.0
             pe = cands[parent].eff if parent >= 0 else math.inf
-            for j in range(k):
-                tok = int(ids[level, j])
-                inc = mu * math.log(float(probs[level, j]) + p.epsilon)
+            on_chain = level < chain_used and (parent < 0 or cands[parent].chain)
+            chain_tok = int(chain[level]) if on_chain else -1
+            chain_p = p.context_weight * float(np.float32(chain_probs[level])) if on_chain else 0.0
+            seen = False
+            for j in range(k + 1):
+                if j < k:
+                    tok, p_draft = int(ids[level, j]), np.float32(probs[level, j])
+                elif on_chain and not seen:  # the head's top-k missed the chain's token
+                    tok, p_draft = chain_tok, np.float32(0.0)
+                else:
+                    break
+                is_chain = tok == chain_tok
+                scored = np.float32(max(float(p_draft), chain_p)) if is_chain else p_draft
+                prob = max(p_draft, np.float32(chain_probs[level])) if is_chain else p_draft  # the budget's estimate
+                inc = mu * math.log(float(scored) + p.epsilon)
                 if ngram_here:
-                    inc += p.ngram_weight * math.log(ngram.probability(ctx, tok) + p.epsilon)
+                    p_ng = ngram.probability(ctx, tok)
+                    inc += p.ngram_weight * math.log((max(p_ng, chain_p) if is_chain else p_ng) + p.epsilon)
                 score = ps + lam * inc
-                cands.append(_Cand(tok, parent, level + 1, score, min(score, pe), tok == p.eos_token_id))
+                cands.append(_Cand(tok, parent, level + 1, score, min(score, pe), tok == p.eos_token_id, is_chain,
+                                   float(prob)))
+                seen = seen or is_chain
         level_ids = range(start, len(cands))
         beam = sorted(level_ids, key=lambda i: (cands[i].eos, -cands[i].score, i))[:p.beam_width]
         if not beam:
@@ -136,4 +200,5 @@ def reference_search(topk_ids, topk_probs, context, ngram: ReferenceNgram | None
         "scores": np.array(scores, dtype=np.float64),
         "tree_mask": mask,
         "retrieve_indices": np.array(rows, dtype=np.int32).reshape(len(rows), max_depth + 1),
+        "probs": np.array([1.0] + [cands[c].prob for c in ordered], dtype=np.float32),
     }

@@ -10,12 +10,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ngram_service.tree_search import DraftTree, SearchParams, search_tree, search_trees
+from ngram_service.tree_search import ContextChain, DraftTree, SearchParams, search_tree, search_trees
 
 from .conftest import make_trie, random_docs
 from .reference import RefParams, ReferenceNgram, reference_search
 
-FIELDS = ("tokens", "parents", "depths", "scores", "tree_mask", "retrieve_indices")
+FIELDS = ("tokens", "parents", "depths", "scores", "tree_mask", "retrieve_indices", "probs")
 
 
 def assert_tree_equal(tree: DraftTree, want: dict):
@@ -148,6 +148,96 @@ def _native_params(p: RefParams, threads: int = 1) -> SearchParams:
     return SearchParams(**vars(p), num_threads=threads)
 
 
+def _random_chain(rng: np.random.Generator, vocab: int, ids: np.ndarray):
+    """A context continuation: some tokens the head also drafted, some it missed."""
+    n = int(rng.integers(0, ids.shape[0] + 2))
+    tokens = [int(ids[l, rng.integers(ids.shape[1])]) if l < ids.shape[0] and rng.random() < 0.5
+              else int(rng.integers(vocab)) for l in range(n)]
+    probs = rng.choice([0.0, 0.25, 1.0, rng.uniform()], size=n).astype(np.float32)
+    return ContextChain(np.array(tokens, dtype=np.int64), probs)
+
+
+def test_context_chains_match_reference(tmp_path):
+    """Random cases with a context continuation and κ > 0: identical trees, node probabilities."""
+    for seed in range(6):
+        rng = np.random.default_rng(2000 + seed)
+        order = 2 + seed % 3
+        vocab = int(rng.integers(4, 30))
+        docs = random_docs(rng, vocab, num_docs=40, max_len=60)
+        trie, ref = make_trie(tmp_path, docs, order, vocab), ReferenceNgram(docs, order)
+        for i in range(60):
+            p, ids, probs, ctx = _random_case(rng, vocab, reference_defaults=i % 10 == 0)
+            p.context_weight = float(rng.choice([0.0, 0.5, 1.0, rng.uniform(0, 3)]))
+            chain = _random_chain(rng, vocab, ids)
+            want = reference_search(ids, probs, ctx, ref, p, chain.tokens, chain.probs)
+            got = search_tree(ids, probs, ctx, trie=trie, params=_native_params(p), chain=chain)
+            assert_tree_equal(got, want)
+            want_none = reference_search(ids, probs, ctx, ref, p)
+            if p.context_weight == 0 or len(chain.tokens) == 0:  # κ = 0 or no chain: the plain search
+                assert_tree_equal(got, want_none)
+
+
+def test_a_chain_the_head_missed_enters_the_tree():
+    ids = np.array([[5, 6], [7, 8], [9, 10]])
+    probs = np.array([[0.6, 0.4], [0.9, 0.1], [0.7, 0.3]], dtype=np.float32)
+    chain = ContextChain(np.array([40, 41, 42]), np.array([1.0, 1.0, 0.5], dtype=np.float32))
+    params = SearchParams(top_k=2, beam_width=2, max_depth=3, budget=12, use_ngram=False, context_weight=0.8)
+    tree = search_tree(ids, probs, [1, 2], params=params, chain=chain)
+    path = [(int(tree.tokens[i]), int(tree.parents[i])) for i in range(tree.num_nodes)]
+    at = {tok: i for i, (tok, _) in enumerate(path)}
+    assert {40, 41, 42} <= set(at) and path[at[41]][1] == at[40] and path[at[42]][1] == at[41]
+    # scored with κ·q, priced with q (the budget's acceptance estimate)
+    np.testing.assert_allclose(tree.probs[[at[40], at[41], at[42]]], [1.0, 1.0, 0.5])
+    plain = search_tree(ids, probs, [1, 2], params=dataclasses.replace(params, context_weight=0.0), chain=chain)
+    assert not {40, 41, 42} & set(plain.tokens.tolist())  # κ = 0: the chain is ignored
+
+
+def test_context_index_matches_reference():
+    from ngram_service.context import ContextIndex
+
+    from .reference import ReferenceContext
+
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        vocab = int(rng.integers(2, 12))
+        max_context, max_tokens = int(rng.integers(1, 6)), int(rng.integers(14, 80))
+        idx, ref = ContextIndex(max_context, max_tokens), ReferenceContext(max_context, max_tokens)
+        for _ in range(int(rng.integers(1, 12))):
+            chunk = rng.integers(0, vocab, size=int(rng.integers(0, 20))).tolist()
+            idx.append(chunk)
+            ref.append(chunk)
+            assert len(idx) == len(ref.tokens)
+            for _ in range(5):
+                extra = rng.integers(0, vocab, size=int(rng.integers(0, 4))).tolist()
+                tok = int(rng.integers(vocab))
+                assert idx.probability(tok, extra) == ref.probability(extra, tok)
+            max_len = int(rng.integers(0, 10))
+            got, (tokens, probs, match) = idx.continuation(max_len), ref.continuation(max_len)
+            assert got.tokens.tolist() == tokens and got.match_length == match
+            np.testing.assert_array_equal(got.probs, np.array(probs, dtype=np.float32).reshape(-1))
+
+
+def test_context_index_worked_example_and_errors():
+    from ngram_service.context import ContextIndex
+
+    idx = ContextIndex(max_context=3, max_tokens=64)
+    idx.append([1, 2, 3, 4, 1, 2, 3, 5, 1, 2])
+    chain = idx.continuation(5)  # "1 2" last followed "... 4 1 2" by 3 5 1 2, then the copy repeats itself
+    assert chain.tokens.tolist() == [3, 5, 1, 2, 3] and chain.match_length == 2
+    # q = (|s| / 3) · count(s·tok) / count(s): "1 2" → 3 twice in two (2/3 · 1); "1 2 3" → 5 once in two
+    # (3/3 · 1/2); "2 3 5" → 1 and "3 5 1" → 2 once in one; then "1 2" → 3 again
+    np.testing.assert_allclose(chain.probs, [2 / 3, 0.5, 1.0, 1.0, 2 / 3], rtol=1e-6)
+    assert idx.probability(3) == pytest.approx(2 / 3) and idx.probability(4, extra=[3]) == 0.5
+    assert idx.probability(9) == 0.0
+    assert ContextIndex(2, 16).continuation(4).tokens.tolist() == []
+    with pytest.raises(ValueError):
+        ContextIndex(0, 64)
+    with pytest.raises(ValueError):
+        ContextIndex(4, 4)
+    with pytest.raises(ValueError):
+        idx.append([-1])
+
+
 def test_random_cases_match_reference(tmp_path):
     """1,200 random cases over random tries of every order: trees identical, scores bit for bit."""
     cases = 0
@@ -223,7 +313,7 @@ def test_selecting_a_subtree_keeps_every_field_consistent():
         for i in range(1, tree.num_nodes):  # a random prefix-closed subset
             keep[i] = keep[tree.parents[i]] and rng.random() < 0.7
         sub = tree.select(keep)
-        rebuilt = DraftTree.from_parents(sub.tokens, sub.parents, sub.depths, sub.scores)
+        rebuilt = DraftTree.from_parents(sub.tokens, sub.parents, sub.depths, sub.scores, sub.probs)
         for f in FIELDS:
             np.testing.assert_array_equal(getattr(sub, f), getattr(rebuilt, f), err_msg=f)
         assert sub.retrieve_indices.shape[0] >= 1 and (sub.retrieve_indices[:, 0] == 0).all()

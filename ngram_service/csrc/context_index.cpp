@@ -1,0 +1,125 @@
+#include "context_index.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace dart_ngram {
+
+namespace {
+
+constexpr int kMaxContext = 8;
+
+inline uint64_t mix(uint64_t x) {  // splitmix64 finaliser
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// hash of a suffix grown one token to the left: the same for insertion and lookup
+inline uint64_t extend(uint64_t h, int64_t token) { return mix(h ^ (static_cast<uint64_t>(token) + 1)); }
+inline uint64_t with_next(uint64_t h, int64_t next) { return mix(h + 0x632be59bd9b4e019ULL * (next + 2)); }
+
+}  // namespace
+
+ContextIndex::ContextIndex(int max_context, size_t max_tokens)
+    : max_context_(max_context), max_tokens_(max_tokens), contexts_(max_context), follows_(max_context) {
+  if (max_context < 1 || max_context > kMaxContext) {
+    throw std::invalid_argument("max_context must be in 1.." + std::to_string(kMaxContext) + ", got " +
+                                std::to_string(max_context));
+  }
+  if (max_tokens < static_cast<size_t>(2 * max_context + 2) || max_tokens > (1ULL << 31)) {
+    throw std::invalid_argument("max_tokens must be in " + std::to_string(2 * max_context + 2) + "..2^31");
+  }
+}
+
+void ContextIndex::suffix_hashes(const std::vector<int64_t>& seq, size_t end, uint64_t* out, int* count) const {
+  uint64_t h = 0;
+  int m = 0;
+  for (; m < max_context_ && static_cast<size_t>(m) < end; ++m) {
+    h = extend(h, seq[end - 1 - m]);
+    out[m] = h;
+  }
+  *count = m;
+}
+
+void ContextIndex::index_position(size_t i) {
+  uint64_t hashes[kMaxContext];
+  int n = 0;
+  suffix_hashes(tokens_, i, hashes, &n);
+  const int64_t next = tokens_[i];
+  for (int m = 0; m < n; ++m) {
+    Seen& s = contexts_[m][hashes[m]];
+    ++s.count;
+    s.next_pos = static_cast<uint32_t>(i);
+    ++follows_[m][with_next(hashes[m], next)];
+  }
+}
+
+void ContextIndex::rebuild() {
+  tokens_.erase(tokens_.begin(), tokens_.end() - static_cast<std::ptrdiff_t>(max_tokens_ / 2));
+  for (auto& c : contexts_) c.clear();
+  for (auto& f : follows_) f.clear();
+  for (size_t i = 1; i < tokens_.size(); ++i) index_position(i);
+}
+
+void ContextIndex::append(const int64_t* tokens, size_t n) {
+  for (size_t j = 0; j < n; ++j) {
+    if (tokens[j] < 0) throw std::invalid_argument("token ids must be >= 0");
+  }
+  for (size_t j = 0; j < n; ++j) {
+    tokens_.push_back(tokens[j]);
+    if (tokens_.size() > max_tokens_) {
+      rebuild();
+    } else {
+      index_position(tokens_.size() - 1);
+    }
+  }
+}
+
+double ContextIndex::probability(const int64_t* extra, size_t n_extra, int64_t tok) const {
+  // the last max_context tokens of tokens_ + extra
+  std::vector<int64_t> tail;
+  tail.reserve(max_context_);
+  const size_t from_extra = std::min<size_t>(n_extra, max_context_);
+  const size_t from_seq = std::min<size_t>(tokens_.size(), max_context_ - from_extra);
+  tail.insert(tail.end(), tokens_.end() - static_cast<std::ptrdiff_t>(from_seq), tokens_.end());
+  tail.insert(tail.end(), extra + (n_extra - from_extra), extra + n_extra);
+  uint64_t hashes[kMaxContext];
+  int n = 0;
+  suffix_hashes(tail, tail.size(), hashes, &n);
+  for (int m = n - 1; m >= 0; --m) {
+    const auto c = contexts_[m].find(hashes[m]);
+    if (c == contexts_[m].end()) continue;
+    const auto f = follows_[m].find(with_next(hashes[m], tok));
+    if (f == follows_[m].end()) continue;
+    // evidence grows with the length of the matched context: a copy after one shared token is
+    // right far less often than after max_context (README, "Context in the tree")
+    return (static_cast<double>(m + 1) / static_cast<double>(max_context_)) *
+           (static_cast<double>(f->second) / static_cast<double>(c->second.count));
+  }
+  return 0.0;
+}
+
+ContextIndex::Continuation ContextIndex::continuation(size_t max_len) const {
+  Continuation out;
+  uint64_t hashes[kMaxContext];
+  int n = 0;
+  suffix_hashes(tokens_, tokens_.size(), hashes, &n);
+  for (int m = n - 1; m >= 0; --m) {
+    const auto c = contexts_[m].find(hashes[m]);
+    if (c == contexts_[m].end()) continue;
+    out.match_length = m + 1;
+    size_t pos = c->second.next_pos;
+    for (size_t l = 0; l < max_len; ++l, ++pos) {  // past the end, the copy continues from itself
+      const int64_t tok = pos < tokens_.size() ? tokens_[pos] : out.tokens[pos - tokens_.size()];
+      out.probs.push_back(probability(out.tokens.data(), out.tokens.size(), tok));
+      out.tokens.push_back(tok);
+    }
+    break;
+  }
+  return out;
+}
+
+}  // namespace dart_ngram

@@ -1,0 +1,68 @@
+// Per-request context index: n-gram statistics of one sequence (its prompt and
+// the tokens accepted so far), updated as the sequence grows, for drafting from
+// the request's own context (docs/design.md §2, "Context in the tree").
+//
+// For every context length m = 1..max_context it keeps, keyed by a 64-bit hash
+// of the m tokens:
+//   - count(s): how many times the m-gram s occurred *followed by a token*;
+//   - the position of the token that followed its most recent occurrence;
+// and, keyed by a hash of (s, next), count(s·next).  Appending n tokens costs
+// O(n · max_context) hash-map updates; memory is bounded by `max_tokens`: past
+// it, the index keeps the newest max_tokens / 2 tokens and rebuilds (amortised
+// O(max_context) per token).
+//
+// Lookups follow the corpus trie's back-off rule, discounted by the length of
+// the match: q(tok | seq) = (|s| / max_context) · count(s·tok) / count(s) for
+// the longest suffix s of the sequence (at most max_context tokens) such that
+// count(s·tok) > 0; 0 when no suffix predicts tok.  The discount is what the
+// tuning split measured: a copy after a 1-token match was right 21 % of the
+// time, after 2, 3 and 4 tokens 53 %, 63 % and 85 % (max_context 4).
+// The continuation copies what followed the most recent earlier occurrence of
+// the longest suffix that occurred before (prompt-lookup decoding's rule, with
+// the longest match), extended periodically when it runs into the present.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <unordered_map>
+#include <vector>
+
+namespace dart_ngram {
+
+class ContextIndex {
+ public:
+  // max_context: longest suffix looked up (1..8); max_tokens: tokens kept (>= 2 * max_context + 2).
+  ContextIndex(int max_context, size_t max_tokens);
+
+  void append(const int64_t* tokens, size_t n);
+  size_t size() const { return tokens_.size(); }  // tokens currently indexed
+  int max_context() const { return max_context_; }
+
+  // q(tok | the indexed tokens followed by extra[0..n_extra)), as above.
+  double probability(const int64_t* extra, size_t n_extra, int64_t tok) const;
+
+  struct Continuation {
+    std::vector<int64_t> tokens;  // what followed the match, in order
+    std::vector<double> probs;    // probability() of each token given the ones before it
+    int match_length = 0;         // tokens of the matched suffix (0: no match)
+  };
+  Continuation continuation(size_t max_len) const;
+
+ private:
+  struct Seen {
+    uint32_t count;     // occurrences followed by a token
+    uint32_t next_pos;  // index of the token after the most recent occurrence
+  };
+  void index_position(size_t i);  // tokens_[i] as the follower of each context ending at i - 1
+  void rebuild();
+  // hashes of the suffixes of length 1..max_context ending just before `end` in seq
+  void suffix_hashes(const std::vector<int64_t>& seq, size_t end, uint64_t* out, int* count) const;
+
+  int max_context_;
+  size_t max_tokens_;
+  std::vector<int64_t> tokens_;
+  std::vector<std::unordered_map<uint64_t, Seen>> contexts_;      // [m - 1]
+  std::vector<std::unordered_map<uint64_t, uint32_t>> follows_;  // [m - 1]
+};
+
+}  // namespace dart_ngram
