@@ -157,14 +157,18 @@ def _random_chain(rng: np.random.Generator, vocab: int, ids: np.ndarray):
     return ContextChain(np.array(tokens, dtype=np.int64), probs)
 
 
+def _random_trie(tmp_path, rng, order: int, *, max_vocab: int, num_docs: int, max_len: int):
+    """(vocab, docs, trie, reference) of a random corpus: the C++ trie and its plain-Python reference."""
+    vocab = int(rng.integers(4, max_vocab))
+    docs = random_docs(rng, vocab, num_docs=num_docs, max_len=max_len)
+    return vocab, docs, make_trie(tmp_path, docs, order, vocab), ReferenceNgram(docs, order)
+
+
 def test_context_chains_match_reference(tmp_path):
     """Random cases with a context continuation and κ > 0: identical trees, node probabilities."""
     for seed in range(6):
         rng = np.random.default_rng(2000 + seed)
-        order = 2 + seed % 3
-        vocab = int(rng.integers(4, 30))
-        docs = random_docs(rng, vocab, num_docs=40, max_len=60)
-        trie, ref = make_trie(tmp_path, docs, order, vocab), ReferenceNgram(docs, order)
+        vocab, docs, trie, ref = _random_trie(tmp_path, rng, 2 + seed % 3, max_vocab=30, num_docs=40, max_len=60)
         for i in range(60):
             p, ids, probs, ctx = _random_case(rng, vocab, reference_defaults=i % 10 == 0)
             p.context_weight = float(rng.choice([0.0, 0.5, 1.0, rng.uniform(0, 3)]))
@@ -243,10 +247,7 @@ def test_random_cases_match_reference(tmp_path):
     cases = 0
     for seed in range(12):
         rng = np.random.default_rng(1000 + seed)
-        order = 2 + seed % 5
-        vocab = int(rng.integers(4, 40))
-        docs = random_docs(rng, vocab, num_docs=60, max_len=80)
-        trie, ref = make_trie(tmp_path, docs, order, vocab), ReferenceNgram(docs, order)
+        vocab, docs, trie, ref = _random_trie(tmp_path, rng, 2 + seed % 5, max_vocab=40, num_docs=60, max_len=80)
         for i in range(100):
             p, ids, probs, ctx = _random_case(rng, vocab, reference_defaults=i % 10 == 0)
             if i % 2 == 0 and docs[i % len(docs)]:  # contexts seen in the corpus exercise long suffixes
