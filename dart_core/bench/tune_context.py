@@ -113,12 +113,14 @@ def run_tuning(cfg: TuningConfig, *, progress: bool = True) -> dict:
         raise ValueError("tuning κ needs a draft head")
     base = engine.search_params
     prompts = []
-    for messages in tuning_conversations(cfg.num_prompts * 3, pool=cfg.pool, seed=cfg.seed):
+    for messages in tuning_conversations(cfg.pool, pool=cfg.pool, seed=cfg.seed):
         ids = model.encode(messages)
         if len(ids) <= cfg.max_prompt_tokens:
             prompts.append(ids)
         if len(prompts) == cfg.num_prompts:
             break
+    if not prompts:
+        raise ValueError(f"no tuning conversation fits in max_prompt_tokens={cfg.max_prompt_tokens}")
     sampling = model.sampling_params(max_new_tokens=cfg.max_new_tokens, temperature=0.0)
     grid = [(o, w) for o in cfg.orders for w in cfg.weights]
     grid = [(cfg.orders[0], 0.0)] + [g for g in grid if g != (cfg.orders[0], 0.0)]  # the reference first
