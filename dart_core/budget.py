@@ -9,8 +9,8 @@ per sequence:
     E[tokens | B] = 1 + c · Σ_{B best nodes} P(node accepted)
 
 P(node accepted) is estimated as the product of the draft probabilities on
-the node's path (the draft head's own belief, or a context continuation's
-weighted probability where the search used that: ``DraftTree.probs``); ``c`` calibrates it online as
+the node's path (the draft head's own belief, or on a context chain the
+chain's evidence q where higher: ``DraftTree.probs``); ``c`` calibrates it online as
 an exponential moving average of accepted / predicted.  Nodes are taken in
 the search's own rank order (min-score along the path, then depth), so every
 truncation is prefix-closed.  ``t_verify(n)`` is a :class:`VerifyCostCurve`

@@ -394,18 +394,20 @@ class DartEngine:
         stop_ids = () if sampling.ignore_eos else sampling.stop_token_ids
         seq = state.tokens[i]
         out: list[int] = []
-        context = state.context[i]
+        reason = None
         for tok in candidates:
             seq.append(tok)
             out.append(tok)
-            if context is not None:
-                context.append((tok,))
             state.produced[i] += 1
             if tok in stop_ids:
-                return out, "stop"
+                reason = "stop"
+                break
             if state.produced[i] >= sampling.max_new_tokens or len(seq) >= self.target.max_context:
-                return out, "length"
-        return out, None
+                reason = "length"
+                break
+        if state.context[i] is not None:
+            state.context[i].append(out)  # one call per step: the index sees what the sequence kept
+        return out, reason
 
     def _sample_rows(self, logits: torch.Tensor, samplings: list[SamplingParams],
                      generators: list[torch.Generator]) -> list[int]:

@@ -185,7 +185,9 @@ class GrpcTreeSearch(TreeSearchClient):
                 info = stub.Info(ngram_pb2.InfoRequest(), timeout=max(self.timeout_s, 2.0), metadata=self.metadata)
             except (grpc.RpcError, ValueError):
                 return  # keep sending the longer tail; asked again after the next connection
-            self._tail = max(info.order - 1, 1)  # a logits-only service (order 0) needs the root only
+            with self._lock:
+                if self._stub is stub:  # not an answer from an address the client has left since
+                    self._tail = max(info.order - 1, 1)  # a logits-only service (order 0) needs the root only
 
         threading.Thread(target=run, name="ngram-info", daemon=True).start()
 

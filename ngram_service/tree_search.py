@@ -191,18 +191,15 @@ class ContextChain:
 
 
 def _pack_chains(chains: Sequence["ContextChain | None"] | None, batch: int):
-    """(flat tokens [sum L], flat probs [sum L], offsets [batch + 1])."""
+    """(flat tokens [sum L], flat probs [sum L], offsets [batch + 1]), laid out as :func:`pack_ragged`."""
     if chains is None:
         chains = [None] * batch
     if len(chains) != batch:
         raise ValueError(f"{len(chains)} chains for a batch of {batch}")
-    tokens = [np.asarray(c.tokens, np.int64) if c is not None else np.zeros(0, np.int64) for c in chains]
-    probs = [np.asarray(c.probs, np.float32) if c is not None else np.zeros(0, np.float32) for c in chains]
-    offsets = np.zeros(batch + 1, dtype=np.int64)
-    np.cumsum([len(t) for t in tokens], out=offsets[1:])
-    flat_t = np.concatenate(tokens) if batch else np.zeros(0, np.int64)
-    flat_p = np.concatenate(probs) if batch else np.zeros(0, np.float32)
-    return flat_t, flat_p, offsets
+    chains = [ContextChain.empty() if c is None else c for c in chains]
+    tokens, offsets = pack_ragged([c.tokens for c in chains])
+    probs = [np.asarray(c.probs, np.float32).reshape(-1) for c in chains]
+    return tokens, np.concatenate(probs) if probs else np.zeros(0, np.float32), offsets
 
 
 def search_tree(
