@@ -65,6 +65,8 @@ class DraftHeadConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
     hidden_act: str = "silu"
+    rope_scaling: dict | None = None  # transformers' rope_scaling (linear, dynamic, llama3, yarn ...); None = plain RoPE
+    final_norm_twice: bool = False  # the reference generation path's lm_head(norm(norm(h))) (reference checkpoints)
 
     @property
     def depth(self) -> int:
@@ -89,6 +91,7 @@ class DraftHeadConfig:
             rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
             rope_theta=float(_rope_theta(c)),
             max_position_embeddings=getattr(c, "max_position_embeddings", 8192),
+            rope_scaling=_rope_scaling(c),
         )
 
     @classmethod
@@ -100,8 +103,15 @@ class DraftHeadConfig:
         if "head_dim" not in kw and "hidden_size" in d and "num_attention_heads" in d:
             kw["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
         kw.setdefault("num_key_value_heads", d.get("num_attention_heads"))
-        if "rope_theta" not in kw and isinstance(d.get("rope_parameters"), dict):
-            kw["rope_theta"] = d["rope_parameters"].get("rope_theta", 10000.0)
+        rope = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else None
+        if "rope_theta" not in kw and rope is not None:
+            kw["rope_theta"] = rope.get("rope_theta", 10000.0)
+        if kw.get("rope_scaling") is None and rope is not None and rope.get("rope_type", "default") != "default":
+            kw["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+        if "final_norm_twice" not in kw:
+            # a checkpoint of the reference's own class (not saved by dart-serve): its generation path
+            # normalises twice (end of the layer's forward, then again before lm_head)
+            kw["final_norm_twice"] = "DartDraftHead" not in (d.get("architectures") or ["DartDraftHead"])
         missing = [f.name for f in fields(cls) if f.name not in kw and f.default is MISSING]
         if missing:
             raise HeadLoadError(f"draft head config.json lacks {', '.join(missing)}")
@@ -113,6 +123,14 @@ def _rope_theta(config) -> float:
     if isinstance(params, dict) and "rope_theta" in params:
         return params["rope_theta"]
     return getattr(config, "rope_theta", 10000.0)
+
+
+def _rope_scaling(config) -> dict | None:
+    """A target config's RoPE scaling (transformers' ``rope_parameters`` or legacy ``rope_scaling``), None if plain."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(params, dict) or params.get("rope_type", params.get("type", "default")) == "default":
+        return None
+    return {k: v for k, v in params.items() if k != "rope_theta"}
 
 
 class _DraftAttention(nn.Module):
@@ -173,7 +191,8 @@ class DartDraftHead(nn.Module):
         self.t2d[: c.draft_vocab_size] = True
         rope_config = LlamaConfig(hidden_size=c.num_attention_heads * c.head_dim, head_dim=c.head_dim,
                                   num_attention_heads=c.num_attention_heads, rope_theta=c.rope_theta,
-                                  max_position_embeddings=c.max_position_embeddings)
+                                  max_position_embeddings=c.max_position_embeddings,
+                                  rope_scaling=dict(c.rope_scaling) if c.rope_scaling else None)
         self.rotary = LlamaRotaryEmbedding(rope_config)
         self.reset_parameters()
 
@@ -226,7 +245,7 @@ class DartDraftHead(nn.Module):
         take = torch.cat([last_index[:, None], t + torch.arange(slots, device=taps.device).expand(b, slots)], dim=1)
         mask = mask.gather(2, take[:, None, :, None].expand(b, 1, slots + 1, mask.shape[-1]))
         h, ks, vs = self._layer(taps, next_embeds, positions, slot_pos, past_k, past_v, mask, take)
-        return self.lm_head(self.norm(h)), ks[:, :, :t], vs[:, :, :t]
+        return self.logits(h), ks[:, :, :t], vs[:, :, :t]
 
     def forward_train(self, taps: torch.Tensor, next_embeds: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """Drafts for many anchor positions of whole sequences in one forward (training).
@@ -267,7 +286,17 @@ class DartDraftHead(nn.Module):
         mask.masked_fill_(~allowed, torch.finfo(taps.dtype).min)
         empty = torch.zeros(b, c.num_key_value_heads, 0, c.head_dim, dtype=taps.dtype, device=dev)
         h, _, _ = self._layer(taps, next_embeds, positions, slot_pos, empty, empty, mask[:, None], take)
-        return self.lm_head(self.norm(h)).view(b, a, slots + 1, -1)
+        return self.logits(h).view(b, a, slots + 1, -1)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[..., H] layer output -> [..., V_draft] draft logits: ``lm_head(norm(h))``, or
+        ``lm_head(norm(norm(h)))`` with ``final_norm_twice`` (the reference's generation path,
+        whose layer forward already ends with the final norm and whose logit function applies it
+        again; its checkpoints were trained for that path)."""
+        h = self.norm(h)
+        if self.config.final_norm_twice:
+            h = self.norm(h)
+        return self.lm_head(h)
 
     def _layer(self, taps, next_embeds, positions, slot_pos, past_k, past_v, mask, query_index):
         """The decoder layer over real positions [B, T] followed by slots [B, S], evaluated for the

@@ -3,11 +3,13 @@ clear errors for mismatched or corrupt heads, and the forward contract."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig
 
 from dart_core.draft_head import DartDraftHead, DraftHeadConfig, HeadLoadError, load_draft_head, save_draft_head
 
@@ -167,3 +169,73 @@ def test_training_forward_equals_decoding_forward(head):
                 ref, _, _ = head(taps[b:b + 1, :n], embeds[b:b + 1, :n], torch.arange(n)[None],
                                  torch.tensor([a]), empty, empty, torch.zeros(1, dtype=torch.long))
                 torch.testing.assert_close(train_logits[b, i], ref[0], atol=1e-5, rtol=1e-4)
+
+
+_REFERENCE_HEAD = __import__("pathlib").Path(__file__).parents[1] / "fixtures" / "reference-head"
+
+
+def test_a_reference_checkpoint_drafts_as_the_reference_generation_path(tmp_path):
+    """Fixture made by running the reference DART code (tests/fixtures/reference-head/README.md): its
+    generation path normalises twice before lm_head; a checkpoint of its class keeps that path here,
+    through a prefill step and a cached decoding step, and keeps it when re-saved by dart-serve."""
+    from safetensors.torch import load_file
+
+    inp = load_file(str(_REFERENCE_HEAD / "inputs.safetensors"))
+    ref = load_file(str(_REFERENCE_HEAD / "ref_logits.safetensors"))
+
+    def two_steps(head):
+        c = head.config
+        empty = torch.zeros(1, c.num_key_value_heads, 0, c.head_dim)
+        with torch.no_grad():
+            l1, k, v = head(inp["step1_aux_hidden_states"], inp["step1_inputs_embeds"], torch.arange(11)[None],
+                            torch.tensor([10]), empty, empty, torch.tensor([0]))
+            l2, _, _ = head(inp["step2_aux_hidden_states"], inp["step2_inputs_embeds"], torch.arange(11, 14)[None],
+                            torch.tensor([2]), k, v, torch.tensor([11]))
+        return l1, l2
+
+    head = load_draft_head(_REFERENCE_HEAD)
+    assert head.config.final_norm_twice
+    l1, l2 = two_steps(head)
+    assert (l1 - ref["step1_logits"]).abs().max() < 1e-4
+    assert (l2 - ref["step2_logits"]).abs().max() < 1e-4
+    save_draft_head(head, tmp_path / "resaved", dtype=None)
+    again = load_draft_head(tmp_path / "resaved")
+    assert again.config.final_norm_twice and torch.equal(two_steps(again)[1], l2)
+    # the single-norm path is a different function on the same weights (dart-serve's own heads)
+    single = DartDraftHead(dataclasses.replace(head.config, final_norm_twice=False))
+    single.load_state_dict(head.state_dict())
+    s1, _ = two_steps(single)
+    assert (s1 - ref["step1_logits_single_norm"]).abs().max() < 1e-4
+    assert (s1 - ref["step1_logits"]).abs().max() > 0.1
+
+
+def test_our_heads_keep_the_single_norm_path_and_rope_scaling_reaches_the_rotary_embedding():
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    base = dict(hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=100,
+                draft_vocab_size=50, max_position_embeddings=4096)
+    assert not DraftHeadConfig.from_json_dict({**base, "architectures": ["DartDraftHead"]}).final_norm_twice
+    assert not DraftHeadConfig.from_json_dict(base).final_norm_twice  # no architectures: ours
+    assert DraftHeadConfig.from_json_dict({**base, "architectures": ["Qwen3ForCausalLMDart"]}).final_norm_twice
+    for scaling in ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 1024},
+                    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+                    {"rope_type": "linear", "factor": 2.0}):
+        for cfg in (DraftHeadConfig.from_json_dict({**base, "rope_scaling": scaling}),
+                    DraftHeadConfig.from_json_dict({**base, "rope_parameters": {**scaling, "rope_theta": 10000.0}})):
+            assert cfg.rope_scaling["rope_type"] == scaling["rope_type"]
+            head = DartDraftHead(cfg)
+            target_rope = LlamaRotaryEmbedding(LlamaConfig(hidden_size=64, num_attention_heads=4,
+                                                           max_position_embeddings=4096, rope_scaling=dict(scaling)))
+            x = torch.zeros(1, 3, 8)
+            pos = torch.tensor([[0, 1500, 4000]])
+            for ours, theirs in zip(head.rotary(x, pos), target_rope(x, pos)):
+                torch.testing.assert_close(ours, theirs)
+            plain = DartDraftHead(dataclasses.replace(cfg, rope_scaling=None))
+            assert not torch.allclose(plain.rotary(x, pos)[0], head.rotary(x, pos)[0])
+        # a head made for a target (the trainer's) takes the target's scaling
+        target_cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=100,
+                                 max_position_embeddings=4096, rope_scaling=dict(scaling))
+        assert DraftHeadConfig.for_target(target_cfg).rope_scaling["rope_type"] == scaling["rope_type"]
+    assert DraftHeadConfig.for_target(LlamaConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                                                  vocab_size=100)).rope_scaling is None
