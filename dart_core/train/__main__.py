@@ -35,16 +35,27 @@ def _add_fields(ap: argparse.ArgumentParser, cls, skip=()) -> None:
                         help=f"[{_SHOWN_DEFAULTS.get(f.name, default)}]")
 
 
+def add_train_arguments(ap: argparse.ArgumentParser, skip=()) -> None:
+    """Adds one option per :class:`TrainConfig` and :class:`DataConfig` field (``--num-prompts`` ...)."""
+    _add_fields(ap, TrainConfig, skip=("data", *skip))
+    _add_fields(ap, DataConfig, skip=skip)
+
+
+def config_from_args(args: dict) -> TrainConfig:
+    """The :class:`TrainConfig` of parsed options (``vars(namespace)``; the fields are popped from it)."""
+    data = DataConfig(**{f.name: args.pop(f.name) for f in dataclasses.fields(DataConfig)})
+    return TrainConfig(data=data, **{f.name: args.pop(f.name) for f in dataclasses.fields(TrainConfig)
+                                     if f.name != "data" and f.name in args})
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dart_core.train", description=__doc__.split("\n\n")[0])
-    _add_fields(ap, TrainConfig, skip=("data",))
-    _add_fields(ap, DataConfig)
+    add_train_arguments(ap)
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     args = vars(ap.parse_args(argv))
     quiet = args.pop("quiet")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    data = DataConfig(**{f.name: args.pop(f.name) for f in dataclasses.fields(DataConfig)})
-    summary = train(TrainConfig(data=data, **args), progress=not quiet)
+    summary = train(config_from_args(args), progress=not quiet)
     print(json.dumps({k: summary[k] for k in ("sequences", "steps", "wall_time_s")} | {"eval": summary["eval"][-1:]},
                      indent=2))
     return 0

@@ -104,11 +104,17 @@ def quantize_taps(taps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.inference_mode()
 def compute_features(target, examples: list[Example], folder: str | Path, *, draft_vocab: np.ndarray,
-                     top_k: int = 16, max_length: int = 512, progress: bool = True) -> Features:
+                     top_k: int = 16, max_length: int = 512, progress: bool = True,
+                     deadline: float | None = None, batch_tokens: int | None = None) -> Features | None:
     """One target forward per sequence (truncated to ``max_length``) → :class:`Features` in ``folder``.
 
     Reuses the folder when its ``meta.json`` matches (same sequences, vocabulary, K, length), and
-    continues a computation that was stopped (``progress.json``).
+    continues a computation that was stopped (``progress.json``).  With ``deadline`` (a
+    ``time.time()`` value) it stops at the first progress record past it and returns None: call
+    again to continue.  ``batch_tokens`` (default: 1 sequence per forward on a CPU, where a
+    forward is compute-bound, and 16,384 padded tokens on a GPU, where one sequence leaves it idle)
+    groups consecutive sequences into one right-padded forward: under the causal mask a real
+    position never sees the padding after it, so the features are those of separate forwards.
     """
     folder = Path(folder)
     key = {"indices": [e.index for e in examples], "draft_vocab_sha": _sha(draft_vocab), "top_k": top_k,
@@ -138,27 +144,45 @@ def compute_features(target, examples: list[Example], folder: str | Path, *, dra
         logger.info("teacher features: continuing at sequence %d of %d", done, len(examples))
     bar = tqdm(total=len(examples), initial=done, desc="teacher forward", unit="seq", disable=not progress)
     t0, tokens_done = time.perf_counter(), 0
-    for i in range(done, len(examples)):
-        e = examples[i]
-        ids = torch.tensor(e.ids[: lengths[i]], device=target.device)[None]
+    if batch_tokens is None:
+        batch_tokens = 16_384 if target.device.type == "cuda" else 1
+    i = done
+    while i < len(examples):
+        # sequences i..j-1 share one forward (padded to the longest, within batch_tokens), never
+        # across a progress record, which falls every _PROGRESS_EVERY sequences
+        stop = min(len(examples), (i // _PROGRESS_EVERY + 1) * _PROGRESS_EVERY)
+        j = i + 1
+        while j < stop and (j - i + 1) * max(lengths[i: j + 1]) <= batch_tokens:
+            j += 1
+        width = max(lengths[i:j])
+        ids = torch.zeros(j - i, width, dtype=torch.long, device=target.device)
+        for r in range(i, j):
+            ids[r - i, : lengths[r]] = torch.tensor(examples[r].ids[: lengths[r]])
         out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
-        hs = out.hidden_states
-        a, b = int(offsets[i]), int(offsets[i + 1])
-        q, scale = quantize_taps(torch.cat([hs[j] for j in target.tap_layers], dim=-1)[0])
-        arrays["taps_q"][a:b] = q.cpu().numpy()
-        arrays["taps_scale"][a:b] = scale.cpu().numpy()
-        probs = out.logits[0].float().softmax(-1)[:, vocab_t]  # [T, V_draft]
-        p, idx = probs.topk(top_k, dim=-1)
-        arrays["teacher_ids"][a:b] = idx.cpu().numpy().astype(ids_dtype)
-        arrays["teacher_probs"][a:b] = p.cpu().numpy()
-        arrays["tokens"][a:b] = e.ids[: lengths[i]]
-        tokens_done += b - a
-        bar.update(1)
-        if (i + 1) % _PROGRESS_EVERY == 0 or i + 1 == len(examples):
+        taps = torch.cat([out.hidden_states[k] for k in target.tap_layers], dim=-1)  # [b, width, 3H]
+        for r in range(i, j):
+            a, b, m = int(offsets[r]), int(offsets[r + 1]), lengths[r]
+            q, scale = quantize_taps(taps[r - i, :m])
+            arrays["taps_q"][a:b] = q.cpu().numpy()
+            arrays["taps_scale"][a:b] = scale.cpu().numpy()
+            probs = out.logits[r - i, :m].float().softmax(-1)[:, vocab_t]  # [T, V_draft]
+            p, idx = probs.topk(top_k, dim=-1)
+            arrays["teacher_ids"][a:b] = idx.cpu().numpy().astype(ids_dtype)
+            arrays["teacher_probs"][a:b] = p.cpu().numpy()
+            arrays["tokens"][a:b] = examples[r].ids[:m]
+            tokens_done += m
+        bar.update(j - i)
+        i = j
+        if i % _PROGRESS_EVERY == 0 or i == len(examples):
             for arr in arrays.values():
                 arr.flush()
-            progress_path.write_text(json.dumps({"key": key, "done": i + 1}))
+            progress_path.write_text(json.dumps({"key": key, "done": i}))
             bar.set_postfix(tok_s=f"{tokens_done / (time.perf_counter() - t0):.0f}")
+            if deadline is not None and time.time() > deadline and i < len(examples):
+                bar.close()
+                logger.info("teacher features: stopped at sequence %d of %d (time limit; resumable)", i,
+                            len(examples))
+                return None
     bar.close()
     for arr in arrays.values():
         arr.flush()

@@ -24,8 +24,8 @@ AdamW, linear warm-up then cosine decay, gradient clipping, bf16 autocast on
 CUDA and on CPUs that multiply bf16 natively; a checkpoint (tensors and numbers
 only, loaded with ``weights_only=True``) every ``save_every`` steps, kept under
 ``<work_dir>/runs/<run key>/`` so runs of different settings do not collide,
-makes a killed run resumable; ``max_minutes`` stops a run on purpose the same
-way.  What happens when the work dir is gone: everything is computed again
+makes a killed run resumable; ``max_minutes`` (counted from the call's start, teacher
+forwards included) stops a run on purpose the same way.  What happens when the work dir is gone: everything is computed again
 (the responses are regenerated, the features recomputed, training restarts).
 """
 
@@ -45,8 +45,8 @@ import torch
 from tqdm.auto import tqdm
 
 from dart_core.draft_head import DartDraftHead, DraftHeadConfig, save_draft_head
-from dart_core.train.data import (SHAREGPT_INDEX_BASE, DataConfig, generate_responses, load_examples,
-                                  sharegpt_examples, training_prompts)
+from dart_core.train.data import (RESPONSES, SHAREGPT_INDEX_BASE, DataConfig, generate_responses, load_examples,
+                                  read_examples, sharegpt_examples, training_prompts)
 from dart_core.train.features import Features, choose_draft_vocab, compute_features
 from ngram_service.cache import cache_root
 
@@ -82,19 +82,22 @@ class TrainConfig:
     device: str | None = None  # default CUDA when available
     threads: int | None = None  # torch CPU threads
     train_tokens: int | None = None  # train on a seeded random subset of about this many tokens (learning curves)
+    train_source: str = "all"  # "all", "self" (self-distilled only) or "sharegpt" (teacher-forced only): mix studies
     max_minutes: float | None = None  # stop (checkpointed, resumable) after this long: for time-limited machines
     autocast: str = "auto"  # "auto": bf16 on CUDA and on CPUs with native bf16 matmul; "bf16" or "off"
+    final_norm_twice: bool = False  # train for the reference's lm_head(norm(norm(h))) path instead of lm_head(norm(h))
 
 
 def _device(cfg: TrainConfig) -> torch.device:
     return torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def init_head(target, draft_vocab: np.ndarray, seed: int) -> DartDraftHead:
+def init_head(target, draft_vocab: np.ndarray, seed: int, *, final_norm_twice: bool = False) -> DartDraftHead:
     """A head of the target's shape: lm_head rows copied from the target's
     output embedding for the draft vocabulary, fc starting as the identity on
     the highest tap (small random weights on the others), the rest random."""
-    cfg = DraftHeadConfig.for_target(target.config, draft_vocab_size=len(draft_vocab))
+    cfg = replace(DraftHeadConfig.for_target(target.config, draft_vocab_size=len(draft_vocab)),
+                  final_norm_twice=final_norm_twice)
     head = DartDraftHead(cfg)
     head.reset_parameters(seed)
     vocab = torch.as_tensor(draft_vocab)
@@ -178,8 +181,13 @@ def evaluate_accuracy(head, embed, features: Features, rows: list[int], device, 
             "loss": round(losses / max(n, 1), 4), "anchors": n}
 
 
-def evaluate_tau(head, target, prompts: list[list[int]], *, budget: int, max_new_tokens: int, trie="auto") -> float | None:
-    """τ of greedy DART decoding with this head on the given prompts (fixed tree budget)."""
+def evaluate_tau(head, target, prompts: list[list[int]], *, budget: int, max_new_tokens: int, trie="auto",
+                 context_weight: float = 0.0) -> float | None:
+    """τ of greedy DART decoding with this head on the given prompts (fixed tree budget).
+
+    τ = tokens emitted after prefill ÷ target forwards, summed over the prompts (bonus token
+    included).  ``context_weight`` 0 (default) measures the head with the corpus trie alone, as
+    the paper's search; the serving default (κ = 0.5) adds the request's own context."""
     if not prompts:
         return None
     from dart_core.api import DartModel
@@ -188,7 +196,7 @@ def evaluate_tau(head, target, prompts: list[list[int]], *, budget: int, max_new
     from ngram_service.client import InProcessTreeSearch
     from ngram_service.tree_search import SearchParams
 
-    params = SearchParams(budget=budget)
+    params = SearchParams(budget=budget, context_weight=context_weight)
     trie_obj = None
     if target.tokenizer is not None and trie is not None:
         trie_obj = DartModel._load_trie(trie, getattr(target.tokenizer, "dart_model_name", ""), target.tokenizer)
@@ -282,30 +290,54 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
 
     data_dir = work / "data"
     t0 = time.time()
-    prompts = training_prompts(cfg.data)
-    generate_responses(target, cfg.data, data_dir, progress=progress, prompts=prompts)
+    if cfg.data.examples_file:  # pre-tokenized (gpu_recipe): neither source is read here
+        examples = [e for e in read_examples(cfg.data.examples_file) if len(e.response_ids) >= 2]
+        held_ex = [e for e in examples if e.index < cfg.data.eval_prompts]
+        train_ex = [e for e in examples if e.index >= cfg.data.eval_prompts]
+    else:
+        prompts = training_prompts(cfg.data)
+        if cfg.data.generate:
+            generate_responses(target, cfg.data, data_dir, progress=progress, prompts=prompts)
+        elif not (data_dir / RESPONSES).is_file() and not cfg.data.sharegpt_turns:
+            raise ValueError(f"--no-generate with no stored responses in {data_dir} and no --sharegpt-turns: "
+                             "nothing to train on")
+        examples = (load_examples(data_dir, limit=cfg.data.num_prompts, prompts=prompts)
+                    if (data_dir / RESPONSES).is_file() else [])
+        examples = [e for e in examples if len(e.response_ids) >= 2]
+        train_ex = [e for e in examples if e.index >= cfg.data.eval_prompts]
+        held_ex = [e for e in examples if e.index < cfg.data.eval_prompts]
+        if cfg.data.sharegpt_turns and target.tokenizer is not None:
+            train_ex += sharegpt_examples(target.tokenizer, cfg.data)
     gen_s = time.time() - t0
-    examples = load_examples(data_dir, limit=cfg.data.num_prompts, prompts=prompts)
-    examples = [e for e in examples if len(e.response_ids) >= 2]
-    train_ex = [e for e in examples if e.index >= cfg.data.eval_prompts]
-    held_ex = [e for e in examples if e.index < cfg.data.eval_prompts]
-    if cfg.data.sharegpt_turns and target.tokenizer is not None:
-        train_ex += sharegpt_examples(target.tokenizer, cfg.data)
     if not train_ex:
         raise ValueError(f"no training sequences in {data_dir} below prompt index {cfg.data.num_prompts}")
     eos = target.tokenizer.eos_token_id if target.tokenizer is not None else None
     draft_vocab = choose_draft_vocab(train_ex, cfg.draft_vocab_size, target.config.vocab_size,
                                      always=(eos,) if eos is not None else ())
     t0 = time.time()
+    deadline = None if cfg.max_minutes is None else started + 60 * cfg.max_minutes
     feats = compute_features(target, train_ex + held_ex, work / "features", draft_vocab=draft_vocab,
-                             top_k=cfg.teacher_top_k, max_length=cfg.max_length, progress=progress)
+                             top_k=cfg.teacher_top_k, max_length=cfg.max_length, progress=progress,
+                             deadline=deadline)
     feat_s = time.time() - t0
-    train_rows = _subset(list(range(len(train_ex))), feats, cfg.train_tokens, cfg.seed)
+    if feats is None:  # the time limit came during the teacher forwards
+        return {"config": asdict(cfg), "finished": False, "stage": "teacher_features", "steps": None,
+                "steps_done": 0, "wall_time_s": {"generate": round(gen_s, 1), "teacher_features": round(feat_s, 1),
+                                                 "total": round(time.time() - started, 1)}}
+    sources = {"all": lambda e: True, "self": lambda e: e.index < SHAREGPT_INDEX_BASE,
+               "sharegpt": lambda e: e.index >= SHAREGPT_INDEX_BASE}
+    if cfg.train_source not in sources:
+        raise ValueError(f'train_source must be "all", "self" or "sharegpt", got {cfg.train_source!r}')
+    pool = [r for r, e in enumerate(train_ex) if sources[cfg.train_source](e)]
+    if not pool:
+        raise ValueError(f"no {cfg.train_source!r} training sequences (self-distilled: {data_dir}; "
+                         "ShareGPT: --sharegpt-turns)")
+    train_rows = _subset(pool, feats, cfg.train_tokens, cfg.seed)
     held_rows = list(range(len(train_ex), len(train_ex) + len(held_ex)))
     train_tokens = int(sum(feats.offsets[r + 1] - feats.offsets[r] for r in train_rows))
     self_distilled = sum(1 for r in train_rows if train_ex[r].index < SHAREGPT_INDEX_BASE)
 
-    head = init_head(target, draft_vocab, cfg.seed).to(device).train()
+    head = init_head(target, draft_vocab, cfg.seed, final_norm_twice=cfg.final_norm_twice).to(device).train()
     embed = target.embed_tokens
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     steps_per_epoch = max(1, len(train_rows) // cfg.batch_size)
@@ -336,7 +368,6 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
     bar = tqdm(total=total, initial=step, desc="training draft head", unit="step", disable=not progress)
     t_train = time.time() - train_s
     anchors_seen = 0
-    deadline = None if cfg.max_minutes is None else time.time() + 60 * cfg.max_minutes
     while step < total:
         opt.zero_grad(set_to_none=True)
         batch = order[step * cfg.batch_size: (step + 1) * cfg.batch_size]
@@ -385,6 +416,7 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
     summary = {
         "config": asdict(cfg),
         "finished": finished,
+        "stage": "done" if finished else "training",
         "sequences": {"train": len(train_rows), "train_self_distilled": self_distilled,
                       "train_sharegpt": len(train_rows) - self_distilled, "held_out": len(held_ex),
                       "train_tokens": train_tokens, "available_train_sequences": len(train_ex)},

@@ -209,6 +209,34 @@ def test_compact_features_are_resumable_and_close_to_float32(tmp_path):
     assert whole.teacher_ids.dtype == np.int16 and whole.meta["bytes_per_token"] < 3 * 64 + 30
 
 
+def test_batched_teacher_forwards_give_the_features_of_separate_ones(tmp_path):
+    """Sequences of different lengths right-padded into one forward (the GPU default): the causal
+    mask keeps the padding out of every real position, so the features equal one-by-one forwards."""
+    from dart_core.train.features import compute_features
+
+    target = tiny_target("llama")
+    rng = np.random.default_rng(2)
+    examples = [Example(i, rng.integers(0, 96, 4).tolist(), rng.integers(0, 96, int(n)).tolist())
+                for i, n in enumerate(rng.integers(3, 30, 9))]
+    vocab = np.arange(0, 96, 2)
+    one = compute_features(target, examples, tmp_path / "one", draft_vocab=vocab, top_k=4, progress=False)
+    forwards = {"n": 0}
+    real = target.model.forward
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(target.model, "forward", lambda *a, **kw: (forwards.__setitem__("n", forwards["n"] + 1),
+                                                              real(*a, **kw))[1])
+    batched = compute_features(target, examples, tmp_path / "batched", draft_vocab=vocab, top_k=4, progress=False,
+                               batch_tokens=100)
+    monkey.undo()
+    assert 2 <= forwards["n"] < len(examples)
+    np.testing.assert_array_equal(batched.tokens, one.tokens)
+    np.testing.assert_array_equal(batched.offsets, one.offsets)
+    assert (batched.teacher_ids == one.teacher_ids).mean() > 0.99  # ties may swap under other kernels
+    np.testing.assert_allclose(np.asarray(batched.teacher_probs, np.float32), np.asarray(one.teacher_probs, np.float32),
+                               atol=2e-3)
+    assert np.abs(batched.taps(0, len(batched.tokens)) - one.taps(0, len(one.tokens))).max() < 0.05
+
+
 def test_sharegpt_turns_are_teacher_forced_examples(default_tokenizer, monkeypatch):
     from dart_core.train import data as data_module
     from ngram_service import corpus
@@ -231,3 +259,78 @@ def test_sharegpt_turns_are_teacher_forced_examples(default_tokenizer, monkeypat
     assert "What is 2+2?" in tok.decode(second.prompt_ids) and tok.decode(second.prompt_ids).endswith(
         "<|im_start|>assistant\n")
     assert data_module.sharegpt_examples(default_tokenizer, DataConfig(sharegpt_turns=0)) == []
+
+
+def test_gpu_recipe_packs_stages_trains_resumably_and_unpacks(tmp_path, tiny_model_dir, monkeypatch):
+    """The GPU recipe end to end on CPU at a tiny size: parts under the size limit, staged one by one
+    (a file joins only when all its chunks are in, checksums checked), training stopped by its time
+    limit and resumed by the next call, the head returned in chunks and joined back."""
+    from dart_core.target import TargetModel
+    from dart_core.train import gpu_recipe
+    from dart_core.train.data import read_examples
+
+    monkeypatch.setenv("DART_SERVE_CACHE", str(tmp_path / "cache"))
+    target = TargetModel.from_pretrained(tiny_model_dir)
+    n = 10
+    _write_tiny_data(tmp_path / "work" / "data", target, n)
+    data = DataConfig(num_prompts=n, eval_prompts=2, exclude_alpacaeval=False)
+    manifest = gpu_recipe.pack(tmp_path / "parts", model=tiny_model_dir, data=data, work_dir=tmp_path / "work",
+                               part_mib=4)
+    parts = sorted((tmp_path / "parts").iterdir())
+    assert len(parts) == len(manifest["parts"]) >= 3 and manifest["examples"]["sequences"] == n
+    for p in parts:  # a part holds at most part_mib of chunks (plus its manifest)
+        assert sum(f.stat().st_size for f in p.iterdir() if f.name != "manifest.json") <= 4 << 20
+    stage_dir = tmp_path / "gpu"
+    for i, p in enumerate(parts):
+        state = gpu_recipe.stage(p, stage_dir)
+        assert state["complete"] == (i == len(parts) - 1), state
+    assert state["missing_parts"] == []
+    staged = read_examples(stage_dir / "files" / "examples.npz")
+    assert [e.ids for e in staged] == [e.ids for e in load_examples(tmp_path / "work" / "data")]
+    # a part of another pack is refused rather than mixed in
+    other = dict(manifest, eval_prompts=3)
+    (parts[0] / "manifest.json").write_text(json.dumps(other))
+    with pytest.raises(gpu_recipe.RecipeError, match="another pack"):
+        gpu_recipe.stage(parts[0], stage_dir)
+
+    results = tmp_path / "out"
+    train_args = ["train", "--dir", str(stage_dir), "--results", str(results), "--device", "cpu",
+                  "--draft-vocab-size", "64", "--teacher-top-k", "8", "--max-length", "64", "--anchors-per-seq", "8",
+                  "--epochs", "2", "--batch-size", "2", "--warmup-steps", "2", "--eval-every", "0", "-q"]
+    assert gpu_recipe.main(train_args + ["--max-minutes", "0"]) == 0  # stops after one step
+    first = json.loads((results / "status.json").read_text())
+    assert not first["finished"] and first["steps_done"] == 1 and not (results / "head.json").exists()
+    assert gpu_recipe.main(train_args) == 0
+    status = json.loads((results / "status.json").read_text())
+    assert status["finished"] and status["steps_done"] == status["steps"] == 8
+    assert status["sequences"]["held_out"] == 2 and status["sequences"]["train"] == 8
+    head = gpu_recipe.unpack(results, tmp_path / "head")
+    joined = load_draft_head(head, target.config)
+    trained = load_draft_head(stage_dir / "head", target.config)
+    for (name, a), b in zip(joined.state_dict().items(), trained.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(gpu_recipe.RecipeError, match="no finished head"):
+        gpu_recipe.unpack(tmp_path / "nothing", tmp_path / "head2")
+
+
+def test_learning_curve_fit_sizes_and_plot(tmp_path):
+    from dart_core.train import curve
+
+    a, b = curve.fit_log_linear([1e5, 1e6, 1e7], [0.3, 0.4, 0.5])
+    assert a == pytest.approx(-0.2) and b == pytest.approx(0.1)
+    with pytest.raises(ValueError):
+        curve.fit_log_linear([1e5], [0.3])
+    with pytest.raises(ValueError):
+        curve.fit_log_linear([1e5, 1e5], [0.3, 0.4])
+    assert curve._sizes("134000, 2.68e5,all") == [134000, 268000, None]
+    for bad in ("100", "0,all", "ten,all"):
+        with pytest.raises(Exception):
+            curve._sizes(bad)
+    pytest.importorskip("matplotlib")
+    points = [{"train_tokens": n, "top1": [t] * 8, "tau": {"mt-bench": 1 + t, "humaneval": 1 + t / 2}}
+              for n, t in ((1e5, 0.3), (3e5, 0.35), (1e6, 0.4))]
+    fits = {"top1_position1": {"a": -0.2, "b": 0.1}, "tau_mt-bench": {"a": 0.8, "b": 0.1},
+            "tau_humaneval": {"a": 0.9, "b": 0.05}}
+    path = tmp_path / "curve.png"
+    curve.plot_curve({"points": points, "fits": fits, "extrapolate_to": 2e7, "tau": {"budget": 60}}, path)
+    assert path.stat().st_size > 10_000
