@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 logger = logging.getLogger(__name__)
 
 __all__ = ["DataConfig", "Example", "generate_responses", "load_examples", "training_prompts", "sharegpt_examples",
-           "SHAREGPT_INDEX_BASE", "write_examples", "read_examples"]
+           "SHAREGPT_INDEX_BASE", "write_examples", "read_examples", "stored_examples"]
 
 RESPONSES = "responses.jsonl"
 #: Example indices of the teacher-forced ShareGPT source start here (self-distilled ones are prompt indices).
@@ -298,3 +298,22 @@ def read_examples(path: str | Path) -> list[Example]:
         p = int(prompt_lengths[i])
         out.append(Example(int(indices[i]), seq[:p], seq[p:]))
     return out
+
+
+def stored_examples(config: DataConfig, folder: str | Path, tokenizer,
+                    prompts: list[str | None] | None = None) -> list[Example]:
+    """Every example of a data configuration, nothing generated: the self-distilled responses
+    stored in ``folder`` (below ``num_prompts``, excluded prompts left out; none when the folder
+    has no responses), then ``sharegpt_turns`` teacher-forced turns (with a tokenizer).  Examples
+    whose response is shorter than 2 tokens (no anchor) are dropped.
+
+    Args:
+        prompts: :func:`training_prompts` of ``config`` when the caller has it already.
+    """
+    examples = []
+    if (Path(folder) / RESPONSES).is_file():
+        examples = load_examples(folder, limit=config.num_prompts,
+                                 prompts=training_prompts(config) if prompts is None else prompts)
+    if config.sharegpt_turns and tokenizer is not None:
+        examples += sharegpt_examples(tokenizer, config)
+    return [e for e in examples if len(e.response_ids) >= 2]

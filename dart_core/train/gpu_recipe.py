@@ -97,7 +97,7 @@ def pack(dest: str | Path, *, model: str | None, data, work_dir: str | Path | No
         FileNotFoundError: the model cannot be found.
     """
     from dart_core.tokenizer import load_tokenizer, resolve_model
-    from dart_core.train.data import RESPONSES, load_examples, sharegpt_examples, training_prompts, write_examples
+    from dart_core.train.data import SHAREGPT_INDEX_BASE, stored_examples, write_examples
     from ngram_service.cache import cache_root
 
     if part_mib < 1:
@@ -111,11 +111,7 @@ def pack(dest: str | Path, *, model: str | None, data, work_dir: str | Path | No
     model_files = [folder / source.gguf_file] if source.gguf_file else sorted(p for p in folder.iterdir() if p.is_file())
     tokenizer = load_tokenizer(model)
     work = Path(work_dir).expanduser() if work_dir else cache_root() / "train"
-    examples = []
-    if (work / "data" / RESPONSES).is_file():
-        prompts = training_prompts(data) if data.exclude_alpacaeval else None
-        examples = load_examples(work / "data", limit=data.num_prompts, prompts=prompts)
-    examples += sharegpt_examples(tokenizer, data)
+    examples = stored_examples(data, work / "data", tokenizer)
     if not examples:
         raise ValueError(f"nothing to pack: no responses in {work / 'data'} and no --sharegpt-turns")
     with tempfile.TemporaryDirectory() as tmp:
@@ -147,7 +143,7 @@ def pack(dest: str | Path, *, model: str | None, data, work_dir: str | Path | No
                     "files": files, "parts": {f"part-{i + 1}": names for i, names in enumerate(parts)},
                     "eval_prompts": data.eval_prompts,
                     "examples": {"sequences": len(examples), "tokens": sum(len(e.ids) for e in examples),
-                                 "sharegpt_turns": sum(1 for e in examples if e.index >= 10_000_000)},
+                                 "sharegpt_turns": sum(1 for e in examples if e.index >= SHAREGPT_INDEX_BASE)},
                     "site_packages": [p.name for p in site]}
         for i, names in enumerate(parts):
             pdir = dest / f"part-{i + 1}"

@@ -45,8 +45,8 @@ import torch
 from tqdm.auto import tqdm
 
 from dart_core.draft_head import DartDraftHead, DraftHeadConfig, save_draft_head
-from dart_core.train.data import (RESPONSES, SHAREGPT_INDEX_BASE, DataConfig, generate_responses, load_examples,
-                                  read_examples, sharegpt_examples, training_prompts)
+from dart_core.train.data import (RESPONSES, SHAREGPT_INDEX_BASE, DataConfig, generate_responses, read_examples,
+                                  stored_examples, training_prompts)
 from dart_core.train.features import Features, choose_draft_vocab, compute_features
 from ngram_service.cache import cache_root
 
@@ -292,8 +292,6 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
     t0 = time.time()
     if cfg.data.examples_file:  # pre-tokenized (gpu_recipe): neither source is read here
         examples = [e for e in read_examples(cfg.data.examples_file) if len(e.response_ids) >= 2]
-        held_ex = [e for e in examples if e.index < cfg.data.eval_prompts]
-        train_ex = [e for e in examples if e.index >= cfg.data.eval_prompts]
     else:
         prompts = training_prompts(cfg.data)
         if cfg.data.generate:
@@ -301,13 +299,10 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
         elif not (data_dir / RESPONSES).is_file() and not cfg.data.sharegpt_turns:
             raise ValueError(f"--no-generate with no stored responses in {data_dir} and no --sharegpt-turns: "
                              "nothing to train on")
-        examples = (load_examples(data_dir, limit=cfg.data.num_prompts, prompts=prompts)
-                    if (data_dir / RESPONSES).is_file() else [])
-        examples = [e for e in examples if len(e.response_ids) >= 2]
-        train_ex = [e for e in examples if e.index >= cfg.data.eval_prompts]
-        held_ex = [e for e in examples if e.index < cfg.data.eval_prompts]
-        if cfg.data.sharegpt_turns and target.tokenizer is not None:
-            train_ex += sharegpt_examples(target.tokenizer, cfg.data)
+        examples = stored_examples(cfg.data, data_dir, target.tokenizer, prompts)
+    # self-distilled held-out prompts come first in the prompt list; ShareGPT indices are never below them
+    held_ex = [e for e in examples if e.index < cfg.data.eval_prompts]
+    train_ex = [e for e in examples if e.index >= cfg.data.eval_prompts]
     gen_s = time.time() - t0
     if not train_ex:
         raise ValueError(f"no training sequences in {data_dir} below prompt index {cfg.data.num_prompts}")
