@@ -113,6 +113,8 @@ class _Request:
     completion_tokens: int = 0
     steps: int = 0
     step_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 def _send(req: _Request, item: "GenerationChunk | BaseException") -> None:
@@ -356,7 +358,8 @@ class ContinuousBatcher:
         if not prefill:
             self.steps["speculative" if max(step.draft_nodes, default=0) > 0 else "autoregressive"] += 1
         logprobs = step.logprobs or [None] * len(step.seq_ids)
-        for sid, toks, reason, lp in zip(step.seq_ids, step.new_tokens, step.finish_reasons, logprobs):
+        for sid, toks, reason, lp, acc_len, nodes in zip(step.seq_ids, step.new_tokens, step.finish_reasons,
+                                                         logprobs, step.accepted_lengths, step.draft_nodes):
             req = by_seq[sid]
             if reason is not None:
                 self.running -= 1
@@ -366,7 +369,7 @@ class ContinuousBatcher:
             if reason == "cancelled":
                 req.done = True
                 continue
-            chunk = self._chunk(req, toks, reason, prefill, lp)
+            chunk = self._chunk(req, toks, reason, prefill, lp, acc_len, nodes)
             if chunk.finish_reason is not None:
                 req.done = True
                 req.cancelled = True  # a stop string: the engine drops the sequence at its next step
@@ -375,16 +378,27 @@ class ContinuousBatcher:
         self.observer.on_step(step, prefill)
 
     def _chunk(self, req: _Request, toks: list[int], reason: str | None, prefill: bool,
-               lp: TokenLogprobs | None) -> GenerationChunk:
-        text = req.detok.add(toks)
+               lp: TokenLogprobs | None, acc_len: int, draft_nodes: int) -> GenerationChunk:
+        # a step emits acc_len - 1 accepted draft tokens and then the target's own token, unless the
+        # sequence ended first; that last token is called the bonus token only after a draft tree
+        ends_with_target_token = not prefill and len(toks) == acc_len > 0
+        bonus = ends_with_target_token and draft_nodes > 0
+        text = req.detok.add(toks[:-1] if bonus else toks)
+        bonus_text = req.detok.add(toks[-1:]) if bonus else ""
         if req.detok.stopped:
             reason = "stop"
         elif reason is not None:
-            text += req.detok.finish()
+            bonus_text += req.detok.finish()  # the held-back tail ends with the last token's text
+        text += bonus_text
+        bonus_chars = len(bonus_text) if bonus else 0
         req.completion_tokens += len(toks)
+        accepted = 0
         if not prefill and toks:
             req.steps += 1
             req.step_tokens += len(toks)
+            accepted = len(toks) - 1 if ends_with_target_token else len(toks)
+            req.accepted_tokens += accepted
+            req.draft_tokens += draft_nodes
         logprobs = None
         if lp is not None:
             decode = self.tokenizer.decode
@@ -392,4 +406,7 @@ class ContinuousBatcher:
                              for t, p, ids, qs in zip(toks, lp.logprobs, lp.top_ids, lp.top_logprobs))
         return GenerationChunk(text=text, token_ids=tuple(toks), finish_reason=reason,
                                prompt_tokens=len(req.ids), completion_tokens=req.completion_tokens,
-                               steps=req.steps, step_tokens=req.step_tokens, logprobs=logprobs)
+                               steps=req.steps, step_tokens=req.step_tokens, logprobs=logprobs,
+                               accepted=accepted, draft_nodes=draft_nodes if not prefill else 0,
+                               bonus_chars=bonus_chars, draft_tokens=req.draft_tokens,
+                               accepted_tokens=req.accepted_tokens)

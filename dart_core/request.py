@@ -120,6 +120,14 @@ class GenerationChunk:
 
     ``text`` may be empty while an incomplete character or a possible stop string is held
     back; joined over the stream it is the completion.  The counters are the request's totals so far.
+
+    Per-step figures (DART, arXiv 2601.19278 §3: one verification of a draft tree per step):
+    a step's tokens are ``accepted`` draft tokens followed by the target's own bonus token,
+    unless the sequence ended inside them (EOS, length).  ``bonus_chars`` is the length of
+    the bonus token's text at the end of ``text`` (0 for the prefill's chunk and for
+    autoregressive steps); text held back by an incomplete character or a possible stop
+    string shows in the chunk that releases it, so there it counts with the token released.
+    The acceptance rate of the request's trees is ``accepted_tokens / draft_tokens``.
     """
 
     text: str
@@ -130,6 +138,13 @@ class GenerationChunk:
     steps: int  # verification steps so far (the prefill is none)
     step_tokens: int  # tokens those steps emitted (accepted draft tokens + bonus tokens)
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token of token_ids, when asked for
+    # this step (0 for the prefill's chunk and for an autoregressive step's draft figures)
+    accepted: int = 0  # accepted draft tokens among token_ids (the bonus token not counted)
+    draft_nodes: int = 0  # draft-tree nodes verified (0: no speculation this step)
+    bonus_chars: int = 0  # characters at the end of ``text`` that the bonus token produced (see below)
+    # the request's totals so far
+    draft_tokens: int = 0  # draft-tree nodes verified over all steps
+    accepted_tokens: int = 0  # accepted draft tokens emitted over all steps
 
     @property
     def tau(self) -> float | None:

@@ -4,8 +4,12 @@ HTTP: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE streaming
 ending with ``data: [DONE]``, or one JSON body), ``GET /v1/models``,
 ``GET /health``.  Request and response shapes follow the OpenAI API so the
 official ``openai`` client works unchanged; ``usage`` carries the token counts
-and a ``dart`` field (τ, steps); ``logprobs`` / ``top_logprobs`` return the
-target's log-probabilities.  Every request becomes a validated
+and a ``dart`` field (τ, steps, drafted and accepted tokens); each streamed chunk
+carries a ``dart`` field with its verification step's figures (accepted draft
+tokens, draft-tree size, the bonus token's share of the text), which OpenAI
+clients ignore; ``logprobs`` / ``top_logprobs`` return the target's
+log-probabilities.  ``GET /`` and ``GET /compare`` serve the compare page
+(DART beside autoregressive decoding in the browser, from files in the package).  Every request becomes a validated
 :class:`dart_core.request.GenerationRequest` before it reaches the engine,
 and every field the server would not honour is refused: an OpenAI field it
 does not implement (penalties, logit bias, tools, response formats other than
@@ -25,17 +29,19 @@ prompt and messages, a bad field) → ``INVALID_ARGUMENT``, a full queue →
 
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
 import os
 import time
 import uuid
+from importlib import resources
 from typing import Any, ClassVar, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 from ray.serve.exceptions import BackPressureError
@@ -210,13 +216,19 @@ def _generation_request(body: _Common, **prompt) -> GenerationRequest:
         raise APIError(400, str(e)) from None
 
 
-def _grpc_response(pb, text: str, chunk: GenerationChunk | None, token_ids=None):
+def _grpc_response(pb, text: str, chunk: GenerationChunk | None, token_ids=None, *, per_step: bool = True):
     c = chunk
+    step = None
+    if c is not None and per_step:
+        step = pb.StepStats(tokens=len(c.token_ids), accepted=c.accepted, draft_nodes=c.draft_nodes,
+                            bonus_chars=c.bonus_chars)
     return pb.GenerateResponse(
         text=text, token_ids=list(c.token_ids if token_ids is None else token_ids) if c else [],
         finish_reason=(c.finish_reason or "") if c else "", prompt_tokens=c.prompt_tokens if c else 0,
         completion_tokens=c.completion_tokens if c else 0,
-        dart=pb.DartStats(tau=(c.tau or 0.0) if c else 0.0, steps=c.steps if c else 0))
+        dart=pb.DartStats(tau=(c.tau or 0.0) if c else 0.0, steps=c.steps if c else 0,
+                          draft_tokens=c.draft_tokens if c else 0, accepted_tokens=c.accepted_tokens if c else 0),
+        step=step)
 
 
 def _cause_message(e: BaseException) -> str:
@@ -262,15 +274,34 @@ def _choice(chat: bool, text: str, finish_reason, chunks: list[GenerationChunk],
 
 
 def _usage(last: GenerationChunk | None) -> dict:
+    """OpenAI's usage block, with the request's speculation totals under the ``dart`` extension
+    field: τ (tokens per verification step, bonus included; None before any step), steps,
+    draft_tokens (draft-tree nodes verified) and accepted_tokens (draft tokens accepted)."""
     prompt = last.prompt_tokens if last else 0
     completion = last.completion_tokens if last else 0
     tau = last.tau if last else None
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "dart": {"tau": round(tau, 3) if tau is not None else None, "steps": last.steps if last else 0}}
+            "dart": {"tau": round(tau, 3) if tau is not None else None, "steps": last.steps if last else 0,
+                     "draft_tokens": last.draft_tokens if last else 0,
+                     "accepted_tokens": last.accepted_tokens if last else 0}}
+
+
+def _step_stats(chunk: GenerationChunk) -> dict:
+    """The ``dart`` extension field of a streamed chunk: this verification step's figures
+    (see :class:`~dart_core.request.GenerationChunk`); OpenAI clients ignore the field."""
+    return {"tokens": len(chunk.token_ids), "accepted": chunk.accepted, "draft_nodes": chunk.draft_nodes,
+            "bonus_chars": chunk.bonus_chars, "prefill": chunk.steps == 0}
 
 
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
+
+
+@functools.cache
+def compare_page() -> str:
+    """The compare page's HTML (``deployments/static/compare.html``, shipped in the package;
+    self-contained: its script and styles are inline, nothing is fetched from elsewhere)."""
+    return resources.files("deployments").joinpath("static", "compare.html").read_text(encoding="utf-8")
 
 
 def _running_replicas(status, app_name: str, deployment: str) -> int:
@@ -327,6 +358,13 @@ class OpenAIIngress:
                                  "detail": f"no {DartEngineDeployment.name} replica is running yet"},
                                 status_code=503, headers={"Retry-After": "5"})
         return {"status": "ok"}
+
+    @app.get("/", include_in_schema=False)
+    @app.get("/compare", include_in_schema=False)
+    async def compare(self):
+        """The compare page: one prompt decoded with DART and autoregressively, side by side
+        (it calls this server's ``/v1/chat/completions``, with the API key the user types)."""
+        return HTMLResponse(compare_page())
 
     @app.get("/v1/models")
     async def models(self, request: Request):
@@ -393,7 +431,7 @@ class OpenAIIngress:
                     stream.cancel()
                     return
                 yield _sse(head | {"choices": [_choice(chat, chunk.text, chunk.finish_reason, [chunk], full=False,
-                                                       offset=offset)]})
+                                                       offset=offset)], "dart": _step_stats(chunk)})
                 offset += len(chunk.text)
                 chunk = await anext(stream, None)
             if usage:
@@ -443,4 +481,4 @@ class OpenAIIngress:
             text += chunk.text
             ids += chunk.token_ids
             last = chunk
-        return _grpc_response(dart_pb2, text, last, token_ids=ids)
+        return _grpc_response(dart_pb2, text, last, token_ids=ids, per_step=False)

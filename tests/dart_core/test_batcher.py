@@ -258,3 +258,48 @@ def test_sampling_parameters_have_a_public_constructor(model):
     assert s.stop_token_ids == (model.tokenizer.eos_token_id,) and s.logprobs == 2
     assert SamplingParams.stopping_at(None, max_new_tokens=3).stop_token_ids == ()
     assert SamplingParams.stopping_at(7, stop_token_ids=(1,)).stop_token_ids == (1,)
+
+
+def test_per_step_figures_add_up_to_the_requests_totals(model):
+    """Each chunk says how many draft tokens its verification step accepted, how large the tree
+    was and how much of its text the bonus token made; the totals are the sums."""
+    n = 16
+    want = engine_output(model, PROMPTS[1], n)
+    saved, model.engine.tree_search = model.engine.tree_search, OracleTreeSearch([model.encode(PROMPTS[1]) + want],
+                                                                                 depth=4)
+    try:
+        with ContinuousBatcher(model.engine, model.tokenizer) as b:
+            chunks = list(b.generate(GenerationRequest(prompt=PROMPTS[1], max_tokens=n)))
+            plain = list(b.generate(GenerationRequest(prompt=PROMPTS[1], max_tokens=n, speculative=False)))
+    finally:
+        model.engine.tree_search = saved
+    assert [t for c in chunks for t in c.token_ids] == want == [t for c in plain for t in c.token_ids]
+    first, steps, last = chunks[0], chunks[1:], chunks[-1]
+    assert (first.accepted, first.draft_nodes, first.bonus_chars, len(first.token_ids)) == (0, 0, 0, 1)  # prefill
+    for c in steps:  # (a step may draft no tree: the last token before max_tokens needs none)
+        assert 0 <= c.accepted <= min(c.draft_nodes, len(c.token_ids))
+        if c.finish_reason is None and c.draft_nodes:  # a full step: its accepted drafts, then the bonus token
+            assert c.accepted == len(c.token_ids) - 1
+            assert c.text.endswith(model.tokenizer.decode(c.token_ids[-1:])) and c.bonus_chars > 0
+    assert sum(c.draft_nodes > 0 for c in steps) >= len(steps) - 1
+    assert any(c.accepted >= 2 for c in steps)  # the oracle's chains were accepted
+    assert last.accepted_tokens == sum(c.accepted for c in chunks) and last.accepted_tokens > 0
+    assert last.draft_tokens == sum(c.draft_nodes for c in chunks)
+    assert last.steps == len(steps) and last.step_tokens == sum(len(c.token_ids) for c in steps)
+    # speculation off: one target token per step, no draft tree, no bonus token
+    assert all((c.accepted, c.draft_nodes, c.bonus_chars) == (0, 0, 0) for c in plain)
+    assert plain[-1].draft_tokens == plain[-1].accepted_tokens == 0 and plain[-1].tau == 1.0
+
+
+@pytest.mark.parametrize("per_step", [2, 3])
+def test_bonus_characters_are_the_last_tokens_text(default_tokenizer, per_step):
+    tok = default_tokenizer
+    text = "alpha beta gamma delta epsilon zeta eta theta"
+    script = tok(text, add_special_tokens=False)["input_ids"]
+    prompt = tok("go", add_special_tokens=False)["input_ids"]
+    with ContinuousBatcher(ScriptedEngine({tuple(prompt): script}, per_step=per_step), tok) as b:
+        chunks = list(b.generate(GenerationRequest(prompt="go", max_tokens=100)))
+    assert "".join(c.text for c in chunks) == text
+    for c in chunks[1:]:
+        assert c.draft_nodes == per_step - 1 and c.accepted == len(c.token_ids) - 1
+        assert c.text[len(c.text) - c.bonus_chars:] == tok.decode(c.token_ids[-1:]) and c.bonus_chars > 0

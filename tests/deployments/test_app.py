@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import os
 import time
 
 import grpc
@@ -20,57 +19,10 @@ import httpx
 import pytest
 import ray
 from ray import serve
-from ray.serve.config import gRPCOptions
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ngram_service.build import build_trie_from_texts
-from ngram_service.corpus import cpython_stdlib_sources
+from .conftest import HTTP, NAME, client
 
 pytestmark = pytest.mark.slow
-
-HTTP = "http://127.0.0.1:8000"
-NAME = "tiny-dart"
-
-
-@pytest.fixture(scope="module")
-def app(tiny_model_dir, tmp_path_factory, default_tokenizer):
-    from deployments.app import build_app
-
-    sources = cpython_stdlib_sources()
-    trie = tmp_path_factory.mktemp("trie") / "py.trie"
-    build_trie_from_texts((next(sources) for _ in range(100)), trie, default_tokenizer, progress=False)
-    # a loaded 2-core machine can take longer than Serve's 5 s to start the proxy, which Serve then kills;
-    # the cluster's processes inherit this from the driver
-    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
-    ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True)
-    serve.start(http_options={"host": "127.0.0.1", "port": 8000},
-                grpc_options=gRPCOptions(port=9000, grpc_servicer_functions=[
-                    "deployments._proto.dart_pb2_grpc.add_DartGenerationServicer_to_server"]))
-    args = {"model": tiny_model_dir, "served_model_name": NAME, "head": "random", "budget": 8,
-            "max_batch_size": 8, "max_speculative_batch": 4, "max_tokens_limit": 64,
-            "ngram": {"trie": str(trie), "port": 0, "timeout_ms": 200}}
-    serve.run(build_app(args), name="dart", route_prefix="/")
-    yield args
-    serve.shutdown()
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-
-    def greedy(messages, max_tokens):
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-        out = model.generate(**ids, max_new_tokens=max_tokens, do_sample=False)
-        return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
-    return greedy
-
-
-def client():
-    from openai import OpenAI
-
-    return OpenAI(base_url=f"{HTTP}/v1", api_key="unused", max_retries=0)
 
 
 def test_models_and_health(app):
@@ -202,6 +154,52 @@ def test_usage_chunk_only_when_asked_for(app):
     with_usage = list(client().chat.completions.create(model=NAME, messages=msgs, max_tokens=3, stream=True,
                                                        stream_options={"include_usage": True}))
     assert with_usage[-1].usage.completion_tokens == 3 and not with_usage[-1].choices
+
+
+def test_per_step_figures_in_the_stream_and_totals_in_usage(app):
+    """The ``dart`` extension field of each streamed chunk (HTTP and gRPC) and the usage block's
+    totals: the official client parses every chunk, the steps add up to the totals, and a request
+    with speculation off drafts nothing."""
+    from deployments._proto import dart_pb2, dart_pb2_grpc
+
+    msgs = [{"role": "user", "content": "List the planets."}]
+    n = 20
+    for speculative in (True, False):
+        chunks = list(client().chat.completions.create(
+            model=NAME, messages=msgs, max_tokens=n, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"speculative": speculative}))
+        steps = [c.model_extra["dart"] for c in chunks if c.choices and "dart" in c.model_extra]
+        texts = [c.choices[0].delta.content or "" for c in chunks if c.choices and "dart" in c.model_extra]
+        usage = chunks[-1].usage
+        dart = usage.model_extra["dart"]
+        assert len(steps) == len([c for c in chunks if c.choices]) - 1  # all but the role chunk
+        assert steps[0]["prefill"] and steps[0]["tokens"] == 1 and not any(s["prefill"] for s in steps[1:])
+        assert sum(s["tokens"] for s in steps) == usage.completion_tokens == n
+        assert dart["steps"] == len(steps) - 1 and dart["tau"] == round((n - 1) / dart["steps"], 3)
+        assert dart["accepted_tokens"] == sum(s["accepted"] for s in steps)
+        assert dart["draft_tokens"] == sum(s["draft_nodes"] for s in steps)
+        assert all(0 <= s["bonus_chars"] <= len(t) for s, t in zip(steps, texts))
+        if speculative:  # budget 8: trees were drafted and each full step closed with a bonus token
+            assert dart["draft_tokens"] > 0 and sum(s["bonus_chars"] > 0 for s in steps) >= 1
+        else:
+            assert dart["draft_tokens"] == dart["accepted_tokens"] == 0 and dart["tau"] == 1.0
+            assert all(s["bonus_chars"] == 0 and s["draft_nodes"] == 0 for s in steps)
+    whole = client().chat.completions.create(model=NAME, messages=msgs, max_tokens=n, temperature=0).usage
+    totals = whole.model_extra["dart"]
+    assert set(totals) == {"tau", "steps", "draft_tokens", "accepted_tokens"} and totals["draft_tokens"] > 0
+    assert totals["tau"] == round((n - 1) / totals["steps"], 3) and totals["accepted_tokens"] <= n - 1
+    with grpc.insecure_channel("127.0.0.1:9000") as channel:
+        stub = dart_pb2_grpc.DartGenerationStub(channel)
+        meta = (("application", "dart"),)
+        req = dart_pb2.GenerateRequest(messages=[dart_pb2.ChatMessage(**m) for m in msgs], max_tokens=n)
+        parts = list(stub.GenerateStream(req, metadata=meta, timeout=60))
+        assert all(p.HasField("step") for p in parts)
+        assert sum(p.step.tokens for p in parts) == n and parts[0].step.tokens == 1 and parts[0].step.accepted == 0
+        assert parts[-1].dart.accepted_tokens == sum(p.step.accepted for p in parts)
+        assert parts[-1].dart.draft_tokens == sum(p.step.draft_nodes for p in parts) > 0
+        one = stub.Generate(req, metadata=meta, timeout=60)
+        assert not one.HasField("step") and one.dart.steps >= 1 and one.completion_tokens == n
+        assert one.dart.draft_tokens > 0 and one.dart.accepted_tokens <= n - 1
 
 
 def test_grpc_generate_and_stream(app, reference):

@@ -1,0 +1,60 @@
+"""The served application shared by this package's tests: one local Ray cluster with the
+app on a tiny random Llama (the real SmolLM2 tokenizer and chat template), a random head and
+a trie built from CPython's sources, and transformers' greedy output to compare with."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import ray
+from ray import serve
+from ray.serve.config import gRPCOptions
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ngram_service.build import build_trie_from_texts
+from ngram_service.corpus import cpython_stdlib_sources
+
+HTTP = "http://127.0.0.1:8000"
+NAME = "tiny-dart"
+
+
+@pytest.fixture(scope="package")
+def app(tiny_model_dir, tmp_path_factory, default_tokenizer):
+    from deployments.app import build_app
+
+    sources = cpython_stdlib_sources()
+    trie = tmp_path_factory.mktemp("trie") / "py.trie"
+    build_trie_from_texts((next(sources) for _ in range(100)), trie, default_tokenizer, progress=False)
+    # a loaded 2-core machine can take longer than Serve's 5 s to start the proxy, which Serve then kills;
+    # the cluster's processes inherit this from the driver
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True)
+    serve.start(http_options={"host": "127.0.0.1", "port": 8000},
+                grpc_options=gRPCOptions(port=9000, grpc_servicer_functions=[
+                    "deployments._proto.dart_pb2_grpc.add_DartGenerationServicer_to_server"]))
+    args = {"model": tiny_model_dir, "served_model_name": NAME, "head": "random", "budget": 8,
+            "max_batch_size": 8, "max_speculative_batch": 4, "max_tokens_limit": 64,
+            "ngram": {"trie": str(trie), "port": 0, "timeout_ms": 200}}
+    serve.run(build_app(args), name="dart", route_prefix="/")
+    yield args
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="package")
+def reference(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def greedy(messages, max_tokens):
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        out = model.generate(**ids, max_new_tokens=max_tokens, do_sample=False)
+        return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    return greedy
+
+
+def client():
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{HTTP}/v1", api_key="unused", max_retries=0)
