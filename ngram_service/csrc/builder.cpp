@@ -1,5 +1,7 @@
 #include "builder.hpp"
 
+#include "level_writer.hpp"
+
 #include <algorithm>
 #include <array>
 #include <cerrno>
@@ -9,88 +11,6 @@
 #include <stdexcept>
 
 namespace dart_ngram {
-
-namespace {
-
-constexpr size_t kIoBufferBytes = 1 << 20;
-
-// A FILE* with a large buffer that throws on every I/O error.
-class File {
- public:
-  File(const std::string& path, const char* mode) : path_(path) {
-    f_ = std::fopen(path.c_str(), mode);
-    if (f_ == nullptr) {
-      throw std::runtime_error("cannot open '" + path + "': " + std::strerror(errno));
-    }
-    buf_.resize(kIoBufferBytes);
-    std::setvbuf(f_, buf_.data(), _IOFBF, buf_.size());
-  }
-  ~File() {
-    if (f_ != nullptr) std::fclose(f_);
-  }
-  File(const File&) = delete;
-  File& operator=(const File&) = delete;
-
-  void write(const void* data, size_t bytes) {
-    if (bytes != 0 && std::fwrite(data, 1, bytes, f_) != bytes) fail("write");
-  }
-  // Reads up to `bytes`; returns the number read (0 at end of file).
-  size_t read(void* data, size_t bytes) {
-    size_t n = std::fread(data, 1, bytes, f_);
-    if (n != bytes && std::ferror(f_)) fail("read");
-    return n;
-  }
-  void pad_to(uint64_t offset) {
-    const long pos = std::ftell(f_);
-    static const char zeros[kAlign] = {};
-    if (pos < 0 || static_cast<uint64_t>(pos) > offset) fail("seek");
-    write(zeros, offset - static_cast<uint64_t>(pos));
-  }
-  void close() {
-    if (f_ != nullptr && std::fclose(f_) != 0) {
-      f_ = nullptr;
-      fail("close");
-    }
-    f_ = nullptr;
-  }
-
- private:
-  [[noreturn]] void fail(const char* what) {
-    throw std::runtime_error(std::string("cannot ") + what + " '" + path_ + "': " + std::strerror(errno));
-  }
-  std::string path_;
-  std::FILE* f_ = nullptr;
-  std::vector<char> buf_;
-};
-
-// Copies `count` little-endian u64 values from `src` to `dst` as `width`-byte integers.
-void copy_narrowed(File& src, File& dst, uint64_t count, uint32_t width) {
-  std::vector<uint64_t> chunk(1 << 16);
-  std::vector<uint32_t> narrow(chunk.size());
-  while (count > 0) {
-    const size_t n = static_cast<size_t>(std::min<uint64_t>(count, chunk.size()));
-    if (src.read(chunk.data(), n * 8) != n * 8) throw std::runtime_error("temporary level file is short");
-    if (width == 8) {
-      dst.write(chunk.data(), n * 8);
-    } else {
-      for (size_t i = 0; i < n; ++i) narrow[i] = static_cast<uint32_t>(chunk[i]);
-      dst.write(narrow.data(), n * 4);
-    }
-    count -= n;
-  }
-}
-
-void copy_bytes(File& src, File& dst, uint64_t bytes) {
-  std::vector<char> chunk(kIoBufferBytes);
-  while (bytes > 0) {
-    const size_t n = static_cast<size_t>(std::min<uint64_t>(bytes, chunk.size()));
-    if (src.read(chunk.data(), n) != n) throw std::runtime_error("temporary level file is short");
-    dst.write(chunk.data(), n);
-    bytes -= n;
-  }
-}
-
-}  // namespace
 
 class TrieBuilderImpl {
  public:
@@ -269,91 +189,9 @@ class OrderedBuilder final : public TrieBuilderImpl {
     }
   }
 
-  struct LevelSink {
-    void open(const std::string& prefix, bool has_children_) {
-      has_children = has_children_;
-      tokens_path = prefix + ".tokens";
-      counts_path = prefix + ".counts";
-      children_path = prefix + ".children";
-      tokens = std::make_unique<File>(tokens_path, "wb");
-      counts = std::make_unique<File>(counts_path, "wb");
-      if (has_children) children = std::make_unique<File>(children_path, "wb");
-    }
-    void emit(token_t tok, uint64_t count, uint64_t first_child) {
-      tokens->write(&tok, sizeof(tok));
-      counts->write(&count, sizeof(count));
-      if (has_children) children->write(&first_child, sizeof(first_child));
-      max_count = std::max(max_count, count);
-      ++emitted;
-    }
-    bool has_children = false;
-    std::string tokens_path, counts_path, children_path;
-    std::unique_ptr<File> tokens, counts, children;
-    uint64_t emitted = 0;
-    uint64_t max_count = 0;
-  };
-
   BuildStats write_file(const std::string& path, const std::string& metadata_json) {
-    FileHeader h{};
-    std::memcpy(h.magic, kMagic, sizeof(kMagic));
-    h.version = kFormatVersion;
-    h.order = N;
-    h.vocab_size = vocab_size_;
-    h.total_tokens = total_tokens_;
-    h.metadata_bytes = static_cast<uint32_t>(metadata_json.size());
-    h.header_bytes = static_cast<uint32_t>(align_up(sizeof(FileHeader) + metadata_json.size()));
-    uint64_t offset = h.header_bytes;
-    BuildStats stats;
-    stats.total_tokens = total_tokens_;
+    BuildStats stats = write_levels(path, metadata_json, N, vocab_size_, total_tokens_, sinks_ + 1);
     stats.num_runs = runs_.size();
-    for (int m = 1; m <= N; ++m) {
-      LevelSink& s = sinks_[m];
-      if (s.has_children) {
-        const uint64_t sentinel = sinks_[m + 1].emitted;
-        s.children->write(&sentinel, sizeof(sentinel));
-        s.children->close();
-      }
-      s.tokens->close();
-      s.counts->close();
-      LevelEntry& e = h.levels[m - 1];
-      e.num_nodes = s.emitted;
-      e.count_width = s.max_count >> 32 ? 8 : 4;
-      e.child_width = s.has_children ? (sinks_[m + 1].emitted >> 32 ? 8 : 4) : 0;
-      e.tokens_offset = offset;
-      offset = align_up(offset + e.num_nodes * 4);
-      e.counts_offset = offset;
-      offset = align_up(offset + e.num_nodes * e.count_width);
-      if (s.has_children) {
-        e.children_offset = offset;
-        offset = align_up(offset + (e.num_nodes + 1) * e.child_width);
-      }
-      h.num_nodes += s.emitted;
-      stats.nodes_per_level.push_back(s.emitted);
-    }
-    h.file_bytes = offset;
-    stats.num_nodes = h.num_nodes;
-    stats.file_bytes = offset;
-
-    File out(path, "wb");
-    out.write(&h, sizeof(h));
-    out.write(metadata_json.data(), metadata_json.size());
-    for (int m = 1; m <= N; ++m) {
-      LevelSink& s = sinks_[m];
-      const LevelEntry& e = h.levels[m - 1];
-      out.pad_to(e.tokens_offset);
-      File tokens(s.tokens_path, "rb");
-      copy_bytes(tokens, out, e.num_nodes * 4);
-      out.pad_to(e.counts_offset);
-      File counts(s.counts_path, "rb");
-      copy_narrowed(counts, out, e.num_nodes, e.count_width);
-      if (s.has_children) {
-        out.pad_to(e.children_offset);
-        File children(s.children_path, "rb");
-        copy_narrowed(children, out, e.num_nodes + 1, e.child_width);
-      }
-    }
-    out.pad_to(h.file_bytes);
-    out.close();
     return stats;
   }
 

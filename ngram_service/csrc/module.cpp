@@ -10,6 +10,7 @@
 
 #include "builder.hpp"
 #include "context_index.hpp"
+#include "reference_trie.hpp"
 #include "search.hpp"
 #include "trie.hpp"
 
@@ -62,6 +63,7 @@ void check_topk(const I64Array& ids, const F32Array& probs, int ndim) {
 PYBIND11_MODULE(_native, m) {
   m.doc() = "dart-serve n-gram trie, builder and DART tree search (C++)";
   py::register_exception<TrieFormatError>(m, "TrieFormatError", PyExc_ValueError);
+  py::register_exception<ReferenceFormatError>(m, "ReferenceFormatError", PyExc_ValueError);
 
   py::class_<MappedTrie, std::shared_ptr<MappedTrie>>(m, "MappedTrie")
       .def(py::init<const std::string&>(), py::arg("path"), py::call_guard<py::gil_scoped_release>())
@@ -288,4 +290,35 @@ PYBIND11_MODULE(_native, m) {
             return d;
           },
           py::arg("path"), py::arg("metadata_json"), py::arg("min_count"));
+
+  m.def(
+      "convert_reference_trie",
+      [](const std::string& src, const std::string& dst, uint32_t vocab_size, const std::string& metadata_json,
+         const std::string& tmp_dir, py::object progress) {
+        std::function<void(uint64_t)> report;
+        if (!progress.is_none()) {
+          report = [progress](uint64_t done) {
+            py::gil_scoped_acquire hold;
+            progress(done);
+          };
+        }
+        ConvertStats s;
+        {
+          py::gil_scoped_release release;
+          s = convert_reference_trie(src, dst, vocab_size, metadata_json, tmp_dir, report);
+        }
+        py::dict d;
+        d["order"] = s.order;
+        d["source_nodes"] = s.source_nodes;
+        d["source_bytes"] = s.source_bytes;
+        d["kept_nodes"] = s.kept_nodes;
+        d["dropped_nodes"] = s.dropped_nodes;
+        d["total_tokens"] = s.total_tokens;
+        d["nodes_per_level"] = s.nodes_per_level;
+        d["file_bytes"] = s.file_bytes;
+        return d;
+      },
+      py::arg("src"), py::arg("dst"), py::arg("vocab_size"), py::arg("metadata_json"), py::arg("tmp_dir"),
+      py::arg("progress") = py::none(),
+      "Converts a DART reference .trie into a trie file (reference_trie.hpp); raises ReferenceFormatError.");
 }

@@ -1,0 +1,238 @@
+"""``python -m ngram_service.convert``: the DART reference's ``.trie`` into our trie.
+
+The fixture (``tests/fixtures/reference-ngram``, written by the reference's own
+``TrieNgram.save``) converts with every count and every probability of the
+reference's definition.  Merged and pruned files are written here in the reference
+format from its description (node ids in any parent-first order, child lists
+unsorted; merging sums counts; ``reduce`` drops nodes below the threshold and
+subtracts each dropped subtree's counts from every kept ancestor), and the
+pruned ones answer a probability in [0, 1] for every query, by the documented
+rule.  Truncated and corrupted copies get ReferenceTrieError and leave nothing.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ngram_service.convert import ReferenceTrieError, convert_reference_trie, main
+from ngram_service.trie import NgramTrie
+
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "reference-ngram"
+VOCAB = 49152
+
+
+# -- the reference format, from its description ----------------------------------------
+
+
+def count_windows(docs, order: int) -> dict[tuple, int]:
+    """freq of every m-gram: the windows doc[i:i+order] (shorter at a document's end) that start with it."""
+    counts: dict[tuple, int] = defaultdict(int)
+    for doc in docs:
+        doc = [int(t) for t in doc]
+        for i in range(len(doc)):
+            for m in range(1, min(order, len(doc) - i) + 1):
+                counts[tuple(doc[i:i + m])] += 1
+    return dict(counts)
+
+
+def reduce_counts(counts: dict[tuple, int], threshold: int) -> dict[tuple, int]:
+    """The reference's reduce(): nodes below the threshold go, and each dropped subtree's total
+    (every dropped node's freq) is subtracted from every kept ancestor, the root included (key ())."""
+    out = {(): sum(c for k, c in counts.items() if len(k) == 1)} | dict(counts)
+    dropped = {k for k, c in counts.items() if c < threshold}
+    for k in dropped:  # each dropped node's freq comes off every kept ancestor
+        for m in range(len(k) - 1, -1, -1):
+            if k[:m] not in dropped:
+                out[k[:m]] -= counts[k]
+    out[()] -= sum(c for k, c in counts.items() if len(k) == 1)  # a reduced root starts from 0
+    return {k: c for k, c in out.items() if k not in dropped}
+
+
+def write_reference(path: Path, counts: dict[tuple, int], order: int, seed: int = 0,
+                    root_freq: int | None = None) -> None:
+    """A reference-format file: ids in a random parent-first order, child lists shuffled."""
+    rng = np.random.default_rng(seed)
+    keys = [k for k in counts if len(k) >= 1]
+    rng.shuffle(keys)
+    keys.sort(key=len)  # parents first (a random order inside each depth)
+    ids = {(): 0} | {k: i + 1 for i, k in enumerate(keys)}
+    children: dict[tuple, list] = defaultdict(list)
+    for k in keys:
+        children[k[:-1]].append(k)
+    blob = [struct.pack("<QQ", order, len(ids))]
+    for k in [()] + keys:
+        kids = list(children[k])
+        rng.shuffle(kids)
+        freq = counts.get(k, 0) if k else (root_freq if root_freq is not None else counts.get((), 0))
+        blob.append(struct.pack("<iQiQ", k[-1] if k else 0, ids[k[:-1]] if k else 0, freq, len(kids)))
+        blob.extend(struct.pack("<iQ", c[-1], ids[c]) for c in kids)
+    path.write_bytes(b"".join(blob))
+
+
+def reference_probability(counts: dict[tuple, int], order: int, context, tok: int) -> float:
+    """The reference's get_probability, float32: the longest matching context with a child ``tok``."""
+    tail = tuple(context)[-(order - 1):]
+    for m in range(len(tail), 0, -1):
+        s = tail[-m:]
+        if s in counts and s + (tok,) in counts:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                return float(np.float32(counts[s + (tok,)]) / np.float32(counts[s]))
+    return 0.0
+
+
+def repaired(counts: dict[tuple, int], order: int) -> dict[tuple, int]:
+    """The converter's rule as a model: counts <= 0 go with their subtrees; a kept count is
+    raised to its kept children's sum."""
+    kept = {k: c for k, c in counts.items() if k and c > 0 and all(counts.get(k[:m], 1) > 0 for m in range(1, len(k)))}
+    out = dict(kept)
+    child_sum: dict[tuple, int] = defaultdict(int)
+    for k in sorted(kept, key=len, reverse=True):  # children before their parents
+        out[k] = max(out[k], child_sum.get(k, 0))
+        if len(k) >= 2:
+            child_sum[k[:-1]] += out[k]
+    return out
+
+
+def fixture_docs():
+    tokens = np.load(FIXTURE / "corpus_tokens.npy")
+    offsets = np.load(FIXTURE / "corpus_doc_offsets.npy")
+    return [tokens[offsets[d]:offsets[d + 1]] for d in range(len(offsets) - 1)]
+
+
+def queries(docs, order: int):
+    """Every (context, token) pair of the corpus: the order - 1 tokens before each position."""
+    for doc in docs:
+        doc = [int(t) for t in doc]
+        for i in range(1, len(doc)):
+            yield doc[max(0, i - order + 1):i], doc[i]
+
+
+def convert(src: Path, dst: Path):
+    return convert_reference_trie(src, dst, vocab_size=VOCAB, progress=False)
+
+
+# -- tests -------------------------------------------------------------------------------
+
+
+def test_the_fixture_converts_with_the_references_counts_and_probabilities(tmp_path):
+    docs = fixture_docs()
+    summary = convert(FIXTURE / "ref_order3.trie", tmp_path / "ref.trie")
+    assert (summary.source_nodes, summary.kept_nodes, summary.dropped_nodes) == (90788, 90787, 0)
+    assert summary.total_tokens == sum(len(d) for d in docs) == 98507
+    assert summary.file_bytes < summary.source_bytes / 3
+    trie = NgramTrie(tmp_path / "ref.trie", verify=True)
+    counts = count_windows(docs, 3)
+    assert sum(summary.nodes_per_level) == len(counts)  # the same nodes ...
+    keys = list(counts)
+    assert all(trie.count(k) == counts[k] for k in keys)  # ... with the same counts
+    pairs = list(queries(docs, 3))
+    got = np.array([trie.probability(ctx, [tok])[0] for ctx, tok in pairs])
+    want = np.array([reference_probability(counts, 3, ctx, tok) for ctx, tok in pairs])
+    assert np.abs(got - want).max() <= 1e-6 and (got > 0).all()
+    # a token never seen after a context backs off to shorter ones, as in the reference
+    rng = np.random.default_rng(0)
+    for ctx, _ in pairs[:: 97]:
+        toks = rng.integers(0, VOCAB, 8)
+        want = [reference_probability(counts, 3, ctx, int(t)) for t in toks]
+        assert np.abs(trie.probability(ctx, toks) - want).max() <= 1e-6
+
+
+def test_a_merged_file_converts_to_the_counts_of_both_corpora(tmp_path):
+    docs = fixture_docs()
+    a, b = count_windows(docs[:20], 4), count_windows(docs[20:], 4)
+    merged = {k: a.get(k, 0) + b.get(k, 0) for k in set(a) | set(b)}  # add_all sums the freqs
+    write_reference(tmp_path / "merged.trie", merged, 4, seed=1, root_freq=sum(len(d) for d in docs))
+    summary = convert(tmp_path / "merged.trie", tmp_path / "out.trie")
+    trie = NgramTrie(tmp_path / "out.trie")
+    assert summary.order == 4 and summary.kept_nodes == len(merged) and summary.dropped_nodes == 0
+    assert merged == count_windows(docs, 4)
+    assert all(trie.count(k) == c for k, c in merged.items())
+
+
+@pytest.mark.parametrize("order,threshold", [(3, 2), (4, 2), (4, 3)])
+def test_pruned_files_answer_probabilities_in_0_1_by_the_documented_rule(tmp_path, order, threshold):
+    docs = fixture_docs()[:24]
+    pruned = reduce_counts(count_windows(docs, order), threshold)
+    nodes = {k: c for k, c in pruned.items() if k}
+    assert pruned[()] < 0  # as the reference: a reduced root goes negative
+    assert any(c <= 0 for c in nodes.values())  # the cases the rule is for exist here
+    write_reference(tmp_path / "pruned.trie", nodes, order, seed=order, root_freq=pruned[()])
+    summary = convert(tmp_path / "pruned.trie", tmp_path / "out.trie")
+    trie = NgramTrie(tmp_path / "out.trie", verify=True)
+    model = repaired(nodes, order)
+    assert summary.kept_nodes == len(model) and summary.dropped_nodes == len(nodes) - len(model)
+    assert all(trie.count(k) == c for k, c in model.items())
+    pairs = list(queries(docs, order))
+    got = np.array([trie.probability(ctx, [tok])[0] for ctx, tok in pairs])
+    ref = np.array([reference_probability(nodes, order, ctx, tok) for ctx, tok in pairs])
+    assert np.isfinite(got).all() and (got >= 0).all() and (got <= 1).all()
+    assert not (np.isfinite(ref) & (ref >= 0) & (ref <= 1)).all()  # the reference's are not all probabilities
+    assert np.abs(got - [reference_probability(model, order, c, t) for c, t in pairs]).max() <= 1e-6
+    # where every count the reference reads is kept as it is (positive, covering its children's
+    # counts), its probability is kept exactly
+    consistent = {k for k, c in nodes.items() if model.get(k) == c}
+
+    def looks_only_at_consistent_nodes(ctx, tok) -> bool:
+        for j in range(len(ctx)):
+            s = tuple(ctx[j:])
+            if s in nodes and not (all(s[:m] in consistent for m in range(1, len(s) + 1))
+                                   and (s + (tok,) not in nodes or s + (tok,) in consistent)):
+                return False
+        return True
+
+    sound = [i for i, (ctx, tok) in enumerate(pairs) if looks_only_at_consistent_nodes(ctx, tok)]
+    assert sound  # (few: pruning leaves most contexts below their kept children's sum, which the rule raises)
+    assert np.abs(got[sound] - ref[sound]).max() <= 1e-6
+
+
+def _corrupt(tmp_path: Path, data: bytes, name: str) -> Path:
+    p = tmp_path / name
+    p.write_bytes(data)
+    return p
+
+
+def test_truncated_and_corrupted_files_get_a_named_error_and_leave_nothing(tmp_path):
+    good = (FIXTURE / "ref_order3.trie").read_bytes()
+    root_children = struct.unpack_from("<Q", good, 16 + 16)[0]
+    first_child = 16 + 24  # the root's first (token, index) entry
+    cases = {
+        "empty": b"",
+        "header only": good[:16],
+        "truncated": good[: len(good) * 2 // 3],
+        "trailing bytes": good + b"\0" * 12,
+        "order 9": struct.pack("<Q", 9) + good[8:],
+        "child index out of range": good[: first_child + 4] + struct.pack("<Q", 10**9) + good[first_child + 12:],
+        "child index backwards": good[: first_child + 4] + struct.pack("<Q", 0) + good[first_child + 12:],
+        "too many children": good[:32] + struct.pack("<Q", 10**12) + good[40:],
+        "token outside the vocabulary": good[:16 + 24 + 12 * root_children] + struct.pack("<i", VOCAB + 5)
+        + good[16 + 24 + 12 * root_children + 4:],
+    }
+    out_dir = tmp_path / "out"
+    for name, data in cases.items():
+        src = _corrupt(tmp_path, data, "bad.trie")
+        with pytest.raises(ReferenceTrieError):
+            convert(src, out_dir / "x.trie")
+        assert not out_dir.exists() or list(out_dir.iterdir()) == [], name  # no output, no temporary files
+    # a leaf at the order's depth with a child: deeper than the order
+    counts = count_windows(fixture_docs()[:2], 2)
+    deep = dict(counts)
+    a, b = next(k for k in counts if len(k) == 2)
+    deep[(a, b, 7)] = 1
+    write_reference(tmp_path / "deep.trie", deep, 2)
+    with pytest.raises(ReferenceTrieError, match="deeper than the order"):
+        convert(tmp_path / "deep.trie", out_dir / "x.trie")
+    assert list(out_dir.iterdir()) == []
+
+
+def test_the_command_prints_a_summary_and_refuses_a_bad_file(tmp_path, capsys):
+    assert main([str(FIXTURE / "ref_order3.trie"), str(tmp_path / "c.trie"), "-q", "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert '"kept_nodes": 90787' in out and '"peak_rss_mb"' in out
+    _corrupt(tmp_path, (FIXTURE / "ref_order3.trie").read_bytes()[:1000], "cut.trie")
+    assert main([str(tmp_path / "cut.trie"), str(tmp_path / "d.trie"), "-q"]) == 2
+    assert "truncated" in capsys.readouterr().err and not (tmp_path / "d.trie").exists()
