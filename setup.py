@@ -40,6 +40,7 @@ native = Pybind11Extension(
         "ngram_service/csrc/search.cpp",
         "ngram_service/csrc/context_index.cpp",
         "ngram_service/csrc/level_writer.cpp",
+        "ngram_service/csrc/mapped_file.cpp",
         "ngram_service/csrc/reference_trie.cpp",
     ],
     include_dirs=["ngram_service/csrc"],

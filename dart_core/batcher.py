@@ -407,6 +407,6 @@ class ContinuousBatcher:
         return GenerationChunk(text=text, token_ids=tuple(toks), finish_reason=reason,
                                prompt_tokens=len(req.ids), completion_tokens=req.completion_tokens,
                                steps=req.steps, step_tokens=req.step_tokens, logprobs=logprobs,
-                               accepted=accepted, draft_nodes=draft_nodes if not prefill else 0,
+                               accepted=accepted, draft_nodes=draft_nodes,
                                bonus_chars=bonus_chars, draft_tokens=req.draft_tokens,
                                accepted_tokens=req.accepted_tokens)

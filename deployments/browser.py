@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BrowserUnavailable", "ColumnResult", "find_chromium", "chromium_driver", "run_compare", "main"]
+__all__ = ["BrowserUnavailable", "ColumnResult", "find_chromium", "chromium_driver", "read_column", "run_compare",
+           "press_run", "main"]
 
 _BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 _DRIVERS = ("chromedriver",)
@@ -123,6 +124,19 @@ def run_compare(driver, url: str, prompt: str, *, max_tokens: int = 64, temperat
         field = driver.find_element(By.ID, name)
         field.clear()
         field.send_keys(str(value))
+    return press_run(driver, max(deadline - time.monotonic(), 0.0)) | {"model": model}
+
+
+def press_run(driver, timeout_s: float = 300.0) -> dict:
+    """Presses Run on the page already open and waits until the run ends (both columns done,
+    or a message shown) or ``timeout_s`` passes.
+
+    Returns:
+        ``{"dart": ColumnResult, "ar": ColumnResult, "message": str, "speedup": str}``.
+    """
+    from selenium.webdriver.common.by import By
+
+    deadline = time.monotonic() + timeout_s
     driver.find_element(By.ID, "run").click()
     while time.monotonic() < deadline:
         time.sleep(0.2)
@@ -134,7 +148,7 @@ def run_compare(driver, url: str, prompt: str, *, max_tokens: int = 64, temperat
             break
     return {"dart": read_column(driver, "#col-dart"), "ar": read_column(driver, "#col-ar"),
             "message": driver.find_element(By.ID, "message").text,
-            "speedup": driver.find_element(By.ID, "speedup").text, "model": model}
+            "speedup": driver.find_element(By.ID, "speedup").text}
 
 
 def main(argv: list[str] | None = None) -> int:

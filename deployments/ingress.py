@@ -9,7 +9,8 @@ carries a ``dart`` field with its verification step's figures (accepted draft
 tokens, draft-tree size, the bonus token's share of the text), which OpenAI
 clients ignore; ``logprobs`` / ``top_logprobs`` return the target's
 log-probabilities.  ``GET /`` and ``GET /compare`` serve the compare page
-(DART beside autoregressive decoding in the browser, from files in the package).  Every request becomes a validated
+(DART beside autoregressive decoding in the browser, from files in the
+package).  Every request becomes a validated
 :class:`dart_core.request.GenerationRequest` before it reaches the engine,
 and every field the server would not honour is refused: an OpenAI field it
 does not implement (penalties, logit bias, tools, response formats other than

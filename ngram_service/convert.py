@@ -121,7 +121,7 @@ def convert_reference_trie(src: str | os.PathLike[str], dst: str | os.PathLike[s
             "created_unix": int(time.time())}
     start = time.perf_counter()
     bar = tqdm(total=2 * nodes, unit="node", unit_scale=True, desc=f"converting {src.name}",
-               disable=not progress or nodes > 2**62)
+               disable=not progress)
     done = [0]
 
     def report(n: int) -> None:

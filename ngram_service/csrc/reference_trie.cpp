@@ -1,9 +1,6 @@
 #include "reference_trie.hpp"
 
-#include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -12,6 +9,7 @@
 #include <utility>
 
 #include "level_writer.hpp"
+#include "mapped_file.hpp"
 #include "trie_format.hpp"
 
 namespace dart_ngram {
@@ -24,39 +22,6 @@ constexpr uint64_t kChildBytes = 12;  // i32 token, u64 index
 constexpr uint64_t kProgressEvery = 1 << 16;
 
 [[noreturn]] void bad(const std::string& what) { throw ReferenceFormatError(what); }
-
-// A read-only mapping of a whole file.
-class Mapping {
- public:
-  explicit Mapping(const std::string& path) {
-    fd_ = ::open(path.c_str(), O_RDONLY);
-    if (fd_ < 0) throw std::runtime_error("cannot open '" + path + "': " + std::strerror(errno));
-    struct stat st {};
-    if (::fstat(fd_, &st) != 0) throw std::runtime_error("cannot stat '" + path + "': " + std::strerror(errno));
-    size_ = static_cast<uint64_t>(st.st_size);
-    if (size_ > 0) {
-      void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd_, 0);
-      if (p == MAP_FAILED) throw std::runtime_error("cannot map '" + path + "': " + std::strerror(errno));
-      data_ = static_cast<const char*>(p);
-    }
-  }
-  ~Mapping() {
-    if (data_ != nullptr) ::munmap(const_cast<char*>(data_), size_);
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Mapping(const Mapping&) = delete;
-  Mapping& operator=(const Mapping&) = delete;
-  void advise(int advice) const {
-    if (data_ != nullptr) ::madvise(const_cast<char*>(data_), size_, advice);
-  }
-  const char* data() const { return data_; }
-  uint64_t size() const { return size_; }
-
- private:
-  int fd_ = -1;
-  const char* data_ = nullptr;
-  uint64_t size_ = 0;
-};
 
 template <typename T>
 T load(const char* p) {
@@ -84,12 +49,13 @@ ConvertStats convert_reference_trie(const std::string& src, const std::string& d
                                     const std::string& metadata_json, const std::string& tmp_dir,
                                     const std::function<void(uint64_t)>& progress) {
   if (vocab_size == 0 || vocab_size >= kPadToken) throw std::invalid_argument("vocab_size must be in 1..2^32-2");
-  Mapping in(src);
+  const MappedFile in(src, "reference trie");
+  const char* const data = reinterpret_cast<const char*>(in.data());
   ConvertStats stats;
   stats.source_bytes = in.size();
   if (in.size() < kHeaderBytes) bad("truncated: " + std::to_string(in.size()) + " bytes, shorter than the header");
-  const uint64_t order = load<uint64_t>(in.data());
-  const uint64_t n = load<uint64_t>(in.data() + 8);
+  const uint64_t order = load<uint64_t>(data);
+  const uint64_t n = load<uint64_t>(data + 8);
   if (order < static_cast<uint64_t>(kMinOrder) || order > static_cast<uint64_t>(kMaxOrder)) {
     bad("n-gram order " + std::to_string(order) + " in the header is outside " + std::to_string(kMinOrder) + ".." +
         std::to_string(kMaxOrder) + " (not a reference trie, or a corrupt one)");
@@ -120,7 +86,7 @@ ConvertStats convert_reference_trie(const std::string& src, const std::string& d
         bad("truncated: record " + std::to_string(i) + " of " + std::to_string(n) + " starts at byte " +
             std::to_string(off) + " of " + std::to_string(in.size()));
       }
-      const Record r = record_at(in.data() + off);
+      const Record r = record_at(data + off);
       if (r.n_children > vocab_size || r.n_children > (in.size() - off - kRecordHead) / kChildBytes) {
         if (r.n_children <= vocab_size) {
           bad("truncated: record " + std::to_string(i) + " lists " + std::to_string(r.n_children) +
@@ -162,11 +128,11 @@ ConvertStats convert_reference_trie(const std::string& src, const std::string& d
   if (progress) progress(n);
 
   // Pass 2: depth-first from the root, children by token: every level comes out in its order.
-  Mapping index(index_path);
+  const MappedFile index(index_path, "record index");
   in.advise(MADV_RANDOM);
   index.advise(MADV_RANDOM);
-  const char* idx = index.data();
-  auto rec = [&](uint64_t i) { return record_at(in.data() + load<uint64_t>(idx + i * 8)); };
+  const char* const idx = reinterpret_cast<const char*>(index.data());
+  auto rec = [&](uint64_t i) { return record_at(data + load<uint64_t>(idx + i * 8)); };
   const int N = static_cast<int>(order);
   std::vector<LevelSink> sinks(N);
   for (int m = 1; m <= N; ++m) {

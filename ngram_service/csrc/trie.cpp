@@ -1,9 +1,6 @@
 #include "trie.hpp"
 
-#include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -32,104 +29,80 @@ uint64_t read_uint(const uint8_t* base, uint32_t width, uint64_t i) {
 
 }  // namespace
 
-MappedTrie::MappedTrie(const std::string& path) : path_(path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    throw std::runtime_error("cannot open n-gram trie '" + path + "': " + std::strerror(errno));
-  }
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    int err = errno;
-    ::close(fd);
-    throw std::runtime_error("cannot stat n-gram trie '" + path + "': " + std::strerror(err));
-  }
-  size_ = static_cast<size_t>(st.st_size);
+MappedTrie::MappedTrie(const std::string& path) : path_(path), file_(path, "n-gram trie") {
+  size_ = file_.size();
   if (size_ < sizeof(FileHeader)) {
-    ::close(fd);
     corrupt(path, "file is " + std::to_string(size_) + " bytes, shorter than the header");
   }
-  void* mem = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd, 0);
-  ::close(fd);
-  if (mem == MAP_FAILED) {
-    throw std::runtime_error("cannot mmap n-gram trie '" + path + "': " + std::strerror(errno));
+  base_ = file_.data();
+  file_.advise(MADV_RANDOM);
+  std::memcpy(&header_, base_, sizeof(FileHeader));
+  const FileHeader& h = header_;
+  if (std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0) corrupt(path, "bad magic bytes");
+  if (h.version != kFormatVersion) {
+    corrupt(path, "format version " + std::to_string(h.version) + ", this build reads " +
+                      std::to_string(kFormatVersion));
   }
-  base_ = static_cast<const uint8_t*>(mem);
-  ::madvise(mem, size_, MADV_RANDOM);
-  try {
-    std::memcpy(&header_, base_, sizeof(FileHeader));
-    const FileHeader& h = header_;
-    if (std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0) corrupt(path, "bad magic bytes");
-    if (h.version != kFormatVersion) {
-      corrupt(path, "format version " + std::to_string(h.version) + ", this build reads " +
-                        std::to_string(kFormatVersion));
+  if (h.order < kMinOrder || h.order > kMaxOrder) {
+    corrupt(path, "n-gram order " + std::to_string(h.order) + " outside 2..6");
+  }
+  if (h.file_bytes != size_) {
+    corrupt(path, "header says " + std::to_string(h.file_bytes) + " bytes, file has " +
+                      std::to_string(size_) + " (truncated?)");
+  }
+  if (h.header_bytes < sizeof(FileHeader) || h.header_bytes > size_ ||
+      h.metadata_bytes > h.header_bytes - sizeof(FileHeader)) {
+    corrupt(path, "inconsistent header size");
+  }
+  uint64_t total_nodes = 0;
+  for (int m = 1; m <= order(); ++m) {
+    const LevelEntry& e = h.levels[m - 1];
+    const bool last = m == order();
+    if (e.count_width != 4 && e.count_width != 8) corrupt(path, "bad count width");
+    if (last ? (e.child_width != 0 || e.children_offset != 0)
+             : (e.child_width != 4 && e.child_width != 8)) {
+      corrupt(path, "bad child offsets entry");
     }
-    if (h.order < kMinOrder || h.order > kMaxOrder) {
-      corrupt(path, "n-gram order " + std::to_string(h.order) + " outside 2..6");
-    }
-    if (h.file_bytes != size_) {
-      corrupt(path, "header says " + std::to_string(h.file_bytes) + " bytes, file has " +
-                        std::to_string(size_) + " (truncated?)");
-    }
-    if (h.header_bytes < sizeof(FileHeader) || h.header_bytes > size_ ||
-        h.metadata_bytes > h.header_bytes - sizeof(FileHeader)) {
-      corrupt(path, "inconsistent header size");
-    }
-    uint64_t total_nodes = 0;
-    for (int m = 1; m <= order(); ++m) {
-      const LevelEntry& e = h.levels[m - 1];
-      const bool last = m == order();
-      if (e.count_width != 4 && e.count_width != 8) corrupt(path, "bad count width");
-      if (last ? (e.child_width != 0 || e.children_offset != 0)
-               : (e.child_width != 4 && e.child_width != 8)) {
-        corrupt(path, "bad child offsets entry");
+    if (e.num_nodes > size_) corrupt(path, "level node count larger than the file");
+    auto check_array = [&](uint64_t off, uint64_t bytes) {
+      if (off < h.header_bytes || off > size_ || bytes > size_ - off) {
+        corrupt(path, "level " + std::to_string(m) + " array outside the file");
       }
-      if (e.num_nodes > size_) corrupt(path, "level node count larger than the file");
-      auto check_array = [&](uint64_t off, uint64_t bytes) {
-        if (off < h.header_bytes || off > size_ || bytes > size_ - off) {
-          corrupt(path, "level " + std::to_string(m) + " array outside the file");
-        }
-      };
-      check_array(e.tokens_offset, e.num_nodes * 4);
-      check_array(e.counts_offset, e.num_nodes * e.count_width);
-      if (!last) check_array(e.children_offset, (e.num_nodes + 1) * e.child_width);
-      if (e.tokens_offset % 4 || e.counts_offset % 8 || e.children_offset % 8) {
-        corrupt(path, "misaligned array");
-      }
-      Level& lv = levels_[m];
-      lv.tokens = reinterpret_cast<const uint32_t*>(base_ + e.tokens_offset);
-      lv.counts = base_ + e.counts_offset;
-      lv.children = last ? nullptr : base_ + e.children_offset;
-      lv.num_nodes = e.num_nodes;
-      lv.count_width = e.count_width;
-      lv.child_width = e.child_width;
-      total_nodes += e.num_nodes;
+    };
+    check_array(e.tokens_offset, e.num_nodes * 4);
+    check_array(e.counts_offset, e.num_nodes * e.count_width);
+    if (!last) check_array(e.children_offset, (e.num_nodes + 1) * e.child_width);
+    if (e.tokens_offset % 4 || e.counts_offset % 8 || e.children_offset % 8) {
+      corrupt(path, "misaligned array");
     }
-    if (total_nodes != h.num_nodes) corrupt(path, "level sizes do not add up to the node count");
-    if (levels_[1].num_nodes > h.vocab_size) corrupt(path, "more unigrams than the vocabulary");
-    for (int m = 1; m < order(); ++m) {
-      if (child_offset(m, 0) != 0 || child_offset(m, levels_[m].num_nodes) != levels_[m + 1].num_nodes) {
-        corrupt(path, "level " + std::to_string(m) + " child offsets do not span level " +
-                          std::to_string(m + 1));
-      }
+    Level& lv = levels_[m];
+    lv.tokens = reinterpret_cast<const uint32_t*>(base_ + e.tokens_offset);
+    lv.counts = base_ + e.counts_offset;
+    lv.children = last ? nullptr : base_ + e.children_offset;
+    lv.num_nodes = e.num_nodes;
+    lv.count_width = e.count_width;
+    lv.child_width = e.child_width;
+    total_nodes += e.num_nodes;
+  }
+  if (total_nodes != h.num_nodes) corrupt(path, "level sizes do not add up to the node count");
+  if (levels_[1].num_nodes > h.vocab_size) corrupt(path, "more unigrams than the vocabulary");
+  for (int m = 1; m < order(); ++m) {
+    if (child_offset(m, 0) != 0 || child_offset(m, levels_[m].num_nodes) != levels_[m + 1].num_nodes) {
+      corrupt(path, "level " + std::to_string(m) + " child offsets do not span level " +
+                        std::to_string(m + 1));
     }
-    // Level-1 lookups by direct indexing: O(vocab) once, cheap next to model loading.
-    if (h.vocab_size <= kDenseUnigramLimit) {
-      unigram_node_.assign(h.vocab_size, -1);
-      for (uint64_t i = 0; i < levels_[1].num_nodes; ++i) {
-        const token_t t = levels_[1].tokens[i];
-        if (t < h.vocab_size) unigram_node_[t] = static_cast<int64_t>(i);
-      }
+  }
+  // Level-1 lookups by direct indexing: O(vocab) once, cheap next to model loading.
+  if (h.vocab_size <= kDenseUnigramLimit) {
+    unigram_node_.assign(h.vocab_size, -1);
+    for (uint64_t i = 0; i < levels_[1].num_nodes; ++i) {
+      const token_t t = levels_[1].tokens[i];
+      if (t < h.vocab_size) unigram_node_[t] = static_cast<int64_t>(i);
     }
-  } catch (...) {
-    ::munmap(const_cast<uint8_t*>(base_), size_);
-    base_ = nullptr;
-    throw;
   }
 }
 
-MappedTrie::~MappedTrie() {
-  if (base_ != nullptr) ::munmap(const_cast<uint8_t*>(base_), size_);
-}
+MappedTrie::~MappedTrie() = default;
 
 std::string MappedTrie::metadata_json() const {
   return std::string(reinterpret_cast<const char*>(base_ + sizeof(FileHeader)), header_.metadata_bytes);

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "mapped_file.hpp"
 #include "trie_format.hpp"
 
 namespace dart_ngram {
@@ -79,8 +80,9 @@ class MappedTrie {
   std::string path_;
   FileHeader header_{};
   std::vector<int64_t> unigram_node_;  // token -> level-1 node, -1 if absent (small vocabularies)
-  const uint8_t* base_ = nullptr;
-  size_t size_ = 0;
+  MappedFile file_;
+  const uint8_t* base_ = nullptr;  // file_.data()
+  size_t size_ = 0;                // file_.size()
   Level levels_[kMaxOrder + 1];  // 1-based; levels_[0] unused
 };
 

@@ -14,7 +14,7 @@ import threading
 import httpx
 import pytest
 
-from deployments.browser import BrowserUnavailable, chromium_driver, read_column, run_compare
+from deployments.browser import BrowserUnavailable, chromium_driver, press_run, run_compare
 from deployments.ingress import compare_page
 
 from .conftest import HTTP
@@ -132,19 +132,5 @@ def test_a_stream_cut_short_and_a_server_gone_show_a_message(browser, fake_serve
     assert cut["dart"].state == "error" and cut["dart"].text == "Red, green"  # what came stays on the page
     fake_server.shutdown()
     fake_server.server_close()
-    gone = run_compare_after_load(browser)
+    gone = press_run(browser, timeout_s=10)  # the page loaded from a server that has gone since
     assert "cannot reach the server" in gone["message"] and gone["dart"].state == "error"
-
-
-def run_compare_after_load(driver) -> dict:
-    """Presses Run again on the page already open (its server has gone since it loaded)."""
-    import time
-
-    from selenium.webdriver.common.by import By
-
-    driver.find_element(By.ID, "run").click()
-    for _ in range(100):
-        if driver.find_element(By.ID, "message").text:
-            break
-        time.sleep(0.1)
-    return {"message": driver.find_element(By.ID, "message").text, "dart": read_column(driver, "#col-dart")}

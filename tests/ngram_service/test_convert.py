@@ -43,13 +43,12 @@ def count_windows(docs, order: int) -> dict[tuple, int]:
 def reduce_counts(counts: dict[tuple, int], threshold: int) -> dict[tuple, int]:
     """The reference's reduce(): nodes below the threshold go, and each dropped subtree's total
     (every dropped node's freq) is subtracted from every kept ancestor, the root included (key ())."""
-    out = {(): sum(c for k, c in counts.items() if len(k) == 1)} | dict(counts)
+    out = {(): 0} | dict(counts)  # a reduced root starts from 0
     dropped = {k for k, c in counts.items() if c < threshold}
     for k in dropped:  # each dropped node's freq comes off every kept ancestor
         for m in range(len(k) - 1, -1, -1):
             if k[:m] not in dropped:
                 out[k[:m]] -= counts[k]
-    out[()] -= sum(c for k, c in counts.items() if len(k) == 1)  # a reduced root starts from 0
     return {k: c for k, c in out.items() if k not in dropped}
 
 
