@@ -13,12 +13,14 @@ leaves nothing behind.
 
 Probabilities equal the reference's ``get_probability`` wherever the file's counts
 are consistent.  Pruned reference files (its ``reduce``) are not: pruning subtracts
-the pruned counts from every kept ancestor, leaving counts of 0 or below and
-counts smaller than the kept children's sum, where the reference answers NaN,
-negative values, values above 1 or 0 without backing off.  Rule used here: a node
-whose count is <= 0 is dropped with its subtree (the query backs off to a shorter
-context), and a kept node's count is raised to the sum of its kept children's
-counts where it is below it, so every answer is a probability in [0, 1].
+each pruned subtree's counts from every kept ancestor, leaving counts of 0 or below
+and counts below a kept child's, where the reference answers NaN (0/0), infinity,
+negative values, values above 1, or 0 without backing off.  Rule used here: every
+node is kept with its count, a count <= 0 stored as 0, and the file is flagged so
+that its reader treats a count of 0 as no evidence (the query backs off past that
+context or child to a shorter context) and clamps a ratio above 1 to 1.  Every
+probability the reference computes in (0, 1] is unchanged, and every query gets a
+finite probability in [0, 1].
 
 Example::
 
@@ -61,8 +63,10 @@ class ConvertSummary:
     order: int
     source_bytes: int
     source_nodes: int  # records in the reference file, its root included
-    kept_nodes: int  # nodes written (no root in our format)
-    dropped_nodes: int  # nodes with a count <= 0 (pruned files) and their subtrees
+    nodes: int  # nodes written: all but the root (which our format does not store)
+    zero_count_nodes: int  # of those, count <= 0 in the source (pruned files): stored as 0, "no evidence"
+    above_parent: int  # nodes whose count exceeds their parent's (pruned files): ratio clamped to 1
+    flags: int  # header flags: 1 when either of the two above is non-zero
     nodes_per_level: list[int]
     total_tokens: int  # sum of the level-1 counts
     file_bytes: int
@@ -143,7 +147,8 @@ def convert_reference_trie(src: str | os.PathLike[str], dst: str | os.PathLike[s
     open_ms = 1e3 * (time.perf_counter() - t0)
     return ConvertSummary(
         source=str(src), path=str(dst), order=stats["order"], source_bytes=stats["source_bytes"],
-        source_nodes=stats["source_nodes"], kept_nodes=stats["kept_nodes"], dropped_nodes=stats["dropped_nodes"],
+        source_nodes=stats["source_nodes"], nodes=stats["nodes"], zero_count_nodes=stats["zero_count_nodes"],
+        above_parent=stats["above_parent"], flags=stats["flags"],
         nodes_per_level=list(stats["nodes_per_level"]), total_tokens=stats["total_tokens"],
         file_bytes=stats["file_bytes"], bytes_ratio=round(stats["file_bytes"] / max(stats["source_bytes"], 1), 4),
         seconds=round(seconds, 3), source_mb_per_s=round(stats["source_bytes"] / 2**20 / max(seconds, 1e-9), 2),

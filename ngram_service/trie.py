@@ -37,7 +37,7 @@ from ngram_service._native import MappedTrie, TrieFormatError
 __all__ = ["NgramTrie", "TrieFormatError", "TokenizerMismatchError", "TrieInfo", "pack_ragged", "write_checksums"]
 
 MAGIC = b"DARTTRIE"
-FORMAT_VERSION = 1
+FORMAT_VERSIONS = (1, 2)  # 2: version 1 with header flags (counts imported from a pruned reference trie)
 FIXED_HEADER_BYTES = 352
 _PAYLOAD_CRC_AT = 48  # byte offsets of the two u32 checksums in the header
 _HEADER_CRC_AT = 52
@@ -87,8 +87,9 @@ def _read_header(path: Path) -> tuple[int, dict[str, Any]]:
         if fixed[:8] != MAGIC:
             raise TrieFormatError(f"'{path}' is not a dart-serve n-gram trie (bad magic bytes)")
         (version,) = struct.unpack_from("<I", fixed, 8)
-        if version != FORMAT_VERSION:
-            raise TrieFormatError(f"n-gram trie '{path}' has format version {version}; this build reads {FORMAT_VERSION}")
+        if version not in FORMAT_VERSIONS:
+            raise TrieFormatError(f"n-gram trie '{path}' has format version {version}; this build reads "
+                                  f"{' and '.join(map(str, FORMAT_VERSIONS))}")
         (header_bytes,) = struct.unpack_from("<I", fixed, 12)
         (metadata_bytes,) = struct.unpack_from("<I", fixed, 56)
         if not FIXED_HEADER_BYTES + metadata_bytes <= header_bytes <= 1 << 24:

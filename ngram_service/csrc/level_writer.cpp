@@ -92,10 +92,11 @@ void LevelSink::open(const std::string& prefix, bool has_children_) {
 }
 
 BuildStats write_levels(const std::string& path, const std::string& metadata_json, int order, uint32_t vocab_size,
-                        uint64_t total_tokens, LevelSink* levels) {
+                        uint64_t total_tokens, LevelSink* levels, uint32_t flags) {
   FileHeader h{};
   std::memcpy(h.magic, kMagic, sizeof(kMagic));
-  h.version = kFormatVersion;
+  h.version = flags ? kFormatVersionFlags : kFormatVersion;
+  h.flags = flags;
   h.order = static_cast<uint32_t>(order);
   h.vocab_size = vocab_size;
   h.total_tokens = total_tokens;

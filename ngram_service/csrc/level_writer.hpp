@@ -70,7 +70,8 @@ struct LevelSink {
 
 // Writes the file from levels[0 .. order-1] (level 1 first); closes the sinks.
 // Checksums are left zero for the caller (the Python layer writes them).
+// flags: header flags (trie_format.hpp); a file with any set is version 2.
 BuildStats write_levels(const std::string& path, const std::string& metadata_json, int order, uint32_t vocab_size,
-                        uint64_t total_tokens, LevelSink* levels);
+                        uint64_t total_tokens, LevelSink* levels, uint32_t flags = 0);
 
 }  // namespace dart_ngram

@@ -311,8 +311,10 @@ PYBIND11_MODULE(_native, m) {
         d["order"] = s.order;
         d["source_nodes"] = s.source_nodes;
         d["source_bytes"] = s.source_bytes;
-        d["kept_nodes"] = s.kept_nodes;
-        d["dropped_nodes"] = s.dropped_nodes;
+        d["nodes"] = s.nodes;
+        d["zero_count_nodes"] = s.zero_count_nodes;
+        d["above_parent"] = s.above_parent;
+        d["flags"] = s.flags;
         d["total_tokens"] = s.total_tokens;
         d["nodes_per_level"] = s.nodes_per_level;
         d["file_bytes"] = s.file_bytes;

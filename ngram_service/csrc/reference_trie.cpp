@@ -163,20 +163,12 @@ ConvertStats convert_reference_trie(const std::string& src, const std::string& d
     }
     next[depth] = 0;
   };
-  // A node's count is written once its subtree is done: max(its freq, the sum of its kept children's
-  // counts), so every context's children sum to at most its count (reference_trie.hpp).
-  std::vector<uint64_t> freq(N + 1, 0), child_sum(N + 1, 0);
+  std::vector<int64_t> freq(N + 1, 0);  // freq[m]: the source freq of the node open at depth m
   uint64_t visited = 0, level1_total = 0;
   load_children(0, 0);
   int depth = 0;  // depth of the node whose children are being walked
   while (depth >= 0) {
     if (next[depth] == kids[depth].size()) {  // the node open at `depth` is done
-      if (depth > 0) {
-        const uint64_t count = std::max(freq[depth], child_sum[depth]);
-        sinks[depth - 1].emit_count(count);
-        if (depth == 1) level1_total += count;
-        child_sum[depth - 1] += count;
-      }
       --depth;
       continue;
     }
@@ -201,12 +193,13 @@ ConvertStats convert_reference_trie(const std::string& src, const std::string& d
           std::to_string(N));
     }
     if (progress && ++visited % kProgressEvery == 0) progress(n + visited);
-    if (r.freq <= 0) {  // pruned away by the reference's reduce(): no evidence, back off instead
-      continue;
-    }
-    sinks[m - 1].emit_key(static_cast<token_t>(tok), m < N ? sinks[m].emitted : 0);
-    freq[m] = static_cast<uint64_t>(r.freq);
-    child_sum[m] = 0;
+    // counts <= 0 and counts above the parent's come only from the reference's reduce() (reference_trie.hpp)
+    const uint64_t count = r.freq > 0 ? static_cast<uint64_t>(r.freq) : 0;
+    if (count == 0) ++stats.zero_count_nodes;
+    if (m > 1 && r.freq > freq[depth]) ++stats.above_parent;
+    if (m == 1) level1_total += count;
+    sinks[m - 1].emit(static_cast<token_t>(tok), count, m < N ? sinks[m].emitted : 0);
+    freq[m] = r.freq;
     if (m < N && r.n_children > 0) {
       load_children(child, m);
     } else {
@@ -215,10 +208,10 @@ ConvertStats convert_reference_trie(const std::string& src, const std::string& d
     }
     depth = m;  // closed at once when it has no children
   }
-  BuildStats written = write_levels(dst, metadata_json, N, vocab_size, level1_total, sinks.data());
+  stats.flags = stats.zero_count_nodes || stats.above_parent ? kFlagReferenceCounts : 0;
+  BuildStats written = write_levels(dst, metadata_json, N, vocab_size, level1_total, sinks.data(), stats.flags);
   if (progress) progress(2 * n);
-  stats.kept_nodes = written.num_nodes;
-  stats.dropped_nodes = n - 1 - written.num_nodes;
+  stats.nodes = written.num_nodes;
   stats.total_tokens = level1_total;
   stats.nodes_per_level = written.nodes_per_level;
   stats.file_bytes = written.file_bytes;

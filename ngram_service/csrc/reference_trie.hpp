@@ -14,17 +14,19 @@
 // child lists), one visited bit per node, and the OS page cache over the
 // source and the index (both read through mmap: clean, reclaimable pages).
 //
-// Soundness rule for pruned files (the reference's reduce() subtracts pruned
-// counts from every kept ancestor, leaving counts of 0 or below, and counts
-// below the sum of the kept children's):
-//   * a node whose freq is <= 0 is dropped with its subtree, so a query that
-//     would divide by 0 (NaN), by a negative count, or stop at a 0 without
-//     backing off, backs off to a shorter context instead;
-//   * a kept node's count is max(freq, sum of its kept children's counts), so
-//     the probabilities under every context sum to at most 1.  A context whose
-//     freq already covers its children keeps the reference's probabilities.
-// The root's freq is not used (negative in pruned files); total_tokens is the
-// sum of the level-1 counts.
+// Rule for pruned files.  The reference's reduce() subtracts the counts of every
+// pruned subtree from each kept ancestor, so a kept node's count can be 0 or
+// negative, and below a kept child's.  The reference then divides as it is:
+// 0/0 gives NaN, x/0 infinity, x/negative a negative "probability", a ratio can
+// exceed 1, and a child of count 0 answers 0 without backing off.  Converted:
+//   * every node is kept (the tree is unchanged, so every context the reference
+//     finds is found), and a count <= 0 is stored as 0;
+//   * the file gets kFlagReferenceCounts (trie_format.hpp) when any count was
+//     <= 0 or above its parent's; its reader treats a count of 0 as no evidence,
+//     backing off past such a context or child, and clamps a ratio above 1 to 1.
+// So every probability the reference computes in (0, 1] comes out the same, and
+// every query gets a finite probability in [0, 1].  The root's freq is not used
+// (negative in pruned files); total_tokens is the sum of the level-1 counts.
 #pragma once
 
 #include <cstdint>
@@ -45,8 +47,10 @@ struct ConvertStats {
   int order = 0;
   uint64_t source_nodes = 0;   // records in the source, the root included
   uint64_t source_bytes = 0;
-  uint64_t kept_nodes = 0;     // nodes written (the root excluded)
-  uint64_t dropped_nodes = 0;  // nodes with freq <= 0 and their subtrees (the root excluded)
+  uint64_t nodes = 0;             // nodes written (the root excluded)
+  uint64_t zero_count_nodes = 0;  // of those, freq <= 0 in the source (pruned files), stored as 0
+  uint64_t above_parent = 0;      // nodes whose freq exceeds their parent's (pruned files)
+  uint32_t flags = 0;             // header flags written (trie_format.hpp)
   uint64_t total_tokens = 0;
   std::vector<uint64_t> nodes_per_level;
   uint64_t file_bytes = 0;

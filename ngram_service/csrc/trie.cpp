@@ -39,10 +39,14 @@ MappedTrie::MappedTrie(const std::string& path) : path_(path), file_(path, "n-gr
   std::memcpy(&header_, base_, sizeof(FileHeader));
   const FileHeader& h = header_;
   if (std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0) corrupt(path, "bad magic bytes");
-  if (h.version != kFormatVersion) {
+  if (h.version != kFormatVersion && h.version != kFormatVersionFlags) {
     corrupt(path, "format version " + std::to_string(h.version) + ", this build reads " +
-                      std::to_string(kFormatVersion));
+                      std::to_string(kFormatVersion) + " and " + std::to_string(kFormatVersionFlags));
   }
+  if ((h.version == kFormatVersion) != (h.flags == 0) || (h.flags & ~kKnownFlags)) {
+    corrupt(path, "flags " + std::to_string(h.flags) + " do not fit format version " + std::to_string(h.version));
+  }
+  reference_counts_ = (h.flags & kFlagReferenceCounts) != 0;
   if (h.order < kMinOrder || h.order > kMaxOrder) {
     corrupt(path, "n-gram order " + std::to_string(h.order) + " outside 2..6");
   }
@@ -169,14 +173,23 @@ int MappedTrie::suffix_nodes(const token_t* context, size_t len, NodeRef* out) c
   return n;
 }
 
+bool MappedTrie::ratio(uint64_t context_count, uint64_t child_count, double* p) const {
+  if (context_count == 0 || child_count == 0 || child_count > context_count) {
+    if (!reference_counts_) corrupt(path_, "a zero count, or a child count above its context's");
+    if (context_count == 0 || child_count == 0) return false;  // no evidence: back off
+    *p = 1.0;
+    return true;
+  }
+  *p = static_cast<double>(child_count) / static_cast<double>(context_count);
+  return true;
+}
+
 double MappedTrie::probability(const NodeRef* suffixes, int num_suffixes, token_t tok) const {
   for (int i = 0; i < num_suffixes; ++i) {
     NodeRef child;
     if (find_child(suffixes[i], tok, &child)) {
-      const uint64_t denom = count(suffixes[i]);
-      const uint64_t numer = count(child);
-      if (denom == 0 || numer > denom) corrupt(path_, "child count exceeds its context count");
-      return static_cast<double>(numer) / static_cast<double>(denom);
+      double p;
+      if (ratio(count(suffixes[i]), count(child), &p)) return p;
     }
   }
   return 0.0;
@@ -193,6 +206,7 @@ void MappedTrie::probabilities(const NodeRef* suffixes, int num_suffixes, const 
     children_range(ctx, &lo, &hi);
     const uint32_t* toks = levels_[ctx.level + 1].tokens;
     const uint64_t denom = count(ctx);
+    if (denom == 0 && reference_counts_) continue;  // no evidence in this context: back off
     for (int r = 0; r < num_tokens && lo < hi; ++r) {
       const int i = order[r];
       if (out[i] >= 0.0) continue;
@@ -207,10 +221,7 @@ void MappedTrie::probabilities(const NodeRef* suffixes, int num_suffixes, const 
       const uint32_t* it = std::lower_bound(toks + lo, toks + probe, tokens[i]);
       lo = static_cast<uint64_t>(it - toks);
       if (lo < hi && *it == tokens[i]) {
-        const uint64_t numer = count({ctx.level + 1, lo});
-        if (denom == 0 || numer > denom) corrupt(path_, "child count exceeds its context count");
-        out[i] = static_cast<double>(numer) / static_cast<double>(denom);
-        --unresolved;
+        if (ratio(denom, count({ctx.level + 1, lo}), &out[i])) --unresolved;
       }
     }
   }
@@ -232,10 +243,10 @@ void MappedTrie::check_structure() const {
         if (i > lo && lv.tokens[i] <= lv.tokens[i - 1]) corrupt(path_, "children not sorted by token");
         if (lv.tokens[i] >= header_.vocab_size) corrupt(path_, "token id outside the vocabulary");
         const uint64_t c = count({m, i});
-        if (c == 0) corrupt(path_, "zero count");
+        if (c == 0 && !reference_counts_) corrupt(path_, "zero count");
         sum += c;
       }
-      if (sum > count(parent)) corrupt(path_, "children counts exceed their parent's");
+      if (sum > count(parent) && !reference_counts_) corrupt(path_, "children counts exceed their parent's");
     }
   }
 }

@@ -53,6 +53,8 @@ class MappedTrie {
   // DART back-off probability (docs/design.md §2): count(s.tok) / count(s) for the
   // longest stored suffix s of the context that has `tok` as a child; 0 when
   // no non-empty suffix predicts tok.  `suffixes` comes from suffix_nodes.
+  // In a file with kFlagReferenceCounts a context or child of count 0 is passed
+  // over (backed off from) and a ratio above 1 is clamped to 1.
   double probability(const NodeRef* suffixes, int num_suffixes, token_t tok) const;
 
   // The same for many tokens at once: tokens[order[0]] <= tokens[order[1]] <= ...
@@ -75,10 +77,15 @@ class MappedTrie {
     uint32_t child_width = 0;
   };
   uint64_t child_offset(int level, uint64_t i) const;
+  // count(child) / count(context) into *p; false when either is 0 (back off).  Without
+  // kFlagReferenceCounts a zero count or a ratio above 1 is a corrupt file; with it
+  // the ratio is clamped to 1.
+  bool ratio(uint64_t context_count, uint64_t child_count, double* p) const;
   void children_range(NodeRef node, uint64_t* begin, uint64_t* end) const;
 
   std::string path_;
   FileHeader header_{};
+  bool reference_counts_ = false;  // header flag kFlagReferenceCounts
   std::vector<int64_t> unigram_node_;  // token -> level-1 node, -1 if absent (small vocabularies)
   MappedFile file_;
   const uint8_t* base_ = nullptr;  // file_.data()

@@ -23,6 +23,14 @@
 // header_crc32 covers the header and metadata with that field zeroed;
 // payload_crc32 covers every byte after header_bytes.  Both are CRC-32
 // (zlib polynomial) and are written and checked by the Python layer.
+//
+// Version 2 is version 1 with `flags` in use; a file with no flag set is
+// written as version 1, so every file an older reader can answer the same way
+// stays readable there.  kFlagReferenceCounts marks counts imported from a
+// pruned reference trie (reference_trie.hpp): a count may be 0 (no evidence:
+// a lookup backs off past such a context or child) and a child's count may
+// exceed its context's (the probability is clamped to 1).  Without the flag a
+// zero count or a child above its parent is a corrupt file.
 #pragma once
 
 #include <cstddef>
@@ -33,7 +41,10 @@ namespace dart_ngram {
 using token_t = uint32_t;
 
 inline constexpr char kMagic[8] = {'D', 'A', 'R', 'T', 'T', 'R', 'I', 'E'};
-inline constexpr uint32_t kFormatVersion = 1;
+inline constexpr uint32_t kFormatVersion = 1;         // files with flags == 0
+inline constexpr uint32_t kFormatVersionFlags = 2;    // files with flags != 0
+inline constexpr uint32_t kFlagReferenceCounts = 1u;  // see above
+inline constexpr uint32_t kKnownFlags = kFlagReferenceCounts;
 inline constexpr int kMinOrder = 2;
 inline constexpr int kMaxOrder = 6;
 inline constexpr token_t kPadToken = 0xFFFFFFFFu;  // never a real token id
@@ -61,7 +72,7 @@ struct FileHeader {
   uint32_t payload_crc32;
   uint32_t header_crc32;
   uint32_t metadata_bytes;  // JSON follows the fixed header
-  uint32_t reserved;
+  uint32_t flags;           // 0 in version 1
   LevelEntry levels[kMaxOrder];
 };
 static_assert(sizeof(FileHeader) == 352, "FileHeader layout");

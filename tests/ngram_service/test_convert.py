@@ -7,7 +7,7 @@ format from its description (node ids in any parent-first order, child lists
 unsorted; merging sums counts; ``reduce`` drops nodes below the threshold and
 subtracts each dropped subtree's counts from every kept ancestor), and the
 pruned ones answer a probability in [0, 1] for every query, by the documented
-rule.  Truncated and corrupted copies get ReferenceTrieError and leave nothing.
+rule, equal to the reference's wherever that is one in (0, 1].  Truncated and corrupted copies get ReferenceTrieError and leave nothing.
 """
 
 from __future__ import annotations
@@ -73,28 +73,36 @@ def write_reference(path: Path, counts: dict[tuple, int], order: int, seed: int 
     path.write_bytes(b"".join(blob))
 
 
-def reference_probability(counts: dict[tuple, int], order: int, context, tok: int) -> float:
-    """The reference's get_probability, float32: the longest matching context with a child ``tok``."""
+def reference_match(counts: dict[tuple, int], order: int, context, tok: int) -> tuple[int, int] | None:
+    """(count of context + tok, count of context) for the longest context the reference's
+    get_probability stops at (the longest stored suffix with a child ``tok``); None if none."""
     tail = tuple(context)[-(order - 1):]
     for m in range(len(tail), 0, -1):
         s = tail[-m:]
         if s in counts and s + (tok,) in counts:
-            with np.errstate(divide="ignore", invalid="ignore"):
-                return float(np.float32(counts[s + (tok,)]) / np.float32(counts[s]))
+            return counts[s + (tok,)], counts[s]
+    return None
+
+
+def reference_probability(counts: dict[tuple, int], order: int, context, tok: int) -> float:
+    """The reference's get_probability, float32."""
+    match = reference_match(counts, order, context, tok)
+    if match is None:
+        return 0.0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return float(np.float32(match[0]) / np.float32(match[1]))
+
+
+def documented_probability(counts: dict[tuple, int], order: int, context, tok: int) -> float:
+    """The converter's rule for pruned files as a model: the reference's ratio, but a context or
+    child whose count is <= 0 is no evidence (the query backs off past it), and a ratio above 1
+    is clamped to 1."""
+    tail = tuple(context)[-(order - 1):]
+    for m in range(len(tail), 0, -1):
+        s = tail[-m:]
+        if counts.get(s, 0) > 0 and counts.get(s + (tok,), 0) > 0:
+            return min(1.0, float(np.float32(counts[s + (tok,)]) / np.float32(counts[s])))
     return 0.0
-
-
-def repaired(counts: dict[tuple, int], order: int) -> dict[tuple, int]:
-    """The converter's rule as a model: counts <= 0 go with their subtrees; a kept count is
-    raised to its kept children's sum."""
-    kept = {k: c for k, c in counts.items() if k and c > 0 and all(counts.get(k[:m], 1) > 0 for m in range(1, len(k)))}
-    out = dict(kept)
-    child_sum: dict[tuple, int] = defaultdict(int)
-    for k in sorted(kept, key=len, reverse=True):  # children before their parents
-        out[k] = max(out[k], child_sum.get(k, 0))
-        if len(k) >= 2:
-            child_sum[k[:-1]] += out[k]
-    return out
 
 
 def fixture_docs():
@@ -121,7 +129,7 @@ def convert(src: Path, dst: Path):
 def test_the_fixture_converts_with_the_references_counts_and_probabilities(tmp_path):
     docs = fixture_docs()
     summary = convert(FIXTURE / "ref_order3.trie", tmp_path / "ref.trie")
-    assert (summary.source_nodes, summary.kept_nodes, summary.dropped_nodes) == (90788, 90787, 0)
+    assert (summary.source_nodes, summary.nodes, summary.zero_count_nodes, summary.flags) == (90788, 90787, 0, 0)
     assert summary.total_tokens == sum(len(d) for d in docs) == 98507
     assert summary.file_bytes < summary.source_bytes / 3
     trie = NgramTrie(tmp_path / "ref.trie", verify=True)
@@ -148,7 +156,7 @@ def test_a_merged_file_converts_to_the_counts_of_both_corpora(tmp_path):
     write_reference(tmp_path / "merged.trie", merged, 4, seed=1, root_freq=sum(len(d) for d in docs))
     summary = convert(tmp_path / "merged.trie", tmp_path / "out.trie")
     trie = NgramTrie(tmp_path / "out.trie")
-    assert summary.order == 4 and summary.kept_nodes == len(merged) and summary.dropped_nodes == 0
+    assert summary.order == 4 and summary.nodes == len(merged) and summary.flags == 0
     assert merged == count_windows(docs, 4)
     assert all(trie.count(k) == c for k, c in merged.items())
 
@@ -163,30 +171,39 @@ def test_pruned_files_answer_probabilities_in_0_1_by_the_documented_rule(tmp_pat
     write_reference(tmp_path / "pruned.trie", nodes, order, seed=order, root_freq=pruned[()])
     summary = convert(tmp_path / "pruned.trie", tmp_path / "out.trie")
     trie = NgramTrie(tmp_path / "out.trie", verify=True)
-    model = repaired(nodes, order)
-    assert summary.kept_nodes == len(model) and summary.dropped_nodes == len(nodes) - len(model)
-    assert all(trie.count(k) == c for k, c in model.items())
+    assert summary.nodes == len(nodes) and summary.flags == 1  # every node kept: the reference's tree
+    assert summary.zero_count_nodes == sum(c <= 0 for c in nodes.values())
+    assert summary.above_parent == sum(1 for k, c in nodes.items() if len(k) > 1 and c > nodes[k[:-1]])
+    assert all(trie.count(k) == max(c, 0) for k, c in nodes.items())
     pairs = list(queries(docs, order))
     got = np.array([trie.probability(ctx, [tok])[0] for ctx, tok in pairs])
     ref = np.array([reference_probability(nodes, order, ctx, tok) for ctx, tok in pairs])
     assert np.isfinite(got).all() and (got >= 0).all() and (got <= 1).all()
-    assert not (np.isfinite(ref) & (ref >= 0) & (ref <= 1)).all()  # the reference's are not all probabilities
-    assert np.abs(got - [reference_probability(model, order, c, t) for c, t in pairs]).max() <= 1e-6
-    # where every count the reference reads is kept as it is (positive, covering its children's
-    # counts), its probability is kept exactly
-    consistent = {k for k, c in nodes.items() if model.get(k) == c}
+    assert np.abs(got - [documented_probability(nodes, order, c, t) for c, t in pairs]).max() <= 1e-6
+    # every probability the reference computes from positive counts, in (0, 1], is the same here ...
+    matches = [reference_match(nodes, order, ctx, tok) for ctx, tok in pairs]
+    proper = np.array([m is not None and 0 < m[0] <= m[1] for m in matches])
+    assert proper.any() and np.abs(got[proper] - ref[proper]).max() <= 1e-6
+    # ... and the queries the rule is for are among these: NaN (0/0), infinite, negative, above 1 ...
+    assert np.isnan(ref).any() and np.isinf(ref).any() and (ref < 0).any() and (ref[np.isfinite(ref)] > 1).any()
+    # ... a ratio of two negative counts, and 0 from a child of count 0 (no back-off in the reference)
+    # where a shorter context has evidence.  reduce() lowers only nodes with children, so these two
+    # need a child of depth < order - 1: order 4 and up
+    assert any(m is not None and m[0] < 0 and m[1] < 0 for m in matches) == (order >= 4)
+    assert ((ref == 0) & (got > 0)).any() == (order >= 4)
+    # a query about any token, not only the corpus's, gets the same treatment
+    rng = np.random.default_rng(order)
+    for ctx, tok in pairs[:: 53]:
+        toks = np.append(rng.integers(0, VOCAB, 8), tok)
+        want = [documented_probability(nodes, order, ctx, int(t)) for t in toks]
+        assert np.abs(trie.probability(ctx, toks) - want).max() <= 1e-6
 
-    def looks_only_at_consistent_nodes(ctx, tok) -> bool:
-        for j in range(len(ctx)):
-            s = tuple(ctx[j:])
-            if s in nodes and not (all(s[:m] in consistent for m in range(1, len(s) + 1))
-                                   and (s + (tok,) not in nodes or s + (tok,) in consistent)):
-                return False
-        return True
 
-    sound = [i for i, (ctx, tok) in enumerate(pairs) if looks_only_at_consistent_nodes(ctx, tok)]
-    assert sound  # (few: pruning leaves most contexts below their kept children's sum, which the rule raises)
-    assert np.abs(got[sound] - ref[sound]).max() <= 1e-6
+def test_a_file_with_consistent_counts_stays_format_version_1(tmp_path):
+    """A reader that predates header flags opens every file that does not need them."""
+    convert(FIXTURE / "ref_order3.trie", tmp_path / "ref.trie")
+    head = (tmp_path / "ref.trie").read_bytes()[:64]
+    assert struct.unpack_from("<I", head, 8) + struct.unpack_from("<I", head, 60) == (1, 0)  # version, flags
 
 
 def _corrupt(tmp_path: Path, data: bytes, name: str) -> Path:
@@ -231,7 +248,7 @@ def test_truncated_and_corrupted_files_get_a_named_error_and_leave_nothing(tmp_p
 def test_the_command_prints_a_summary_and_refuses_a_bad_file(tmp_path, capsys):
     assert main([str(FIXTURE / "ref_order3.trie"), str(tmp_path / "c.trie"), "-q", "--verify"]) == 0
     out = capsys.readouterr().out
-    assert '"kept_nodes": 90787' in out and '"peak_rss_mb"' in out
+    assert '"nodes": 90787' in out and '"peak_rss_mb"' in out
     _corrupt(tmp_path, (FIXTURE / "ref_order3.trie").read_bytes()[:1000], "cut.trie")
     assert main([str(tmp_path / "cut.trie"), str(tmp_path / "d.trie"), "-q"]) == 2
     assert "truncated" in capsys.readouterr().err and not (tmp_path / "d.trie").exists()

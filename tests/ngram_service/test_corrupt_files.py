@@ -107,8 +107,23 @@ def _with_valid_header_crc(data: bytearray) -> bytes:
 
 
 # u32 fields whose forged value cannot be told from a real one without the
-# header CRC: total_tokens, reserved words, vocab_size (only a smaller one shows).
-_UNCHECKABLE = {20, 24, 28, 52, 56, 60}  # 52: the header CRC, recomputed below; 56: metadata length (0 is legal)
+# header CRC: total_tokens, vocab_size (only a smaller one shows).
+_UNCHECKABLE = {20, 24, 28, 52, 56}  # 52: the header CRC, recomputed below; 56: metadata length (0 is legal)
+
+
+def test_flags_must_fit_the_format_version(tmp_path, good_trie):
+    """Version 1 has no flags; version 2 has known ones (kFlagReferenceCounts = 1)."""
+    for version, flags, ok in [(1, 1, False), (2, 0, False), (2, 2, False), (2, 1, True)]:
+        data = bytearray(good_trie)
+        struct.pack_into("<I", data, 8, version)
+        struct.pack_into("<I", data, 60, flags)
+        path = _write(tmp_path, _with_valid_header_crc(data))
+        if ok:  # the flag only relaxes checks: a consistent file reads the same
+            assert NgramTrie(path).probability([1, 2], list(range(16))).tolist() == \
+                NgramTrie(_write(tmp_path, good_trie, "good.trie")).probability([1, 2], list(range(16))).tolist()
+        else:
+            with pytest.raises(TrieFormatError, match="do not fit format version"):
+                NgramTrie(path)
 
 
 def test_forged_header_fields_fail_structural_checks(tmp_path, good_trie):
