@@ -252,3 +252,25 @@ def test_the_command_prints_a_summary_and_refuses_a_bad_file(tmp_path, capsys):
     _corrupt(tmp_path, (FIXTURE / "ref_order3.trie").read_bytes()[:1000], "cut.trie")
     assert main([str(tmp_path / "cut.trie"), str(tmp_path / "d.trie"), "-q"]) == 2
     assert "truncated" in capsys.readouterr().err and not (tmp_path / "d.trie").exists()
+
+
+@pytest.mark.parametrize("id_order", ["dfs", "level"])
+def test_the_benchmarks_reference_writer_round_trips_through_the_converter(tmp_path, id_order):
+    """convert_bench writes a trie's nodes in the reference format (ids depth-first or level by
+    level, child lists not sorted by token); converting it back gives the same arrays."""
+    from ngram_service.build import build_trie
+    from ngram_service.convert_bench import read_levels, write_reference_format
+
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(0, 200, rng.integers(5, 300)) for _ in range(120)]
+    build_trie(docs, tmp_path / "a.trie", vocab_size=200, order=4, tokenizer_name="t", vocab_hash="0" * 64)
+    written = write_reference_format(tmp_path / "a.trie", tmp_path / "ref.trie", id_order=id_order, chunk=500,
+                                     progress=False)
+    raw = (tmp_path / "ref.trie").read_bytes()
+    assert len(raw) == written["bytes"] and struct.unpack_from("<QQ", raw) == (4, written["nodes"])
+    root_children = struct.unpack_from("<Q", raw, 16 + 16)[0]
+    tokens = [struct.unpack_from("<i", raw, 16 + 24 + 12 * c)[0] for c in range(root_children)]
+    assert tokens != sorted(tokens)  # listed by id, not by token
+    convert(tmp_path / "ref.trie", tmp_path / "b.trie")
+    for a, b in zip(read_levels(tmp_path / "a.trie"), read_levels(tmp_path / "b.trie")):
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
