@@ -90,6 +90,15 @@ def default_draft_dtype(target: TargetModel) -> torch.dtype:
     return target.dtype
 
 
+def _alias(value, reference_value, name: str, reference_name: str, default):
+    """``value``, or the same argument given under the DART reference's name."""
+    if reference_value is None:
+        return value
+    if value != default:
+        raise TypeError(f"from_pretrained got both {name}= and {reference_name}= (one argument under two names)")
+    return reference_value
+
+
 class DartModel:
     """A DART engine with its tokenizer (see :meth:`from_pretrained`)."""
 
@@ -111,17 +120,29 @@ class DartModel:
         search_params: SearchParams | None = None,
         budget: int | str = "auto",
         tree_search: TreeSearchClient | None = None,
+        base_model_name_or_path: str | None = None,
+        dart_model_name_or_path: str | Path | None = None,
+        ngram_model_name_or_path: str | Path | None = None,
+        is_small_ngram: bool = False,
     ) -> "DartModel":
         """Loads everything from local files.
 
+        The DART reference's call, ``from_pretrained(base_model_name_or_path=...,
+        dart_model_name_or_path=..., ngram_model_name_or_path=...)`` (or the same three
+        positionally), works as it is: those names are aliases of ``model``, ``head`` and
+        ``trie``, and a reference head or n-gram model drafts as in the reference.
+
         Args:
             model: None for the embedded SmolLM2-135M-Instruct, a model folder or a .gguf file.
-            head: a draft-head folder; None for the head shipped for this model
-                (decoding is autoregressive, with a warning, when there is none);
-                ``"random"`` for a randomly initialised head (lossless, τ ≈ 1).
-            trie: an n-gram trie file; ``"auto"`` uses the default trie in the cache
-                when it has been built (``python -m ngram_service.build``); None
-                for the logits-only tree search.
+            head: a draft-head folder (dart-serve's or the reference's layout); None for the
+                head shipped for this model (decoding is autoregressive, with a warning, when
+                there is none); ``"random"`` for a randomly initialised head (lossless, τ ≈ 1).
+            trie: an n-gram model: a dart-serve trie file; a reference ``.trie`` file, or a
+                reference n-gram folder holding ``full.trie`` (``small.trie`` with
+                ``is_small_ngram``), converted once into the cache and then memory-mapped
+                (:func:`ngram_service.convert.resolve_ngram_model`); ``"auto"`` uses the
+                default trie in the cache when it has been built (``python -m
+                ngram_service.build``); None for the logits-only tree search.
             dtype: the target's; default bfloat16 on CUDA, float32 on CPU.
             draft_dtype: the draft head's; default the target's, except bfloat16
                 beside a float32 target on a CPU with native bf16 matrix
@@ -135,12 +156,20 @@ class DartModel:
                 autoregressive ones (:class:`~dart_core.budget.SpeculationGate`); an int
                 fixes the number of draft nodes per tree and always speculates.
             tree_search: a tree-search client to use instead of the in-process one.
+            base_model_name_or_path, dart_model_name_or_path, ngram_model_name_or_path:
+                the reference's names for ``model``, ``head`` and ``trie`` (local paths only).
+            is_small_ngram: with a reference n-gram folder, use its ``small.trie``.
 
         Raises:
+            TypeError: a value given under both its name and its reference alias.
             FileNotFoundError: a path does not exist.
+            ReferenceTrieError: a reference n-gram file that is truncated or inconsistent.
             HeadLoadError: the head does not fit the target.
             TokenizerMismatchError: the trie was built with another tokenizer.
         """
+        model = _alias(model, base_model_name_or_path, "model", "base_model_name_or_path", None)
+        head = _alias(head, dart_model_name_or_path, "head", "dart_model_name_or_path", None)
+        trie = _alias(trie, ngram_model_name_or_path, "trie", "ngram_model_name_or_path", "auto")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
         target = TargetModel.from_pretrained(model, dtype=dtype, device=device, device_map=device_map)
@@ -153,7 +182,7 @@ class DartModel:
         if params.eos_token_id < 0 and eos is not None:  # trees stop drafting past the end of the answer
             params = replace(params, eos_token_id=int(eos))
         if tree_search is None:
-            tree_search = InProcessTreeSearch(cls._load_trie(trie, name, target.tokenizer))
+            tree_search = InProcessTreeSearch(cls._load_trie(trie, name, target.tokenizer, small=is_small_ngram))
         policy = gate = None
         if budget == "auto" and draft is not None:
             sizes = tuple(sorted({1, 2, 4, 8, 16, 32, 48, params.budget + 1}))
@@ -176,7 +205,7 @@ class DartModel:
         return load_draft_head(head, target.config, device=target.device, dtype=dtype).eval()
 
     @staticmethod
-    def _load_trie(trie, name: str, tokenizer) -> NgramTrie | None:
+    def _load_trie(trie, name: str, tokenizer, *, small: bool = False) -> NgramTrie | None:
         if trie is None:
             return None
         if trie == "auto":
@@ -186,6 +215,11 @@ class DartModel:
                             "`python -m ngram_service.build`)", path)
                 return None
             trie = path
+        else:  # ours as it is; the reference's file or folder converted once (cached)
+            from ngram_service.convert import resolve_ngram_model
+            from ngram_service.tokenizer import TrieTokenizer
+
+            trie = resolve_ngram_model(trie, lambda: TrieTokenizer.wrap(tokenizer), small=small)
         loaded = NgramTrie(Path(trie).expanduser())
         loaded.check_tokenizer(tokenizer_identity(tokenizer)[1])
         return loaded

@@ -26,10 +26,13 @@ class NgramConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = Field(True, description="run the service; false = logits-only tree search in the engine")
-    trie: str = Field("auto", description='trie file on the n-gram node; "auto" = <tokenizer name>-<corpus>-3gram.'
-                                          "trie in that node's cache ($DART_SERVE_CACHE/tries), built from `corpus` "
-                                          "on first start")
-    tokenizer: str | None = Field(None, description="what a missing trie is built with: a tokenizer.json (or a folder "
+    trie: str = Field("auto", description='n-gram model on the n-gram node: a dart-serve trie file, or the DART '
+                                          "reference's .trie file or n-gram folder (its full.trie), converted there "
+                                          'once into the cache with `tokenizer`; "auto" = <tokenizer name>-<corpus>-'
+                                          "3gram.trie in that node's cache ($DART_SERVE_CACHE/tries), built from "
+                                          "`corpus` on first start")
+    tokenizer: str | None = Field(None, description="what a missing trie is built with, or a reference n-gram model "
+                                                    "converted with: a tokenizer.json (or a folder "
                                                     "holding one) on the n-gram node, which needs only the `tokenizers` "
                                                     "package there, or a model name / path (default: the app's model; "
                                                     "a GGUF model's tokenizer is converted once with transformers)")

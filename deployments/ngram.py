@@ -46,7 +46,9 @@ class NgramService:
 
     ``trie: auto`` is ``<tokenizer name>-<corpus>-3gram.trie`` in this node's cache, built there
     from the named corpus on first start with ``tokenizer`` (None: the default model's).  A given
-    trie path that is missing is built only when ``tokenizer`` is given too.
+    trie path that is missing is built only when ``tokenizer`` is given too.  A DART reference
+    ``.trie`` file, or a reference n-gram folder (its ``full.trie``), is converted once on this
+    node with ``tokenizer`` into its cache and served from there.
 
     Raises:
         FileNotFoundError: no trie file, and nothing to build it with.
@@ -59,12 +61,15 @@ class NgramService:
 
         from ngram_service.build import ensure_trie
         from ngram_service.cache import default_trie_path
+        from ngram_service.convert import resolve_ngram_model
         from ngram_service.ray_actor import start_pinned_server
         from ngram_service.tokenizer import load_trie_tokenizer, source_name
 
         cfg = NgramConfig.model_validate(config)
         auto = cfg.trie == "auto"
         trie = default_trie_path(source_name(cfg.tokenizer), cfg.corpus, 3) if auto else Path(cfg.trie).expanduser()
+        if trie.exists() and not auto:  # ours as it is; the reference's file or folder converted once
+            trie = resolve_ngram_model(trie, lambda: load_trie_tokenizer(cfg.tokenizer))
         if not trie.is_file():
             if not auto and cfg.tokenizer is None:
                 raise FileNotFoundError(f"no trie at {trie} on this node, and no tokenizer to build it with "

@@ -40,17 +40,19 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from tqdm import tqdm
 
 from ngram_service import _native
-from ngram_service.tokenizer import load_trie_tokenizer
-from ngram_service.trie import NgramTrie, write_checksums
+from ngram_service.cache import cache_root
+from ngram_service.tokenizer import TrieTokenizer, load_trie_tokenizer
+from ngram_service.trie import MAGIC, NgramTrie, write_checksums
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ReferenceTrieError", "ConvertSummary", "convert_reference_trie", "read_reference_header", "main"]
+__all__ = ["ReferenceTrieError", "ConvertSummary", "convert_reference_trie", "read_reference_header",
+           "resolve_ngram_model", "main"]
 
 #: A reference file that is truncated, inconsistent or otherwise cannot be right (a ValueError).
 ReferenceTrieError = _native.ReferenceFormatError
@@ -154,6 +156,60 @@ def convert_reference_trie(src: str | os.PathLike[str], dst: str | os.PathLike[s
         seconds=round(seconds, 3), source_mb_per_s=round(stats["source_bytes"] / 2**20 / max(seconds, 1e-9), 2),
         nodes_per_s=round(stats["source_nodes"] / max(seconds, 1e-9), 1),
         peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1), open_ms=round(open_ms, 3))
+
+
+def resolve_ngram_model(path: str | os.PathLike[str], tokenizer: TrieTokenizer | Callable[[], TrieTokenizer], *,
+                        small: bool = False, progress: bool = True) -> Path:
+    """A dart-serve trie for an n-gram model given the way the DART reference takes it.
+
+    ``path`` may be a dart-serve trie (returned as it is), a reference ``.trie`` file, or a
+    folder holding the reference's ``full.trie`` (``small.trie`` with ``small``), as the
+    reference's ``ngram_model_name_or_path``.  A reference file is converted once into
+    ``$DART_SERVE_CACHE/tries/converted/`` (keyed by its path, size and mtime; concurrent
+    callers wait for one conversion) and the converted file is returned, to be opened by mmap.
+
+    Args:
+        tokenizer: the tokenizer the reference trie was built with (the target's), or a
+            function returning it (called only when a conversion is needed).
+
+    Raises:
+        FileNotFoundError: nothing at ``path``, or a folder without the expected file (names
+            are local: nothing is downloaded).
+        ReferenceTrieError: a reference file that is truncated or inconsistent.
+    """
+    import fcntl
+    import hashlib
+
+    path = Path(path).expanduser()
+    if path.is_dir():
+        name = "small.trie" if small else "full.trie"
+        if not (path / name).is_file():
+            found = sorted(p.name for p in path.glob("*.trie"))
+            raise FileNotFoundError(f"no {name} in the n-gram model folder {path} (it holds: "
+                                    f"{', '.join(found) or 'no .trie file'}); a reference n-gram folder holds "
+                                    "full.trie and small.trie (small=True / is_small_ngram=True picks the latter)")
+        path = path / name
+    if not path.is_file():
+        raise FileNotFoundError(f"n-gram model not found: {path} (a local file or folder; nothing is downloaded)")
+    with open(path, "rb") as f:
+        if f.read(len(MAGIC)) == MAGIC:
+            return path
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    dst = cache_root() / "tries" / "converted" / f"{path.stem}-{key}.trie"
+    if dst.is_file():
+        return dst
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with open(dst.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not dst.is_file():
+            tok = tokenizer if isinstance(tokenizer, TrieTokenizer) else tokenizer()
+            logger.info("converting the reference n-gram model %s into %s (once)", path, dst)
+            summary = convert_reference_trie(path, dst, vocab_size=tok.vocab_size, tokenizer_name=tok.name,
+                                             vocab_hash=tok.vocab_hash, progress=progress)
+            logger.info("converted %s: %d nodes, %.1f MB (%.2fx the reference's bytes) in %.1f s", path.name,
+                        summary.nodes, summary.file_bytes / 1e6, summary.bytes_ratio, summary.seconds)
+    return dst
 
 
 def main(argv: Sequence[str] | None = None) -> int:

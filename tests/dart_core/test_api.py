@@ -100,3 +100,87 @@ def test_the_tree_search_knows_the_eos_token(tiny_folder):
     mine = DartModel.from_pretrained(str(tiny_folder), head="random", trie=None, budget=6, device="cpu",
                                      search_params=SearchParams(eos_token_id=5))
     assert mine.engine.search_params.eos_token_id == 5  # an explicit one is kept
+
+
+_REFERENCE_NGRAM = __import__("pathlib").Path(__file__).parents[1] / "fixtures" / "reference-ngram"
+
+
+def _reference_layout_head(folder, target_cfg, seed: int = 0):
+    """A tiny random head saved the way the DART reference saves one: its tensor names and a
+    config.json with the reference's keys (architecture LlamaForCausalLMDart)."""
+    import json
+
+    torch.manual_seed(seed)
+    head = DartDraftHead(DraftHeadConfig.for_target(target_cfg, draft_vocab_size=512))
+    save_draft_head(head, folder, dtype=torch.float32)
+    c = head.config
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMDart"], "model_type": "llama", "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads, "num_hidden_layers": 1, "hidden_act": "silu",
+        "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "rope_scaling": None,
+        "max_position_embeddings": target_cfg.max_position_embeddings, "vocab_size": target_cfg.vocab_size,
+        "draft_vocab_size": 512, "draft_length": c.draft_length, "torch_dtype": "float32"}))
+
+
+def test_the_references_call_on_a_qwen3_target_is_lossless(tmp_path, default_tokenizer, monkeypatch):
+    """``from_pretrained(base_model_name_or_path=, dart_model_name_or_path=, ngram_model_name_or_path=)``
+    with a tiny random Qwen3 target, a reference-layout head and a reference n-gram folder
+    (the fixture trie as its full.trie): the folder's trie is converted once into the cache and
+    memory-mapped, the head takes the reference's double-norm path, and greedy output equals
+    transformers' generate token for token."""
+    import shutil
+
+    from transformers import Qwen3Config
+
+    monkeypatch.setenv("DART_SERVE_CACHE", str(tmp_path / "cache"))
+    base = tmp_path / "tiny-qwen3"
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=len(default_tokenizer),
+                      max_position_embeddings=512, eos_token_id=default_tokenizer.eos_token_id)
+    hf = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # sharper distributions than a fresh init, so greedy text has structure
+        hf.get_output_embeddings().weight.mul_(8.0)
+    hf.save_pretrained(base)
+    default_tokenizer.save_pretrained(base)
+    _reference_layout_head(tmp_path / "dart-head", cfg)
+    (tmp_path / "ngram").mkdir()
+    shutil.copy(_REFERENCE_NGRAM / "ref_order3.trie", tmp_path / "ngram" / "full.trie")
+
+    model = DartModel.from_pretrained(base_model_name_or_path=str(base), dart_model_name_or_path=str(tmp_path / "dart-head"),
+                                      ngram_model_name_or_path=str(tmp_path / "ngram"), budget=12, device="cpu")
+    assert model.engine.head.config.final_norm_twice  # a reference checkpoint drafts on the reference's path
+    trie_path = model.engine.tree_search.trie.path
+    assert trie_path.parent == tmp_path / "cache" / "tries" / "converted" and trie_path.stem.startswith("full-")
+    code = default_tokenizer("import os\nimport sys\n\n\ndef main(argv):\n    ", add_special_tokens=False)["input_ids"]
+    target = AutoModelForCausalLM.from_pretrained(base).eval()
+    for prompt in (code, code[:5]):
+        out = model.generate(prompt, max_new_tokens=24, stop_token_ids=[])
+        ids = torch.tensor([prompt])
+        want = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=24,
+                               do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert out[0].token_ids == want
+    # converted once: a second load opens the cached file
+    mtime = trie_path.stat().st_mtime_ns
+    again = DartModel.from_pretrained(str(base), str(tmp_path / "dart-head"), str(tmp_path / "ngram"), budget=12,
+                                      device="cpu")
+    assert again.engine.tree_search.trie.path == trie_path and trie_path.stat().st_mtime_ns == mtime
+
+
+def test_reference_names_are_checked(tmp_path, tiny_folder):
+    with pytest.raises(TypeError, match="both model= and base_model_name_or_path="):
+        DartModel.from_pretrained(str(tiny_folder), base_model_name_or_path=str(tiny_folder), device="cpu")
+    (tmp_path / "ngram").mkdir()
+    (tmp_path / "ngram" / "small.trie").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"no full.trie .*\(it holds: small.trie\)"):
+        DartModel.from_pretrained(str(tiny_folder), head="random", ngram_model_name_or_path=tmp_path / "ngram",
+                                  device="cpu")
+    from ngram_service.convert import ReferenceTrieError
+
+    with pytest.raises(ReferenceTrieError):  # is_small_ngram picks small.trie, here an empty (corrupt) one
+        DartModel.from_pretrained(str(tiny_folder), head="random", ngram_model_name_or_path=tmp_path / "ngram",
+                                  is_small_ngram=True, device="cpu")
+    with pytest.raises(FileNotFoundError, match="nothing is downloaded"):
+        DartModel.from_pretrained(str(tiny_folder), head="random", ngram_model_name_or_path="fvliang/dart-ngram",
+                                  device="cpu")

@@ -46,3 +46,20 @@ def test_cluster_has_the_node_groups_the_app_needs():
     head_ports = {p["containerPort"] for p in service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
                   ["containers"][0]["ports"]}
     assert {8000, 9000} <= head_ports
+
+
+def test_the_qwen3_reference_example_is_a_valid_gpu_config():
+    """deployments/dart-qwen3-reference.yaml: valid app args, the reference's paths and search
+    settings, GPU engines, the n-gram service on the n-gram host with the target's tokenizer."""
+    example = yaml.safe_load((ROOT / "deployments/dart-qwen3-reference.yaml").read_text())
+    local = yaml.safe_load((ROOT / "deployments/dart.yaml").read_text())
+    for key in ("proxy_location", "http_options", "grpc_options"):
+        assert example[key] == local[key], key
+    (app,) = example["applications"]
+    assert app["import_path"] == local["applications"][0]["import_path"]
+    cfg = AppConfig.model_validate(app["args"])
+    assert (cfg.top_k, cfg.beam_width, cfg.context_weight) == (25, 20, 0.0)
+    assert cfg.ngram.trie == "/models/dart-ngram" and cfg.ngram.tokenizer == cfg.model
+    deps = {d["name"]: d for d in app["deployments"]}
+    assert deps["DartEngine"]["ray_actor_options"]["num_gpus"] == 1
+    assert deps["NgramService"]["ray_actor_options"]["resources"] == {"ngram_host": 1}
