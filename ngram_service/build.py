@@ -197,11 +197,13 @@ def _batches(texts: Iterable[str], size: int) -> Iterable[list[str]]:
 
 
 def _tokenized(texts: Iterable[str], tokenizer: TrieTokenizer, batch_docs: int, max_tokens: int | None,
-               progress: bool) -> Iterable[list[int]]:
+               progress: bool, special_tokens: bool = False, eos_per_document: bool = False) -> Iterable[list[int]]:
     total = 0
+    eos = [tokenizer.eos_token_id] if eos_per_document else []
     with tqdm(unit="doc", desc="tokenise+count", disable=not progress, smoothing=0.1) as bar:
         for batch in _batches(texts, batch_docs):
-            for ids in tokenizer.encode_batch(batch):
+            for ids in tokenizer.encode_batch(batch, add_special_tokens=special_tokens):
+                ids = ids + eos
                 yield ids
                 total += len(ids)
                 if max_tokens is not None and total >= max_tokens:
@@ -219,6 +221,8 @@ def build_trie_from_texts(
     batch_docs: int = 256,
     max_tokens: int | None = None,
     progress: bool = True,
+    special_tokens: bool = False,
+    eos_per_document: bool = False,
     **kwargs,
 ) -> BuildSummary:
     """Tokenises ``texts`` in batches and builds the trie; keyword arguments as :func:`build_trie`.
@@ -226,13 +230,25 @@ def build_trie_from_texts(
     Args:
         tokenizer: a :class:`~ngram_service.tokenizer.TrieTokenizer`, or a Hugging Face fast
             tokenizer (its ``tokenizers`` backend does the work: the same ids either way).
+        special_tokens: encode documents with the tokenizer's special tokens (BOS and the
+            like, where its post-processor adds them), as the DART reference's builder does;
+            default off, as the engine encodes plain text.
+        eos_per_document: end every document with the EOS token, as the reference's builder
+            does (n-grams then learn where documents end).
+
+    Raises:
+        ValueError: ``eos_per_document`` with a tokenizer whose EOS token is unknown.
     """
     tok = TrieTokenizer.wrap(tokenizer)
-    meta = {"corpus": corpus_name, **kwargs.pop("metadata", {})}
+    if eos_per_document and tok.eos_token_id is None:
+        raise ValueError(f"eos_per_document: the tokenizer {tok.name!r} names no EOS token "
+                         "(no eos_token in its tokenizer_config.json)")
+    meta = {"corpus": corpus_name, "special_tokens": special_tokens, "eos_per_document": eos_per_document,
+            **kwargs.pop("metadata", {})}
     if max_tokens is not None:
         meta["max_tokens"] = max_tokens
     return build_trie(
-        _tokenized(texts, tok, batch_docs, max_tokens, progress), output,
+        _tokenized(texts, tok, batch_docs, max_tokens, progress, special_tokens, eos_per_document), output,
         vocab_size=tok.vocab_size, tokenizer_name=tok.name, vocab_hash=tok.vocab_hash, metadata=meta, **kwargs)
 
 
@@ -254,6 +270,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tmp-dir", default=None, help="folder for sorted runs [default: next to the output]")
     p.add_argument("--batch-docs", type=int, default=256, help="documents per tokenizer call")
     p.add_argument("--max-tokens", type=int, default=None, help="stop after this many corpus tokens")
+    p.add_argument("--special-tokens", action="store_true", help="encode documents with the tokenizer's special "
+                   "tokens, as the DART reference's builder does")
+    p.add_argument("--eos-per-document", action="store_true", help="end every document with the EOS token, as the "
+                   "DART reference's builder does")
+    p.add_argument("--reference-tokenisation", action="store_true",
+                   help="both of the above: tokenise exactly as the DART reference's builder")
     p.add_argument("--text-field", default="text", help="field holding the text in .jsonl/.json inputs")
     p.add_argument("--verify", action="store_true", help="re-open the result and check its checksums and structure")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -315,7 +337,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = build_trie_from_texts(
             texts, output, tokenizer, corpus_name=corpus, batch_docs=args.batch_docs, max_tokens=args.max_tokens,
             progress=not args.quiet, order=args.order, min_count=args.min_count, memory_mb=args.memory_mb,
-            tmp_dir=args.tmp_dir)
+            tmp_dir=args.tmp_dir, special_tokens=args.special_tokens or args.reference_tokenisation,
+            eos_per_document=args.eos_per_document or args.reference_tokenisation)
         if summary.total_tokens == 0:
             raise ValueError("the corpus produced no tokens")
         if args.verify:

@@ -114,11 +114,14 @@ class TrieTokenizer:
     Args:
         backend: a ``tokenizers.Tokenizer``.
         name: the name stored in the trie (informational; the hash is what is checked).
+        eos_token_id: the end-of-sequence id (None when unknown), for ``eos_per_document``
+            builds.
     """
 
-    def __init__(self, backend, name: str) -> None:
+    def __init__(self, backend, name: str, eos_token_id: int | None = None) -> None:
         self.backend = backend
         self.name = name
+        self.eos_token_id = eos_token_id
         self.vocab_hash = vocab_hash(backend.get_vocab(with_added_tokens=True))
 
     @classmethod
@@ -134,7 +137,9 @@ class TrieTokenizer:
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.is_file():
             raise FileNotFoundError(f"no tokenizer.json at {path}")
-        return cls(Tokenizer.from_file(str(file)), name or (path.name if path.is_dir() else path.parent.name))
+        backend = Tokenizer.from_file(str(file))
+        return cls(backend, name or (path.name if path.is_dir() else path.parent.name),
+                   _eos_from_config(file.parent / "tokenizer_config.json", backend))
 
     @classmethod
     def wrap(cls, tokenizer) -> "TrieTokenizer":
@@ -144,16 +149,28 @@ class TrieTokenizer:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
             raise TypeError(f"need a fast (tokenizers-backed) tokenizer, got {type(tokenizer).__name__}")
-        return cls(backend, tokenizer_identity(tokenizer)[0])
+        return cls(backend, tokenizer_identity(tokenizer)[0], getattr(tokenizer, "eos_token_id", None))
 
     @property
     def vocab_size(self) -> int:
         """Ids are below this (added tokens included)."""
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
-        """Token ids of each text, without special tokens (as the engine encodes plain text)."""
-        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+    def encode_batch(self, texts: Iterable[str], *, add_special_tokens: bool = False) -> list[list[int]]:
+        """Token ids of each text; by default without special tokens (as the engine encodes plain
+        text), with them as the DART reference's trie builder encodes documents."""
+        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+
+def _eos_from_config(config: Path, backend) -> int | None:
+    """The EOS id named by a ``tokenizer_config.json`` (``eos_token``: a string or {"content": ...})."""
+    try:
+        eos = json.loads(config.read_text()).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    return backend.token_to_id(eos) if isinstance(eos, str) else None
 
 
 def tokenizer_folder(spec: str | None = None) -> Path:

@@ -117,3 +117,24 @@ def test_real_sharegpt_and_stdlib_readers():
 def test_evaluation_prompts_are_installed():
     prompts = corpus.evaluation_prompts()
     assert len(prompts["mt-bench"]) == 160 and len(prompts["humaneval"]) == 164
+
+
+def test_reference_tokenisation_adds_special_tokens_and_an_eos_per_document(tmp_path, default_tokenizer):
+    """--reference-tokenisation counts exactly the windows of ``tokenizer(text) + [eos]`` per document,
+    as the DART reference's builder tokenises; the default counts the plain encoding."""
+    from collections import Counter
+
+    texts = [f"def f{i}(x):\n    return x * {i}\n" for i in range(12)] + ["The quick brown fox."] * 3
+    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts))
+    eos = default_tokenizer.eos_token_id
+    for flag, docs in (("--reference-tokenisation",
+                        [default_tokenizer(t)["input_ids"] + [eos] for t in texts]),
+                       (None, [default_tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts])):
+        out = tmp_path / f"{flag}.trie"
+        assert main([str(tmp_path / "docs.jsonl"), "-o", str(out), "--order", "3", "-q"] + ([flag] if flag else [])) == 0
+        want = Counter(tuple(d[i:i + m]) for d in docs for i in range(len(d)) for m in range(1, min(3, len(d) - i) + 1))
+        trie = NgramTrie(out)
+        assert trie.info.total_tokens == sum(len(d) for d in docs)
+        assert all(trie.count(list(k)) == c for k, c in want.items())
+        assert trie.count([eos]) == (len(texts) if flag else 0)
+        assert trie.info.metadata["eos_per_document"] == bool(flag)
