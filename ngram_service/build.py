@@ -114,6 +114,7 @@ def build_trie(
     tokenizer_name: str = "",
     vocab_hash: str = "",
     metadata: dict | None = None,
+    prune: str = "drop",
 ) -> BuildSummary:
     """Counts token documents into a trie file.
 
@@ -123,6 +124,12 @@ def build_trie(
         vocab_size: every token id must be below it.
         order: n-gram order, 2..6 (the paper uses 3).
         min_count: drop n-grams seen fewer times.
+        prune: how ``min_count`` prunes.  ``"drop"``: the n-grams go and every other count
+            stays as counted (the default).  ``"reference"``: as the DART reference's
+            ``reduce``, each kept n-gram's count also loses the counts of the pruned n-grams
+            under it, down to 0 or less (:func:`ngram_service.reference_format.reduce_levels`;
+            the file is written through the reference format and the converter, whose rule
+            for such counts is in the README).
         memory_mb: buffer for windows before a sorted run is spilled to disk.
         tmp_dir: where runs and level files go (default: next to ``output``).
         tokenizer_name, vocab_hash: tokenizer identity stored in the header.
@@ -137,6 +144,8 @@ def build_trie(
         raise ValueError(f"order must be in 2..6, got {order}")
     if min_count < 1:
         raise ValueError(f"min_count must be >= 1, got {min_count}")
+    if prune not in ("drop", "reference"):
+        raise ValueError(f'prune must be "drop" or "reference", got {prune!r}')
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp_root = Path(tmp_dir) if tmp_dir is not None else output.parent
@@ -163,8 +172,13 @@ def build_trie(
         }
         partial = Path(tmp) / output.name
         t0 = time.perf_counter()
-        stats = builder.finish(str(partial), json.dumps(meta, sort_keys=True), min_count)
+        like_reference = prune == "reference" and min_count > 1
+        meta["prune"] = prune
+        stats = builder.finish(str(partial), json.dumps(meta, sort_keys=True), 1 if like_reference else min_count)
         write_checksums(partial)
+        if like_reference:
+            stats = {**_reduce_like_reference(partial, Path(tmp), min_count, vocab_size, meta),
+                     "num_runs": stats["num_runs"]}
         count_seconds = counter.seconds + time.perf_counter() - t0
         os.replace(partial, output)
     total = time.perf_counter() - start
@@ -183,6 +197,21 @@ def build_trie(
         total_seconds=round(total, 3),
         count_tokens_per_s=round(stats["total_tokens"] / max(count_seconds, 1e-9), 1),
     )
+
+
+def _reduce_like_reference(path: Path, tmp: Path, threshold: int, vocab_size: int, meta: dict) -> dict:
+    """Rewrites the unpruned trie at ``path`` pruned as the reference's ``reduce(threshold)``."""
+    from ngram_service.convert import convert_reference_trie
+    from ngram_service.reference_format import read_levels, reduce_levels, write_reference_levels
+
+    reference = tmp / "reduced-reference.trie"
+    write_reference_levels(reduce_levels(read_levels(path), threshold), reference, progress=False)
+    summary = convert_reference_trie(reference, path, vocab_size=vocab_size,
+                                     tokenizer_name=meta["tokenizer"]["name"], vocab_hash=meta["tokenizer"]["vocab_hash"],
+                                     tmp_dir=tmp, progress=False, metadata=meta)
+    reference.unlink()
+    return {"total_tokens": summary.total_tokens, "num_nodes": summary.nodes,
+            "nodes_per_level": summary.nodes_per_level, "file_bytes": summary.file_bytes}
 
 
 def _batches(texts: Iterable[str], size: int) -> Iterable[list[str]]:
@@ -266,6 +295,9 @@ def _parser() -> argparse.ArgumentParser:
                    "tokenizer to use: a local HF folder or .gguf file [default: the embedded SmolLM2-135M-Instruct]")
     p.add_argument("--order", type=int, default=3, choices=range(2, 7), metavar="{2..6}", help="n-gram order")
     p.add_argument("--min-count", type=int, default=1, help="drop n-grams seen fewer times")
+    p.add_argument("--prune", choices=("drop", "reference"), default="drop",
+                   help="how --min-count prunes: drop keeps every other count as counted; reference subtracts "
+                        "the pruned counts from their ancestors, as the DART reference's reduce()")
     p.add_argument("--memory-mb", type=int, default=2048, help="window buffer before spilling a sorted run to disk")
     p.add_argument("--tmp-dir", default=None, help="folder for sorted runs [default: next to the output]")
     p.add_argument("--batch-docs", type=int, default=256, help="documents per tokenizer call")
@@ -337,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = build_trie_from_texts(
             texts, output, tokenizer, corpus_name=corpus, batch_docs=args.batch_docs, max_tokens=args.max_tokens,
             progress=not args.quiet, order=args.order, min_count=args.min_count, memory_mb=args.memory_mb,
-            tmp_dir=args.tmp_dir, special_tokens=args.special_tokens or args.reference_tokenisation,
+            tmp_dir=args.tmp_dir, prune=args.prune, special_tokens=args.special_tokens or args.reference_tokenisation,
             eos_per_document=args.eos_per_document or args.reference_tokenisation)
         if summary.total_tokens == 0:
             raise ValueError("the corpus produced no tokens")

@@ -98,7 +98,7 @@ def read_reference_header(path: str | os.PathLike[str]) -> tuple[int, int]:
 
 def convert_reference_trie(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, vocab_size: int,
                            tokenizer_name: str = "", vocab_hash: str = "", tmp_dir: str | os.PathLike[str] | None = None,
-                           progress: bool = True) -> ConvertSummary:
+                           progress: bool = True, metadata: dict | None = None) -> ConvertSummary:
     """Converts a reference ``.trie`` into a trie file at ``dst``.
 
     Args:
@@ -110,6 +110,7 @@ def convert_reference_trie(src: str | os.PathLike[str], dst: str | os.PathLike[s
             when the engine opens the trie.
         tmp_dir: where the record index and level files go (default: next to ``dst``);
             needs about 8 bytes per source node plus the output's size.
+        metadata: extra JSON-serialisable information for the header.
 
     Raises:
         FileNotFoundError: ``src`` does not exist.
@@ -124,7 +125,7 @@ def convert_reference_trie(src: str | os.PathLike[str], dst: str | os.PathLike[s
     meta = {"tokenizer": {"name": tokenizer_name, "vocab_hash": vocab_hash}, "order": int(order),
             "converted_from": {"format": "DART reference TrieNgram.save", "file": src.name,
                                "bytes": src.stat().st_size},
-            "created_unix": int(time.time())}
+            "created_unix": int(time.time()), **(metadata or {})}
     start = time.perf_counter()
     bar = tqdm(total=2 * nodes, unit="node", unit_scale=True, desc=f"converting {src.name}",
                disable=not progress)

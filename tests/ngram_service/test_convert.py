@@ -259,7 +259,7 @@ def test_the_benchmarks_reference_writer_round_trips_through_the_converter(tmp_p
     """convert_bench writes a trie's nodes in the reference format (ids depth-first or level by
     level, child lists not sorted by token); converting it back gives the same arrays."""
     from ngram_service.build import build_trie
-    from ngram_service.convert_bench import read_levels, write_reference_format
+    from ngram_service.reference_format import read_levels, write_reference_format
 
     rng = np.random.default_rng(5)
     docs = [rng.integers(0, 200, rng.integers(5, 300)) for _ in range(120)]
@@ -274,3 +274,25 @@ def test_the_benchmarks_reference_writer_round_trips_through_the_converter(tmp_p
     convert(tmp_path / "ref.trie", tmp_path / "b.trie")
     for a, b in zip(read_levels(tmp_path / "a.trie"), read_levels(tmp_path / "b.trie")):
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("order,threshold", [(3, 2), (4, 3)])
+def test_the_builder_prunes_like_the_reference(tmp_path, order, threshold):
+    """build_trie(prune="reference") gives the counts of the reference's reduce() (those <= 0 stored
+    as 0) and the documented probabilities; prune="drop" keeps the counted values."""
+    from ngram_service.build import build_trie
+
+    docs = fixture_docs()[:24]
+    counts = count_windows(docs, order)
+    reduced = {k: c for k, c in reduce_counts(counts, threshold).items() if k}
+    kw = dict(vocab_size=VOCAB, order=order, min_count=threshold, tokenizer_name="t", vocab_hash="0" * 64)
+    summary = build_trie(docs, tmp_path / "ref.trie", prune="reference", **kw)
+    trie = NgramTrie(tmp_path / "ref.trie", verify=True)
+    assert summary.num_nodes == len(reduced) and trie.info.metadata["prune"] == "reference"
+    assert all(trie.count(k) == max(c, 0) for k, c in reduced.items())
+    pairs = list(queries(docs, order))[::7]
+    got = [trie.probability(ctx, [tok])[0] for ctx, tok in pairs]
+    assert np.abs(np.subtract(got, [documented_probability(reduced, order, c, t) for c, t in pairs])).max() <= 1e-6
+    build_trie(docs, tmp_path / "drop.trie", **kw)
+    dropped = NgramTrie(tmp_path / "drop.trie")
+    assert all(dropped.count(k) == counts[k] for k in reduced)
