@@ -54,18 +54,42 @@ def numa_nodes(sysfs: str | Path = "/sys/devices/system/node") -> dict[int, list
     return nodes
 
 
+def numa_memory(sysfs: str | Path = "/sys/devices/system/node") -> dict[int, int]:
+    """NUMA node id -> its memory in bytes (``MemTotal`` of ``nodeN/meminfo``; nodes that do not
+    say are left out)."""
+    sizes: dict[int, int] = {}
+    for d in sorted(Path(sysfs).glob("node[0-9]*")):
+        try:
+            for line in (d / "meminfo").read_text().splitlines():
+                fields = line.split()  # "Node 0 MemTotal: 263847716 kB"
+                if len(fields) >= 4 and fields[2] == "MemTotal:":
+                    sizes[int(d.name[4:])] = int(fields[3]) * 1024
+                    break
+        except (OSError, ValueError):
+            continue
+    return sizes
+
+
+_unpinnable_logged = False
+
+
 def bind_to_numa_node(node: int | None = None, sysfs: str | Path = "/sys/devices/system/node") -> list[int]:
-    """Pins this process to one NUMA node's CPUs when the host has several.
+    """Pins this process to one NUMA node's CPUs when the host has several, so the trie's pages,
+    which the kernel places on the node of the CPU that first reads them, and the search threads
+    share one node's memory.
 
     Args:
-        node: the node to use; None picks the one with the most CPUs this process may run on.
+        node: the node to use; None picks the one with the most memory (the trie lives in the
+            page cache), then the most CPUs this process may run on.
 
     Returns:
-        The CPUs the process may use afterwards.
+        The CPUs the process may use afterwards.  Where the host refuses the pinning (a container
+        without that right), a warning is logged once per process and every allowed CPU is kept.
 
     Raises:
         ValueError: ``node`` does not exist or has none of the allowed CPUs.
     """
+    global _unpinnable_logged
     allowed = set(os.sched_getaffinity(0))
     nodes = {n: [c for c in cpus if c in allowed] for n, cpus in numa_nodes(sysfs).items()}
     nodes = {n: cpus for n, cpus in nodes.items() if cpus}
@@ -73,16 +97,25 @@ def bind_to_numa_node(node: int | None = None, sysfs: str | Path = "/sys/devices
         logger.info("one NUMA node (or none reported): no CPU pinning; %d CPUs", len(allowed))
         return sorted(allowed)
     if node is None:
-        node = max(nodes, key=lambda n: (len(nodes[n]), -n))
+        memory = numa_memory(sysfs)
+        node = max(nodes, key=lambda n: (memory.get(n, 0), len(nodes[n]), -n))
     if node not in nodes:
         raise ValueError(f"NUMA node {node} has none of this process's CPUs (nodes: {sorted(nodes)})")
-    os.sched_setaffinity(0, nodes[node])
+    try:
+        os.sched_setaffinity(0, nodes[node])
+    except OSError as e:
+        if not _unpinnable_logged:
+            logger.warning("could not pin the n-gram service to NUMA node %d (%s): serving on all %d CPUs", node,
+                           e, len(allowed))
+            _unpinnable_logged = True
+        return sorted(allowed)
     logger.info("pinned the n-gram service to NUMA node %d: CPUs %s", node, nodes[node])
     return nodes[node]
 
 
 def start_pinned_server(trie_path: str | None, *, port: int, threads: int | None = None,
-                        numa_node: int | None = None, auth_token: str | None = None) -> tuple[NgramServer, list[int]]:
+                        numa_node: int | None = None, auth_token: str | None = None,
+                        sysfs: str | Path = "/sys/devices/system/node") -> tuple[NgramServer, list[int]]:
     """Binds this process to one NUMA node's CPUs (:func:`bind_to_numa_node`) and starts the
     server on all interfaces, with as many search threads as that node has CPUs unless
     ``threads`` is given.  Used by the Ray actor and by the Serve deployment.
@@ -90,7 +123,7 @@ def start_pinned_server(trie_path: str | None, *, port: int, threads: int | None
     Returns:
         the started server and the CPUs the process is bound to.
     """
-    cpus = bind_to_numa_node(numa_node)
+    cpus = bind_to_numa_node(numa_node, sysfs)
     server = NgramServer(trie_path, host="0.0.0.0", port=port, threads=threads or len(cpus),
                          auth_token=auth_token).start()
     return server, cpus

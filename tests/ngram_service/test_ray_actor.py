@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ngram_service.client import GrpcTreeSearch
-from ngram_service.ray_actor import (NGRAM_RESOURCE, bind_to_numa_node, numa_nodes, resolve_address,
+from ngram_service.ray_actor import (NGRAM_RESOURCE, bind_to_numa_node, numa_memory, numa_nodes, resolve_address,
                                      start_ngram_service)
 from ngram_service.tree_search import SearchParams, search_trees
 from ngram_service.trie import NgramTrie
@@ -93,3 +93,53 @@ def test_single_node_host_is_not_pinned(tmp_path):
     (tmp_path / "node0" / "cpulist").write_text(f"0-{max(allowed)}\n")
     assert bind_to_numa_node(None, sysfs=tmp_path) == allowed
     assert sorted(os.sched_getaffinity(0)) == allowed
+
+
+def _fake_topology(root, nodes: dict[int, tuple[list[int], int | None]]):
+    """nodeN/cpulist and, when a size is given, nodeN/meminfo (MemTotal in kB) under ``root``."""
+    for n, (cpus, mem_kb) in nodes.items():
+        d = root / f"node{n}"
+        d.mkdir(parents=True)
+        d.joinpath("cpulist").write_text(",".join(map(str, cpus)) + "\n")
+        if mem_kb is not None:
+            d.joinpath("meminfo").write_text(f"Node {n} MemTotal:       {mem_kb} kB\nNode {n} MemFree:  1 kB\n")
+
+
+def test_the_node_with_the_most_memory_is_chosen(tmp_path):
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip(f"needs 2 CPUs to fake two NUMA nodes, this process may use {len(allowed)}")
+    _fake_topology(tmp_path / "a", {0: (allowed[:1], 64 << 20), 1: (allowed[1:], 512 << 20)})
+    _fake_topology(tmp_path / "b", {0: (allowed[:1], None), 1: (allowed[1:], None)})  # sizes unknown: lowest id wins
+    assert numa_memory(tmp_path / "a") == {0: 64 << 30, 1: 512 << 30} and numa_memory(tmp_path / "b") == {}
+    try:
+        assert bind_to_numa_node(None, sysfs=tmp_path / "a") == allowed[1:]
+        assert sorted(os.sched_getaffinity(0)) == allowed[1:]
+        os.sched_setaffinity(0, allowed)
+        assert bind_to_numa_node(None, sysfs=tmp_path / "b") == allowed[:1]
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+def test_a_host_that_refuses_pinning_logs_once_and_serves(tmp_path, monkeypatch, caplog):
+    import ngram_service.ray_actor as ray_actor
+
+    allowed = sorted(os.sched_getaffinity(0))
+    _fake_topology(tmp_path, {0: (allowed[:1], 1 << 20), 1: (allowed[1:] or allowed[:1], 2 << 20)})
+
+    def refuse(pid, cpus):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(ray_actor.os, "sched_setaffinity", refuse)
+    monkeypatch.setattr(ray_actor, "_unpinnable_logged", False)
+    servers = []
+    try:
+        with caplog.at_level("WARNING", logger="ngram_service.ray_actor"):
+            for _ in range(2):
+                server, cpus = ray_actor.start_pinned_server(None, port=0, threads=1, sysfs=tmp_path)
+                servers.append(server)
+                assert cpus == allowed and server.port > 0
+        assert sum("could not pin" in r.message for r in caplog.records) == 1
+    finally:
+        for server in servers:
+            server.stop(grace_s=0)
