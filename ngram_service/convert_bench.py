@@ -2,9 +2,10 @@
 ``python -m ngram_service.convert_bench``.
 
 1. A dart-serve trie (default: the default trie) is written out in the DART reference's
-   ``.trie`` format (:func:`write_reference_format`): the same nodes and counts, node ids
-   level by level in a random order inside each level (as a reference build, whose ids follow
-   insertion order, leaves them), each child list in id order (so not sorted by token).
+   ``.trie`` format (:func:`ngram_service.reference_format.write_reference_format`): the same
+   nodes and counts, node ids depth-first as a reference merge appends them (``--id-order
+   dfs``) or level by level, shuffled inside each level, as one reference build's insertion
+   order leaves them (``level``), each child list in id order (so not sorted by token).
 2. Its pages are dropped from the page cache (``posix_fadvise(DONTNEED)``), so the converter
    reads it from disk.
 3. The converter runs in a child process, optionally inside a fresh memory cgroup
@@ -40,6 +41,7 @@ __all__ = ["main"]
 #: The published full reference trie (the issue's figures): bytes on disk and nodes.
 FULL_REFERENCE_BYTES = 43.5e9
 FULL_REFERENCE_NODES = 1.3e9
+
 
 def drop_from_page_cache(path: str | os.PathLike[str]) -> None:
     """Asks the kernel to drop a file's clean cached pages (after an fsync)."""
@@ -125,7 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for _ in range(max(1, args.runs)):
         drop_from_page_cache(ref)
-        cgroup = MemoryCgroup(args.memory_limit_mb << 20) if args.memory_limit_mb else None
+        try:
+            cgroup = MemoryCgroup(args.memory_limit_mb << 20) if args.memory_limit_mb else None
+        except RuntimeError as e:
+            print(f"error: --memory-limit-mb: {e}", file=sys.stderr)
+            return 2
         try:
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=cgroup.preexec if cgroup else None)
