@@ -27,9 +27,25 @@ def generate_grpc_stubs() -> None:
 
 
 class BuildPyWithStubs(build_py):
+    """Generates the stubs before copying the packages; the stub packages are added to the
+    package list here because package discovery ran before they existed (a clean checkout has
+    no _proto folders), which left them out of non-editable installs (`pip install .`)."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        for package in PROTO_PACKAGES.values():
+            init = ROOT / package / "__init__.py"
+            if not init.is_file():  # the folder must exist from here on; run() fills it
+                init.parent.mkdir(exist_ok=True)
+                init.write_text('"""gRPC stubs generated from protos/ at build time."""\n')
+            name = package.replace("/", ".")
+            if name not in self.packages:
+                self.packages.append(name)
+
     def run(self):
         generate_grpc_stubs()
         super().run()
+
 
 native = Pybind11Extension(
     "ngram_service._native",
