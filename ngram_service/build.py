@@ -32,7 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ngram_service import _native
-from ngram_service.cache import default_trie_path
+from ngram_service.cache import create_once, default_trie_path
 from ngram_service.corpus import NAMED_CORPORA, iter_corpus, iter_files
 from ngram_service.tokenizer import TrieTokenizer, load_trie_tokenizer, resolve_model
 from ngram_service.trie import pack_ragged, write_checksums
@@ -328,24 +328,20 @@ def ensure_trie(path: str | os.PathLike[str], tokenizer: TrieTokenizer | Callabl
     Raises:
         ValueError: an unknown corpus name.
     """
-    import fcntl
-
     path = Path(path).expanduser()
     if path.is_file():  # the usual case: no tokenizer to load
         return path
     if corpus not in NAMED_CORPORA:
         raise ValueError(f"unknown corpus {corpus!r}; choose from {', '.join(NAMED_CORPORA)}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not path.is_file():
-            tok = tokenizer if isinstance(tokenizer, TrieTokenizer) else tokenizer()
-            partial = path.with_suffix(".partial")
-            logger.info("building the %s trie %s (first start only; a few minutes)", corpus, path)
-            build_trie_from_texts(iter_corpus(corpus), partial, tok, corpus_name=corpus, order=order,
-                                  progress=progress)
-            os.replace(partial, path)
-    return path
+
+    def build() -> None:
+        tok = tokenizer if isinstance(tokenizer, TrieTokenizer) else tokenizer()
+        partial = path.with_suffix(".partial")
+        logger.info("building the %s trie %s (first start only; a few minutes)", corpus, path)
+        build_trie_from_texts(iter_corpus(corpus), partial, tok, corpus_name=corpus, order=order, progress=progress)
+        os.replace(partial, path)
+
+    return create_once(path, build)
 
 
 def ensure_default_trie(model: str | None = None, *, order: int = 3, progress: bool = True) -> Path:

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["cache_root", "default_trie_path", "converted_cache", "save_converted"]
+__all__ = ["cache_root", "default_trie_path", "converted_cache", "save_converted", "create_once"]
 
 
 def cache_root() -> Path:
@@ -55,3 +55,19 @@ def save_converted(write: Callable[[Path], None], folder: Path) -> None:
         logger.warning("could not cache the converted model at %s: %s", folder, e)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def create_once(path: Path, create: Callable[[], None]) -> Path:
+    """``path``, made by ``create()`` first when it does not exist.  Concurrent callers on one
+    machine wait for a single ``create()`` (a file lock beside ``path``); ``create`` must make
+    the file appear atomically (written elsewhere, then renamed), so no reader sees half of it."""
+    import fcntl
+
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.is_file():
+            create()
+    return path

@@ -45,7 +45,7 @@ from typing import Callable, Sequence
 from tqdm import tqdm
 
 from ngram_service import _native
-from ngram_service.cache import cache_root
+from ngram_service.cache import cache_root, create_once
 from ngram_service.tokenizer import TrieTokenizer, load_trie_tokenizer
 from ngram_service.trie import MAGIC, NgramTrie, write_checksums
 
@@ -178,7 +178,6 @@ def resolve_ngram_model(path: str | os.PathLike[str], tokenizer: TrieTokenizer |
             are local: nothing is downloaded).
         ReferenceTrieError: a reference file that is truncated or inconsistent.
     """
-    import fcntl
     import hashlib
 
     path = Path(path).expanduser()
@@ -198,19 +197,16 @@ def resolve_ngram_model(path: str | os.PathLike[str], tokenizer: TrieTokenizer |
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     dst = cache_root() / "tries" / "converted" / f"{path.stem}-{key}.trie"
-    if dst.is_file():
-        return dst
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    with open(dst.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not dst.is_file():
-            tok = tokenizer if isinstance(tokenizer, TrieTokenizer) else tokenizer()
-            logger.info("converting the reference n-gram model %s into %s (once)", path, dst)
-            summary = convert_reference_trie(path, dst, vocab_size=tok.vocab_size, tokenizer_name=tok.name,
-                                             vocab_hash=tok.vocab_hash, progress=progress)
-            logger.info("converted %s: %d nodes, %.1f MB (%.2fx the reference's bytes) in %.1f s", path.name,
-                        summary.nodes, summary.file_bytes / 1e6, summary.bytes_ratio, summary.seconds)
-    return dst
+
+    def convert() -> None:  # convert_reference_trie renames its result into place
+        tok = tokenizer if isinstance(tokenizer, TrieTokenizer) else tokenizer()
+        logger.info("converting the reference n-gram model %s into %s (once)", path, dst)
+        summary = convert_reference_trie(path, dst, vocab_size=tok.vocab_size, tokenizer_name=tok.name,
+                                         vocab_hash=tok.vocab_hash, progress=progress)
+        logger.info("converted %s: %d nodes, %.1f MB (%.2fx the reference's bytes) in %.1f s", path.name,
+                    summary.nodes, summary.file_bytes / 1e6, summary.bytes_ratio, summary.seconds)
+
+    return create_once(dst, convert)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

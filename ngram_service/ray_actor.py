@@ -43,31 +43,37 @@ def _parse_cpulist(text: str) -> list[int]:
     return cpus
 
 
-def numa_nodes(sysfs: str | Path = "/sys/devices/system/node") -> dict[int, list[int]]:
-    """NUMA node id -> its CPU ids, from sysfs ({} where sysfs does not say)."""
-    nodes: dict[int, list[int]] = {}
+def _per_node(sysfs: str | Path, read) -> dict:
+    """NUMA node id -> ``read(nodeN folder)`` for every node folder under ``sysfs``; nodes whose
+    files are missing or unreadable, or for which ``read`` returns None, are left out."""
+    out = {}
     for d in sorted(Path(sysfs).glob("node[0-9]*")):
         try:
-            nodes[int(d.name[4:])] = _parse_cpulist((d / "cpulist").read_text())
+            value = read(d)
         except (OSError, ValueError):
             continue
-    return nodes
+        if value is not None:
+            out[int(d.name[4:])] = value
+    return out
+
+
+def numa_nodes(sysfs: str | Path = "/sys/devices/system/node") -> dict[int, list[int]]:
+    """NUMA node id -> its CPU ids, from sysfs ({} where sysfs does not say)."""
+    return _per_node(sysfs, lambda d: _parse_cpulist((d / "cpulist").read_text()))
+
+
+def _mem_total(node_dir: Path) -> int | None:
+    for line in (node_dir / "meminfo").read_text().splitlines():
+        fields = line.split()  # "Node 0 MemTotal: 263847716 kB"
+        if len(fields) >= 4 and fields[2] == "MemTotal:":
+            return int(fields[3]) * 1024
+    return None
 
 
 def numa_memory(sysfs: str | Path = "/sys/devices/system/node") -> dict[int, int]:
     """NUMA node id -> its memory in bytes (``MemTotal`` of ``nodeN/meminfo``; nodes that do not
     say are left out)."""
-    sizes: dict[int, int] = {}
-    for d in sorted(Path(sysfs).glob("node[0-9]*")):
-        try:
-            for line in (d / "meminfo").read_text().splitlines():
-                fields = line.split()  # "Node 0 MemTotal: 263847716 kB"
-                if len(fields) >= 4 and fields[2] == "MemTotal:":
-                    sizes[int(d.name[4:])] = int(fields[3]) * 1024
-                    break
-        except (OSError, ValueError):
-            continue
-    return sizes
+    return _per_node(sysfs, _mem_total)
 
 
 _unpinnable_logged = False

@@ -49,18 +49,29 @@ def read_levels(path: str | os.PathLike[str]) -> list[dict[str, np.ndarray]]:
     return levels
 
 
+def _fan_out(levels: list[dict[str, np.ndarray]]) -> list[np.ndarray]:
+    """Per level, the number of children of each node (int64; 0 on the last level)."""
+    return [np.diff(lv["children"].astype(np.int64)) if "children" in lv else np.zeros(len(lv["tokens"]), np.int64)
+            for lv in levels]
+
+
+def _parent_of(n_children: np.ndarray) -> np.ndarray:
+    """For children listed parent by parent: the index of each child's parent."""
+    return np.repeat(np.arange(len(n_children)), n_children)
+
+
 def _preorder_ids(n_children: list[np.ndarray], rng: np.random.Generator) -> list[np.ndarray]:
     """Depth-first preorder ids (root 0) of every node, per level in lexicographic order, with
     each node's children visited in a random order."""
     order = len(n_children)
     subtree = [np.ones(len(n), np.int64) for n in n_children]  # nodes in each subtree, itself included
     for m in range(order - 2, -1, -1):
-        parent_of = np.repeat(np.arange(len(n_children[m])), n_children[m])
-        subtree[m] += np.bincount(parent_of, weights=subtree[m + 1], minlength=len(subtree[m])).astype(np.int64)
+        subtree[m] += np.bincount(_parent_of(n_children[m]), weights=subtree[m + 1],
+                                  minlength=len(subtree[m])).astype(np.int64)
     ids, parent_ids = [], np.zeros(1, np.int64)
     counts = [np.array([len(n_children[0])], np.int64)] + n_children[:-1]
     for m in range(order):
-        parent_of = np.repeat(np.arange(len(counts[m])), counts[m])
+        parent_of = _parent_of(counts[m])
         visit = np.lexsort((rng.random(len(parent_of)), parent_of))  # siblings in a random order
         before = np.cumsum(subtree[m][visit]) - subtree[m][visit]  # nodes visited earlier, any parent
         group_start = np.repeat(np.cumsum(counts[m]) - counts[m], counts[m])
@@ -98,8 +109,7 @@ def write_reference_levels(levels: list[dict[str, np.ndarray]], out: str | os.Pa
     sizes = [len(lv["tokens"]) for lv in levels]
     if any(int(lv["counts"].max(initial=0)) >= 2**31 or int(lv["counts"].min(initial=0)) < -2**31 for lv in levels):
         raise ValueError("a count does not fit the reference format's i32 freq")
-    n_children = [np.diff(lv["children"].astype(np.int64)) if "children" in lv
-                  else np.zeros(len(lv["tokens"]), np.int64) for lv in levels]
+    n_children = _fan_out(levels)
     if id_order == "level":
         base = np.cumsum([1] + sizes[:-1], dtype=np.int64)  # id of the first node of each level
         ids = [b + rng.permutation(n).astype(np.int64) for b, n in zip(base, sizes)]  # lexicographic index -> id
@@ -131,7 +141,7 @@ def write_reference_levels(levels: list[dict[str, np.ndarray]], out: str | os.Pa
     def put_children(parent_at: np.ndarray, child_ids: np.ndarray, child_tokens: np.ndarray,
                      count: np.ndarray) -> None:
         # children of each parent in id order, at parent_at + 24 + 12 * rank
-        parent_of = np.repeat(np.arange(len(count)), count)
+        parent_of = _parent_of(count)
         order_ = np.lexsort((child_ids, parent_of))
         rank = np.arange(len(order_), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
         entries = np.empty(len(order_), _CHILD)
@@ -150,7 +160,7 @@ def write_reference_levels(levels: list[dict[str, np.ndarray]], out: str | os.Pa
         lv = levels[m]
         parent_ids = None
         if m > 0:  # parent id of every node of this level, from the previous level's CSR offsets
-            parent_ids = np.repeat(ids[m - 1], n_children[m - 1])
+            parent_ids = ids[m - 1][_parent_of(n_children[m - 1])]
         for lo in range(0, sizes[m], chunk):
             hi = min(sizes[m], lo + chunk)
             rec = np.empty(hi - lo, _RECORD)
@@ -188,11 +198,10 @@ def reduce_levels(levels: list[dict[str, np.ndarray]], threshold: int) -> list[d
     counts = [lv["counts"].astype(np.int64) for lv in levels]
     dropped = [c < threshold for c in counts]
     below = [np.zeros(len(c), np.int64) for c in counts]  # dropped counts in each node's subtree, itself excluded
+    n_children = _fan_out(levels)
     for m in range(order - 2, -1, -1):
-        n_children = np.diff(levels[m]["children"].astype(np.int64))
-        parent_of = np.repeat(np.arange(len(counts[m])), n_children)
         lost = np.where(dropped[m + 1], counts[m + 1], 0) + below[m + 1]
-        below[m] = np.bincount(parent_of, weights=lost, minlength=len(counts[m])).astype(np.int64)
+        below[m] = np.bincount(_parent_of(n_children[m]), weights=lost, minlength=len(counts[m])).astype(np.int64)
     out = []
     for m in range(order):
         keep = ~dropped[m]
