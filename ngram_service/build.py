@@ -18,12 +18,16 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
+import multiprocessing
 import os
+import resource
 import sys
 import tempfile
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -56,10 +60,12 @@ class BuildSummary:
     bytes_per_node: float
     num_documents: int
     num_runs: int  # sorted runs spilled to disk (0: counted in memory)
-    tokenize_seconds: float
+    tokenize_seconds: float  # waiting for documents: reading + tokenising, where not overlapped with counting
     count_seconds: float  # counting + merging + writing, tokenisation excluded
+    merge_seconds: float  # of which merging the runs and writing the file
     total_seconds: float
     count_tokens_per_s: float
+    peak_rss_mb: float  # this process (tokeniser worker processes excluded)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -179,7 +185,8 @@ def build_trie(
         if like_reference:
             stats = {**_reduce_like_reference(partial, Path(tmp), min_count, vocab_size, meta),
                      "num_runs": stats["num_runs"]}
-        count_seconds = counter.seconds + time.perf_counter() - t0
+        merge_seconds = time.perf_counter() - t0
+        count_seconds = counter.seconds + merge_seconds
         os.replace(partial, output)
     total = time.perf_counter() - start
     return BuildSummary(
@@ -194,8 +201,10 @@ def build_trie(
         num_runs=stats["num_runs"],
         tokenize_seconds=round(tokenize_seconds, 3),
         count_seconds=round(count_seconds, 3),
+        merge_seconds=round(merge_seconds, 3),
         total_seconds=round(total, 3),
         count_tokens_per_s=round(stats["total_tokens"] / max(count_seconds, 1e-9), 1),
+        peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     )
 
 
@@ -225,19 +234,64 @@ def _batches(texts: Iterable[str], size: int) -> Iterable[list[str]]:
         yield batch
 
 
-def _tokenized(texts: Iterable[str], tokenizer: TrieTokenizer, batch_docs: int, max_tokens: int | None,
-               progress: bool, special_tokens: bool = False, eos_per_document: bool = False) -> Iterable[list[int]]:
-    total = 0
-    eos = [tokenizer.eos_token_id] if eos_per_document else []
-    with tqdm(unit="doc", desc="tokenise+count", disable=not progress, smoothing=0.1) as bar:
+_worker_tokenizer = None
+
+
+def _worker_init(tokenizer_json: str) -> None:
+    """Tokeniser worker start-up: one single-threaded tokenizer (the processes are the parallelism)."""
+    global _worker_tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from tokenizers import Tokenizer
+
+    _worker_tokenizer = Tokenizer.from_str(tokenizer_json)
+
+
+def _worker_encode(texts: list[str], special_tokens: bool) -> list[np.ndarray]:
+    return [np.asarray(e.ids, dtype=np.uint32)
+            for e in _worker_tokenizer.encode_batch(texts, add_special_tokens=special_tokens)]
+
+
+def _encoded_batches(texts: Iterable[str], tokenizer: TrieTokenizer, batch_docs: int, special_tokens: bool,
+                     workers: int) -> Iterable[tuple[int, list]]:
+    """(documents, their token ids) per batch, in corpus order.
+
+    ``workers`` <= 1: encoded here, by the tokenizer's own thread pool.  More: that many
+    spawned processes each encode whole batches single-threaded while this process reads
+    the corpus and counts; at most ``2 * workers`` batches are in flight, so memory stays
+    bounded however large the corpus.
+    """
+    if workers <= 1:
         for batch in _batches(texts, batch_docs):
-            for ids in tokenizer.encode_batch(batch, add_special_tokens=special_tokens):
-                ids = ids + eos
+            yield len(batch), tokenizer.encode_batch(batch, add_special_tokens=special_tokens)
+        return
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process whose tokenizer threads may be running
+    with ctx.Pool(workers, initializer=_worker_init, initargs=(tokenizer.backend.to_str(),)) as pool:
+        in_flight: deque = deque()
+        for batch in _batches(texts, batch_docs):
+            in_flight.append((len(batch), pool.apply_async(_worker_encode, (batch, special_tokens))))
+            if len(in_flight) >= 2 * workers:
+                n, result = in_flight.popleft()
+                yield n, result.get()
+        while in_flight:
+            n, result = in_flight.popleft()
+            yield n, result.get()
+
+
+def _tokenized(texts: Iterable[str], tokenizer: TrieTokenizer, batch_docs: int, max_tokens: int | None,
+               progress: bool, special_tokens: bool = False, eos_per_document: bool = False,
+               workers: int = 1) -> Iterable[Sequence[int] | np.ndarray]:
+    total = 0
+    eos = tokenizer.eos_token_id if eos_per_document else None
+    with tqdm(unit="doc", desc="tokenise+count", disable=not progress, smoothing=0.1) as bar:
+        for n, encoded in _encoded_batches(texts, tokenizer, batch_docs, special_tokens, workers):
+            for ids in encoded:
+                if eos is not None:
+                    ids = np.append(np.asarray(ids, dtype=np.uint32), np.uint32(eos))
                 yield ids
                 total += len(ids)
                 if max_tokens is not None and total >= max_tokens:
                     return
-            bar.update(len(batch))
+            bar.update(n)
             bar.set_postfix(tokens=f"{total / 1e6:.1f}M")
 
 
@@ -252,6 +306,7 @@ def build_trie_from_texts(
     progress: bool = True,
     special_tokens: bool = False,
     eos_per_document: bool = False,
+    workers: int = 1,
     **kwargs,
 ) -> BuildSummary:
     """Tokenises ``texts`` in batches and builds the trie; keyword arguments as :func:`build_trie`.
@@ -264,6 +319,9 @@ def build_trie_from_texts(
             default off, as the engine encodes plain text.
         eos_per_document: end every document with the EOS token, as the reference's builder
             does (n-grams then learn where documents end).
+        workers: tokeniser processes.  1 (default): this process, with the tokenizer's own
+            thread pool; N > 1: N processes encode batches while this one reads and counts
+            (the same ids, so the same trie).
 
     Raises:
         ValueError: ``eos_per_document`` with a tokenizer whose EOS token is unknown.
@@ -276,8 +334,10 @@ def build_trie_from_texts(
             **kwargs.pop("metadata", {})}
     if max_tokens is not None:
         meta["max_tokens"] = max_tokens
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
     return build_trie(
-        _tokenized(texts, tok, batch_docs, max_tokens, progress, special_tokens, eos_per_document), output,
+        _tokenized(texts, tok, batch_docs, max_tokens, progress, special_tokens, eos_per_document, workers), output,
         vocab_size=tok.vocab_size, tokenizer_name=tok.name, vocab_hash=tok.vocab_hash, metadata=meta, **kwargs)
 
 
@@ -287,9 +347,10 @@ def _parser() -> argparse.ArgumentParser:
         description="Count the n-grams of a corpus with the target tokenizer into a memory-mapped DART trie.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("inputs", nargs="*", help="corpus files or folders (.jsonl/.json: --text-field; other files: "
-                   "one document each); when none, --corpus is used")
-    p.add_argument("--corpus", choices=NAMED_CORPORA, default="default",
-                   help="named corpus when no inputs are given (default = ShareGPT assistant turns + CPython stdlib)")
+                   "one document each, .gz decompressed, binary files skipped); when none, --corpus is used")
+    p.add_argument("--corpus", choices=NAMED_CORPORA, default=None,
+                   help="named corpus (default = ShareGPT assistant turns + CPython stdlib); counted before the "
+                        "inputs when both are given [default: default, when no inputs are given]")
     p.add_argument("-o", "--output", help="trie file [default: $DART_SERVE_CACHE/tries/<model>-<corpus>-<order>gram.trie]")
     p.add_argument("--tokenizer", default=None, help="a tokenizer.json (or a folder holding one), or the model whose "
                    "tokenizer to use: a local HF folder or .gguf file [default: the embedded SmolLM2-135M-Instruct]")
@@ -301,6 +362,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-mb", type=int, default=2048, help="window buffer before spilling a sorted run to disk")
     p.add_argument("--tmp-dir", default=None, help="folder for sorted runs [default: next to the output]")
     p.add_argument("--batch-docs", type=int, default=256, help="documents per tokenizer call")
+    p.add_argument("--workers", type=int, default=1, help="tokeniser processes: 1 = this process with the "
+                   "tokenizer's own threads; N > 1 = N single-threaded processes beside the counting one")
     p.add_argument("--max-tokens", type=int, default=None, help="stop after this many corpus tokens")
     p.add_argument("--special-tokens", action="store_true", help="encode documents with the tokenizer's special "
                    "tokens, as the DART reference's builder does")
@@ -359,14 +422,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if missing:  # before the tokenizer takes seconds to load
             raise FileNotFoundError(f"corpus file not found: {missing[0]}")
         tokenizer = load_trie_tokenizer(args.tokenizer)
-        corpus = "files" if args.inputs else args.corpus
+        named = args.corpus or ("default" if not args.inputs else None)
+        corpus = "+".join(([named] if named else []) + (["files"] if args.inputs else []))
         output = Path(args.output) if args.output else default_trie_path(tokenizer.name, corpus, args.order)
-        texts = iter_files(args.inputs, text_field=args.text_field) if args.inputs else iter_corpus(args.corpus)
+        skipped: list[Path] = []
+        texts = itertools.chain(iter_corpus(named) if named else (),
+                                iter_files(args.inputs, text_field=args.text_field, skipped=skipped))
         summary = build_trie_from_texts(
             texts, output, tokenizer, corpus_name=corpus, batch_docs=args.batch_docs, max_tokens=args.max_tokens,
             progress=not args.quiet, order=args.order, min_count=args.min_count, memory_mb=args.memory_mb,
-            tmp_dir=args.tmp_dir, prune=args.prune, special_tokens=args.special_tokens or args.reference_tokenisation,
+            tmp_dir=args.tmp_dir, prune=args.prune, workers=args.workers, special_tokens=args.special_tokens or args.reference_tokenisation,
             eos_per_document=args.eos_per_document or args.reference_tokenisation)
+        if skipped:
+            logger.info("skipped %d binary files (a NUL byte in their first 8 KiB), e.g. %s", len(skipped), skipped[0])
         if summary.total_tokens == 0:
             raise ValueError("the corpus produced no tokens")
         if args.verify:

@@ -256,33 +256,72 @@ def iter_corpus(name: str) -> Iterator[str]:
         raise ValueError(f"unknown corpus {name!r}; choose from {', '.join(NAMED_CORPORA)}")
 
 
-def iter_files(paths: Iterable[str | Path], *, text_field: str = "text") -> Iterator[str]:
+def iter_files(paths: Iterable[str | Path], *, text_field: str = "text", skipped: list[Path] | None = None,
+               _walked: bool = False) -> Iterator[str]:
     """Documents from files: ``.jsonl`` gives one document per line (``text_field``),
     ``.json`` a list of strings or of objects with ``text_field``; any other file
-    is one document.  Directories are walked recursively.
+    is one document, read as UTF-8 (undecodable bytes replaced), and ``.gz`` files
+    are decompressed first.  Directories are walked recursively, in sorted order.
+
+    A ``.json``/``.jsonl`` file found by walking a folder (a source tree's
+    ``package.json``, test data) that is not such a record file is counted as
+    plain text instead; one named directly must be a record file.
+
+    Binary files are left out, as ``git`` tells them: a NUL byte in the first
+    8 KiB (after decompression).  Source trees and documentation packages hold
+    images, archives and object files beside the text; counting their bytes as
+    tokens would fill the trie with noise.
+
+    Args:
+        skipped: when given, the binary files left out are appended to it.
 
     Raises:
         FileNotFoundError: a path does not exist.
-        ValueError: a JSON line lacks ``text_field``.
+        ValueError: a JSON file named directly is malformed or a record lacks ``text_field``.
     """
     for p in paths:
         path = Path(p)
         if path.is_dir():
-            yield from iter_files(sorted(q for q in path.rglob("*") if q.is_file()), text_field=text_field)
+            yield from iter_files(sorted(q for q in path.rglob("*") if q.is_file() and not q.is_symlink()),
+                                  text_field=text_field, skipped=skipped, _walked=True)
             continue
         if not path.is_file():
             raise FileNotFoundError(f"corpus file not found: {path}")
-        if path.suffix == ".jsonl":
-            with open(path, encoding="utf-8") as f:
-                for i, line in enumerate(f, 1):
-                    if line.strip():
-                        yield _text_of(json.loads(line), text_field, f"{path}:{i}")
-        elif path.suffix == ".json":
-            data = json.loads(path.read_text(encoding="utf-8"))
-            for i, item in enumerate(data if isinstance(data, list) else [data]):
-                yield _text_of(item, text_field, f"{path}[{i}]")
-        else:
-            yield path.read_text(encoding="utf-8", errors="replace")
+        if path.suffix in (".json", ".jsonl"):
+            try:
+                yield from _json_records(path, text_field)
+                continue
+            except ValueError:
+                if not _walked:
+                    raise
+        data = path.read_bytes()
+        if path.suffix == ".gz":
+            try:
+                data = gzip.decompress(data)
+            except (OSError, EOFError):  # not gzip after all, or truncated: judge the bytes as they are
+                pass
+        if b"\0" in data[:_BINARY_PROBE]:
+            if skipped is not None:
+                skipped.append(path)
+            continue
+        yield data.decode("utf-8", errors="replace")
+
+
+def _json_records(path: Path, text_field: str) -> list[str]:
+    """The documents of a ``.jsonl``/``.json`` record file, all parsed before any is returned.
+
+    Raises:
+        ValueError: malformed JSON, or a record that is neither a string nor holds ``text_field``.
+    """
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".jsonl":
+        return [_text_of(json.loads(line), text_field, f"{path}:{i}")
+                for i, line in enumerate(text.splitlines(), 1) if line.strip()]
+    data = json.loads(text)
+    return [_text_of(item, text_field, f"{path}[{i}]") for i, item in enumerate(data if isinstance(data, list) else [data])]
+
+
+_BINARY_PROBE = 8192
 
 
 def _text_of(item, field: str, where: str) -> str:

@@ -138,3 +138,64 @@ def test_reference_tokenisation_adds_special_tokens_and_an_eos_per_document(tmp_
         assert all(trie.count(list(k)) == c for k, c in want.items())
         assert trie.count([eos]) == (len(texts) if flag else 0)
         assert trie.info.metadata["eos_per_document"] == bool(flag)
+
+
+def _source_tree(root):
+    """A folder as source and documentation packages ship them: text, binaries, gzip'd docs, JSON files."""
+    import gzip
+
+    (root / "src").mkdir(parents=True)
+    (root / "src" / "main.c").write_text("int main(void) {\n    return add(1, 2);\n}\n" * 5)
+    (root / "src" / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR" + bytes(range(256)) * 4)
+    (root / "doc").mkdir()
+    (root / "doc" / "guide.txt.gz").write_bytes(gzip.compress(b"Run make, then make install.\n" * 10))
+    (root / "doc" / "lib.a.gz").write_bytes(gzip.compress(b"!<arch>\n\0\0binary"))
+    (root / "package.json").write_text('{"name": "demo", "version": "1.0.0"}')  # no "text" records
+    (root / "broken.json").write_text('{"a": 1}\n{"b": 2}\n')  # not JSON at all
+    return root
+
+
+def test_folders_skip_binaries_read_gzip_and_count_plain_json_as_text(tmp_path):
+    root = _source_tree(tmp_path / "tree")
+    skipped = []
+    docs = list(corpus.iter_files([root], skipped=skipped))
+    assert sorted(p.name for p in skipped) == ["lib.a.gz", "logo.png"]
+    assert len(docs) == 4
+    assert any(d.startswith("Run make, then make install.") for d in docs)  # decompressed
+    assert any('"name": "demo"' in d for d in docs) and any('{"b": 2}' in d for d in docs)
+    assert all("\0" not in d for d in docs)
+    with pytest.raises(ValueError):  # named directly, a .json file must hold records
+        list(corpus.iter_files([root / "broken.json"]))
+    with pytest.raises(ValueError, match="text"):
+        list(corpus.iter_files([root / "package.json"]))
+
+
+def test_tokeniser_processes_give_the_same_trie(tmp_path, default_tokenizer):
+    root = _source_tree(tmp_path / "tree")
+    for i in range(40):
+        (root / "src" / f"m{i}.py").write_text(f"def f{i}(x):\n    return x * {i} + sum(range({i}))\n" * (i % 5 + 1))
+    summaries = {}
+    for workers in (1, 2):
+        r = _run(str(root), "-o", str(tmp_path / f"w{workers}.trie"), "--workers", str(workers), "--batch-docs", "4",
+                 "-q")
+        assert r.returncode == 0, r.stderr
+        summaries[workers] = json.loads(r.stdout)
+    one, two = (NgramTrie(tmp_path / f"w{w}.trie", verify=True) for w in (1, 2))
+    assert summaries[1]["nodes_per_level"] == summaries[2]["nodes_per_level"]
+    assert summaries[1]["total_tokens"] == summaries[2]["total_tokens"] and summaries[1]["num_documents"] == 44
+    ids = default_tokenizer("def f7(x):\n    return x * 7 + sum(range(7))\nint main(void)", add_special_tokens=False)
+    ids = ids["input_ids"]
+    for i in range(len(ids) - 2):
+        assert one.count(ids[i:i + 3]) == two.count(ids[i:i + 3])
+        assert one.count(ids[i:i + 2]) == two.count(ids[i:i + 2])
+    assert one.count(ids[:3]) > 0
+    assert _run(str(root), "-o", str(tmp_path / "x.trie"), "--workers", "0", "-q").returncode == 2
+
+
+def test_named_corpus_and_files_together(tmp_path, monkeypatch):
+    monkeypatch.setattr("ngram_service.build.iter_corpus", lambda name: iter(["alpha beta gamma"] * 3))
+    (tmp_path / "a.txt").write_text("delta epsilon")
+    out = tmp_path / "both.trie"
+    assert main(["--corpus", "sharegpt", str(tmp_path / "a.txt"), "-o", str(out), "-q"]) == 0
+    trie = NgramTrie(out)
+    assert trie.info.metadata["corpus"] == "sharegpt+files" and trie.info.metadata["num_documents"] == 4
