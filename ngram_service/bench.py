@@ -6,7 +6,9 @@ time per sequence at the reference parameters (k=25, w=20, d=8, budget 60)
 single-threaded, and batched over 16 sequences on 1 and on all cores.
 With ``--build`` the trie is first built from the default corpus and the
 build throughput is reported too.  Every figure is the median of
-``--repeats`` runs.
+``--repeats`` runs.  ``--cold`` adds the same lookups and searches with the
+page cache dropped first (root only): each timed one by one, as the first
+requests after a host starts or after the trie's pages were evicted.
 
 Search inputs imitate decoding: contexts are prefixes of evaluation prompts
 (MT-Bench, HumanEval, never in the default corpus) tokenised with the
@@ -22,6 +24,7 @@ import json
 import os
 import platform
 import statistics
+import struct
 import sys
 import time
 
@@ -38,6 +41,42 @@ def _median_s(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def level_bytes(path: str) -> list[dict]:
+    """Nodes, bytes and bytes per node of each level (order 1 first), from the file's level table
+    (layout in ``csrc/trie_format.hpp``): tokens u32, counts and CSR child offsets of 4 or 8 bytes."""
+    with open(path, "rb") as f:
+        head = f.read(352)
+    order = struct.unpack_from("<I", head, 16)[0]
+    out = []
+    for m in range(order):
+        n, _, _, _, count_w, child_w, _ = struct.unpack_from("<QQQQIIQ", head, 64 + 48 * m)
+        b = n * (4 + count_w) + ((n + 1) * child_w if child_w else 0)
+        out.append({"order": m + 1, "nodes": n, "bytes": b, "bytes_per_node": round(b / max(n, 1), 2),
+                    "count_bytes": count_w, "child_offset_bytes": child_w})
+    return out
+
+
+def drop_page_cache() -> None:
+    """Writes back and drops the page cache (``/proc/sys/vm/drop_caches``).
+
+    Raises:
+        PermissionError: not root, or the kernel refuses (a container without that right).
+    """
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def _one_by_one_ms(calls) -> dict:
+    times = []
+    for call in calls:
+        t0 = time.perf_counter()
+        call()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return {"p50_ms": round(statistics.median(times), 4), "p90_ms": round(float(np.percentile(times, 90)), 4),
+            "max_ms": round(max(times), 4), "n": len(times)}
 
 
 def _eval_token_streams(tokenizer) -> list[list[int]]:
@@ -81,6 +120,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sequences", type=int, default=256, help="search cases per single-sequence timing")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cold", action="store_true", help="also time lookups and searches one by one right after "
+                    "dropping the page cache (needs root)")
     args = ap.parse_args(argv)
 
     from ngram_service.tokenizer import load_trie_tokenizer
@@ -103,7 +144,8 @@ def main(argv=None) -> int:
     info = trie.info
     result["trie"] = {"path": info.path, "order": info.order, "total_tokens": info.total_tokens,
                       "num_nodes": info.num_nodes, "nodes_per_level": list(info.nodes_per_level),
-                      "file_bytes": info.file_bytes, "bytes_per_node": round(info.bytes_per_node, 3)}
+                      "file_bytes": info.file_bytes, "bytes_per_node": round(info.bytes_per_node, 3),
+                      "levels": level_bytes(args.trie)}
     result["open_ms"] = round(1e3 * _median_s(lambda: NgramTrie(args.trie), max(args.repeats, 20)), 3)
     result["verify_s"] = round(_median_s(trie.verify, 1), 3)
 
@@ -143,6 +185,35 @@ def main(argv=None) -> int:
         result["search_us_per_sequence"][f"batch{b}_threads{threads}"] = round(1e6 * t / b, 1)
     tree = search_tree(ids[0], probs[0], ctxs[0], trie=trie, params=params)
     result["tree_nodes"] = tree.num_nodes
+    # warm, one by one: the same calls as the cold figures below, with every page cached
+    n_cold = min(64, args.sequences)
+    result["warm_one_by_one"] = {
+        "search": _one_by_one_ms([lambda i=i: search_tree(ids[i], probs[i], ctxs[i], trie=trie, params=params)
+                                  for i in range(n_cold)]),
+        "lookup": _one_by_one_ms([lambda i=i: trie.probability_batch(contexts[i:i + 1], cand[i:i + 1])
+                                  for i in range(256)])}
+    if args.cold:
+        try:
+            cold: dict = {"open_ms": [], "search": [], "lookup": []}
+            for _ in range(max(1, min(args.repeats, 3))):
+                drop_page_cache()
+                t0 = time.perf_counter()
+                fresh = NgramTrie(args.trie)
+                cold["open_ms"].append(round(1e3 * (time.perf_counter() - t0), 3))
+                cold["search"].append(_one_by_one_ms(
+                    [lambda i=i: search_tree(ids[i], probs[i], ctxs[i], trie=fresh, params=params)
+                     for i in range(n_cold)]))
+                drop_page_cache()
+                fresh = NgramTrie(args.trie)
+                cold["lookup"].append(_one_by_one_ms(
+                    [lambda i=i: fresh.probability_batch(contexts[i:i + 1], cand[i:i + 1]) for i in range(256)]))
+        except PermissionError as e:
+            raise SystemExit(f"--cold needs to drop the page cache (root): {e}") from None
+        result["cold_one_by_one"] = {
+            "page_cache": "dropped (echo 3 > /proc/sys/vm/drop_caches) before each repeat",
+            "open_ms": statistics.median(cold["open_ms"]),
+            **{k: {f: statistics.median(r[f] for r in cold[k]) for f in ("p50_ms", "p90_ms", "max_ms")}
+               for k in ("search", "lookup")}}
     result["params"] = {"top_k": 25, "beam_width": 20, "depth": 8, "budget": 60}
     print(json.dumps(result, indent=2))
     return 0
