@@ -223,6 +223,10 @@ def _reduce_like_reference(path: Path, tmp: Path, threshold: int, vocab_size: in
             "nodes_per_level": summary.nodes_per_level, "file_bytes": summary.file_bytes}
 
 
+MAX_PIECE_CHARS = 1 << 20  # longer documents are tokenised in pieces of at most this many characters
+MAX_BATCH_CHARS = 4 << 20  # characters per tokenizer call (besides --batch-docs)
+
+
 def _batches(texts: Iterable[str], size: int) -> Iterable[list[str]]:
     batch: list[str] = []
     for text in texts:
@@ -230,6 +234,48 @@ def _batches(texts: Iterable[str], size: int) -> Iterable[list[str]]:
         if len(batch) == size:
             yield batch
             batch = []
+    if batch:
+        yield batch
+
+
+def split_long(text: str, max_chars: int = MAX_PIECE_CHARS) -> list[str]:
+    """Cuts a document longer than ``max_chars`` into pieces of at most that many characters,
+    each cut just after a lone newline: one with a non-space character on either side.
+
+    A byte-level BPE pre-tokenizer (GPT-2's rules: SmolLM2, Llama 3, Qwen) splits there
+    anyway, so the pieces' ids, concatenated, are the whole document's (tested); the point
+    is memory: a tokenizer holds ~100 bytes per token of its input while it encodes, and a
+    generated 24 MB header is 11 M tokens.  A piece with no such newline in its second half
+    is cut at ``max_chars`` exactly (its seam may then tokenise differently).
+    """
+    if len(text) <= max_chars:
+        return [text]
+    pieces, start = [], 0
+    while len(text) - start > max_chars:
+        end = start + max_chars
+        cut = text.rfind("\n", start + max_chars // 2, end - 1)
+        while cut != -1 and (text[cut + 1].isspace() or text[cut - 1].isspace()):
+            cut = text.rfind("\n", start + max_chars // 2, cut)
+        cut = end if cut == -1 else cut + 1
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
+
+
+def _piece_batches(texts: Iterable[str], batch_docs: int, split: bool) -> Iterable[list[tuple[str, bool]]]:
+    """Batches of (piece, last piece of its document) of at most ``batch_docs`` pieces and about
+    :data:`MAX_BATCH_CHARS` characters; with ``split``, long documents go in pieces (:func:`split_long`)."""
+    batch: list[tuple[str, bool]] = []
+    chars = 0
+    for text in texts:
+        parts = split_long(text) if split else [text]
+        for j, part in enumerate(parts):
+            batch.append((part, j == len(parts) - 1))
+            chars += len(part)
+            if len(batch) >= batch_docs or chars >= MAX_BATCH_CHARS:
+                yield batch
+                batch, chars = [], 0
     if batch:
         yield batch
 
@@ -252,46 +298,55 @@ def _worker_encode(texts: list[str], special_tokens: bool) -> list[np.ndarray]:
 
 
 def _encoded_batches(texts: Iterable[str], tokenizer: TrieTokenizer, batch_docs: int, special_tokens: bool,
-                     workers: int) -> Iterable[tuple[int, list]]:
-    """(documents, their token ids) per batch, in corpus order.
+                     workers: int) -> Iterable[tuple[list[bool], list]]:
+    """(last-piece flags, token ids) per batch of pieces, in corpus order.
 
     ``workers`` <= 1: encoded here, by the tokenizer's own thread pool.  More: that many
     spawned processes each encode whole batches single-threaded while this process reads
-    the corpus and counts; at most ``2 * workers`` batches are in flight, so memory stays
-    bounded however large the corpus.
+    the corpus and counts.  Memory stays bounded however large the corpus or its files:
+    batches hold about :data:`MAX_BATCH_CHARS` characters, long documents go in pieces
+    (not with ``special_tokens``, which are added per call), and at most ``2 * workers``
+    batches are in flight.
     """
+    batches = _piece_batches(texts, batch_docs, split=not special_tokens)
     if workers <= 1:
-        for batch in _batches(texts, batch_docs):
-            yield len(batch), tokenizer.encode_batch(batch, add_special_tokens=special_tokens)
+        for batch in batches:
+            yield [last for _, last in batch], tokenizer.encode_batch([t for t, _ in batch],
+                                                                      add_special_tokens=special_tokens)
         return
     ctx = multiprocessing.get_context("spawn")  # no fork of a process whose tokenizer threads may be running
     with ctx.Pool(workers, initializer=_worker_init, initargs=(tokenizer.backend.to_str(),)) as pool:
         in_flight: deque = deque()
-        for batch in _batches(texts, batch_docs):
-            in_flight.append((len(batch), pool.apply_async(_worker_encode, (batch, special_tokens))))
+        for batch in batches:
+            in_flight.append(([last for _, last in batch],
+                              pool.apply_async(_worker_encode, ([t for t, _ in batch], special_tokens))))
             if len(in_flight) >= 2 * workers:
-                n, result = in_flight.popleft()
-                yield n, result.get()
+                flags, result = in_flight.popleft()
+                yield flags, result.get()
         while in_flight:
-            n, result = in_flight.popleft()
-            yield n, result.get()
+            flags, result = in_flight.popleft()
+            yield flags, result.get()
 
 
 def _tokenized(texts: Iterable[str], tokenizer: TrieTokenizer, batch_docs: int, max_tokens: int | None,
                progress: bool, special_tokens: bool = False, eos_per_document: bool = False,
                workers: int = 1) -> Iterable[Sequence[int] | np.ndarray]:
     total = 0
-    eos = tokenizer.eos_token_id if eos_per_document else None
+    eos = [np.array([tokenizer.eos_token_id], dtype=np.uint32)] if eos_per_document else []
+    parts: list = []  # the pieces of the document being put back together
     with tqdm(unit="doc", desc="tokenise+count", disable=not progress, smoothing=0.1) as bar:
-        for n, encoded in _encoded_batches(texts, tokenizer, batch_docs, special_tokens, workers):
-            for ids in encoded:
-                if eos is not None:
-                    ids = np.append(np.asarray(ids, dtype=np.uint32), np.uint32(eos))
-                yield ids
-                total += len(ids)
+        for flags, encoded in _encoded_batches(texts, tokenizer, batch_docs, special_tokens, workers):
+            for last, ids in zip(flags, encoded):
+                parts.append(np.asarray(ids, dtype=np.uint32))
+                if not last:
+                    continue
+                doc = np.concatenate(parts + eos) if len(parts) + len(eos) > 1 else parts[0]
+                parts = []
+                yield doc
+                total += len(doc)
                 if max_tokens is not None and total >= max_tokens:
                     return
-            bar.update(n)
+            bar.update(sum(flags))
             bar.set_postfix(tokens=f"{total / 1e6:.1f}M")
 
 
