@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -48,6 +49,34 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _remove_leftovers() -> None:
+    """Namespaces and links of an earlier run whose test process died before cleaning up (their
+    names carry its pid): the addresses are the same in every run, so they must go first."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for ns, pid in re.findall(r"^(dart-[ab]-(\d+))", listed, re.M):
+        if not _pid_alive(int(pid)):
+            for p in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
+                try:
+                    os.kill(int(p), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    for link, pid in re.findall(r"^\d+: (dtest(\d+))@", links, re.M):
+        if not _pid_alive(int(pid)):
+            subprocess.run(["ip", "link", "del", link], capture_output=True)
+
+
 def _run(*cmd: str) -> None:
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -62,13 +91,14 @@ class TwoNodes:
     """
 
     def __init__(self, cache_a: Path, cache_b: Path) -> None:
-        tag = f"{os.getpid() % 100000}"
+        tag = str(os.getpid())  # the leftover sweep of a later run checks whether this process lives
         self.ns_a, self.ns_b = f"dart-a-{tag}", f"dart-b-{tag}"
         self._veth_test = f"dtest{tag}"
         self.temp_dir = Path(tempfile.mkdtemp(prefix="dray", dir="/tmp"))  # short: Ray's socket paths
         self.token = secrets.token_hex(32)
         self.cache = {"a": cache_a, "b": cache_b}
         self._made: list[str] = []
+        _remove_leftovers()
         try:
             self._make_links()
         except BaseException:
