@@ -85,7 +85,7 @@ def main(argv=None) -> int:
         rng = np.random.default_rng(0)
         over, lat = [], []
         for i in range(600):
-            req = client._request(*_inputs(rng, frequent, 1), SearchParams())
+            req = client._request(*_inputs(rng, frequent, 1), SearchParams(), None)
             t0 = time.perf_counter()
             resp = stub.TreeSearch(req, timeout=1)
             ms = 1e3 * (time.perf_counter() - t0)
