@@ -227,17 +227,6 @@ MAX_PIECE_CHARS = 1 << 20  # longer documents are tokenised in pieces of at most
 MAX_BATCH_CHARS = 4 << 20  # characters per tokenizer call (besides --batch-docs)
 
 
-def _batches(texts: Iterable[str], size: int) -> Iterable[list[str]]:
-    batch: list[str] = []
-    for text in texts:
-        batch.append(text)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
 def split_long(text: str, max_chars: int = MAX_PIECE_CHARS) -> list[str]:
     """Cuts a document longer than ``max_chars`` into pieces of at most that many characters,
     each cut just after a lone newline: one with a non-space character on either side.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -100,21 +101,30 @@ def successes(stats: dict) -> int:
     return stats["ngram_calls"] - stats["ngram_fallbacks"]
 
 
-def alive_actors() -> dict[str, list[str]]:
-    from ray.util.state import list_actors
+def _state(kind: str, **filters: str) -> list[dict]:
+    """Rows of the dashboard's state API (``/api/v0/<kind>``), with this cluster's token sent
+    explicitly: Ray's own client reads the token once per process, and earlier tests in the
+    same pytest process may have run a cluster of their own."""
+    params = {"detail": "false", "limit": "1000"}
+    for key, value in filters.items():
+        params.update(filter_keys=key, filter_predicates="=", filter_values=value)
+    r = requests.get(f"{DASHBOARD}/api/v0/{kind}", params=params, timeout=30,
+                     headers={"Authorization": f"Bearer {os.environ['RAY_AUTH_TOKEN']}"})
+    r.raise_for_status()
+    return r.json()["data"]["result"]["result"]
 
+
+def alive_actors() -> dict[str, list[str]]:
+    """Node ids of the live actors, by class name."""
     out: dict[str, list[str]] = {}
-    for a in list_actors(address=DASHBOARD, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False):
-        out.setdefault(a.class_name, []).append(a.node_id)
+    for a in _state("actors", state="ALIVE"):
+        out.setdefault(a["class_name"], []).append(a["node_id"])
     return out
 
 
 def alive_nodes(ip: str) -> list[str]:
     """Ids of the live Ray nodes at ``ip`` (a killed node stays listed ALIVE until the GCS notices)."""
-    from ray.util.state import list_nodes
-
-    return [n.node_id for n in list_nodes(address=DASHBOARD, raise_on_missing_output=False)
-            if n.node_ip == ip and n.state == "ALIVE"]
+    return [n["node_id"] for n in _state("nodes") if n["node_ip"] == ip and n["state"] == "ALIVE"]
 
 
 def wait_for(what: str, check, timeout_s: float, every_s: float = 2.0):
@@ -261,15 +271,13 @@ def test_killing_bs_replica_then_node_b_under_load_fails_no_request(cluster, exp
         try:
             wait_requests(2)
             # 1. the n-gram replica dies (SIGKILL of its worker process); Serve starts another on B
-            from ray.util.state import list_actors
-
-            replica = next(a for a in list_actors(address=DASHBOARD, filters=[("state", "=", "ALIVE")])
-                           if a.class_name == "ServeReplica:dart:NgramService")
-            subprocess.run(["kill", "-9", str(replica.pid)], check=True)
+            replica = next(a for a in _state("actors", state="ALIVE")
+                           if a["class_name"] == "ServeReplica:dart:NgramService")
+            subprocess.run(["kill", "-9", str(replica["pid"])], check=True)
             wait_requests(2)
             wait_for("a new n-gram replica on B", lambda: any(
-                a.class_name == "ServeReplica:dart:NgramService" and a.pid != replica.pid and a.node_id == replica.node_id
-                for a in list_actors(address=DASHBOARD, filters=[("state", "=", "ALIVE")])), 300)
+                a["class_name"] == "ServeReplica:dart:NgramService" and a["pid"] != replica["pid"]
+                and a["node_id"] == replica["node_id"] for a in _state("actors", state="ALIVE")), 300)
             mark = successes(probe())
             wait_for("the tree search to resume after the replica restart", lambda: successes(probe()) > mark, 300)
 
