@@ -24,13 +24,12 @@ import json
 import os
 import platform
 import statistics
-import struct
 import sys
 import time
 
 import numpy as np
 
-from ngram_service.trie import NgramTrie
+from ngram_service.trie import FIXED_HEADER_BYTES, NgramTrie, level_table
 from ngram_service.tree_search import SearchParams, search_tree, search_trees
 
 
@@ -47,14 +46,13 @@ def level_bytes(path: str) -> list[dict]:
     """Nodes, bytes and bytes per node of each level (order 1 first), from the file's level table
     (layout in ``csrc/trie_format.hpp``): tokens u32, counts and CSR child offsets of 4 or 8 bytes."""
     with open(path, "rb") as f:
-        head = f.read(352)
-    order = struct.unpack_from("<I", head, 16)[0]
+        table = level_table(f.read(FIXED_HEADER_BYTES))
     out = []
-    for m in range(order):
-        n, _, _, _, count_w, child_w, _ = struct.unpack_from("<QQQQIIQ", head, 64 + 48 * m)
-        b = n * (4 + count_w) + ((n + 1) * child_w if child_w else 0)
-        out.append({"order": m + 1, "nodes": n, "bytes": b, "bytes_per_node": round(b / max(n, 1), 2),
-                    "count_bytes": count_w, "child_offset_bytes": child_w})
+    for m, e in enumerate(table, 1):
+        n = e.num_nodes
+        b = n * (4 + e.count_width) + ((n + 1) * e.child_width if e.child_width else 0)
+        out.append({"order": m, "nodes": n, "bytes": b, "bytes_per_node": round(b / max(n, 1), 2),
+                    "count_bytes": e.count_width, "child_offset_bytes": e.child_width})
     return out
 
 
@@ -185,13 +183,16 @@ def main(argv=None) -> int:
         result["search_us_per_sequence"][f"batch{b}_threads{threads}"] = round(1e6 * t / b, 1)
     tree = search_tree(ids[0], probs[0], ctxs[0], trie=trie, params=params)
     result["tree_nodes"] = tree.num_nodes
-    # warm, one by one: the same calls as the cold figures below, with every page cached
-    n_cold = min(64, args.sequences)
-    result["warm_one_by_one"] = {
-        "search": _one_by_one_ms([lambda i=i: search_tree(ids[i], probs[i], ctxs[i], trie=trie, params=params)
-                                  for i in range(n_cold)]),
-        "lookup": _one_by_one_ms([lambda i=i: trie.probability_batch(contexts[i:i + 1], cand[i:i + 1])
-                                  for i in range(256)])}
+    # one by one: warm here, with every page cached; with --cold, the same calls on a cold cache
+    n_searches = min(64, args.sequences)
+
+    def searches(t: NgramTrie) -> list:
+        return [lambda i=i: search_tree(ids[i], probs[i], ctxs[i], trie=t, params=params) for i in range(n_searches)]
+
+    def lookups(t: NgramTrie) -> list:
+        return [lambda i=i: t.probability_batch(contexts[i:i + 1], cand[i:i + 1]) for i in range(256)]
+
+    result["warm_one_by_one"] = {"search": _one_by_one_ms(searches(trie)), "lookup": _one_by_one_ms(lookups(trie))}
     if args.cold:
         try:
             cold: dict = {"open_ms": [], "search": [], "lookup": []}
@@ -200,13 +201,9 @@ def main(argv=None) -> int:
                 t0 = time.perf_counter()
                 fresh = NgramTrie(args.trie)
                 cold["open_ms"].append(round(1e3 * (time.perf_counter() - t0), 3))
-                cold["search"].append(_one_by_one_ms(
-                    [lambda i=i: search_tree(ids[i], probs[i], ctxs[i], trie=fresh, params=params)
-                     for i in range(n_cold)]))
+                cold["search"].append(_one_by_one_ms(searches(fresh)))
                 drop_page_cache()
-                fresh = NgramTrie(args.trie)
-                cold["lookup"].append(_one_by_one_ms(
-                    [lambda i=i: fresh.probability_batch(contexts[i:i + 1], cand[i:i + 1]) for i in range(256)]))
+                cold["lookup"].append(_one_by_one_ms(lookups(NgramTrie(args.trie))))
         except PermissionError as e:
             raise SystemExit(f"--cold needs to drop the page cache (root): {e}") from None
         result["cold_one_by_one"] = {

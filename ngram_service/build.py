@@ -475,7 +475,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = build_trie_from_texts(
             texts, output, tokenizer, corpus_name=corpus, batch_docs=args.batch_docs, max_tokens=args.max_tokens,
             progress=not args.quiet, order=args.order, min_count=args.min_count, memory_mb=args.memory_mb,
-            tmp_dir=args.tmp_dir, prune=args.prune, workers=args.workers, special_tokens=args.special_tokens or args.reference_tokenisation,
+            tmp_dir=args.tmp_dir, prune=args.prune, workers=args.workers,
+            special_tokens=args.special_tokens or args.reference_tokenisation,
             eos_per_document=args.eos_per_document or args.reference_tokenisation)
         if skipped:
             logger.info("skipped %d binary files (a NUL byte in their first 8 KiB), e.g. %s", len(skipped), skipped[0])

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ngram_service.trie import NgramTrie
+from ngram_service.trie import NgramTrie, level_table
 
 __all__ = ["read_levels", "reduce_levels", "write_reference_format", "write_reference_levels"]
 
@@ -37,14 +37,14 @@ def read_levels(path: str | os.PathLike[str]) -> list[dict[str, np.ndarray]]:
     """
     NgramTrie(path)  # header, CRC and bounds checks
     raw = np.memmap(path, dtype=np.uint8, mode="r")
-    order = struct.unpack_from("<I", raw, 16)[0]
+    table = level_table(raw)
     levels = []
-    for m in range(order):
-        n, t_off, c_off, ch_off, cw, chw, _ = struct.unpack_from("<QQQQIIQ", raw, 64 + 48 * m)
-        level = {"tokens": np.frombuffer(raw, "<u4", n, t_off),
-                 "counts": np.frombuffer(raw, f"<u{cw}", n, c_off).astype(np.uint64)}
-        if m < order - 1:
-            level["children"] = np.frombuffer(raw, f"<u{chw}", n + 1, ch_off).astype(np.uint64)
+    for m, e in enumerate(table):
+        level = {"tokens": np.frombuffer(raw, "<u4", e.num_nodes, e.tokens_offset),
+                 "counts": np.frombuffer(raw, f"<u{e.count_width}", e.num_nodes, e.counts_offset).astype(np.uint64)}
+        if m < len(table) - 1:
+            level["children"] = np.frombuffer(raw, f"<u{e.child_width}", e.num_nodes + 1,
+                                              e.children_offset).astype(np.uint64)
         levels.append(level)
     return levels
 

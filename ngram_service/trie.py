@@ -78,6 +78,30 @@ def pack_ragged(seqs: Sequence[Sequence[int] | np.ndarray]) -> tuple[np.ndarray,
     return flat, offsets
 
 
+_LEVELS_AT = 64  # byte offset of the level table in the fixed header; 48 bytes per level
+
+
+@dataclass(frozen=True)
+class LevelEntry:
+    """One row of a trie file's level table (``LevelEntry`` in ``csrc/trie_format.hpp``); offsets
+    are bytes from the start of the file, widths bytes per value (child_width 0 on the last level)."""
+
+    num_nodes: int
+    tokens_offset: int
+    counts_offset: int
+    children_offset: int
+    count_width: int
+    child_width: int
+
+
+def level_table(header) -> list[LevelEntry]:
+    """The level table (level 1 first) of a trie file, given its fixed header: the first
+    :data:`FIXED_HEADER_BYTES` bytes, or any buffer starting with them.  No checks: open the
+    file with :class:`NgramTrie` first to validate it."""
+    (order,) = struct.unpack_from("<I", header, 16)
+    return [LevelEntry(*struct.unpack_from("<QQQQII", header, _LEVELS_AT + 48 * m)) for m in range(order)]
+
+
 def _read_header(path: Path) -> tuple[int, dict[str, Any]]:
     """Checks magic, version and header CRC; returns (header_bytes, metadata)."""
     with open(path, "rb") as f:

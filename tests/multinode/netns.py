@@ -59,17 +59,30 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _kill_namespace(ns: str) -> int:
+    """SIGKILLs every process of namespace ``ns``; returns how many signals went out."""
+    killed = 0
+    for _ in range(5):  # a dying raylet's children may still be starting
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+        time.sleep(0.5)
+    return killed
+
+
 def _remove_leftovers() -> None:
     """Namespaces and links of an earlier run whose test process died before cleaning up (their
     names carry its pid): the addresses are the same in every run, so they must go first."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     for ns, pid in re.findall(r"^(dart-[ab]-(\d+))", listed, re.M):
         if not _pid_alive(int(pid)):
-            for p in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
-                try:
-                    os.kill(int(p), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            _kill_namespace(ns)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     for link, pid in re.findall(r"^\d+: (dtest(\d+))@", links, re.M):
@@ -133,10 +146,12 @@ class TwoNodes:
             env["DART_SERVE_CACHE"] = str(self.cache[node])
         return env
 
+    def _ns(self, node: str) -> str:
+        return self.ns_a if node == "a" else self.ns_b
+
     def in_ns(self, node: str, *cmd: str, **kwargs) -> subprocess.Popen:
         """Starts ``cmd`` inside node ``node``'s namespace with that node's environment."""
-        ns = self.ns_a if node == "a" else self.ns_b
-        return subprocess.Popen(["ip", "netns", "exec", ns, *cmd], env=self.env(node), **kwargs)
+        return subprocess.Popen(["ip", "netns", "exec", self._ns(node), *cmd], env=self.env(node), **kwargs)
 
     def _ray_start(self, node: str, *args: str) -> None:
         p = self.in_ns(node, sys.executable, "-m", "ray.scripts.scripts", "start", "--disable-usage-stats",
@@ -155,31 +170,13 @@ class TwoNodes:
         self._ray_start("b", "--address", f"{HEAD_IP}:{GCS_PORT}", "--node-ip-address", NGRAM_IP,
                         "--num-cpus", "1", "--resources", json.dumps({"ngram_host": 1}))
 
-    def pids(self, node: str) -> list[int]:
-        ns = self.ns_a if node == "a" else self.ns_b
-        r = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
-        return [int(x) for x in r.stdout.split()]
-
     def kill_node(self, node: str) -> int:
         """SIGKILLs every process of ``node`` (its raylet, agents and workers); returns how many."""
-        killed = 0
-        for _ in range(5):  # a dying raylet's children may still be starting
-            pids = self.pids(node)
-            if not pids:
-                break
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    killed += 1
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.5)
-        return killed
+        return _kill_namespace(self._ns(node))
 
     def close(self) -> None:
-        for node, ns in (("b", self.ns_b), ("a", self.ns_a)):
-            if ns in self._made:
-                self.kill_node(node)
+        for ns in reversed(self._made):  # B first
+            _kill_namespace(ns)
         for ns in self._made:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # takes its veth ends along
         subprocess.run(["ip", "link", "del", self._veth_test], capture_output=True)

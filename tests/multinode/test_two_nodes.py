@@ -197,15 +197,16 @@ def cluster(tmp_path_factory, default_tokenizer):
                            stderr=subprocess.STDOUT)
         wait_for("the loopback trap", lambda: "listening" in trap_log.read_text(), 30, 0.2)
         nodes.start_ngram_node()
-        r = subprocess.run([sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "deploy",
-                            str(serve_config), "-a", DASHBOARD], env=nodes.env(), capture_output=True, text=True,
-                           timeout=300)
+        def serve_cli(*args: str) -> subprocess.CompletedProcess:  # Ray Serve's own CLI, with this cluster's token
+            return subprocess.run([sys.executable, "-c", "from ray.serve.scripts import cli; cli()", *args, "-a",
+                                   DASHBOARD], env=nodes.env(), capture_output=True, text=True, timeout=300)
+
+        r = serve_cli("deploy", str(serve_config))
         assert r.returncode == 0, r.stderr[-3000:]
         try:
             wait_for("the application to answer", lambda: requests.get(f"{HTTP}/v1/models", timeout=5).ok, 900, 5)
         except AssertionError:
-            status = subprocess.run([sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "status",
-                                     "-a", DASHBOARD], env=nodes.env(), capture_output=True, text=True)
+            status = serve_cli("status")
             raise AssertionError(f"the application did not come up:\n{status.stdout[-3000:]}") from None
         probe = StatsProbe(nodes)
         yield {"nodes": nodes, "probe": probe, "trap_log": trap_log, "cache_a": cache_a, "cache_b": cache_b}
