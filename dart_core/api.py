@@ -29,7 +29,7 @@ from dart_core.detokenizer import IncrementalDetokenizer
 from dart_core.draft_head import DartDraftHead, DraftHeadConfig, load_draft_head
 from dart_core.engine import DartEngine, GenerationResult
 from dart_core.sampling import SamplingParams
-from dart_core.target import TargetModel
+from dart_core.target import TargetModel, can_pack, pack_linears
 from dart_core.tokenizer import DEFAULT_MODEL, tokenizer_identity
 from ngram_service.client import InProcessTreeSearch, TreeSearchClient
 from ngram_service.cache import default_trie_path
@@ -175,6 +175,8 @@ class DartModel:
         target = TargetModel.from_pretrained(model, dtype=dtype, device=device, device_map=device_map)
         name = getattr(target.tokenizer, "dart_model_name", DEFAULT_MODEL)
         draft = cls._load_head(head, name, target, draft_dtype or default_draft_dtype(target))
+        if draft is not None and can_pack(draft):  # a float32 head on a CPU: oneDNN-packed like the target
+            logger.info("packed %d linear layers of the draft head for oneDNN", pack_linears(draft))
         params = search_params or SearchParams()
         if isinstance(budget, int):
             params = replace(params, budget=budget)

@@ -61,30 +61,48 @@ class VerifyCostCurve:
     @torch.inference_mode()
     def measure(cls, target: TargetModel, node_counts: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64),
                 context_len: int = 256, repeats: int = 5) -> "VerifyCostCurve":
-        """Times one verification forward per tree size after a ``context_len``-token prefix (median of repeats)."""
+        """Times one verification forward per tree size after a ``context_len``-token prefix.
+
+        One untimed pass over every size first (kernels, allocator, first-touch pages: the first
+        forwards of a process can take twice as long), then ``repeats`` passes, each over every
+        size in turn, so a slow moment of the machine falls on all sizes alike; each size gets the
+        median of its passes, and the curve is made non-decreasing (a bigger tree never costs
+        less: a dip is noise, and the budget would chase it).
+        """
+        node_counts = tuple(sorted(set(node_counts)))
         gen = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, target.config.vocab_size, (context_len,), generator=gen).tolist()
         cache = TargetCache(1, target.device)
         target.prefill([prompt], cache)
-        medians = []
+        inputs = {}
         for n in node_counts:
             ids = torch.randint(0, target.config.vocab_size, (1, n), generator=gen).to(target.device)
             chain = torch.tril(torch.ones(n, n, dtype=torch.bool, device=target.device))[None]
-            pos = cache.lengths[:, None] + torch.arange(n, device=target.device)[None]
-            times = []
-            for _ in range(repeats):
-                mask = cache_mask(cache.lengths, cache.padded_length, chain, target.dtype)
-                if target.device.type == "cuda":
-                    torch.cuda.synchronize(target.device)
-                t0 = time.perf_counter()
-                target.forward(ids, pos, mask, cache)
-                if target.device.type == "cuda":
-                    torch.cuda.synchronize(target.device)
-                times.append(1e3 * (time.perf_counter() - t0))
-                cache.compact(torch.zeros(1, 0, dtype=torch.long, device=target.device),
-                              torch.zeros(1, dtype=torch.long, device=target.device))  # drop the tree again
-            medians.append(statistics.median(times))
-        curve = cls(tuple(node_counts), tuple(round(m, 3) for m in medians))
+            inputs[n] = (ids, cache.lengths[:, None] + torch.arange(n, device=target.device)[None], chain)
+        nothing = (torch.zeros(1, 0, dtype=torch.long, device=target.device),
+                   torch.zeros(1, dtype=torch.long, device=target.device))
+
+        def timed(n: int) -> float:
+            ids, pos, chain = inputs[n]
+            mask = cache_mask(cache.lengths, cache.padded_length, chain, target.dtype)
+            if target.device.type == "cuda":
+                torch.cuda.synchronize(target.device)
+            t0 = time.perf_counter()
+            target.forward(ids, pos, mask, cache)
+            if target.device.type == "cuda":
+                torch.cuda.synchronize(target.device)
+            ms = 1e3 * (time.perf_counter() - t0)
+            cache.compact(*nothing)  # drop the tree again
+            return ms
+
+        for n in node_counts:  # warm-up, untimed
+            timed(n)
+        times: dict[int, list[float]] = {n: [] for n in node_counts}
+        for _ in range(repeats):
+            for n in node_counts:
+                times[n].append(timed(n))
+        medians = np.maximum.accumulate([statistics.median(times[n]) for n in node_counts])
+        curve = cls(tuple(node_counts), tuple(round(float(m), 3) for m in medians))
         logger.info("verify cost (nodes -> ms): %s", dict(zip(curve.nodes, curve.ms)))
         return curve
 

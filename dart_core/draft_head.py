@@ -314,6 +314,11 @@ class DartDraftHead(nn.Module):
         h = pick(residual) + attn
         return h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h)), ks, vs
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the head computes in (its norms' weights: packed linear layers hold no parameters)."""
+        return self.norm.weight.dtype
+
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Maps draft-vocabulary indices to target token ids (``i + d2t[i]``)."""
         return draft_ids + self.d2t[draft_ids]

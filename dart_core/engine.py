@@ -274,7 +274,7 @@ class DartEngine:
         if state.speculative:
             c = self.head.config
             new.head_cache = HeadKVCache(len(prompts), c.num_key_value_heads, c.head_dim, device=device,
-                                         dtype=self.head.lm_head.weight.dtype)
+                                         dtype=self.head.dtype)
         new_tokens, logprobs = [], []
         for b, f in enumerate(first):
             emitted, new.reasons[b] = self._emit(new, b, [f])
@@ -438,7 +438,7 @@ class DartEngine:
         for i, row in enumerate(next_tokens):
             nxt[i, : len(row)] = torch.tensor(row)
         nxt = nxt.to(device)
-        dtype = head.lm_head.weight.dtype
+        dtype = head.dtype
         logits, new_k, new_v = head(taps.to(dtype), self.target.embed(nxt).to(dtype), positions, last_index,
                                     head_cache.keys, head_cache.values, head_cache.lengths, levels)
         head_cache.append(new_k, new_v, last_index + 1)

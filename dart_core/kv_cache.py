@@ -23,7 +23,48 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-__all__ = ["compact_", "HeadKVCache", "cache_mask", "BufferedKVLayer", "BufferedKVCache"]
+__all__ = ["compact_", "compaction_plan", "apply_compaction", "HeadKVCache", "cache_mask", "BufferedKVLayer", "BufferedKVCache"]
+
+
+def compaction_plan(lengths: torch.Tensor, src: torch.Tensor, counts: torch.Tensor
+                    ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, int]:
+    """Where :func:`compact_` moves entries, computed once for every layer of a cache.
+
+    Args: as :func:`compact_`.
+
+    Returns:
+        (moves, new_len): ``moves`` = (rows, dst, src) [M] int64 of the kept entries that are
+        not already in place, None when every kept entry already is (an autoregressive step,
+        or a chain whose accepted nodes follow the prefix in order: nothing to copy);
+        ``new_len`` = max(lengths + counts).
+    """
+    b, a = src.shape
+    new_len = int((lengths + counts).max()) if b else 0
+    if not a:
+        return None, new_len
+    j = torch.arange(a, device=src.device)
+    dst = lengths[:, None] + j[None, :]
+    move = (j[None, :] < counts[:, None]) & (src != dst)  # [B, A]
+    if not bool(move.any()):
+        return None, new_len
+    rows = torch.arange(b, device=src.device)[:, None].expand(b, a)[move]
+    return (rows, dst[move], src[move]), new_len
+
+
+def apply_compaction(keys: torch.Tensor, values: torch.Tensor,
+                     plan: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, int]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Applies a :func:`compaction_plan` to one layer's keys, values [B, H_kv, T, D] (in place, then cropped).
+
+    Entries already in place are not touched; the moved ones are gathered before they are
+    written, so a destination that is also a source is read first.
+    """
+    moves, new_len = plan
+    if moves is not None:
+        rows, dst, srcs = moves
+        keys[rows, :, dst] = keys[rows, :, srcs]
+        values[rows, :, dst] = values[rows, :, srcs]
+    return keys[:, :, :new_len], values[:, :, :new_len]
 
 
 def compact_(keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, src: torch.Tensor,
@@ -40,17 +81,7 @@ def compact_(keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, sr
     Returns:
         (keys, values) cropped to [B, H_kv, max(lengths + counts), D].
     """
-    b, a = src.shape
-    new_len = int((lengths + counts).max()) if b else 0
-    if a:
-        j = torch.arange(a, device=src.device)
-        keep = j[None, :] < counts[:, None]  # [B, A]
-        rows = torch.arange(b, device=src.device)[:, None].expand(b, a)[keep]
-        dst = (lengths[:, None] + j[None, :])[keep]
-        srcs = src[keep]
-        keys[rows, :, dst] = keys[rows, :, srcs]
-        values[rows, :, dst] = values[rows, :, srcs]
-    return keys[:, :, :new_len], values[:, :, :new_len]
+    return apply_compaction(keys, values, compaction_plan(lengths, src, counts))
 
 
 def cache_mask(lengths: torch.Tensor, cache_len: int, tree_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -20,7 +20,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from dart_core.kv_cache import BufferedKVCache, cache_mask, compact_
+from dart_core.kv_cache import BufferedKVCache, apply_compaction, cache_mask, compaction_plan
 from dart_core.tokenizer import converted_cache, load_tokenizer, resolve_model, save_converted
 
 logger = logging.getLogger(__name__)
@@ -49,9 +49,13 @@ class TargetCache:
         return self.cache.get_seq_length()
 
     def compact(self, src: torch.Tensor, counts: torch.Tensor) -> None:
-        """Keeps entries src[b, :counts[b]] (positions in the padded cache) after each prefix."""
+        """Keeps entries src[b, :counts[b]] (positions in the padded cache) after each prefix.
+
+        The moves are planned once for all layers (:func:`~dart_core.kv_cache.compaction_plan`);
+        entries already in place are not copied."""
+        plan = compaction_plan(self.lengths, src, counts)
         for layer in self.cache.layers:
-            layer.keys, layer.values = compact_(layer.keys, layer.values, self.lengths, src, counts)
+            layer.keys, layer.values = apply_compaction(layer.keys, layer.values, plan)
         self.lengths = self.lengths + counts
 
     def select(self, rows: torch.Tensor) -> None:
@@ -168,8 +172,15 @@ class PackedLinear(torch.nn.Module):
 
 def can_pack(model) -> bool:
     """True where :class:`PackedLinear` applies: float32 weights on a CPU, a PyTorch built with
-    oneDNN and its two linear ops (private to PyTorch: a release without them packs nothing)."""
-    weight = model.get_input_embeddings().weight
+    oneDNN and its two linear ops (private to PyTorch: a release without them packs nothing).
+    ``model``: a Hugging Face model (its input embeddings are checked) or any module whose
+    linear layers would be packed (its first ``nn.Linear``)."""
+    if hasattr(model, "get_input_embeddings"):
+        weight = model.get_input_embeddings().weight
+    else:
+        weight = next((m.weight for m in model.modules() if type(m) is torch.nn.Linear), None)
+        if weight is None:
+            return False
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 

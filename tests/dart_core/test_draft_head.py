@@ -239,3 +239,29 @@ def test_our_heads_keep_the_single_norm_path_and_rope_scaling_reaches_the_rotary
         assert DraftHeadConfig.for_target(target_cfg).rope_scaling["rope_type"] == scaling["rope_type"]
     assert DraftHeadConfig.for_target(LlamaConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128,
                                                   vocab_size=100)).rope_scaling is None
+
+
+def test_a_packed_float32_head_drafts_as_the_dense_one(head):
+    """DartModel packs a float32 head on a CPU (oneDNN, as the target): same logits to float32
+    rounding, same cache entries, and its dtype still reads from the head."""
+    import copy
+
+    from dart_core.target import PackedLinear, can_pack, pack_linears
+
+    assert can_pack(head) and not can_pack(copy.deepcopy(head).to(torch.bfloat16))
+    dense, packed_head = head, copy.deepcopy(head)
+    assert pack_linears(packed_head) == 9  # fc, q/k/v/o, the MLP's three, lm_head
+    assert isinstance(packed_head.lm_head, PackedLinear) and packed_head.dtype == torch.float32
+    torch.manual_seed(1)
+    c = head.config
+    b, t = 2, 4
+    taps = torch.randn(b, t, 3 * c.target_hidden_size)
+    emb = torch.randn(b, t, c.hidden_size)
+    pos = torch.arange(t).expand(b, t)
+    empty = torch.zeros(b, c.num_key_value_heads, 0, c.head_dim)
+    args = (taps, emb, pos, torch.tensor([3, 1]), empty, empty, torch.zeros(b, dtype=torch.long))
+    with torch.inference_mode():
+        want, want_k, _ = dense(*args)
+        got, got_k, _ = packed_head(*args)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_k, want_k, rtol=1e-4, atol=1e-4)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from dart_core.kv_cache import BufferedKVLayer, cache_mask, compact_
+from dart_core.kv_cache import BufferedKVLayer, cache_mask, compact_, compaction_plan
 from dart_core.target import _SMALL_QUERY, GROUPED_SDPA, TargetCache, _grouped_sdpa
 
 from .conftest import VOCAB, tiny_target
@@ -131,3 +131,41 @@ def test_generate_masks_padding_with_the_grouped_attention():
     assert torch.equal(out[0], out[1])
     alone = target.model.generate(input_ids=ids[:1, 3:], max_new_tokens=8, do_sample=False)
     assert torch.equal(out[0][0, 6:], alone[0, 3:])  # the padding is really masked
+
+
+def _naive_compact(keys, values, lengths, src, counts):
+    """Reference: copy the kept entries one by one from a snapshot."""
+    k0, v0 = keys.clone(), values.clone()
+    out_k, out_v = keys.clone(), values.clone()
+    for b in range(src.shape[0]):
+        for j in range(int(counts[b])):
+            out_k[b, :, int(lengths[b]) + j] = k0[b, :, int(src[b, j])]
+            out_v[b, :, int(lengths[b]) + j] = v0[b, :, int(src[b, j])]
+    t = int((lengths + counts).max())
+    return out_k[:, :, :t], out_v[:, :, :t]
+
+
+def test_compaction_matches_a_naive_copy_including_entries_already_in_place():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        b = int(torch.randint(1, 4, (1,), generator=gen))
+        pad = int(torch.randint(1, 6, (1,), generator=gen))  # padded prefix length T
+        lengths = torch.randint(0, pad + 1, (b,), generator=gen)
+        n = int(torch.randint(1, 6, (1,), generator=gen))  # tree nodes appended at [T, T + n)
+        counts = torch.randint(0, n + 1, (b,), generator=gen)
+        a = max(1, int(counts.max()))
+        src = torch.zeros(b, a, dtype=torch.long)
+        for r in range(b):
+            if trial % 3 == 0:  # a chain accepted in order: in place where the row is not padded
+                src[r] = pad + torch.arange(a)
+            else:
+                src[r] = pad + torch.sort(torch.randperm(n, generator=gen)[:a] if a <= n else torch.arange(a))[0]
+            src[r, int(counts[r]):] = int(torch.randint(0, pad + n, (1,), generator=gen))  # padding: anything
+        keys = torch.randn(b, 2, pad + n, 3, generator=gen)
+        values = torch.randn(b, 2, pad + n, 3, generator=gen)
+        want_k, want_v = _naive_compact(keys, values, lengths, src, counts)
+        got_k, got_v = compact_(keys.clone(), values.clone(), lengths, src, counts)
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v), trial
+    # an autoregressive step at batch 1: nothing to move
+    moves, new_len = compaction_plan(torch.tensor([5]), torch.tensor([[5]]), torch.tensor([1]))
+    assert moves is None and new_len == 6
