@@ -19,6 +19,19 @@ one forward with every tree padded to the largest, so
 :meth:`AdaptiveBudget.select_batch` gives all its trees one node count n and
 prices it at ``t_verify(B · (n + 1))``: an approximation (the linear layers
 see all B · (n + 1) query tokens; attention sees each sequence's own context).
+
+**Lookup steps** (:meth:`AdaptiveBudget.select_lookup`): where the request's
+own context proposes a continuation (a :class:`~ngram_service.tree_search.ContextChain`),
+a step may verify that chain alone, as prompt-lookup decoding does, and skip
+the draft head and the tree search.  Such a step is priced with its own
+estimates: a chain token's acceptance, given that the token before it was
+accepted, is learnt online per match length m (the suffix tokens that matched)
+as r_m = (accepted + 2) / (offered + 3) over exponentially decayed counts,
+so a chain of n tokens is expected to yield 1 + Σ_{j ≤ n} r_m^j tokens
+for ``t_verify(n + 1)`` plus the measured lookup-step overhead.  The engine
+takes a lookup step when that rate, at its best n ≥ 1, reaches
+``lookup_preference`` × the tokens/ms that its tree steps have measured at the
+same batch size (README, "Context in the tree").
 """
 
 from __future__ import annotations
@@ -34,11 +47,17 @@ import torch
 
 from dart_core.kv_cache import cache_mask
 from dart_core.target import TargetCache, TargetModel
-from ngram_service.tree_search import DraftTree
+from ngram_service.tree_search import ContextChain, DraftTree
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["VerifyCostCurve", "AdaptiveBudget", "SpeculationGate", "node_acceptance_estimates"]
+__all__ = ["VerifyCostCurve", "AdaptiveBudget", "SpeculationGate", "node_acceptance_estimates", "LOOKUP_PREFERENCE"]
+
+
+LOOKUP_PREFERENCE = 1.0  # a lookup step when its expected rate reaches the tree steps' measured one (tuning split, README)
+_CHAIN_PRIOR = (2.0, 3.0)  # r_m before evidence: 2/3
+_CHAIN_DECAY = 0.95  # weight of older chain evidence per observation
+_TREE_RATE_EMA = 0.2  # weight of the newest step in the tree rate and the lookup overhead
 
 
 @dataclass(frozen=True)
@@ -139,13 +158,20 @@ class AdaptiveBudget:
         depth_window: batch steps remembered by :meth:`search_depth`.
     """
 
-    def __init__(self, curve: VerifyCostCurve, ema: float = 0.05, min_budget: int = 1, depth_window: int = 16) -> None:
+    def __init__(self, curve: VerifyCostCurve, ema: float = 0.05, min_budget: int = 1, depth_window: int = 16,
+                 lookup_preference: float = LOOKUP_PREFERENCE) -> None:
+        if lookup_preference <= 0:
+            raise ValueError("lookup_preference must be > 0")
         self.curve = curve
         self.ema = ema
         self.min_budget = min_budget
         self.calibration = 1.0
         self.overhead_ms = 0.0  # draft + tree search per step, EMA
         self._kept_depths: deque[int] = deque(maxlen=depth_window)  # deepest kept node of each recent batch step
+        self.lookup_preference = lookup_preference
+        self._chain_counts: dict[int, list[float]] = {}  # match length -> [accepted, offered], decayed
+        self._tree_rate: dict[int, float] = {}  # batch bucket -> tokens/ms of tree steps, EMA
+        self.lookup_overhead_ms = 0.0  # wall time of a lookup step beyond t_verify, EMA
 
     def search_depth(self, max_depth: int) -> int:
         """How deep the next step should draft and search (≤ ``max_depth``).
@@ -227,6 +253,69 @@ class AdaptiveBudget:
         if predicted > 1e-6:
             ratio = float(np.clip(accepted / predicted, 0.05, 20.0))
             self.calibration = float(np.clip((1 - self.ema) * self.calibration + self.ema * ratio, 0.05, 20.0))
+
+
+    # -- lookup steps: the request's context chain verified alone (module docstring) -------------
+
+    def chain_acceptance(self, match_length: int) -> float:
+        """r_m: estimated acceptance of a chain token whose predecessor was accepted, for a
+        chain found by a suffix match of ``match_length`` tokens (prior 2/3 before any evidence)."""
+        accepted, offered = self._chain_counts.get(int(match_length), (0.0, 0.0))
+        return (accepted + _CHAIN_PRIOR[0]) / (offered + _CHAIN_PRIOR[1])
+
+    def select_lookup(self, chains: list[ContextChain], batch_bucket: int | None = None) -> int:
+        """Draft nodes per sequence for a lookup step of the batch, or 0: draft a tree instead.
+
+        Args:
+            chains: one context continuation per running sequence (an empty chain yields no node).
+            batch_bucket: the batch's bucket for the tree-rate comparison (default: from ``len(chains)``).
+
+        Returns:
+            n ≥ 1, the chain tokens each sequence verifies (its first n, fewer where its chain is
+            shorter), when the expected rate (B + Σ_sequences Σ_{j ≤ n} r_m^j) / (overhead +
+            t_verify(B · (n + 1))) at its best n reaches ``lookup_preference`` × the measured
+            tokens/ms of tree steps at this batch size; 0 when it does not, when no chain has a
+            token, or before any tree step was measured (so the comparison has a reference).
+        """
+        b = len(chains)
+        reference = self._tree_rate.get(batch_bucket or SpeculationGate.bucket(b))
+        longest = max((len(c.tokens) for c in chains), default=0)
+        if reference is None or longest == 0:
+            return 0
+        cum = np.zeros((b, longest + 1))
+        for i, c in enumerate(chains):
+            if len(c.tokens):
+                est = np.cumprod(np.full(len(c.tokens), self.chain_acceptance(c.match_length)))
+                cum[i, 1:len(est) + 1] = np.cumsum(est)
+                cum[i, len(est) + 1:] = cum[i, len(est)]
+        counts = np.arange(1, longest + 1)
+        rate = (b + cum[:, counts].sum(axis=0)) / (self.lookup_overhead_ms + self.curve(b * (counts + 1)))
+        best = int(np.argmax(rate))
+        return int(counts[best]) if rate[best] >= self.lookup_preference * reference else 0
+
+    def observe_lookup(self, match_length: int, offered: int, accepted: int) -> None:
+        """Feeds back one sequence of a lookup step: ``offered`` chain tokens verified, the first
+        ``accepted`` of them accepted (each accepted token's successor was reached too)."""
+        reached = min(accepted + 1, offered)
+        counts = self._chain_counts.setdefault(int(match_length), [0.0, 0.0])
+        counts[0] = _CHAIN_DECAY * counts[0] + accepted
+        counts[1] = _CHAIN_DECAY * counts[1] + reached
+
+    def observe_step(self, batch: int, lookup: bool, tokens: int, step_ms: float, verified_nodes: int) -> None:
+        """Feeds back one speculative step's wall time (draft to acceptance) and tokens emitted
+        (all sequences): a tree step updates the tree rate of its batch bucket, a lookup step the
+        lookup overhead (its time beyond ``t_verify`` of ``verified_nodes`` query tokens)."""
+        if step_ms <= 0:
+            return
+        if lookup:
+            extra = max(0.0, step_ms - float(self.curve(verified_nodes)))
+            self.lookup_overhead_ms = extra if self.lookup_overhead_ms == 0 else (
+                (1 - _TREE_RATE_EMA) * self.lookup_overhead_ms + _TREE_RATE_EMA * extra)
+            return
+        key = SpeculationGate.bucket(batch)
+        rate = tokens / step_ms
+        old = self._tree_rate.get(key)
+        self._tree_rate[key] = rate if old is None else (1 - _TREE_RATE_EMA) * old + _TREE_RATE_EMA * rate
 
 
 class SpeculationGate:

@@ -36,7 +36,7 @@ from dart_core.target import TargetCache, TargetModel
 from dart_core.verify import Acceptance, accept_greedy, accept_sampling
 from ngram_service.client import InProcessTreeSearch, TreeSearchClient
 from ngram_service.context import ContextIndex
-from ngram_service.tree_search import DraftTree, SearchParams
+from ngram_service.tree_search import ContextChain, DraftTree, SearchParams
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ class StepOutput:
     verify_ms: float  # target forward + acceptance + KV compaction
     step_ms: float
     logprobs: list["TokenLogprobs | None"] = field(default_factory=list)  # per sequence, when its sampling asks
+    lookup: bool = False  # a lookup step: each sequence's context chain verified alone, no draft head
 
 
 @dataclass(frozen=True)
@@ -126,12 +127,16 @@ class DartEngine:
             (contexts of up to ``context_order`` tokens, at most this many tokens indexed), and
             each step's tree search gets its continuation (docs/design.md §2, "Context in the tree").
         context_order: longest context the index matches, in tokens.
+        lookup_length: with the context in use and an adaptive budget, a step may verify each
+            sequence's context chain alone (up to this many tokens), skipping the draft head and
+            the tree search, where the budget expects that to be faster
+            (:meth:`AdaptiveBudget.select_lookup`; README, "Context in the tree"); 0 never does.
     """
 
     def __init__(self, target: TargetModel, head: DartDraftHead | None = None,
                  tree_search: TreeSearchClient | None = None, search_params: SearchParams | None = None,
                  budget: AdaptiveBudget | None = None, gate: SpeculationGate | None = None,
-                 context_window: int = 1 << 16, context_order: int = 4) -> None:
+                 context_window: int = 1 << 16, context_order: int = 4, lookup_length: int = 24) -> None:
         self.target = target
         self.head = head
         self.tree_search = tree_search or InProcessTreeSearch(None)
@@ -140,6 +145,9 @@ class DartEngine:
         self.gate = gate
         self.context_window = context_window
         self.context_order = context_order
+        if lookup_length < 0:
+            raise ValueError("lookup_length must be >= 0")
+        self.lookup_length = lookup_length
         if head is not None:
             if head.config.target_hidden_size != target.config.hidden_size:
                 raise ValueError("draft head and target hidden sizes differ")
@@ -292,6 +300,24 @@ class DartEngine:
         """Whether sequences keep a context index (the head drafts and the search weighs its chains)."""
         return self.head is not None and self.search_params.context_weight > 0
 
+    def _lookup_trees(self, state: "_BatchState") -> tuple[list[DraftTree], list[ContextChain]] | None:
+        """A lookup step's trees (each sequence's context chain, its first n tokens, as one path from
+        its root) and chains, when the budget expects it to beat a tree step; None otherwise
+        (no context in use, no adaptive budget, or the budget prefers a tree)."""
+        if not (self.uses_context and self.budget is not None and self.lookup_length > 0):
+            return None
+        chains = [c.continuation(min(self.lookup_length, self.search_params.budget)) for c in state.context]
+        n = self.budget.select_lookup(chains)
+        if n == 0:
+            return None
+        trees = []
+        for seq, chain in zip(state.tokens, chains):
+            k = min(n, len(chain.tokens))
+            trees.append(DraftTree.from_parents(np.concatenate([[seq[-1]], chain.tokens[:k]]),
+                                                np.arange(-1, k), np.arange(k + 1), np.zeros(k + 1),
+                                                np.concatenate([[1.0], chain.probs[:k]])))
+        return trees, chains
+
     def _new_context(self, prompt: list[int]) -> ContextIndex | None:
         if not self.uses_context:
             return None
@@ -305,9 +331,14 @@ class DartEngine:
         b_size = len(state.seq_ids)
         t_step = time.perf_counter()
         draft_ms = search_ms = 0.0
-        if speculative:
+        lookup = self._lookup_trees(state) if speculative else None
+        if lookup is not None:
+            trees, chains = lookup
+            search_ms = 1e3 * (time.perf_counter() - t_step)
+        elif speculative:
             t0 = time.perf_counter()
             width = int(state.pend_count.max())
+            catch_up = width > self.head.config.draft_length + 2  # a new prompt, or steps without a draft
             topk_ids, topk_probs = self._draft(state.pend_taps[:, :width], state.pend_next, state.pend_pos[:, :width],
                                                state.pend_count - 1, state.head_cache, self._draft_levels())
             state.clear_pending()
@@ -357,7 +388,10 @@ class DartEngine:
         new_tokens, acc_lens, nexts, logprobs = [], [], [], []
         for i, (tr, acc) in enumerate(zip(trees, accepted)):
             drafted = [int(tr.tokens[j]) for j in acc.path[1:]]
-            if speculative and self.budget is not None:
+            if lookup is not None:
+                if tr.num_nodes > 1:
+                    self.budget.observe_lookup(chains[i].match_length, tr.num_nodes - 1, len(drafted))
+            elif speculative and self.budget is not None:
                 self.budget.observe(predicted[i], len(drafted), draft_ms + search_ms)
             nexts.append(drafted + [acc.bonus])
             emitted, state.reasons[i] = self._emit(state, i, drafted + [acc.bonus])
@@ -371,9 +405,12 @@ class DartEngine:
                               old_lengths[:, None] + torch.arange(a_max, device=device)[None, :], counts, nexts)
         _sync(device)
         verify_ms = 1e3 * (time.perf_counter() - t0)
+        step_ms = 1e3 * (time.perf_counter() - t_step)
+        if speculative and self.budget is not None and (lookup is not None or not catch_up):
+            self.budget.observe_step(b_size, lookup is not None, sum(acc_lens), step_ms, b_size * n)
         return StepOutput(list(state.seq_ids), new_tokens, list(state.reasons), acc_lens,
                           [tr.num_nodes - 1 for tr in trees], n, draft_ms, search_ms, verify_ms,
-                          1e3 * (time.perf_counter() - t_step), logprobs)
+                          step_ms, logprobs, lookup is not None)
 
     # -- internals ----------------------------------------------------------
 

@@ -13,6 +13,7 @@ import pytest
 from dart_core.budget import AdaptiveBudget, SpeculationGate, VerifyCostCurve, node_acceptance_estimates
 from dart_core.engine import DartEngine
 from dart_core.sampling import SamplingParams
+from ngram_service.tree_search import ContextChain
 
 from .conftest import OracleTreeSearch, make_tree, tiny_target
 from .test_engine import prompts_of, random_head
@@ -125,7 +126,8 @@ def test_measured_curve_and_lossless_with_adaptive_budget():
         for sid, toks in zip(s.seq_ids, s.new_tokens):
             out[sid].extend(toks)
     assert out == ar.token_ids
-    assert all(1 <= n <= 12 for s in steps[1:] for n in s.draft_nodes if n)
+    # tree steps keep at most the oracle's 12 nodes; lookup steps verify at most lookup_length chain tokens
+    assert all(1 <= n <= (engine.lookup_length if s.lookup else 12) for s in steps[1:] for n in s.draft_nodes if n)
 
 
 def _drive(gate, batch, steps, spec_rate, ar_rate):
@@ -242,3 +244,42 @@ def test_engine_follows_the_gate_and_stays_exact():
     # step covers two steps' tokens: only the former exceeds what one step can accept
     typical = [t for _, spec, _, _, t in gate.seen if spec]
     assert typical[0] is False and all(typical[1:])
+
+
+def _chain(n, match):
+    return ContextChain(np.arange(1, n + 1, dtype=np.int64), np.ones(n, dtype=np.float32), match)
+
+
+def test_lookup_waits_for_a_measured_tree_step_and_for_a_chain():
+    policy = AdaptiveBudget(VerifyCostCurve((1, 64), (10.0, 10.0)))
+    assert policy.select_lookup([_chain(8, 4)]) == 0  # no tree rate to compare with yet
+    policy.observe_step(1, False, tokens=2, step_ms=20.0, verified_nodes=5)  # tree steps: 0.1 tokens/ms
+    assert policy.select_lookup([ContextChain.empty()]) == 0
+    assert policy.select_lookup([_chain(8, 4)]) == 8  # flat cost: the whole chain
+
+
+def test_lookup_follows_the_chains_measured_acceptance():
+    curve = VerifyCostCurve((1, 2, 32), (10.0, 12.0, 70.0))
+    policy = AdaptiveBudget(curve)
+    policy.observe_step(1, False, tokens=3, step_ms=25.0, verified_nodes=9)  # 0.12 tokens/ms
+    for _ in range(40):  # chains of match 4 are always right ...
+        policy.observe_lookup(4, offered=6, accepted=6)
+    for _ in range(40):  # ... chains of match 1 never
+        policy.observe_lookup(1, offered=6, accepted=0)
+    assert policy.chain_acceptance(4) > 0.95 and policy.chain_acceptance(1) < 0.15  # the prior keeps a little
+    assert policy.chain_acceptance(3) == pytest.approx(2 / 3)  # no evidence: the prior
+    assert policy.select_lookup([_chain(16, 4)]) >= 8
+    assert policy.select_lookup([_chain(16, 1)]) == 0  # a tree step pays more
+    # the comparison is per batch bucket: a batch of 4 has no measured tree rate yet
+    assert policy.select_lookup([_chain(16, 4)] * 4) == 0
+
+
+def test_lookup_overhead_is_learnt_from_lookup_steps():
+    policy = AdaptiveBudget(VerifyCostCurve((1, 64), (10.0, 73.0)))
+    policy.observe_step(1, True, tokens=4, step_ms=25.0, verified_nodes=4)  # t_verify(4) = 13 ms
+    assert policy.lookup_overhead_ms == pytest.approx(12.0)
+
+
+def test_lookup_preference_must_be_positive():
+    with pytest.raises(ValueError, match="lookup_preference"):
+        AdaptiveBudget(VerifyCostCurve((1, 64), (10.0, 10.0)), lookup_preference=0)

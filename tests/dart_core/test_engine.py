@@ -10,6 +10,7 @@ import pytest
 import torch
 from scipy import stats
 
+from dart_core.budget import AdaptiveBudget, VerifyCostCurve
 from dart_core.draft_head import DartDraftHead, DraftHeadConfig
 from dart_core.engine import DartEngine
 from dart_core.sampling import SamplingParams, target_probs
@@ -347,3 +348,85 @@ def test_pending_inputs_append_in_place():
             assert buf[r, : counts[r]].tolist() == rows[r]
         assert torch.isfinite(buf).all()
     assert len(set(capacities)) < len(capacities) / 2  # grown a few times, not at every append
+
+
+class _AlwaysLookup(AdaptiveBudget):
+    """A budget that takes a lookup step whenever a chain has a token (up to ``n`` of them)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(VerifyCostCurve((1, 64), (10.0, 10.0)))
+        self.n = n
+
+    def select_lookup(self, chains, batch_bucket=None):
+        return self.n if any(len(c.tokens) for c in chains) else 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_lookup_steps_keep_output_exact_and_get_accepted(arch):
+    """Lookup steps (each sequence's context chain verified alone, no draft head) on a tiny target
+    that falls into loops, at a batch of different lengths, mixed with tree steps: greedy output
+    unchanged, chains accepted, and the draft head's catch-up after them stays exact."""
+    target = tiny_target(arch)
+    rng = np.random.default_rng(7)
+    prompts = prompts_of(rng, [8, 3, 12])
+    sp = SamplingParams(max_new_tokens=96)
+    ar = DartEngine(target).generate(prompts, sp, speculative=False)
+    params = SearchParams(top_k=10, beam_width=6, budget=16, context_weight=1.0)
+    for budget in (_AlwaysLookup(12), AdaptiveBudget(VerifyCostCurve((1, 64), (10.0, 12.0)))):
+        engine = DartEngine(target, random_head(target), InProcessTreeSearch(None), params, budget=budget,
+                            context_order=3)
+        steps = list(engine.generate_stream(prompts, sp))
+        out = [[], [], []]
+        for s in steps:
+            for sid, toks in zip(s.seq_ids, s.new_tokens):
+                out[sid].extend(toks)
+        assert out == ar.token_ids
+        lookups = [s for s in steps if s.lookup]
+        trees = [s for s in steps[1:] if not s.lookup]
+        assert lookups and trees  # both kinds ran (the first steps after the prefill are tree steps)
+        assert all(s.draft_ms == 0 for s in lookups)
+        lookup_tau = sum(map(sum, (s.accepted_lengths for s in lookups))) / sum(len(s.seq_ids) for s in lookups)
+        assert lookup_tau > 2.0, lookup_tau
+    without = DartEngine(target, random_head(target), InProcessTreeSearch(None), params,
+                         budget=AdaptiveBudget(VerifyCostCurve((1, 64), (10.0, 12.0))), context_order=3,
+                         lookup_length=0)
+    assert not any(s.lookup for s in without.generate_stream(prompts, sp))
+
+
+def test_lookup_steps_sample_the_target_distribution():
+    """Sampling through lookup steps: the second and third tokens (drafted by a chain from the
+    prompt, x1 from the prefill) follow their exact marginals under the target (chi-square)."""
+    target = tiny_target("llama", seed=11)
+    prompt = [5, 17, 42, 9, 5, 17, 42, 9, 5]
+    sp = SamplingParams(temperature=0.6)
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        p1 = target_probs(target.model(ids).logits[0, -1], sp).double()
+        ext1 = torch.cat([ids.expand(VOCAB, -1), torch.arange(VOCAB)[:, None]], dim=1)
+        p2_given = target_probs(target.model(ext1).logits[:, -1], sp).double()
+        ext2 = torch.cat([ext1.repeat_interleave(VOCAB, 0), torch.arange(VOCAB).repeat(VOCAB)[:, None]], dim=1)
+        p3_given = target_probs(target.model(ext2).logits[:, -1], sp).double().view(VOCAB, VOCAB, VOCAB)
+    joint12 = p1[:, None] * p2_given
+    p2, p3 = joint12.sum(0), (joint12[..., None] * p3_given).sum((0, 1))
+    engine = DartEngine(target, random_head(target), InProcessTreeSearch(None),
+                        SearchParams(top_k=4, beam_width=2, budget=8, context_weight=1.0), budget=_AlwaysLookup(2),
+                        context_order=3)
+    n = 3000
+    first_step = None
+    draws = np.zeros((n, 3), dtype=np.int64)
+    filled = np.zeros(n, dtype=np.int64)
+    for s in engine.generate_stream([prompt] * n, SamplingParams(temperature=0.6, max_new_tokens=3, seed=1)):
+        if first_step is None and any(s.accepted_lengths):
+            first_step = s
+        for sid, toks in zip(s.seq_ids, s.new_tokens):
+            draws[sid, filled[sid]:filled[sid] + len(toks)] = toks
+            filled[sid] += len(toks)
+    assert first_step is not None and first_step.lookup  # x2, x3 were drafted by the chains
+    for col, p in ((1, p2), (2, p3)):
+        observed = np.bincount(draws[:, col], minlength=VOCAB)
+        expected = p.numpy() * n
+        keep = expected >= 5
+        obs = np.append(observed[keep], observed[~keep].sum())
+        exp = np.append(expected[keep], expected[~keep].sum())
+        _, pval = stats.chisquare(obs, exp * obs.sum() / exp.sum())
+        assert pval > 1e-3, (col, pval)
