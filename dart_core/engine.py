@@ -246,14 +246,15 @@ class DartEngine:
             if gated:
                 spec_now = self.gate.speculate(len(state.seq_ids))
                 # a draft over more positions than one step can accept is a catch-up (a new
-                # prompt, or autoregressive steps since the last draft): not a typical step
+                # prompt, or autoregressive or lookup steps since the last draft): not a typical
+                # step; a lookup step drafts nothing, so it is typical whatever is pending
                 catch_up = spec_now and int(state.pend_count.max()) > self.head.config.draft_length + 2
             t_step = time.perf_counter()
             step = self._step(state, spec_now)
             yield step
             if gated:  # wall time until the caller asks for the next step: its per-step work counts too
                 self.gate.observe(len(state.seq_ids), spec_now, sum(step.accepted_lengths),
-                                  1e3 * (time.perf_counter() - t_step), typical=not catch_up)
+                                  1e3 * (time.perf_counter() - t_step), typical=step.lookup or not catch_up)
             state.keep([i for i, r in enumerate(state.reasons) if r is None])
 
     def _prefill(self, state: "_BatchState", ids: list[int], joining: list["NewSequence"]) -> StepOutput:

@@ -430,3 +430,34 @@ def test_lookup_steps_sample_the_target_distribution():
         exp = np.append(expected[keep], expected[~keep].sum())
         _, pval = stats.chisquare(obs, exp * obs.sum() / exp.sum())
         assert pval > 1e-3, (col, pval)
+
+
+def test_the_gate_measures_lookup_steps_whatever_is_pending():
+    """Lookup steps leave the draft head's inputs pending (it catches up at the next tree step); the
+    speculation gate still measures them, and only the catch-up draft is left unmeasured."""
+    from dart_core.budget import SpeculationGate
+
+    class Recording(SpeculationGate):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def observe(self, batch, speculative, tokens, step_ms, typical=True):
+            self.seen.append(typical)
+            super().observe(batch, speculative, tokens, step_ms, typical)
+
+    target = tiny_target("llama")
+    prompt = prompts_of(np.random.default_rng(7), [8])
+    gate = Recording()
+    engine = DartEngine(target, random_head(target), InProcessTreeSearch(None),
+                        SearchParams(top_k=4, beam_width=2, budget=16, context_weight=1.0), budget=_AlwaysLookup(12),
+                        gate=gate, context_order=3)
+    steps = [s for s in engine.generate_stream(prompt, SamplingParams(max_new_tokens=96)) if any(s.accepted_lengths)]
+    assert len(steps) == len(gate.seen)
+    lookups = [typical for s, typical in zip(steps, gate.seen) if s.lookup]
+    assert len(lookups) >= 2 and all(lookups)
+    pending, piled = len(prompt[0]), False  # positions the head has not seen, before each step
+    for s in steps:
+        piled = piled or (s.lookup and pending > engine.head.config.draft_length + 2)
+        pending = pending + s.accepted_lengths[0] if s.lookup or not s.draft_ms else s.accepted_lengths[0]
+    assert piled  # some measured lookup step started with a catch-up's worth of pending positions
