@@ -86,15 +86,18 @@ def test_corrupt_checkpoints(tmp_path, head, damage):
         load_draft_head(tmp_path)
 
 
+def _draft_inputs(c, b, t):
+    """Random taps [B, T, 3H_target], next embeddings [B, T, H], positions [B, T] and an empty KV cache."""
+    return (torch.randn(b, t, 3 * c.target_hidden_size), torch.randn(b, t, c.hidden_size),
+            torch.arange(t).expand(b, t), torch.zeros(b, c.num_key_value_heads, 0, c.head_dim))
+
+
 def test_forward_shapes_and_ragged_batch(head):
     """A sequence's drafts do not depend on what else is in the batch or on padding."""
     torch.manual_seed(0)
     c = head.config
     t, b = 5, 2
-    taps = torch.randn(b, t, 3 * c.target_hidden_size)
-    emb = torch.randn(b, t, c.hidden_size)
-    pos = torch.arange(t).expand(b, t)
-    empty = torch.zeros(b, c.num_key_value_heads, 0, c.head_dim)
+    taps, emb, pos, empty = _draft_inputs(c, b, t)
     logits, k, v = head(taps, emb, pos, torch.tensor([4, 2]), empty, empty, torch.zeros(b, dtype=torch.long))
     assert logits.shape == (b, c.depth, c.draft_vocab_size)
     assert k.shape == (b, c.num_key_value_heads, t, c.head_dim)
@@ -253,13 +256,8 @@ def test_a_packed_float32_head_drafts_as_the_dense_one(head):
     assert pack_linears(packed_head) == 9  # fc, q/k/v/o, the MLP's three, lm_head
     assert isinstance(packed_head.lm_head, PackedLinear) and packed_head.dtype == torch.float32
     torch.manual_seed(1)
-    c = head.config
-    b, t = 2, 4
-    taps = torch.randn(b, t, 3 * c.target_hidden_size)
-    emb = torch.randn(b, t, c.hidden_size)
-    pos = torch.arange(t).expand(b, t)
-    empty = torch.zeros(b, c.num_key_value_heads, 0, c.head_dim)
-    args = (taps, emb, pos, torch.tensor([3, 1]), empty, empty, torch.zeros(b, dtype=torch.long))
+    taps, emb, pos, empty = _draft_inputs(head.config, 2, 4)
+    args = (taps, emb, pos, torch.tensor([3, 1]), empty, empty, torch.zeros(2, dtype=torch.long))
     with torch.inference_mode():
         want, want_k, _ = dense(*args)
         got, got_k, _ = packed_head(*args)
