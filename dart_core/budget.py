@@ -60,6 +60,11 @@ _CHAIN_DECAY = 0.95  # weight of older chain evidence per observation
 _TREE_RATE_EMA = 0.2  # weight of the newest step in the tree rate and the lookup overhead
 
 
+def _ema(old: float | None, new: float, weight: float) -> float:
+    """Exponential moving average: ``new`` when there is no ``old`` value yet, else (1 - weight)·old + weight·new."""
+    return new if old is None else (1 - weight) * old + weight * new
+
+
 @dataclass(frozen=True)
 class VerifyCostCurve:
     """Verification latency (ms) against tree size (nodes, root included), linearly interpolated."""
@@ -248,12 +253,10 @@ class AdaptiveBudget:
 
     def observe(self, predicted: float, accepted: int, overhead_ms: float) -> None:
         """Feeds back one sequence-step: predicted vs accepted draft nodes, and the step's draft+search time."""
-        self.overhead_ms = overhead_ms if self.overhead_ms == 0 else (
-            (1 - self.ema) * self.overhead_ms + self.ema * overhead_ms)
+        self.overhead_ms = _ema(self.overhead_ms or None, overhead_ms, self.ema)
         if predicted > 1e-6:
             ratio = float(np.clip(accepted / predicted, 0.05, 20.0))
             self.calibration = float(np.clip((1 - self.ema) * self.calibration + self.ema * ratio, 0.05, 20.0))
-
 
     # -- lookup steps: the request's context chain verified alone (module docstring) -------------
 
@@ -263,12 +266,11 @@ class AdaptiveBudget:
         accepted, offered = self._chain_counts.get(int(match_length), (0.0, 0.0))
         return (accepted + _CHAIN_PRIOR[0]) / (offered + _CHAIN_PRIOR[1])
 
-    def select_lookup(self, chains: list[ContextChain], batch_bucket: int | None = None) -> int:
+    def select_lookup(self, chains: list[ContextChain]) -> int:
         """Draft nodes per sequence for a lookup step of the batch, or 0: draft a tree instead.
 
         Args:
             chains: one context continuation per running sequence (an empty chain yields no node).
-            batch_bucket: the batch's bucket for the tree-rate comparison (default: from ``len(chains)``).
 
         Returns:
             n ≥ 1, the chain tokens each sequence verifies (its first n, fewer where its chain is
@@ -278,7 +280,7 @@ class AdaptiveBudget:
             token, or before any tree step was measured (so the comparison has a reference).
         """
         b = len(chains)
-        reference = self._tree_rate.get(batch_bucket or SpeculationGate.bucket(b))
+        reference = self._tree_rate.get(SpeculationGate.bucket(b))
         longest = max((len(c.tokens) for c in chains), default=0)
         if reference is None or longest == 0:
             return 0
@@ -309,13 +311,10 @@ class AdaptiveBudget:
             return
         if lookup:
             extra = max(0.0, step_ms - float(self.curve(verified_nodes)))
-            self.lookup_overhead_ms = extra if self.lookup_overhead_ms == 0 else (
-                (1 - _TREE_RATE_EMA) * self.lookup_overhead_ms + _TREE_RATE_EMA * extra)
+            self.lookup_overhead_ms = _ema(self.lookup_overhead_ms or None, extra, _TREE_RATE_EMA)
             return
         key = SpeculationGate.bucket(batch)
-        rate = tokens / step_ms
-        old = self._tree_rate.get(key)
-        self._tree_rate[key] = rate if old is None else (1 - _TREE_RATE_EMA) * old + _TREE_RATE_EMA * rate
+        self._tree_rate[key] = _ema(self._tree_rate.get(key), tokens / step_ms, _TREE_RATE_EMA)
 
 
 class SpeculationGate:
@@ -409,7 +408,7 @@ class SpeculationGate:
             return
         k = int(speculative)
         rate = tokens / step_ms
-        b.rate[k] = rate if b.seen[k] == 0 else (1 - self.ema) * b.rate[k] + self.ema * rate
+        b.rate[k] = _ema(b.rate[k] if b.seen[k] else None, rate, self.ema)
         b.seen[k] += 1
 
     def speedup(self, batch: int) -> float | None:

@@ -59,6 +59,8 @@ class StepOutput:
     step_ms: float
     logprobs: list["TokenLogprobs | None"] = field(default_factory=list)  # per sequence, when its sampling asks
     lookup: bool = False  # a lookup step: each sequence's context chain verified alone, no draft head
+    catch_up: bool = False  # the draft caught up on more positions than one step can accept (a new prompt, or
+    # autoregressive or lookup steps since the last draft): not a typical step, left out of step-time averages
 
 
 @dataclass(frozen=True)
@@ -245,16 +247,12 @@ class DartEngine:
             gated = spec_now and self.gate is not None
             if gated:
                 spec_now = self.gate.speculate(len(state.seq_ids))
-                # a draft over more positions than one step can accept is a catch-up (a new
-                # prompt, or autoregressive or lookup steps since the last draft): not a typical
-                # step; a lookup step drafts nothing, so it is typical whatever is pending
-                catch_up = spec_now and int(state.pend_count.max()) > self.head.config.draft_length + 2
             t_step = time.perf_counter()
             step = self._step(state, spec_now)
             yield step
             if gated:  # wall time until the caller asks for the next step: its per-step work counts too
                 self.gate.observe(len(state.seq_ids), spec_now, sum(step.accepted_lengths),
-                                  1e3 * (time.perf_counter() - t_step), typical=step.lookup or not catch_up)
+                                  1e3 * (time.perf_counter() - t_step), typical=not step.catch_up)
             state.keep([i for i, r in enumerate(state.reasons) if r is None])
 
     def _prefill(self, state: "_BatchState", ids: list[int], joining: list["NewSequence"]) -> StepOutput:
@@ -332,6 +330,7 @@ class DartEngine:
         b_size = len(state.seq_ids)
         t_step = time.perf_counter()
         draft_ms = search_ms = 0.0
+        catch_up = False
         lookup = self._lookup_trees(state) if speculative else None
         if lookup is not None:
             trees, chains = lookup
@@ -339,7 +338,7 @@ class DartEngine:
         elif speculative:
             t0 = time.perf_counter()
             width = int(state.pend_count.max())
-            catch_up = width > self.head.config.draft_length + 2  # a new prompt, or steps without a draft
+            catch_up = width > self.head.config.draft_length + 2  # StepOutput.catch_up
             topk_ids, topk_probs = self._draft(state.pend_taps[:, :width], state.pend_next, state.pend_pos[:, :width],
                                                state.pend_count - 1, state.head_cache, self._draft_levels())
             state.clear_pending()
@@ -407,11 +406,11 @@ class DartEngine:
         _sync(device)
         verify_ms = 1e3 * (time.perf_counter() - t0)
         step_ms = 1e3 * (time.perf_counter() - t_step)
-        if speculative and self.budget is not None and (lookup is not None or not catch_up):
+        if speculative and self.budget is not None and not catch_up:
             self.budget.observe_step(b_size, lookup is not None, sum(acc_lens), step_ms, b_size * n)
         return StepOutput(list(state.seq_ids), new_tokens, list(state.reasons), acc_lens,
                           [tr.num_nodes - 1 for tr in trees], n, draft_ms, search_ms, verify_ms,
-                          step_ms, logprobs, lookup is not None)
+                          step_ms, logprobs, lookup is not None, catch_up)
 
     # -- internals ----------------------------------------------------------
 
