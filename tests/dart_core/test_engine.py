@@ -366,7 +366,7 @@ class _AlwaysLookup(AdaptiveBudget):
         super().__init__(VerifyCostCurve((1, 64), (10.0, 10.0)))
         self.n = n
 
-    def select_lookup(self, chains, batch_bucket=None):
+    def select_lookup(self, chains):
         return self.n if any(len(c.tokens) for c in chains) else 0
 
 
