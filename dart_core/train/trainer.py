@@ -236,6 +236,11 @@ def _autocast(cfg: TrainConfig, device: torch.device):
     return torch.autocast(device.type, enabled=False), "off"
 
 
+def _token_count(feats: Features, rows: list[int]) -> int:
+    """Tokens (prompt + response) of these feature-store rows."""
+    return int(sum(feats.offsets[r + 1] - feats.offsets[r] for r in rows))
+
+
 def _subset(rows: list[int], feats: Features, budget: int | None, seed: int) -> list[int]:
     """A seeded random subset of ``rows`` holding about ``budget`` tokens (all rows when None)."""
     if budget is None:
@@ -329,8 +334,10 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
                          "ShareGPT: --sharegpt-turns)")
     train_rows = _subset(pool, feats, cfg.train_tokens, cfg.seed)
     held_rows = list(range(len(train_ex), len(train_ex) + len(held_ex)))
-    train_tokens = int(sum(feats.offsets[r + 1] - feats.offsets[r] for r in train_rows))
-    self_distilled = sum(1 for r in train_rows if train_ex[r].index < SHAREGPT_INDEX_BASE)
+    train_tokens = _token_count(feats, train_rows)
+    self_rows = [r for r in train_rows if train_ex[r].index < SHAREGPT_INDEX_BASE]
+    self_distilled = len(self_rows)
+    self_tokens = _token_count(feats, self_rows)
 
     head = init_head(target, draft_vocab, cfg.seed, final_norm_twice=cfg.final_norm_twice).to(device).train()
     embed = target.embed_tokens
@@ -414,7 +421,8 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
         "stage": "done" if finished else "training",
         "sequences": {"train": len(train_rows), "train_self_distilled": self_distilled,
                       "train_sharegpt": len(train_rows) - self_distilled, "held_out": len(held_ex),
-                      "train_tokens": train_tokens, "available_train_sequences": len(train_ex)},
+                      "train_tokens": train_tokens, "train_tokens_self_distilled": self_tokens,
+                      "available_train_sequences": len(train_ex)},
         "steps": total,
         "steps_done": step,
         "wall_time_s": {"generate": round(gen_s, 1), "teacher_features": round(feat_s, 1),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 
 import numpy as np
@@ -153,6 +154,9 @@ def test_a_token_budget_trains_on_a_subset_and_a_time_limit_stops_resumably(tmp_
     assert small["sequences"]["train"] < full["sequences"]["train"] == 12
     assert 150 <= small["sequences"]["train_tokens"] < 150 + 60  # one sequence past the budget at most
     assert small["steps"] < full["steps"]
+    # every tiny sequence is self-distilled: the mix study prices them all as such
+    assert full["sequences"]["train_tokens_self_distilled"] == full["sequences"]["train_tokens"]
+    assert small["sequences"]["train_tokens_self_distilled"] == small["sequences"]["train_tokens"]
     # the same run in another work dir (the same settings in this one would find the finished run)
     monkeypatch.setenv("DART_SERVE_CACHE", str(tmp_path / "cache2"))
     _write_tiny_data(tmp_path / "cache2" / "train" / "data", target, n)
@@ -334,3 +338,67 @@ def test_learning_curve_fit_sizes_and_plot(tmp_path):
     path = tmp_path / "curve.png"
     curve.plot_curve({"points": points, "fits": fits, "extrapolate_to": 2e7, "tau": {"budget": 60}}, path)
     assert path.stat().st_size > 10_000
+
+
+def _mix_curve(folder, source, points, threads=2, with_self_tokens=True):
+    """A learning-curve folder as dart_core.train.curve writes it: (tokens, self tokens, train s, top-1, tau)."""
+    folder.mkdir(parents=True)
+    rows = []
+    for tokens, self_tokens, train_s, top1, tau in points:
+        head = f"tokens-{tokens}"
+        seqs = {"train_tokens": tokens}
+        if with_self_tokens:
+            seqs["train_tokens_self_distilled"] = self_tokens
+        (folder / head).mkdir()
+        (folder / head / "training.json").write_text(json.dumps(
+            {"config": {"train_source": source, "threads": threads}, "sequences": seqs,
+             "wall_time_s": {"train": train_s}}))
+        rows.append({"head": head, "train_tokens": tokens, "top1": [top1] * 8,
+                     "tau": {"mt-bench": tau, "humaneval": tau - 0.1}})
+    (folder / "curve.json").write_text(json.dumps({"points": rows}))
+    return folder
+
+
+def test_source_mix_prices_points_and_compares_per_token_and_per_core_hour(tmp_path, capsys):
+    from dart_core.train import mix
+
+    costs = {"self": 0.02, "sharegpt": 0.005}
+    # self-distilled tokens are worth more per token; teacher-forced ones are 4x cheaper
+    own = _mix_curve(tmp_path / "self", "self", [(100_000, 100_000, 90, 0.30, 1.8), (400_000, 400_000, 360, 0.40, 2.0)])
+    tf = _mix_curve(tmp_path / "tf", "sharegpt", [(100_000, 0, 90, 0.25, 1.7), (400_000, 0, 360, 0.33, 1.9)])
+    both = _mix_curve(tmp_path / "all", "all", [(100_000, 40_000, 90, 0.28, 1.75), (400_000, 160_000, 360, 0.37, 1.95)])
+    p = mix.price_points(own, costs)
+    assert p[0]["data_core_h"] == pytest.approx(100_000 * 0.02 / 3600, abs=1e-4)
+    assert p[0]["train_core_h"] == pytest.approx(90 * 2 / 3600, abs=1e-4)
+    assert p[1]["core_h"] == pytest.approx((400_000 * 0.02 + 720) / 3600, abs=1e-4)
+    q = mix.price_points(both, costs)
+    assert q[0]["data_core_h"] == pytest.approx((40_000 * 0.02 + 60_000 * 0.005) / 3600, abs=1e-4)
+    points = {"self": p, "sharegpt": mix.price_points(tf, costs), "all": q}
+    result = mix.compare_sources(points)
+    assert result["at_tokens"] == 400_000
+    assert result["best_by_tokens"]["top1_position1"] == "self"
+    assert result["sources"]["self"]["top1_position1"]["by_tokens"] == pytest.approx(0.40)
+    # the common budget is the cheap curve's end, 0.756 core-h; the self fit reads 0.316 there, log-linear
+    # between its points at 0.606 and 2.42 core-h: per CPU-hour the cheap source wins
+    assert result["at_core_h"] == pytest.approx((2000 + 720) / 3600, abs=1e-4)
+    assert result["sources"]["sharegpt"]["top1_position1"]["by_core_h"] == pytest.approx(0.33)
+    assert result["sources"]["self"]["top1_position1"]["by_core_h"] == pytest.approx(
+        0.30 + 0.1 * math.log10(2720 / 2180) / math.log10(4), abs=1e-3)
+    assert result["best_by_core_h"]["top1_position1"] == "sharegpt"
+    with pytest.raises(ValueError, match="two sources"):
+        mix.compare_sources({"self": p})
+    with pytest.raises(ValueError, match="a fit needs two"):
+        mix.compare_sources({"self": p, "sharegpt": p[:1]})
+    old = _mix_curve(tmp_path / "old", "all", [(100_000, 0, 90, 0.3, 1.8)], with_self_tokens=False)
+    with pytest.raises(ValueError, match="train_tokens_self_distilled"):
+        mix.price_points(old, costs)
+    with pytest.raises(ValueError, match="not found"):
+        mix.price_points(tmp_path / "nothing", costs)
+    out = tmp_path / "out"
+    args = ["--curve", f"self={own}", "--curve", f"sharegpt={tf}", "--core-seconds-per-token", "self=0.02",
+            "--core-seconds-per-token", "sharegpt=0.005", "--out", str(out)]
+    assert mix.main(args) == 0
+    saved = json.loads((out / "mix.json").read_text())
+    assert saved["best_by_tokens"]["top1_position1"] == "self" and set(saved["points"]) == {"self", "sharegpt"}
+    assert mix.main(args[:-4] + ["--out", str(out)]) == 2  # no sharegpt cost
+    assert "sharegpt" in capsys.readouterr().err
