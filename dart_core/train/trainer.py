@@ -86,6 +86,7 @@ class TrainConfig:
     max_minutes: float | None = None  # stop (checkpointed, resumable) after this long: for time-limited machines
     autocast: str = "auto"  # "auto": bf16 on CUDA and on CPUs with native bf16 matmul; "bf16" or "off"
     final_norm_twice: bool = False  # train for the reference's lm_head(norm(norm(h))) path instead of lm_head(norm(h))
+    init_from: str | None = None  # warm start: a head folder to continue from (same target, same draft vocabulary)
 
 
 def _device(cfg: TrainConfig) -> torch.device:
@@ -109,6 +110,34 @@ def init_head(target, draft_vocab: np.ndarray, seed: int, *, final_norm_twice: b
         head.d2t.copy_(vocab - torch.arange(len(vocab)))
         head.t2d.zero_()
         head.t2d[vocab] = True
+    return head
+
+
+def warm_start_head(folder: str | Path, target, draft_vocab: np.ndarray, *,
+                    final_norm_twice: bool = False) -> DartDraftHead:
+    """The head saved in ``folder``, checked to continue training on this data.
+
+    A warm start trains further from an existing head (more passes over the
+    same feature store, or new data) instead of from :func:`init_head`.  Its
+    weights are read in fp32 (a bf16 head is widened exactly).
+
+    Raises:
+        HeadLoadError: ``folder`` is not a readable head of this target.
+        ValueError: the head's draft vocabulary is not the one chosen from this
+            data (its ``d2t`` differs), or its final-norm path differs from
+            ``final_norm_twice``.
+    """
+    from dart_core.draft_head import load_draft_head
+
+    head = load_draft_head(folder, target.config)
+    vocab = torch.as_tensor(draft_vocab)
+    d2t = vocab - torch.arange(len(vocab))
+    if head.d2t.shape != d2t.shape or not torch.equal(head.d2t.cpu(), d2t):
+        raise ValueError(f"--init-from {folder}: its draft vocabulary ({head.d2t.numel()} tokens) is not the one "
+                         f"chosen from this data ({len(vocab)} tokens); train it on the data it was made from")
+    if head.config.final_norm_twice != final_norm_twice:
+        raise ValueError(f"--init-from {folder}: final_norm_twice is {head.config.final_norm_twice} there, "
+                         f"{final_norm_twice} here")
     return head
 
 
@@ -339,7 +368,11 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
     self_distilled = len(self_rows)
     self_tokens = _token_count(feats, self_rows)
 
-    head = init_head(target, draft_vocab, cfg.seed, final_norm_twice=cfg.final_norm_twice).to(device).train()
+    if cfg.init_from:
+        head = warm_start_head(cfg.init_from, target, draft_vocab, final_norm_twice=cfg.final_norm_twice)
+    else:
+        head = init_head(target, draft_vocab, cfg.seed, final_norm_twice=cfg.final_norm_twice)
+    head = head.to(device).train()
     embed = target.embed_tokens
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     steps_per_epoch = max(1, len(train_rows) // cfg.batch_size)

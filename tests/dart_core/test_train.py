@@ -171,6 +171,44 @@ def test_a_token_budget_trains_on_a_subset_and_a_time_limit_stops_resumably(tmp_
         assert torch.equal(x, y), name  # stopping and resuming trains exactly what one run trains
 
 
+def test_a_warm_start_continues_from_a_head_and_refuses_one_of_other_data(tmp_path, monkeypatch):
+    from dart_core.draft_head import HeadLoadError
+
+    target = tiny_target("llama")
+    n = 14
+    monkeypatch.setenv("DART_SERVE_CACHE", str(tmp_path / "cache"))
+    _write_tiny_data(tmp_path / "cache" / "train" / "data", target, n)
+    base = dict(data=DataConfig(num_prompts=n, eval_prompts=2), draft_vocab_size=64, teacher_top_k=8, max_length=64,
+                anchors_per_seq=8, batch_size=2, warmup_steps=2, eval_every=0, eval_tau_prompts=0, save_every=100,
+                device="cpu")
+    first = train(TrainConfig(out=str(tmp_path / "first"), epochs=4, lr=3e-3, **base), target=target, progress=False)
+    # a learning rate of ~0: the continued head is the one it started from, not a fresh one
+    still = train(TrainConfig(out=str(tmp_path / "still"), epochs=1, lr=1e-12, seed=1, init_from=str(tmp_path / "first"),
+                              **base), target=target, progress=False)
+    assert still["eval"][-1]["loss"] == pytest.approx(first["eval"][-1]["loss"], rel=1e-3)
+    fresh = train(TrainConfig(out=str(tmp_path / "fresh"), epochs=1, lr=1e-12, seed=1, **base), target=target,
+                  progress=False)
+    assert fresh["eval"][-1]["loss"] > 1.2 * first["eval"][-1]["loss"]
+    a, b = load_draft_head(tmp_path / "first", target.config), load_draft_head(tmp_path / "still", target.config)
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.allclose(x, y, atol=1e-2), name
+    # training on from it with a real learning rate lowers the held-out loss further
+    more = train(TrainConfig(out=str(tmp_path / "more"), epochs=4, lr=3e-3, seed=1, init_from=str(tmp_path / "first"),
+                             **base), target=target, progress=False)
+    assert more["eval"][-1]["loss"] < first["eval"][-1]["loss"]
+    assert more["config"]["init_from"] == str(tmp_path / "first")
+    small_vocab = dict(base, draft_vocab_size=32)
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        train(TrainConfig(out=str(tmp_path / "x"), epochs=1, init_from=str(tmp_path / "first"), **small_vocab),
+              target=target, progress=False)
+    with pytest.raises(ValueError, match="final_norm_twice"):
+        train(TrainConfig(out=str(tmp_path / "x"), epochs=1, init_from=str(tmp_path / "first"), final_norm_twice=True,
+                          **base), target=target, progress=False)
+    with pytest.raises(HeadLoadError, match="is not a draft head"):
+        train(TrainConfig(out=str(tmp_path / "x"), epochs=1, init_from=str(tmp_path / "nothing"), **base),
+              target=target, progress=False)
+
+
 def test_compact_features_are_resumable_and_close_to_float32(tmp_path):
     from dart_core.train.features import compute_features, quantize_taps
 
