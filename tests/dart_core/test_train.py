@@ -141,14 +141,21 @@ def test_self_distilled_data_is_the_targets_greedy_output_and_resumable(tmp_path
     assert [e.index for e in again] == [0, 1, 2] and again[:2] == first
 
 
-def test_a_token_budget_trains_on_a_subset_and_a_time_limit_stops_resumably(tmp_path, monkeypatch):
+def _small_run(tmp_path, monkeypatch, n=14):
+    """A tiny target, its self-distilled data in the default work dir, and small training settings (no epochs)."""
     target = tiny_target("llama")
-    n = 14
     monkeypatch.setenv("DART_SERVE_CACHE", str(tmp_path / "cache"))
     _write_tiny_data(tmp_path / "cache" / "train" / "data", target, n)
     base = dict(data=DataConfig(num_prompts=n, eval_prompts=2), draft_vocab_size=64, teacher_top_k=8, max_length=64,
-                anchors_per_seq=8, epochs=2, batch_size=2, warmup_steps=2, eval_every=0, eval_tau_prompts=0,
-                save_every=100, device="cpu")
+                anchors_per_seq=8, batch_size=2, warmup_steps=2, eval_every=0, eval_tau_prompts=0, save_every=100,
+                device="cpu")
+    return target, base
+
+
+def test_a_token_budget_trains_on_a_subset_and_a_time_limit_stops_resumably(tmp_path, monkeypatch):
+    n = 14
+    target, base = _small_run(tmp_path, monkeypatch, n)
+    base["epochs"] = 2
     full = train(TrainConfig(out=str(tmp_path / "full"), **base), target=target, progress=False)
     small = train(TrainConfig(out=str(tmp_path / "small"), train_tokens=150, **base), target=target, progress=False)
     assert small["sequences"]["train"] < full["sequences"]["train"] == 12
@@ -174,13 +181,7 @@ def test_a_token_budget_trains_on_a_subset_and_a_time_limit_stops_resumably(tmp_
 def test_a_warm_start_continues_from_a_head_and_refuses_one_of_other_data(tmp_path, monkeypatch):
     from dart_core.draft_head import HeadLoadError
 
-    target = tiny_target("llama")
-    n = 14
-    monkeypatch.setenv("DART_SERVE_CACHE", str(tmp_path / "cache"))
-    _write_tiny_data(tmp_path / "cache" / "train" / "data", target, n)
-    base = dict(data=DataConfig(num_prompts=n, eval_prompts=2), draft_vocab_size=64, teacher_top_k=8, max_length=64,
-                anchors_per_seq=8, batch_size=2, warmup_steps=2, eval_every=0, eval_tau_prompts=0, save_every=100,
-                device="cpu")
+    target, base = _small_run(tmp_path, monkeypatch)
     first = train(TrainConfig(out=str(tmp_path / "first"), epochs=4, lr=3e-3, **base), target=target, progress=False)
     # a learning rate of ~0: the continued head is the one it started from, not a fresh one
     still = train(TrainConfig(out=str(tmp_path / "still"), epochs=1, lr=1e-12, seed=1, init_from=str(tmp_path / "first"),
