@@ -93,6 +93,12 @@ def _device(cfg: TrainConfig) -> torch.device:
     return torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
+def _d2t(draft_vocab: np.ndarray) -> torch.Tensor:
+    """The head's ``d2t`` buffer [V_draft] for this draft vocabulary: draft index i is target id i + d2t[i]."""
+    vocab = torch.as_tensor(draft_vocab)
+    return vocab - torch.arange(len(vocab))
+
+
 def init_head(target, draft_vocab: np.ndarray, seed: int, *, final_norm_twice: bool = False) -> DartDraftHead:
     """A head of the target's shape: lm_head rows copied from the target's
     output embedding for the draft vocabulary, fc starting as the identity on
@@ -107,7 +113,7 @@ def init_head(target, draft_vocab: np.ndarray, seed: int, *, final_norm_twice: b
         h = cfg.target_hidden_size
         head.fc.weight.mul_(0.1)
         head.fc.weight[:, 2 * h:] += torch.eye(cfg.hidden_size, h)
-        head.d2t.copy_(vocab - torch.arange(len(vocab)))
+        head.d2t.copy_(_d2t(draft_vocab))
         head.t2d.zero_()
         head.t2d[vocab] = True
     return head
@@ -130,11 +136,9 @@ def warm_start_head(folder: str | Path, target, draft_vocab: np.ndarray, *,
     from dart_core.draft_head import load_draft_head
 
     head = load_draft_head(folder, target.config)
-    vocab = torch.as_tensor(draft_vocab)
-    d2t = vocab - torch.arange(len(vocab))
-    if head.d2t.shape != d2t.shape or not torch.equal(head.d2t.cpu(), d2t):
+    if not torch.equal(head.d2t.cpu(), _d2t(draft_vocab)):  # False for other sizes too
         raise ValueError(f"--init-from {folder}: its draft vocabulary ({head.d2t.numel()} tokens) is not the one "
-                         f"chosen from this data ({len(vocab)} tokens); train it on the data it was made from")
+                         f"chosen from this data ({len(draft_vocab)} tokens); train it on the data it was made from")
     if head.config.final_norm_twice != final_norm_twice:
         raise ValueError(f"--init-from {folder}: final_norm_twice is {head.config.final_norm_twice} there, "
                          f"{final_norm_twice} here")
