@@ -27,7 +27,6 @@ import grpc
 import numpy as np
 
 from ngram_service._proto import ngram_pb2, ngram_pb2_grpc
-from ngram_service.server import OVERRIDE_FIELDS
 from ngram_service.tree_search import ContextChain, DraftTree, SearchParams, search_trees
 from ngram_service.trie import NgramTrie
 
@@ -37,6 +36,9 @@ __all__ = ["TreeSearchClient", "InProcessTreeSearch", "GrpcTreeSearch", "MAX_CON
 
 #: Context tokens sent per sequence before the service's trie order is known (orders go up to 6).
 MAX_CONTEXT_TAIL = 8
+#: SearchParams fields a request may override (the fields of the proto's SearchOverrides).  Defined
+#: here, not in the server module, so a client needs neither grpcio-health-checking nor reflection.
+OVERRIDE_FIELDS = tuple(f.name for f in ngram_pb2.SearchOverrides.DESCRIPTOR.fields)
 
 
 class TreeSearchClient(ABC):

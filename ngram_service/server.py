@@ -35,6 +35,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ngram_service._proto import ngram_pb2, ngram_pb2_grpc
+from ngram_service.client import OVERRIDE_FIELDS
 from ngram_service.tree_search import ContextChain, SearchParams, search_trees
 from ngram_service.trie import NgramTrie
 
@@ -44,8 +45,6 @@ __all__ = ["ServerLimits", "NgramServer", "SERVICE_NAME", "AUTH_TOKEN_ENV"]
 
 SERVICE_NAME = ngram_pb2.DESCRIPTOR.services_by_name["NgramTreeSearch"].full_name
 AUTH_TOKEN_ENV = "DART_NGRAM_AUTH_TOKEN"
-#: SearchParams fields a request may override (the fields of the proto's SearchOverrides).
-OVERRIDE_FIELDS = tuple(f.name for f in ngram_pb2.SearchOverrides.DESCRIPTOR.fields)
 
 
 @dataclass(frozen=True)

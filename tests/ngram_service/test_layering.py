@@ -44,6 +44,14 @@ def test_no_ngram_service_module_imports_the_layers_above():
     assert offenders == {}, offenders
 
 
+def test_the_engines_client_does_not_need_the_servers_packages():
+    """The tree-search client (what an engine replica imports) loads without the server module and
+    its grpcio-health-checking / grpcio-reflection, which a bare GPU machine lacked."""
+    code = "import sys, ngram_service.client; print('ngram_service.server' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"  # (grpc itself may try-import the health package: not checked)
+
+
 def test_the_check_sees_a_forbidden_import(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("def g():\n    from dart_core.engine import DartEngine\n")
