@@ -87,10 +87,25 @@ def _join(chunks: list[Path], out: Path, sha256: str) -> None:
     tmp.replace(out)
 
 
-def pack(dest: str | Path, *, model: str | None, data, work_dir: str | Path | None, part_mib: float = 32.0) -> dict:
+def _write_dist_info(site: Path, package: str) -> None:
+    """A minimal ``<package>-<version>.dist-info`` beside a copied package: transformers asks
+    ``importlib.metadata`` for the gguf reader's version, which a bare package folder does not have
+    (seen on the first GPU run: "Invalid version: 'N/A'")."""
+    from importlib.metadata import version
+
+    v = version(package)
+    info = site / f"{package}-{v}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: {v}\n")
+
+
+def pack(dest: str | Path, *, model: str | None, data, work_dir: str | Path | None, part_mib: float = 32.0,
+         extra: list[str | Path] = ()) -> dict:
     """Writes the parts (step 1).  ``data`` is a :class:`~dart_core.train.data.DataConfig`: the
     self-distilled responses already stored under ``work_dir/data`` (below ``num_prompts``;
-    nothing is generated) plus ``sharegpt_turns`` teacher-forced ShareGPT turns.
+    nothing is generated) plus ``sharegpt_turns`` teacher-forced ShareGPT turns.  ``extra``
+    files (a trie, prompt files for the benchmarks there) travel too and are staged as
+    ``files/extra/<name>``.
 
     Returns the manifest.  Raises:
         ValueError: no examples, or a part size under 1 MiB.
@@ -116,6 +131,10 @@ def pack(dest: str | Path, *, model: str | None, data, work_dir: str | Path | No
         raise ValueError(f"nothing to pack: no responses in {work / 'data'} and no --sharegpt-turns")
     with tempfile.TemporaryDirectory() as tmp:
         payload = [(f"model/{p.name}", p) for p in model_files]
+        for path in map(Path, extra):  # before the examples, so the parts a benchmark needs come first
+            if not path.is_file():
+                raise FileNotFoundError(f"--extra {path}: no such file")
+            payload.append((f"extra/{path.name}", path))
         payload.append(("examples.npz", write_examples(examples, Path(tmp) / "examples.npz")))
         site = []
         if source.gguf_file:  # transformers reads GGUF through the gguf package, absent there
@@ -153,6 +172,7 @@ def pack(dest: str | Path, *, model: str | None, data, work_dir: str | Path | No
             if i == 0:
                 for pkg in site:
                     shutil.copytree(pkg, pdir / "site" / pkg.name, ignore=shutil.ignore_patterns("__pycache__"))
+                    _write_dist_info(pdir / "site", pkg.name)
             (pdir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
@@ -273,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--part-mib", type=float, default=32.0, help="MiB per part [32]")
     p.add_argument("--model", default=None, help="target (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--work-dir", default=None, help="where the self-distilled responses are (as for training)")
+    p.add_argument("--extra", nargs="*", default=[], metavar="FILE",
+                   help="more files to send (a trie, prompt files), staged as files/extra/NAME")
     for name in ("num_prompts", "sharegpt_turns", "eval_prompts", "max_prompt_tokens", "max_new_tokens",
                  "prompt_seed"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(DataConfig, name))
@@ -297,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
             data = DataConfig(**{k: args[k] for k in ("num_prompts", "sharegpt_turns", "eval_prompts",
                                                       "max_prompt_tokens", "max_new_tokens", "prompt_seed",
                                                       "exclude_alpacaeval")})
-            m = pack(args["dest"], model=args["model"], data=data, work_dir=args["work_dir"], part_mib=args["part_mib"])
+            m = pack(args["dest"], model=args["model"], data=data, work_dir=args["work_dir"], part_mib=args["part_mib"],
+                     extra=args["extra"])
             print(json.dumps({"parts": {k: len(v) for k, v in m["parts"].items()}, "examples": m["examples"]}))
         elif step == "stage":
             print(json.dumps(stage(args["part"], args["dir"])))

@@ -317,8 +317,13 @@ def test_gpu_recipe_packs_stages_trains_resumably_and_unpacks(tmp_path, tiny_mod
     n = 10
     _write_tiny_data(tmp_path / "work" / "data", target, n)
     data = DataConfig(num_prompts=n, eval_prompts=2, exclude_alpacaeval=False)
+    extra = tmp_path / "prompts.jsonl"  # e.g. a benchmark's prompt file travelling with the model
+    extra.write_text('{"prompt": "hello"}\n')
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        gpu_recipe.pack(tmp_path / "bad", model=tiny_model_dir, data=data, work_dir=tmp_path / "work",
+                        extra=[tmp_path / "absent.trie"])
     manifest = gpu_recipe.pack(tmp_path / "parts", model=tiny_model_dir, data=data, work_dir=tmp_path / "work",
-                               part_mib=4)
+                               part_mib=4, extra=[extra])
     parts = sorted((tmp_path / "parts").iterdir())
     assert len(parts) == len(manifest["parts"]) >= 3 and manifest["examples"]["sequences"] == n
     for p in parts:  # a part holds at most part_mib of chunks (plus its manifest)
@@ -328,6 +333,7 @@ def test_gpu_recipe_packs_stages_trains_resumably_and_unpacks(tmp_path, tiny_mod
         state = gpu_recipe.stage(p, stage_dir)
         assert state["complete"] == (i == len(parts) - 1), state
     assert state["missing_parts"] == []
+    assert (stage_dir / "files" / "extra" / "prompts.jsonl").read_bytes() == extra.read_bytes()
     staged = read_examples(stage_dir / "files" / "examples.npz")
     assert [e.ids for e in staged] == [e.ids for e in load_examples(tmp_path / "work" / "data")]
     # a part of another pack is refused rather than mixed in
@@ -354,6 +360,18 @@ def test_gpu_recipe_packs_stages_trains_resumably_and_unpacks(tmp_path, tiny_mod
         assert torch.equal(a, b), name
     with pytest.raises(gpu_recipe.RecipeError, match="no finished head"):
         gpu_recipe.unpack(tmp_path / "nothing", tmp_path / "head2")
+
+
+def test_gpu_recipe_gives_a_copied_package_its_version(tmp_path):
+    """transformers asks importlib.metadata for the gguf reader's version: a package folder copied
+    to the GPU machine gets a dist-info with the version installed here."""
+    from importlib.metadata import distributions, version
+
+    from dart_core.train.gpu_recipe import _write_dist_info
+
+    _write_dist_info(tmp_path, "gguf")
+    found = {d.metadata["Name"]: d.version for d in distributions(path=[str(tmp_path)])}
+    assert found == {"gguf": version("gguf")}
 
 
 def test_learning_curve_fit_sizes_and_plot(tmp_path):
