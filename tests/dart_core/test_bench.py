@@ -203,3 +203,55 @@ def test_context_tuning_runs_the_grid_losslessly(tiny_model_dir, tmp_path):
                               "--max-prompt-tokens", "200", "--model", tiny_model_dir, "--head", "random",
                               "--trie", "none", "--out", str(tmp_path)]) == 0
     assert json.loads((tmp_path / "context_tuning.json").read_text())["config"]["budget"] == 4
+
+
+def test_step_profile_reports_the_floor_and_each_mode(tiny_model_dir, prompts_file, tmp_path):
+    """On a CPU: the floor from the target's weights and the measured copy bandwidth, both modes
+    timed, no device-kernel figures (there are none to read)."""
+    import torch
+
+    from transformers import AutoModelForCausalLM
+
+    from dart_core.bench import step_profile
+
+    cfg = step_profile.StepProfileConfig(model=tiny_model_dir, head="random", trie="none", dataset=prompts_file,
+                                         num_prompts=2, max_new_tokens=6, budget="4", copy_mib=8)
+    result = step_profile.run_step_profile(cfg, progress=False)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)  # plain, unpacked
+    emb = hf.get_input_embeddings().weight
+    tied = hf.get_output_embeddings().weight is emb
+    # every weight once; the input embedding only where it is also the output projection
+    expected = sum({t.data_ptr(): t.numel() * 4 for t in hf.parameters()}.values()) - (0 if tied else emb.numel() * 4)
+    assert result["weights_bytes"] == expected > 0
+    assert result["bandwidth_gbs"] > 0
+    assert result["floor_ms"] == pytest.approx(result["weights_bytes"] / (result["bandwidth_gbs"] * 1e9) * 1e3,
+                                               rel=1e-2)
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert set(rows) == {"autoregressive", "dart"} and rows["autoregressive"]["tau"] == 1.0
+    assert all(r["target_forwards"] > 0 and r["step_ms"] > 0 and r["kernel_ms_per_step"] is None
+               for r in rows.values())
+    paths = step_profile.save(result, tmp_path)
+    assert "| autoregressive | 1.00 |" in paths["md"].read_text()
+    with pytest.raises(ValueError, match="modes"):
+        step_profile.run_step_profile(step_profile.StepProfileConfig(modes=["beam"]), progress=False)
+
+
+def test_the_gpu_section_is_rendered_from_the_results_files(tmp_path):
+    """The GPU block holds exactly the tables of the files in the results folder, between its
+    markers; hand-written text around it is kept; a folder without a decoding run is refused."""
+    from pathlib import Path
+
+    from dart_core.bench import gpu_report, step_profile
+
+    folder = Path(__file__).parents[2] / "bench" / "results" / "gpu-h100"
+    page = tmp_path / "BENCHMARKS.md"
+    page.write_text(f"# Benchmarks\n\n## GPU\n\nhand-written\n\n{gpu_report.START}\nold\n{gpu_report.END}\n\ntail\n")
+    gpu_report.write_gpu_section(folder, page)
+    text = page.read_text()
+    assert "hand-written" in text and text.rstrip().endswith("tail") and "\nold\n" not in text
+    dec = json.loads((folder / "decoding-fp32.json").read_text())
+    prof = json.loads((folder / "step_profile-bf16.json").read_text())
+    assert decoding.markdown_table(dec) in text and step_profile.markdown_table(prof) in text
+    assert prof["hardware"]["gpu"] in text and text.count(gpu_report.START) == 1
+    with pytest.raises(FileNotFoundError, match="decoding"):
+        gpu_report.render_gpu_section(tmp_path, page)

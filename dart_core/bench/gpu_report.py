@@ -1,0 +1,112 @@
+"""The GPU section of BENCHMARKS.md, from a folder of results taken on a GPU machine:
+``python -m dart_core.bench.gpu_report bench/results/gpu-h100``.
+
+A borrowed GPU machine runs the benchmark tools one by one and sends their
+JSON back; this renders them into the page's ``## GPU`` block (between
+:data:`START` and :data:`END`; text outside the markers is kept), so the
+section holds exactly what the files say.  Files read from the folder, each
+optional except one decoding run:
+
+- ``pytest-gpu.log``: the output of ``pytest -m gpu`` there;
+- ``decoding-<dtype>.json``: :mod:`dart_core.bench.decoding` runs (batch 1);
+- ``step_profile-<dtype>.json``: :mod:`dart_core.bench.step_profile` runs (the floor);
+- ``batching-<dtype>.json``: :mod:`dart_core.bench.batching` sweeps;
+- ``commands.md``: the commands that made them (quoted as is).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+__all__ = ["render_gpu_section", "write_gpu_section", "main", "START", "END"]
+
+START = "<!-- gpu-results:start -->"
+END = "<!-- gpu-results:end -->"
+
+
+def _load(folder: Path, prefix: str) -> list[tuple[str, dict]]:
+    return [(p.stem.split("-", 1)[1], json.loads(p.read_text())) for p in sorted(folder.glob(f"{prefix}-*.json"))]
+
+
+def render_gpu_section(folder: str | Path, page: str | Path) -> str:
+    """The block between the markers for ``page``, from the files in ``folder``.
+
+    Raises:
+        FileNotFoundError: ``folder`` holds no ``decoding-*.json``.
+    """
+    from dart_core.bench import decoding, serving, step_profile
+
+    folder, page = Path(folder), Path(page)
+    dec = _load(folder, "decoding")
+    if not dec:
+        raise FileNotFoundError(f"no decoding-*.json in {folder}: nothing to report")
+    rel = os.path.relpath(folder, page.parent)
+    hw = dec[0][1]["hardware"]
+    lines = [START, "", f"_Rendered by `python -m dart_core.bench.gpu_report {rel}` from the files in `{rel}/`._", "",
+             f"**GPU**: {hw.get('gpu', '?')}. **Host**: {decoding.hardware_line(hw)}.", ""]
+    log = folder / "pytest-gpu.log"
+    if log.is_file():
+        lines += ["### Correctness", "", "`pytest -m gpu` there (greedy DART equals autoregressive decoding on a "
+                  "tiny random target, fp32 on CUDA):", "", "```", log.read_text().strip(), "```", "",
+                  "On SmolLM2 the `lossless` column of each decoding table below compares every method's tokens "
+                  "with the engine's autoregressive ones (`hf-generate` is transformers' own `generate`).", ""]
+    lines += ["### Decoding (batch 1)", ""]
+    for dtype, d in dec:
+        c = d["config"]
+        lines += [f"**{dtype}**: {', '.join(c['datasets'])}, "
+                  f"first {c['num_prompts']} prompts, {c['max_new_tokens']} new tokens, {c['repeats']} timed "
+                  f"pass(es), budget `{c['budget']}`, {d['seconds']:.0f} s.", "", decoding.markdown_table(d), ""]
+    prof = _load(folder, "step_profile")
+    if prof:
+        lines += ["### One step against the physical limit", "",
+                  "Floor = the target's weights ÷ the measured copy bandwidth (one read of every weight per "
+                  "step); kernel ms = device time of the step's kernels (torch.profiler); host share = the part of "
+                  "the step during which no kernel runs.", ""]
+        for dtype, p in prof:
+            c = p["config"]
+            lines += [f"**{dtype}** ({c['num_prompts']} MT-Bench prompt(s), {c['max_new_tokens']} new tokens):", "",
+                      step_profile.markdown_table(p), ""]
+    for dtype, b in _load(folder, "batching"):
+        b = {**b, "server": b.get("server") or {"model": "SmolLM2-135M-Instruct", "url": "in process"}}
+        lines += [f"### Continuous batching ({dtype}, `python -m dart_core.bench.batching`)", "",
+                  serving.markdown_table(b), ""]
+    cmds = folder / "commands.md"
+    if cmds.is_file():
+        lines += ["### Commands", "", cmds.read_text().strip(), ""]
+    files = sorted(p.name for p in folder.iterdir() if p.suffix in (".json", ".log"))
+    lines += ["Raw results: " + ", ".join(f"`{rel}/{f}`" for f in files) + ".", "", END]
+    return "\n".join(lines)
+
+
+def write_gpu_section(folder: str | Path, page: str | Path) -> Path:
+    """Replaces the block between the markers in ``page`` (appends it under ``## GPU`` when absent)."""
+    page = Path(page)
+    block = render_gpu_section(folder, page)
+    text = page.read_text() if page.is_file() else "# Benchmarks\n"
+    if START in text and END in text:
+        head, rest = text.split(START, 1)
+        text = head + block + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip() + "\n\n## GPU\n\n" + block + "\n"
+    page.write_text(text)
+    return page
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dart_core.bench.gpu_report", description=__doc__.split("\n\n")[0])
+    ap.add_argument("folder", help="results folder from the GPU machine")
+    ap.add_argument("--page", default="BENCHMARKS.md")
+    args = ap.parse_args(argv)
+    try:
+        print(write_gpu_section(args.folder, args.page))
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=__import__("sys").stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,260 @@
+"""One decoding step, profiled: ``python -m dart_core.bench.step_profile``.
+
+How far a decoding step is from the physical limit of the device.  A batch-1
+step of a small target reads every weight once, so its floor is
+
+    floor ms = bytes of the target's weights ÷ memory bandwidth,
+
+with the bandwidth measured in the same run (a device-to-device copy of
+``--copy-mib`` MiB, bytes read + written ÷ time, median of 5).  For each mode
+(``autoregressive``: one token per target forward; ``dart``: the engine's
+speculative step — draft forward, tree search, tree verification) the
+first ``--num-prompts`` prompts are decoded twice after a warm-up: once timed
+(wall ms per target forward, the engine's per-phase ms) and once under
+``torch.profiler`` (device-kernel ms per target forward and kernel launches
+per target forward).  Wall ms far above kernel ms means the step waits on the
+host (Python, kernel launches); kernel ms far above the floor means the
+kernels themselves are slow (small matrices, many launches).  On a CPU there
+are no device kernels: kernel figures are reported as absent and the floor
+uses the measured memory-copy bandwidth of the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+__all__ = ["StepProfileConfig", "run_step_profile", "measure_bandwidth", "weight_bytes", "save", "markdown_table", "main"]
+
+MODES = ("autoregressive", "dart")
+
+
+@dataclass
+class StepProfileConfig:
+    """Settings of one step-profile run (``python -m dart_core.bench.step_profile --help``)."""
+
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    head: str | None = None  # None: the head shipped for the model
+    trie: str = "auto"  # "auto" (the default trie), a file, or "none"
+    dataset: str = "mt-bench"
+    num_prompts: int = 4
+    max_new_tokens: int = 64
+    budget: str = "auto"
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    dtype: str | None = None  # default: bfloat16 on CUDA, float32 on CPU
+    device: str | None = None
+    threads: int | None = None
+    copy_mib: int = 1024
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_bandwidth(device, mib: int = 1024, repeats: int = 5) -> float:
+    """Memory bandwidth of ``device`` in GB/s: a copy of ``mib`` MiB, (read + written bytes) ÷ time,
+    median of ``repeats`` after one warm-up."""
+    import torch
+
+    n = (mib << 20) // 4
+    src = torch.ones(n, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+    del src, dst
+    return 2 * n * 4 / statistics.median(times) / 1e9
+
+
+def weight_bytes(module) -> int:
+    """Bytes of weights one forward of ``module`` (a Hugging Face causal LM) reads: its parameters,
+    shared ones once, plus the weights of packed CPU linears (:class:`~dart_core.target.PackedLinear`,
+    which are not parameters), less the input embedding, which a forward only gathers rows of,
+    unless that same tensor is the output projection (tied and not packed)."""
+    import torch
+
+    from dart_core.target import PackedLinear
+
+    seen, total = set(), 0
+    for t in module.parameters():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    total += sum(m.in_features * m.out_features * 4 for m in module.modules() if isinstance(m, PackedLinear))
+    if hasattr(module, "get_input_embeddings"):
+        emb = module.get_input_embeddings().weight
+        out = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+        if not (type(out) is torch.nn.Linear and out.weight is emb):
+            total -= emb.numel() * emb.element_size()
+    return total
+
+
+def _kernel_stats(prof) -> tuple[float, int]:
+    """(device-kernel ms, kernel count) of a finished ``torch.profiler`` run."""
+    import torch
+
+    ms, count = 0.0, 0
+    for evt in prof.key_averages():
+        if getattr(evt, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        self_us = getattr(evt, "self_device_time_total", None)
+        if self_us is None:
+            self_us = getattr(evt, "self_cuda_time_total", 0.0)
+        ms += self_us / 1000.0
+        count += evt.count
+    return ms, count
+
+
+def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
+    """Loads the model, measures the bandwidth and each mode's step; returns
+    ``{"config", "hardware", "weights_bytes", "bandwidth_gbs", "floor_ms", "rows", "seconds"}``.
+
+    Raises:
+        ValueError: an unknown mode or a bad budget.
+        FileNotFoundError: the model, head, trie or prompt file cannot be found.
+    """
+    import torch
+    from tqdm import tqdm
+
+    from dart_core.api import DartModel
+    from dart_core.bench.datasets import load_prompts
+    from dart_core.bench.decoding import hardware
+
+    if not cfg.modes or set(cfg.modes) - set(MODES):
+        raise ValueError(f"modes must be among {', '.join(MODES)}")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    started = time.perf_counter()
+    trie = None if cfg.trie in (None, "none") else cfg.trie
+    if trie == "auto":
+        from ngram_service.build import ensure_default_trie
+
+        trie = str(ensure_default_trie(cfg.model, progress=progress))
+    dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
+    budget = cfg.budget if cfg.budget == "auto" else int(cfg.budget)
+    model = DartModel.from_pretrained(cfg.model, head=cfg.head, trie=trie, budget=budget, dtype=dtype,
+                                      device=cfg.device)
+    device = model.engine.target.device
+    weights = weight_bytes(model.engine.target.model)
+    bandwidth = measure_bandwidth(device, cfg.copy_mib)
+    floor_ms = weights / (bandwidth * 1e9) * 1e3
+    prompts = load_prompts(cfg.dataset, cfg.num_prompts)
+    profile_cuda = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if profile_cuda else [])
+    rows = []
+    bar = tqdm(total=len(cfg.modes) * len(prompts), desc="step profile", disable=not progress)
+    for mode in cfg.modes:
+        speculative = mode == "dart"
+
+        def decode(prompt):
+            return model.generate([{"role": "user", "content": prompt}], max_new_tokens=cfg.max_new_tokens,
+                                  speculative=speculative)
+
+        decode(prompts[0])  # warm-up: allocator, kernels' first launches
+        wall_s, forwards, emitted, phases = 0.0, 0, 0, {}
+        kernel_ms, kernels, prof_forwards = 0.0, 0, 0
+        for prompt in prompts:
+            _sync(device)
+            t0 = time.perf_counter()
+            out = decode(prompt)
+            _sync(device)
+            wall_s += time.perf_counter() - t0
+            stats = out.result
+            forwards += stats.target_forwards
+            emitted += stats.emitted_after_prefill
+            for k, v in stats.phase_ms.items():
+                phases[k] = phases.get(k, 0.0) + v
+            if profile_cuda:
+                with torch.profiler.profile(activities=activities) as prof:
+                    again = decode(prompt)
+                    _sync(device)
+                ms, n = _kernel_stats(prof)
+                kernel_ms += ms
+                kernels += n
+                prof_forwards += again.result.target_forwards
+            bar.update(1)
+        fwd = max(forwards, 1)
+        step_ms = phases.get("total", wall_s * 1e3) / fwd
+        row = {"mode": mode, "target_forwards": forwards, "tokens": emitted,
+               "tau": round(emitted / fwd, 3),
+               "tokens_per_s": round(emitted / max(wall_s, 1e-9), 1),
+               "step_ms": round(step_ms, 3),
+               "phase_ms_per_step": {k: round(v / fwd, 3) for k, v in phases.items()},
+               "kernel_ms_per_step": round(kernel_ms / max(prof_forwards, 1), 3) if profile_cuda else None,
+               "kernels_per_step": round(kernels / max(prof_forwards, 1), 1) if profile_cuda else None,
+               "step_over_floor": round(step_ms / floor_ms, 1)}
+        if profile_cuda:
+            row["kernel_over_floor"] = round(row["kernel_ms_per_step"] / floor_ms, 1)
+            row["host_share"] = round(1 - min(row["kernel_ms_per_step"] / max(step_ms, 1e-9), 1.0), 3)
+        rows.append(row)
+    bar.close()
+    return {"config": asdict(cfg), "hardware": hardware(device), "weights_bytes": weights,
+            "weights_dtype": str(next(model.engine.target.model.parameters()).dtype).replace("torch.", ""),
+            "bandwidth_gbs": round(bandwidth, 1), "floor_ms": round(floor_ms, 4), "rows": rows,
+            "seconds": round(time.perf_counter() - started, 1)}
+
+
+def markdown_table(result: dict) -> str:
+    """The rows as a Markdown table, with the floor above it."""
+    from dart_core.bench.decoding import hardware_line
+
+    head = (f"{hardware_line(result['hardware'])}. Target weights {result['weights_bytes'] / 1e6:.1f} MB "
+            f"({result['weights_dtype']}), measured bandwidth {result['bandwidth_gbs']:.0f} GB/s: "
+            f"floor {result['floor_ms']:.3f} ms per target forward.\n\n")
+    lines = ["| mode | τ | tokens/s | step ms | kernel ms | kernels/step | host share | step ÷ floor |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        def f(v, spec):
+            return "—" if v is None else format(v, spec)
+        lines.append(f"| {r['mode']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['step_ms']:.2f} | "
+                     f"{f(r['kernel_ms_per_step'], '.2f')} | {f(r['kernels_per_step'], '.0f')} | "
+                     f"{f(r.get('host_share'), '.0%')} | {r['step_over_floor']:.0f}× |")
+    return head + "\n".join(lines) + "\n"
+
+
+def save(result: dict, out: str | Path) -> dict:
+    """Writes ``step_profile.json`` and ``step_profile.md`` under ``out``; returns their paths."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "step_profile.json", "md": out / "step_profile.md"}
+    paths["json"].write_text(json.dumps(result, indent=2) + "\n")
+    paths["md"].write_text(markdown_table(result))
+    return paths
+
+
+def main(argv=None) -> int:
+    from dart_core.bench import run_cli
+
+    d = StepProfileConfig()
+    ap = argparse.ArgumentParser(prog="python -m dart_core.bench.step_profile", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=d.model, help="model folder or .gguf [embedded SmolLM2-135M-Instruct]")
+    ap.add_argument("--head", default=d.head, help="draft head folder [the shipped head]")
+    ap.add_argument("--trie", default=d.trie, help='trie file, "auto" or "none"')
+    ap.add_argument("--dataset", default=d.dataset, help="mt-bench, humaneval, alpacaeval or a JSONL file")
+    ap.add_argument("--num-prompts", type=int, default=d.num_prompts)
+    ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    ap.add_argument("--budget", default=d.budget, help='"auto" or a fixed number of draft nodes')
+    ap.add_argument("--modes", nargs="+", default=d.modes, choices=MODES)
+    ap.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--device", default=d.device)
+    ap.add_argument("--threads", type=int, default=d.threads)
+    ap.add_argument("--copy-mib", type=int, default=d.copy_mib, help="size of the bandwidth copy [1024]")
+    ap.add_argument("--out", default="bench/results", help="folder for step_profile.json/.md")
+    ap.add_argument("--no-progress", action="store_true")
+    return run_cli(StepProfileConfig, ap.parse_args(argv), run_step_profile, save, markdown_table)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
