@@ -459,3 +459,69 @@ def test_source_mix_prices_points_and_compares_per_token_and_per_core_hour(tmp_p
     assert saved["best_by_tokens"]["top1_position1"] == "self" and set(saved["points"]) == {"self", "sharegpt"}
     assert mix.main(args[:-4] + ["--out", str(out)]) == 2  # no sharegpt cost
     assert "sharegpt" in capsys.readouterr().err
+
+
+def test_sequences_padded_into_one_forward_give_each_sequences_own_loss_and_gradient():
+    """_batch_loss (several sequences, one padded forward: the GPU path) equals _sequence_loss
+    run per sequence, in the losses and in the summed gradient, with sequences of different
+    lengths and anchor counts (so both paddings are exercised)."""
+    from dart_core.draft_head import DartDraftHead, DraftHeadConfig
+    from dart_core.train.trainer import _batch_loss, _sequence_loss
+
+    from .conftest import tiny_config
+
+    torch.manual_seed(0)
+    cfg = tiny_config("llama")
+    head = DartDraftHead(DraftHeadConfig.for_target(cfg, draft_vocab_size=40))
+    embed = torch.nn.Embedding(cfg.vocab_size, head.config.hidden_size)
+    rng = np.random.default_rng(0)
+    k = 4
+
+    def seq(n):
+        probs = rng.random((n, k)).astype(np.float32)
+        return {"tokens": rng.integers(0, cfg.vocab_size, n), "prompt_length": 2,
+                "taps": rng.standard_normal((n, 3 * head.config.target_hidden_size)).astype(np.float32),
+                "teacher_ids": rng.integers(0, 40, (n, k)), "teacher_probs": probs / probs.sum(1, keepdims=True)}
+
+    seqs = [seq(9), seq(16), seq(5)]
+    anchors = [[2, 4, 7], [3, 6, 10, 12, 14], [2]]
+    off = torch.autocast("cpu", enabled=False)
+
+    def grads(loss):
+        head.zero_grad(set_to_none=True)
+        loss.backward()
+        return [p.grad.clone() for p in head.parameters() if p.grad is not None]
+
+    single = [_sequence_loss(head, embed, s, a, 0.6, torch.device("cpu"), off)[0] for s, a in zip(seqs, anchors)]
+    g_single = grads(sum(single))
+    batched = _batch_loss(head, embed, seqs, anchors, 0.6, torch.device("cpu"), off)
+    assert batched.shape == (3,)
+    torch.testing.assert_close(batched, torch.stack(single).detach(), atol=1e-5, rtol=1e-5)
+    g_batched = grads(batched.sum())
+    assert len(g_batched) == len(g_single) > 0
+    for a, b in zip(g_batched, g_single):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_a_run_padding_sequences_together_trains_the_same_head(tmp_path, monkeypatch):
+    """--sequences-per-forward changes how a step is computed, not what it computes: the same anchors
+    in the same order, the same head to rounding (the saved heads are bf16)."""
+    target, base = _small_run(tmp_path, monkeypatch)
+    base.update(epochs=1, lr=1e-2)  # a high rate, so training moves the head well past rounding
+    one = train(TrainConfig(out=str(tmp_path / "one"), sequences_per_forward=1, **base), target=target,
+                progress=False)
+    monkeypatch.setenv("DART_SERVE_CACHE", str(tmp_path / "cache2"))  # the same run from scratch elsewhere
+    _write_tiny_data(tmp_path / "cache2" / "train" / "data", target, 14)
+    two = train(TrainConfig(out=str(tmp_path / "two"), sequences_per_forward=2, **base), target=target,
+                progress=False)
+    assert one["finished"] and two["finished"] and one["steps"] == two["steps"] > 1
+    assert one["throughput"]["anchors_this_call"] == two["throughput"]["anchors_this_call"]
+    heads = [load_draft_head(tmp_path / x, target.config) for x in ("one", "two")]
+    vocab = (heads[0].d2t + torch.arange(len(heads[0].d2t))).numpy()
+    start = init_head(target, vocab, base.get("seed", 0)).state_dict()
+    a, b = (h.state_dict() for h in heads)
+    apart = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    moved = max(float((a[k].float() - start[k].float()).abs().max()) for k in a)
+    assert apart < 0.1 * moved, (apart, moved)  # the runs agree far more closely than training moved them
+    with pytest.raises(ValueError, match="at least 1"):
+        train(TrainConfig(out=str(tmp_path / "bad"), sequences_per_forward=-1, **base), target=target, progress=False)
