@@ -33,6 +33,18 @@ def save_plot(plot: Callable[..., None], path: Path, *args) -> Path | None:
     return path
 
 
+def add_engine_arguments(ap, defaults) -> None:
+    """The options that load the engine in process (model, head, trie, budget, dtype, device,
+    threads), shared by the batching benchmark and the step profile."""
+    ap.add_argument("--model", default=defaults.model, help="local model folder or .gguf [embedded SmolLM2-135M-Instruct]")
+    ap.add_argument("--head", default=defaults.head, help='draft head folder, or "random" [the shipped head]')
+    ap.add_argument("--trie", default=defaults.trie, help='trie file, "auto" (default trie) or "none" (logits-only)')
+    ap.add_argument("--budget", default=defaults.budget, help='"auto" or a fixed number of draft nodes')
+    ap.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--device", default=defaults.device)
+    ap.add_argument("--threads", type=int, default=defaults.threads)
+
+
 def run_cli(config_cls, args, run, save, table, requires: tuple[str, ...] = ()) -> int:
     """The shared tail of the benchmark CLIs: checks the optional modules the run needs
     (``requires``; matplotlib only warns) before anything long starts, builds ``config_cls``

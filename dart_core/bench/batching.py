@@ -146,22 +146,16 @@ def save(result: dict, out_dir: str | Path, stem: str = "batching") -> dict[str,
 def main(argv=None) -> int:
     import argparse
 
-    from dart_core.bench import run_cli
+    from dart_core.bench import add_engine_arguments, run_cli
     from dart_core.bench.serving import add_sweep_arguments, markdown_table
 
     d = BatchingConfig()
     ap = argparse.ArgumentParser(prog="python -m dart_core.bench.batching", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=d.model, help="local model folder or .gguf [embedded SmolLM2-135M-Instruct]")
-    ap.add_argument("--head", default=d.head, help='draft head folder, or "random" [the shipped head]')
-    ap.add_argument("--trie", default=d.trie, help='trie file, "auto" (default trie) or "none" (logits-only)')
+    add_engine_arguments(ap, d)
     add_sweep_arguments(ap, d)
-    ap.add_argument("--budget", default=d.budget, help='"auto" or a fixed number of draft nodes')
     ap.add_argument("--no-gate", dest="gate", action="store_false", help="speculate at every step (no gate)")
     ap.add_argument("--max-batch-size", type=int, default=d.max_batch_size)
     ap.add_argument("--max-speculative-batch", type=int, default=d.max_speculative_batch)
-    ap.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--device", default=d.device)
-    ap.add_argument("--threads", type=int, default=d.threads)
     ap.add_argument("--out", default="bench/results", help="folder for batching.json/.md/.png")
     ap.add_argument("--no-progress", action="store_true")
     return run_cli(BatchingConfig, ap.parse_args(argv), run_batching, save, markdown_table)

@@ -235,21 +235,15 @@ def save(result: dict, out: str | Path) -> dict:
 
 
 def main(argv=None) -> int:
-    from dart_core.bench import run_cli
+    from dart_core.bench import add_engine_arguments, run_cli
 
     d = StepProfileConfig()
     ap = argparse.ArgumentParser(prog="python -m dart_core.bench.step_profile", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=d.model, help="model folder or .gguf [embedded SmolLM2-135M-Instruct]")
-    ap.add_argument("--head", default=d.head, help="draft head folder [the shipped head]")
-    ap.add_argument("--trie", default=d.trie, help='trie file, "auto" or "none"')
+    add_engine_arguments(ap, d)
     ap.add_argument("--dataset", default=d.dataset, help="mt-bench, humaneval, alpacaeval or a JSONL file")
     ap.add_argument("--num-prompts", type=int, default=d.num_prompts)
     ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    ap.add_argument("--budget", default=d.budget, help='"auto" or a fixed number of draft nodes')
     ap.add_argument("--modes", nargs="+", default=d.modes, choices=MODES)
-    ap.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--device", default=d.device)
-    ap.add_argument("--threads", type=int, default=d.threads)
     ap.add_argument("--copy-mib", type=int, default=d.copy_mib, help="size of the bandwidth copy [1024]")
     ap.add_argument("--out", default="bench/results", help="folder for step_profile.json/.md")
     ap.add_argument("--no-progress", action="store_true")
