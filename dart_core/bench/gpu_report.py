@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 __all__ = ["render_gpu_section", "write_gpu_section", "main", "START", "END"]
@@ -83,15 +84,10 @@ def render_gpu_section(folder: str | Path, page: str | Path) -> str:
 
 def write_gpu_section(folder: str | Path, page: str | Path) -> Path:
     """Replaces the block between the markers in ``page`` (appends it under ``## GPU`` when absent)."""
+    from dart_core.bench.report import _write_page
+
     page = Path(page)
-    block = render_gpu_section(folder, page)
-    text = page.read_text() if page.is_file() else "# Benchmarks\n"
-    if START in text and END in text:
-        head, rest = text.split(START, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip() + "\n\n## GPU\n\n" + block + "\n"
-    page.write_text(text)
+    _write_page(page, render_gpu_section(folder, page), START, END, heading="## GPU\n\n")
     return page
 
 
@@ -103,7 +99,7 @@ def main(argv=None) -> int:
     try:
         print(write_gpu_section(args.folder, args.page))
     except (FileNotFoundError, ValueError, KeyError) as e:
-        print(f"error: {e}", file=__import__("sys").stderr)
+        print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -135,16 +135,16 @@ def render_page(dec: dict, srv: dict | None, command: str, out_dir: Path, page: 
     return "\n".join(lines)
 
 
-def _write_page(page: Path, block: str) -> None:
-    if page.is_file():
-        text = page.read_text()
-        if START in text and END in text:
-            head, rest = text.split(START, 1)
-            text = head + block + rest.split(END, 1)[1]
-        else:
-            text = text.rstrip() + "\n\n" + block + "\n"
+def _write_page(page: Path, block: str, start: str = START, end: str = END, heading: str = "") -> None:
+    """Puts ``block`` (which begins with ``start`` and ends with ``end``) in place of the page's
+    block between those markers, keeping the text around it; a page without them gets the block
+    appended (under ``heading`` when given), a missing page is created."""
+    text = page.read_text() if page.is_file() else "# Benchmarks\n"
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        text = head + block + rest.split(end, 1)[1]
     else:
-        text = "# Benchmarks\n\n" + block + "\n"
+        text = text.rstrip() + "\n\n" + heading + block + "\n"
     page.write_text(text)
 
 

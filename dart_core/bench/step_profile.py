@@ -51,17 +51,12 @@ class StepProfileConfig:
     copy_mib: int = 1024
 
 
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure_bandwidth(device, mib: int = 1024, repeats: int = 5) -> float:
     """Memory bandwidth of ``device`` in GB/s: a copy of ``mib`` MiB, (read + written bytes) ÷ time,
     median of ``repeats`` after one warm-up."""
     import torch
+
+    from dart_core.engine import _sync
 
     n = (mib << 20) // 4
     src = torch.ones(n, dtype=torch.float32, device=device)
@@ -131,6 +126,7 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
     from dart_core.api import DartModel
     from dart_core.bench.datasets import load_prompts
     from dart_core.bench.decoding import hardware
+    from dart_core.engine import _sync
 
     if not cfg.modes or set(cfg.modes) - set(MODES):
         raise ValueError(f"modes must be among {', '.join(MODES)}")

@@ -159,37 +159,21 @@ def _anchors(length: int, prompt_length: int, limit: int, rng: random.Random | N
 
 def _sequence_loss(head, embed, seq, anchors, gamma, device, dtype_ctx):
     """Weighted cross-entropy of one sequence's anchors; returns (loss, logits [A, d, V], valid [A, d])."""
-    d = head.config.depth
-    length = len(seq["tokens"])
-    taps = torch.from_numpy(np.asarray(seq["taps"][: length - 1], dtype=np.float32)).to(device)[None]
-    tokens = torch.from_numpy(np.asarray(seq["tokens"], dtype=np.int64)).to(device)
-    anchor_t = torch.tensor(anchors, dtype=torch.long, device=device)
-    with torch.no_grad():
-        next_embeds = embed(tokens[1:])[None].float()
-    with dtype_ctx:
-        logits = head.forward_train(taps, next_embeds, anchor_t[None])[0]  # [A, d, V]
-    logq = logits.float().log_softmax(-1)
-    pos = anchor_t[:, None] + torch.arange(1, d + 1, device=device)  # teacher position of prediction j
-    valid = pos <= length - 2
-    pos = pos.clamp(max=length - 1)
-    t_ids = torch.from_numpy(np.asarray(seq["teacher_ids"], dtype=np.int64)).to(device)[pos]  # [A, d, K]
-    t_p = torch.from_numpy(np.asarray(seq["teacher_probs"], dtype=np.float32)).to(device)[pos]
-    ce = -(t_p * logq.gather(-1, t_ids)).sum(-1)  # [A, d]
-    w = gamma ** torch.arange(d, device=device, dtype=torch.float32)
-    loss = (ce * w * valid).sum() / max(len(anchors), 1)
-    return loss, logits, valid
+    losses, logits, valid = _batch_loss(head, embed, [seq], [anchors], gamma, device, dtype_ctx)
+    return losses[0], logits[0], valid[0]
 
 
-def _batch_loss(head, embed, seqs, anchors_list, gamma, device, dtype_ctx) -> torch.Tensor:
-    """The per-sequence losses of :func:`_sequence_loss` for several sequences in one padded forward:
-    returns [B] (each sequence's weighted cross-entropy over its own anchors).
+def _batch_loss(head, embed, seqs, anchors_list, gamma, device, dtype_ctx):
+    """Loss Σ_j γ^(j-1) CE(p_target,j, q_j) of several sequences in one padded forward: returns
+    (losses [B], each sequence's weighted cross-entropy averaged over its own anchors;
+    logits [B, A, d, V]; valid [B, A, d], False past a sequence's end or on a padding anchor).
 
     Sequences are right-padded to the longest (zero taps and embeddings, zero teacher
     probabilities) and anchor lists to the longest (repeats, masked out of the loss).  Padding
     changes no sequence's result: under :meth:`DartDraftHead.forward_train`'s block mask a query
     sees real positions up to its anchor only, and every anchor lies inside its own sequence
-    (tested equal to :func:`_sequence_loss` per sequence).  On a GPU this divides the kernel
-    launches of a training step by the number of sequences per forward.
+    (tested equal to one sequence per call).  On a GPU this divides the kernel launches of a
+    training step by the number of sequences per forward.
     """
     d = head.config.depth
     lengths = torch.tensor([len(s["tokens"]) for s in seqs], device=device)
@@ -222,7 +206,7 @@ def _batch_loss(head, embed, seqs, anchors_list, gamma, device, dtype_ctx) -> to
     ce = -(t_p[rows, pos] * logq.gather(-1, t_ids[rows, pos])).sum(-1)  # [B, A, d]
     w = gamma ** torch.arange(d, device=device, dtype=torch.float32)
     counts = torch.tensor([max(len(a), 1) for a in anchors_list], device=device, dtype=torch.float32)
-    return (ce * w * valid).sum((1, 2)) / counts
+    return (ce * w * valid).sum((1, 2)) / counts, logits, valid
 
 
 @torch.no_grad()
@@ -472,10 +456,7 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
                     anchor_lists.append(anchors)
             if not seqs:
                 continue
-            if len(seqs) == 1:
-                loss = _sequence_loss(head, embed, seqs[0], anchor_lists[0], cfg.gamma, device, autocast)[0]
-            else:
-                loss = _batch_loss(head, embed, seqs, anchor_lists, cfg.gamma, device, autocast).sum()
+            loss = _batch_loss(head, embed, seqs, anchor_lists, cfg.gamma, device, autocast)[0].sum()
             (loss / len(batch)).backward()
             loss_sum += float(loss.detach())
             anchors_seen += sum(len(a) for a in anchor_lists)

@@ -494,7 +494,7 @@ def test_sequences_padded_into_one_forward_give_each_sequences_own_loss_and_grad
 
     single = [_sequence_loss(head, embed, s, a, 0.6, torch.device("cpu"), off)[0] for s, a in zip(seqs, anchors)]
     g_single = grads(sum(single))
-    batched = _batch_loss(head, embed, seqs, anchors, 0.6, torch.device("cpu"), off)
+    batched = _batch_loss(head, embed, seqs, anchors, 0.6, torch.device("cpu"), off)[0]
     assert batched.shape == (3,)
     torch.testing.assert_close(batched, torch.stack(single).detach(), atol=1e-5, rtol=1e-5)
     g_batched = grads(batched.sum())
