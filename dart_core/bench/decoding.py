@@ -24,7 +24,10 @@ wall seconds of the pass, reported as the median over passes; speedup = the
 median over passes of tokens/s ÷ the autoregressive tokens/s of the same pass;
 τ = tokens emitted after prefill ÷ target forwards (bonus included); per-phase
 milliseconds per target forward (draft, tree search, verify, whole step);
-lossless = at T = 0, every prompt's tokens equal the autoregressive tokens.
+lossless = at T = 0, every prompt's tokens equal the autoregressive tokens;
+agreement (T = 0) = how many prompts' outputs equal the autoregressive ones in
+the first pass and the share of tokens before the first difference (the
+half-precision figure, where bit-exact equality is not expected).
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["METHODS", "DART_METHODS", "DecodingConfig", "run_decoding", "hardware", "hardware_line", "markdown_table", "plot_speedup"]
+__all__ = ["METHODS", "DART_METHODS", "DecodingConfig", "run_decoding", "hardware", "hardware_line", "markdown_table", "plot_speedup",
+           "agreement"]
 
 METHODS = ("autoregressive", "hf-generate", "hf-prompt-lookup", "dart-no-ngram", "dart", "dart-context", "dart-grpc")
 DART_METHODS = ("dart-no-ngram", "dart", "dart-context", "dart-grpc")
@@ -317,10 +321,35 @@ def _aggregate(runs, prompts, methods, cfg: DecodingConfig, grpc_fallbacks: int)
                                       for k in ("draft", "tree_search", "verify", "total")}
             if cfg.temperature == 0:
                 row["lossless"] = all(r.tokens == a.tokens for p, ap in zip(passes, ar_passes) for r, a in zip(p, ap))
+                row["agreement"] = agreement([r.tokens for r in passes[0]], [a.tokens for a in ar_passes[0]])
             if m == "dart-grpc":
                 row["grpc_fallbacks"] = grpc_fallbacks
             rows.append(row)
     return rows
+
+
+def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
+    """How far greedy outputs agree with the reference (autoregressive) ones, prompt by prompt.
+
+    Args:
+        outputs, reference: one token list per prompt, in the same order.
+
+    Returns:
+        ``{"prompts_equal": k, "prompts": n, "prefix": f}``: k of the n outputs equal their
+        reference token for token; f is the fraction of reference tokens (all prompts together)
+        that come before each output's first difference, 1.0 when every output is equal.  In
+        float32 DART is lossless (k = n); in half precision a near-tie can resolve the other way
+        and the continuations part (README, "Lossless").
+    """
+    if len(outputs) != len(reference):
+        raise ValueError(f"{len(outputs)} outputs against {len(reference)} references")
+    same = total = 0
+    for out, ref in zip(outputs, reference):
+        k = next((i for i, (x, y) in enumerate(zip(out, ref)) if x != y), min(len(out), len(ref)))
+        same += len(ref) if out == ref else k
+        total += len(ref)
+    return {"prompts_equal": sum(o == r for o, r in zip(outputs, reference)), "prompts": len(reference),
+            "prefix": round(same / total, 4) if total else 1.0}
 
 
 def _fmt(x, spec: str = "") -> str:
@@ -338,6 +367,9 @@ def markdown_table(result: dict) -> str:
     for r in result["rows"]:
         ms = r["ms_per_step"] or {}
         lossless = "n/a (T > 0)" if r["lossless"] is None else ("yes" if r["lossless"] else "**NO**")
+        agree = r.get("agreement")
+        if r["lossless"] is False and agree:
+            lossless += f" ({agree['prompts_equal']}/{agree['prompts']} equal, {100 * agree['prefix']:.0f} % before a difference)"
         name = r["method"] + (f" ({r['grpc_fallbacks']} fallbacks)" if r.get("grpc_fallbacks") else "")
         lines.append(f"| {r['dataset']} ({r['prompts']}) | {name} | {_fmt(r['tau'], '.2f')} | "
                      f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}× | {_fmt(ms.get('draft'), '.1f')} | "

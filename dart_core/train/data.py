@@ -49,6 +49,7 @@ class DataConfig:
     eval_prompts: int = 64  # held out (the first ones of the shuffled list), never trained on
     exclude_alpacaeval: bool = True  # drop AlpacaEval instructions too (fetches the alpaca-eval sdist once)
     sharegpt_turns: int = 0  # teacher-forced source: ShareGPT's own assistant turns (0 = none)
+    sharegpt_skip: int = 0  # teacher-forced turns to pass over first (fresh data for a warm start)
     generate: bool = True  # False: train on the responses already stored; unanswered prompts are left out
     examples_file: str | None = None  # pre-tokenized examples (.npz, write_examples): used instead of both sources
 
@@ -216,11 +217,14 @@ def sharegpt_examples(tokenizer, config: DataConfig) -> list[Example]:
     Conversations are shuffled with ``prompt_seed``; each assistant turn becomes one example:
     the conversation up to it through the chat template (with the generation prompt) as the
     prompt, its text plus EOS as the response (anchors lie in the response only).  Turns whose
-    prompt exceeds ``max_prompt_tokens`` are skipped; the first ``sharegpt_turns`` kept are
-    returned.  Conversations whose first prompt is a held-out one (the first ``eval_prompts``
-    of :func:`training_prompts`) or that quote an evaluation prompt are left out, as are
+    prompt exceeds ``max_prompt_tokens`` are skipped; of the turns kept, the first
+    ``sharegpt_skip`` are passed over and the next ``sharegpt_turns`` returned.  Conversations
+    whose first prompt is a held-out one (the first ``eval_prompts`` of
+    :func:`training_prompts`) or that quote an evaluation prompt are left out, as are
     conversations with roles other than human/gpt alternating from a human turn.  Example
-    indices are ``SHAREGPT_INDEX_BASE + k``.
+    indices are ``SHAREGPT_INDEX_BASE + k`` for the k-th turn kept, counting the skipped ones, so
+    a turn has the same index whatever ``sharegpt_skip`` is (``--sharegpt-skip 3300
+    --sharegpt-turns 2400`` gives the 2,400 turns that follow a ``--sharegpt-turns 3300`` run).
     """
     from ngram_service.corpus import clean_sharegpt_conversations, normalise_text
 
@@ -232,6 +236,7 @@ def sharegpt_examples(tokenizer, config: DataConfig) -> list[Example]:
     random.Random(config.prompt_seed + 1).shuffle(conversations)
     eos = tokenizer.eos_token_id
     out: list[Example] = []
+    kept = 0  # turns kept so far, the skipped ones included
     for turns in conversations:
         roles = [_ROLES.get(t.get("from")) for t in turns]
         if None in roles or any(r != ("user", "assistant")[i % 2] for i, r in enumerate(roles)):
@@ -245,11 +250,15 @@ def sharegpt_examples(tokenizer, config: DataConfig) -> list[Example]:
             response = tokenizer(messages[i]["content"].strip(), add_special_tokens=False)["input_ids"]
             if not response:
                 continue
-            out.append(Example(SHAREGPT_INDEX_BASE + len(out), prompt,
+            kept += 1
+            if kept <= config.sharegpt_skip:
+                continue
+            out.append(Example(SHAREGPT_INDEX_BASE + kept - 1, prompt,
                                response[: config.max_new_tokens] + ([eos] if eos is not None else [])))
             if len(out) >= config.sharegpt_turns:
                 return out
-    logger.warning("ShareGPT gave %d teacher-forced turns of the %d asked for", len(out), config.sharegpt_turns)
+    logger.warning("ShareGPT gave %d teacher-forced turns of the %d asked for (after skipping %d)", len(out),
+                   config.sharegpt_turns, config.sharegpt_skip)
     return out
 
 

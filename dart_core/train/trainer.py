@@ -86,7 +86,7 @@ class TrainConfig:
     max_minutes: float | None = None  # stop (checkpointed, resumable) after this long: for time-limited machines
     autocast: str = "auto"  # "auto": bf16 on CUDA and on CPUs with native bf16 matmul; "bf16" or "off"
     final_norm_twice: bool = False  # train for the reference's lm_head(norm(norm(h))) path instead of lm_head(norm(h))
-    init_from: str | None = None  # warm start: a head folder to continue from (same target, same draft vocabulary)
+    init_from: str | None = None  # warm start: a head folder to continue from (same target; its draft vocabulary is kept)
     sequences_per_forward: int | None = None  # sequences padded into one head forward (None: 8 on CUDA, 1 elsewhere)
 
 
@@ -120,26 +120,30 @@ def init_head(target, draft_vocab: np.ndarray, seed: int, *, final_norm_twice: b
     return head
 
 
-def warm_start_head(folder: str | Path, target, draft_vocab: np.ndarray, *,
-                    final_norm_twice: bool = False) -> DartDraftHead:
-    """The head saved in ``folder``, checked to continue training on this data.
+def head_draft_vocab(head: DartDraftHead) -> np.ndarray:
+    """[V_draft] int64, ascending: the target ids of a head's draft vocabulary (draft index i is
+    target id i + d2t[i], the reference ``d2t`` convention)."""
+    return (torch.arange(head.d2t.numel()) + head.d2t.cpu().long()).numpy()
+
+
+def warm_start_head(folder: str | Path, target, *, final_norm_twice: bool = False) -> DartDraftHead:
+    """The head saved in ``folder``, to continue training from.
 
     A warm start trains further from an existing head (more passes over the
-    same feature store, or new data) instead of from :func:`init_head`.  Its
-    weights are read in fp32 (a bf16 head is widened exactly).
+    same feature store, or new data) instead of from :func:`init_head`.  It
+    keeps the head's own draft vocabulary (:func:`head_draft_vocab`): the
+    teacher features are computed over it, whatever the new data's most
+    frequent tokens are.  Its weights are read in fp32 (a bf16 head is
+    widened exactly).
 
     Raises:
         HeadLoadError: ``folder`` is not a readable head of this target.
-        ValueError: the head's draft vocabulary is not the one chosen from this
-            data (its ``d2t`` differs), or its final-norm path differs from
-            ``final_norm_twice``.
+        ValueError: its final-norm path differs from ``final_norm_twice`` (:func:`train` also
+            refuses a ``draft_vocab_size`` other than the head's).
     """
     from dart_core.draft_head import load_draft_head
 
     head = load_draft_head(folder, target.config)
-    if not torch.equal(head.d2t.cpu(), _d2t(draft_vocab)):  # False for other sizes too
-        raise ValueError(f"--init-from {folder}: its draft vocabulary ({head.d2t.numel()} tokens) is not the one "
-                         f"chosen from this data ({len(draft_vocab)} tokens); train it on the data it was made from")
     if head.config.final_norm_twice != final_norm_twice:
         raise ValueError(f"--init-from {folder}: final_norm_twice is {head.config.final_norm_twice} there, "
                          f"{final_norm_twice} here")
@@ -376,8 +380,16 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
     if not train_ex:
         raise ValueError(f"no training sequences in {data_dir} below prompt index {cfg.data.num_prompts}")
     eos = target.tokenizer.eos_token_id if target.tokenizer is not None else None
-    draft_vocab = choose_draft_vocab(train_ex, cfg.draft_vocab_size, target.config.vocab_size,
-                                     always=(eos,) if eos is not None else ())
+    if cfg.init_from:  # a warm start keeps the head's draft vocabulary
+        head = warm_start_head(cfg.init_from, target, final_norm_twice=cfg.final_norm_twice)
+        draft_vocab = head_draft_vocab(head)
+        if len(draft_vocab) != cfg.draft_vocab_size:
+            raise ValueError(f"--init-from {cfg.init_from}: its draft vocabulary has {len(draft_vocab)} tokens, "
+                             f"--draft-vocab-size asks for {cfg.draft_vocab_size}")
+    else:
+        draft_vocab = choose_draft_vocab(train_ex, cfg.draft_vocab_size, target.config.vocab_size,
+                                         always=(eos,) if eos is not None else ())
+        head = init_head(target, draft_vocab, cfg.seed, final_norm_twice=cfg.final_norm_twice)
     t0 = time.time()
     deadline = None if cfg.max_minutes is None else started + 60 * cfg.max_minutes
     feats = compute_features(target, train_ex + held_ex, work / "features", draft_vocab=draft_vocab,
@@ -403,10 +415,6 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
     self_distilled = len(self_rows)
     self_tokens = _token_count(feats, self_rows)
 
-    if cfg.init_from:
-        head = warm_start_head(cfg.init_from, target, draft_vocab, final_norm_twice=cfg.final_norm_twice)
-    else:
-        head = init_head(target, draft_vocab, cfg.seed, final_norm_twice=cfg.final_norm_twice)
     head = head.to(device).train()
     embed = target.embed_tokens
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)

@@ -34,6 +34,7 @@ def test_decoding_benchmark_runs_every_method_losslessly(tiny_model_dir, default
     rows = {r["method"]: r for r in result["rows"]}
     assert set(rows) == set(decoding.METHODS)
     assert all(r["lossless"] is True for r in rows.values())  # HF baselines and all DART variants
+    assert all(r["agreement"] == {"prompts_equal": 3, "prompts": 3, "prefix": 1.0} for r in rows.values())
     assert rows["autoregressive"]["speedup"] == 1.0 and rows["autoregressive"]["tau"] == 1.0
     assert all(rows[m]["tau"] >= 1.0 and rows[m]["ms_per_step"]["verify"] > 0 for m in decoding.DART_METHODS)
     assert rows["dart-grpc"]["grpc_fallbacks"] == 0  # the search really went over gRPC
@@ -44,6 +45,21 @@ def test_decoding_benchmark_runs_every_method_losslessly(tiny_model_dir, default
     assert "| dart-grpc |" in table and "**NO**" not in table
     assert json.loads(paths["json"].read_text())["rows"] == result["rows"]
     assert paths["png"].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_agreement_counts_equal_outputs_and_the_prefix_before_a_difference():
+    ref = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9]]
+    assert decoding.agreement(ref, ref) == {"prompts_equal": 3, "prompts": 3, "prefix": 1.0}
+    # the second output parts after 2 of its 4 tokens, the third is cut short after 1 of 2
+    out = [[1, 2, 3, 4], [5, 6, 0, 8], [9]]
+    assert decoding.agreement(out, ref) == {"prompts_equal": 1, "prompts": 3, "prefix": round(7 / 10, 4)}
+    with pytest.raises(ValueError, match="2 outputs against 3"):
+        decoding.agreement(out[:2], ref)
+    row = {"dataset": "d", "method": "dart", "prompts": 3, "tau": 2.0, "tokens_per_s": 10.0, "speedup": 1.5,
+           "ms_per_step": None, "lossless": False, "agreement": decoding.agreement(out, ref)}
+    table = decoding.markdown_table({"config": {"temperature": 0.0, "max_new_tokens": 4, "budget": "auto",
+                                                "repeats": 1}, "device": "cuda", "dtype": "bfloat16", "rows": [row]})
+    assert "**NO** (1/3 equal, 70 % before a difference)" in table
 
 
 def test_decoding_benchmark_refuses_dart_without_a_head(tiny_model_dir, prompts_file):

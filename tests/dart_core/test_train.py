@@ -178,7 +178,7 @@ def test_a_token_budget_trains_on_a_subset_and_a_time_limit_stops_resumably(tmp_
         assert torch.equal(x, y), name  # stopping and resuming trains exactly what one run trains
 
 
-def test_a_warm_start_continues_from_a_head_and_refuses_one_of_other_data(tmp_path, monkeypatch):
+def test_a_warm_start_continues_from_a_head_and_refuses_a_mismatch(tmp_path, monkeypatch):
     from dart_core.draft_head import HeadLoadError
 
     target, base = _small_run(tmp_path, monkeypatch)
@@ -198,6 +198,17 @@ def test_a_warm_start_continues_from_a_head_and_refuses_one_of_other_data(tmp_pa
                              **base), target=target, progress=False)
     assert more["eval"][-1]["loss"] < first["eval"][-1]["loss"]
     assert more["config"]["init_from"] == str(tmp_path / "first")
+    # new data whose most frequent tokens differ: the head keeps its own draft vocabulary
+    fewer = dict(base, data=DataConfig(num_prompts=6, eval_prompts=2))
+    other = train(TrainConfig(out=str(tmp_path / "other"), epochs=1, init_from=str(tmp_path / "first"), **fewer),
+                  target=target, progress=False)
+    assert other["sequences"]["train"] < first["sequences"]["train"]
+    assert torch.equal(load_draft_head(tmp_path / "other", target.config).d2t, a.d2t)
+    from dart_core.train.data import stored_examples
+    from dart_core.train.trainer import head_draft_vocab
+    own = choose_draft_vocab([e for e in stored_examples(fewer["data"], tmp_path / "cache" / "train" / "data", None)
+                              if e.index >= 2], 64, target.config.vocab_size)
+    assert not np.array_equal(own, head_draft_vocab(a))  # the data alone would have chosen another
     small_vocab = dict(base, draft_vocab_size=32)
     with pytest.raises(ValueError, match="draft vocabulary"):
         train(TrainConfig(out=str(tmp_path / "x"), epochs=1, init_from=str(tmp_path / "first"), **small_vocab),
@@ -302,6 +313,10 @@ def test_sharegpt_turns_are_teacher_forced_examples(default_tokenizer, monkeypat
     assert "What is 2+2?" in tok.decode(second.prompt_ids) and tok.decode(second.prompt_ids).endswith(
         "<|im_start|>assistant\n")
     assert data_module.sharegpt_examples(default_tokenizer, DataConfig(sharegpt_turns=0)) == []
+    # skipping the first kept turn gives the second one under the same index (fresh data, same identity)
+    rest = data_module.sharegpt_examples(default_tokenizer, dataclasses.replace(cfg, sharegpt_skip=1))
+    assert rest == out[1:]
+    assert data_module.sharegpt_examples(default_tokenizer, dataclasses.replace(cfg, sharegpt_skip=2)) == []
 
 
 def test_gpu_recipe_packs_stages_trains_resumably_and_unpacks(tmp_path, tiny_model_dir, monkeypatch):
