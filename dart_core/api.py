@@ -124,6 +124,7 @@ class DartModel:
         dart_model_name_or_path: str | Path | None = None,
         ngram_model_name_or_path: str | Path | None = None,
         is_small_ngram: bool = False,
+        cuda_graphs: bool = False,
     ) -> "DartModel":
         """Loads everything from local files.
 
@@ -159,6 +160,10 @@ class DartModel:
             base_model_name_or_path, dart_model_name_or_path, ngram_model_name_or_path:
                 the reference's names for ``model``, ``head`` and ``trie`` (local paths only).
             is_small_ngram: with a reference n-gram folder, use its ``small.trie``.
+            cuda_graphs: on CUDA, verify over a static KV cache with padded tree sizes, each
+                (batch size, size bucket) captured once as a CUDA graph and replayed
+                (:class:`~dart_core.cuda_graphs.StaticVerifier`; the verification cost curve
+                is then measured with the graphs).  Off by default until measured on a GPU.
 
         Raises:
             TypeError: a value given under both its name and its reference alias.
@@ -166,13 +171,18 @@ class DartModel:
             ReferenceTrieError: a reference n-gram file that is truncated or inconsistent.
             HeadLoadError: the head does not fit the target.
             TokenizerMismatchError: the trie was built with another tokenizer.
+            ValueError: ``cuda_graphs`` off CUDA.
         """
         model = _alias(model, base_model_name_or_path, "model", "base_model_name_or_path", None)
         head = _alias(head, dart_model_name_or_path, "head", "dart_model_name_or_path", None)
         trie = _alias(trie, ngram_model_name_or_path, "trie", "ngram_model_name_or_path", "auto")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
+        if cuda_graphs and not str(device).startswith("cuda"):
+            raise ValueError(f"cuda_graphs needs a CUDA device, not {device}")
         target = TargetModel.from_pretrained(model, dtype=dtype, device=device, device_map=device_map)
+        if cuda_graphs:
+            target.enable_static_cache()
         name = getattr(target.tokenizer, "dart_model_name", DEFAULT_MODEL)
         draft = cls._load_head(head, name, target, draft_dtype or default_draft_dtype(target))
         if draft is not None and can_pack(draft):  # a float32 head on a CPU: oneDNN-packed like the target

@@ -143,6 +143,9 @@ class BufferedKVLayer(DynamicLayer):
     """
 
     granule = 64
+    #: [N] int64 positions set by :class:`~dart_core.cuda_graphs.StaticVerifier` around its forwards:
+    #: an update then writes there in the bound static buffers and returns the whole buffers
+    static_write_index: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -156,7 +159,13 @@ class BufferedKVLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Appends key/value states [B, H_kv, N, D]; returns the [B, H_kv, T + N, D] views."""
+        """Appends key/value states [B, H_kv, N, D]; returns the [B, H_kv, T + N, D] views
+        (with ``static_write_index`` set: writes at those positions and returns the whole
+        [B, H_kv, capacity, D] buffers, ``keys``/``values`` left for the caller to set)."""
+        if self.static_write_index is not None:
+            self._key_buffer.index_copy_(2, self.static_write_index, key_states)
+            self._value_buffer.index_copy_(2, self.static_write_index, value_states)
+            return self._key_buffer, self._value_buffer
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         t = self.keys.shape[-2] if self.keys.dim() == 4 else 0

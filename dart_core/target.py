@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AttentionInterface, AutoModelForCausalLM
@@ -22,6 +23,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from dart_core.kv_cache import BufferedKVCache, apply_compaction, cache_mask, compaction_plan
 from dart_core.tokenizer import converted_cache, load_tokenizer, resolve_model, save_converted
+
+if TYPE_CHECKING:
+    from dart_core.cuda_graphs import StaticVerifier
 
 logger = logging.getLogger(__name__)
 
@@ -248,6 +252,19 @@ class TargetModel:
             raise ValueError(f"DART taps layers 2, L//2 and L-3; the target has only {layers} layers")
         self.tap_layers = (2, layers // 2, layers - 3)
         self.embed_tokens = model.get_input_embeddings()
+        self.static: "StaticVerifier | None" = None  # enable_static_cache
+
+    def enable_static_cache(self, **kwargs) -> "StaticVerifier":
+        """Runs verification forwards over a static KV cache from now on, replayed as CUDA graphs
+        on a GPU: :class:`~dart_core.cuda_graphs.StaticVerifier` (padded tree sizes, one graph
+        per batch size and size bucket, captured when first needed), built with ``kwargs``.
+
+        Raises:
+            ValueError: as :class:`~dart_core.cuda_graphs.StaticVerifier`."""
+        from dart_core.cuda_graphs import StaticVerifier
+
+        self.static = StaticVerifier(self, **kwargs)
+        return self.static
 
     @classmethod
     def from_pretrained(cls, spec: str | None = None, *, dtype: torch.dtype = torch.float32,
@@ -308,7 +325,14 @@ class TargetModel:
 
         Args:
             input_ids: [B, Q]; position_ids: [B, Q]; attention_mask: [B, 1, Q, T + Q] additive.
+
+        With :meth:`enable_static_cache`, a forward that fits the static cache returns views
+        valid until the next forward.
         """
+        if self.static is not None:
+            static = self.static.forward(input_ids, position_ids, attention_mask, cache)
+            if static is not None:
+                return TargetOutput(logits=static[0], taps=static[1])
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                          past_key_values=cache.cache, use_cache=True, output_hidden_states=True)
         hs = out.hidden_states

@@ -35,7 +35,7 @@ def save_plot(plot: Callable[..., None], path: Path, *args) -> Path | None:
 
 def add_engine_arguments(ap, defaults) -> None:
     """The options that load the engine in process (model, head, trie, budget, dtype, device,
-    threads), shared by the batching benchmark and the step profile."""
+    threads, CUDA graphs), shared by the batching benchmark and the step profile."""
     ap.add_argument("--model", default=defaults.model, help="local model folder or .gguf [embedded SmolLM2-135M-Instruct]")
     ap.add_argument("--head", default=defaults.head, help='draft head folder, or "random" [the shipped head]')
     ap.add_argument("--trie", default=defaults.trie, help='trie file, "auto" (default trie) or "none" (logits-only)')
@@ -43,6 +43,13 @@ def add_engine_arguments(ap, defaults) -> None:
     ap.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--device", default=defaults.device)
     ap.add_argument("--threads", type=int, default=defaults.threads)
+    add_cuda_graphs_argument(ap)
+
+
+def add_cuda_graphs_argument(ap) -> None:
+    """``--cuda-graphs``: the engine's verification replayed as CUDA graphs (every benchmark CLI)."""
+    ap.add_argument("--cuda-graphs", action="store_true", help="CUDA only: verify over a static KV cache replayed "
+                    "as CUDA graphs (dart_core.cuda_graphs)")
 
 
 def run_cli(config_cls, args, run, save, table, requires: tuple[str, ...] = ()) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dart_core.bench import run_cli
+from dart_core.bench import add_cuda_graphs_argument, run_cli
 from dart_core.bench.decoding import METHODS, DecodingConfig, markdown_table, run_decoding, save
 
 
@@ -34,6 +34,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--device", default=d.device)
     ap.add_argument("--threads", type=int, default=d.threads)
+    add_cuda_graphs_argument(ap)
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--out", default="bench/results", help="folder for decoding.json/.md/.png")
     ap.add_argument("--no-progress", action="store_true")

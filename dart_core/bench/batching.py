@@ -49,6 +49,7 @@ class BatchingConfig:
     dtype: str | None = None
     device: str | None = None
     threads: int | None = None  # torch CPU threads (default: torch's)
+    cuda_graphs: bool = False  # CUDA: verification replayed as CUDA graphs over a static KV cache
 
 
 def _level(batcher, prompts: list[str], concurrency: int, speculative: bool, cfg: BatchingConfig) -> dict:
@@ -110,7 +111,8 @@ def run_batching(cfg: BatchingConfig, *, progress: bool = True) -> dict:
 
         trie = str(ensure_default_trie(cfg.model, progress=progress))
     model = DartModel.from_pretrained(cfg.model, head=cfg.head, trie=trie, budget=budget,
-                                      dtype=getattr(torch, cfg.dtype) if cfg.dtype else None, device=cfg.device)
+                                      dtype=getattr(torch, cfg.dtype) if cfg.dtype else None, device=cfg.device,
+                                      cuda_graphs=cfg.cuda_graphs)
     if not cfg.gate:
         model.engine.gate = None
     prompts = load_prompts(cfg.dataset)

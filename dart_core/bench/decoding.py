@@ -74,6 +74,7 @@ class DecodingConfig:
     dtype: str | None = None  # default: bfloat16 on CUDA, float32 on CPU
     device: str | None = None
     threads: int | None = None  # torch CPU threads (default: torch's)
+    cuda_graphs: bool = False  # CUDA: verification replayed as CUDA graphs over a static KV cache
     seed: int = 0
 
 
@@ -165,7 +166,7 @@ class _Bench:
         self.trie_path = None if trie in (None, "none", "auto") else str(trie)
         dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
         self.model = DartModel.from_pretrained(cfg.model, head=cfg.head, trie=self.trie_path, budget=budget,
-                                               dtype=dtype, device=cfg.device)
+                                               dtype=dtype, device=cfg.device, cuda_graphs=cfg.cuda_graphs)
         self.engine = self.model.engine
         # each row measures its method: the speculation gate (which would turn a losing
         # method into autoregressive steps, and is shared by the methods) stays off here;

@@ -48,6 +48,7 @@ class StepProfileConfig:
     dtype: str | None = None  # default: bfloat16 on CUDA, float32 on CPU
     device: str | None = None
     threads: int | None = None
+    cuda_graphs: bool = False  # CUDA: verification replayed as CUDA graphs over a static KV cache
     copy_mib: int = 1024
 
 
@@ -141,7 +142,8 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
     budget = cfg.budget if cfg.budget == "auto" else int(cfg.budget)
     model = DartModel.from_pretrained(cfg.model, head=cfg.head, trie=trie, budget=budget, dtype=dtype,
-                                      device=cfg.device)
+                                      device=cfg.device,
+                                      cuda_graphs=cfg.cuda_graphs)
     device = model.engine.target.device
     weights = weight_bytes(model.engine.target.model)
     bandwidth = measure_bandwidth(device, cfg.copy_mib)

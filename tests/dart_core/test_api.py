@@ -79,6 +79,11 @@ def test_bfloat16_on_cpu_runs(tiny_folder):
     assert len(out[0].token_ids) == 6 and model.engine.head.fc.weight.dtype == torch.bfloat16
 
 
+def test_cuda_graphs_need_a_cuda_device(tiny_folder):
+    with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device"):
+        DartModel.from_pretrained(str(tiny_folder), head="random", trie=None, device="cpu", cuda_graphs=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_greedy_equals_autoregressive(tiny_folder):

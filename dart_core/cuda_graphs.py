@@ -1,0 +1,219 @@
+"""Verification forwards replayed as CUDA graphs over a static KV cache.
+
+On a GPU a step of a small target is bound by the host: the first GPU run
+(BENCHMARKS.md, "GPU") measured SmolLM2 steps of 30-40 ms of which the
+kernels took 3-4 ms, about 1,300 kernel launches issued one by one from
+Python.  A CUDA graph records those launches once and replays them in one
+call.  A graph replays fixed shapes at fixed addresses, so this module gives
+the target's forward (tree verification and the plain one-token step, which
+is a tree of one node) exactly that:
+
+- **Padded tree sizes**: a forward of N query tokens runs at the smallest
+  size bucket Nb ≥ N (1, 2, 4, ..., 64 by default); the Nb - N padding
+  nodes attend only to themselves and their outputs are dropped.
+- **A static KV cache**: per batch size B one [B, H_kv, capacity, D] key and
+  value buffer per layer.  The cache's layers
+  (:class:`~dart_core.kv_cache.BufferedKVLayer`) are bound to those buffers,
+  their ``keys`` / ``values`` views of the first T positions as before, so
+  the engine's compaction and cropping work unchanged; a forward writes its
+  Nb new entries at [T, T + Nb) through an index tensor
+  (``BufferedKVLayer.static_write_index``) and attends over the whole
+  buffer, the 4D mask hiding every position the engine's mask does not
+  allow.  A cache whose layers hold other tensors (prefill, a batch that
+  gained or lost sequences) is copied into the buffers once.
+- **Static inputs and outputs**: token ids, positions and the
+  [B, 1, Nb, capacity] mask are copied into fixed tensors before each
+  replay; logits and taps are returned as views of the graph's outputs,
+  valid until the next forward (the engine reads them within the step).
+
+Graphs are captured lazily, one per (B, Nb), the first time that shape is
+verified (warm-up runs, then capture, on a side stream, as PyTorch's CUDA
+graph documentation prescribes).  A forward that does not fit (more than the
+largest bucket, or past the capacity) runs eagerly on the same cache.
+
+Without CUDA (``use_graphs=False``) the same static path runs eagerly: that
+is how the CPU tests check it equal to the ordinary forward; only the
+capture and replay themselves need a GPU (the ``gpu``-marked test).
+Prefill and the draft head stay eager.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StaticVerifier", "DEFAULT_BUCKETS"]
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass
+class _Shape:
+    """The static tensors of one (B, Nb) shape and its graph (None without CUDA graphs)."""
+
+    ids: torch.Tensor  # [B, Nb] int64
+    pos: torch.Tensor  # [B, Nb] int64
+    mask: torch.Tensor  # [B, 1, Nb, capacity] additive, target dtype
+    write_index: torch.Tensor  # [Nb] int64: where the Nb new entries go in the buffers
+    logits: torch.Tensor | None = None  # [B, Nb, V] float32 (graph output)
+    taps: torch.Tensor | None = None  # [B, Nb, 3H]
+    graph: "torch.cuda.CUDAGraph | None" = None
+
+
+class StaticVerifier:
+    """Runs :meth:`TargetModel.forward <dart_core.target.TargetModel.forward>` over a static
+    KV cache, as CUDA graphs on a GPU (module docstring).
+
+    Args:
+        target: the :class:`~dart_core.target.TargetModel` (its ``forward`` calls :meth:`forward`).
+        capacity: KV positions per sequence in the static buffers; a forward whose cache plus
+            padded tree exceeds it runs eagerly.
+        buckets: the padded query sizes, ascending; larger forwards run eagerly.
+        use_graphs: capture and replay CUDA graphs (default: on a CUDA device); False runs the
+            static path eagerly (tests, or to compare).
+
+    Raises:
+        ValueError: ``use_graphs=True`` off CUDA, a capacity below the largest bucket, or
+            buckets that are not positive and ascending.
+    """
+
+    def __init__(self, target, *, capacity: int = 2048, buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+                 use_graphs: bool | None = None) -> None:
+        device = target.device
+        if use_graphs is None:
+            use_graphs = device.type == "cuda"
+        if use_graphs and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the target is on {device}")
+        if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
+            raise ValueError(f"buckets must be positive and ascending, got {buckets}")
+        if capacity < buckets[-1]:
+            raise ValueError(f"capacity {capacity} is below the largest bucket {buckets[-1]}")
+        self.target = target
+        self.capacity = capacity
+        self.buckets = tuple(buckets)
+        self.use_graphs = use_graphs
+        self._kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # B -> per layer (keys, values)
+        self._shapes: dict[tuple[int, int], _Shape] = {}
+        self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        self.replays = 0  # forwards that took the static path
+        self.eager = 0  # forwards that ran eagerly (prefills into a fresh cache, or too large)
+        self._warned = False
+
+    def bucket(self, n: int) -> int | None:
+        """The padded size for ``n`` query tokens, None beyond the largest bucket."""
+        return next((b for b in self.buckets if b >= n), None)
+
+    def _buffers(self, b: int, layers) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if b not in self._kv:
+            self._kv[b] = [(layer.keys.new_zeros(b, layer.keys.shape[1], self.capacity, layer.keys.shape[3]),
+                            layer.values.new_zeros(b, layer.values.shape[1], self.capacity, layer.values.shape[3]))
+                           for layer in layers]
+            logger.info("static KV cache for batch %d: %d positions, %.1f MB", b, self.capacity,
+                        sum(k.numel() * k.element_size() * 2 for k, _ in self._kv[b]) / 1e6)
+        return self._kv[b]
+
+    def _bind(self, cache, b: int, t: int) -> None:
+        """Points every cache layer at the static buffers of batch ``b`` (copying its T entries in
+        when they live elsewhere)."""
+        layers = cache.cache.layers
+        for layer, (kb, vb) in zip(layers, self._buffers(b, layers)):
+            if getattr(layer, "_key_buffer", None) is not kb or not layer._backed():
+                kb[:, :, :t].copy_(layer.keys)
+                vb[:, :, :t].copy_(layer.values)
+                layer._key_buffer, layer._value_buffer = kb, vb
+                layer.keys, layer.values = kb[:, :, :t], vb[:, :, :t]
+
+    def _shape(self, b: int, nb: int) -> _Shape:
+        key = (b, nb)
+        if key not in self._shapes:
+            dev, dtype = self.target.device, self.target.dtype
+            self._shapes[key] = _Shape(ids=torch.zeros(b, nb, dtype=torch.long, device=dev),
+                                       pos=torch.zeros(b, nb, dtype=torch.long, device=dev),
+                                       mask=torch.zeros(b, 1, nb, self.capacity, dtype=dtype, device=dev),
+                                       write_index=torch.arange(nb, device=dev))
+        return self._shapes[key]
+
+    def _run(self, s: _Shape, cache) -> None:
+        """One forward of the static inputs, writing through ``write_index`` (eager, or recorded)."""
+        layers = cache.cache.layers
+        for layer in layers:
+            layer.static_write_index = s.write_index
+        try:
+            out = self.target.model(input_ids=s.ids, position_ids=s.pos, attention_mask=s.mask,
+                                    past_key_values=cache.cache, use_cache=True, output_hidden_states=True)
+        finally:
+            for layer in layers:
+                layer.static_write_index = None
+        hs = out.hidden_states
+        s.logits = out.logits.float()
+        s.taps = torch.cat([hs[i] for i in self.target.tap_layers], dim=-1)
+
+    def _capture(self, s: _Shape, cache) -> None:
+        stream = torch.cuda.Stream(self.target.device)
+        stream.wait_stream(torch.cuda.current_stream(self.target.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up (kernel selection, allocator) with the real inputs
+                self._run(s, cache)
+        torch.cuda.current_stream(self.target.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._run(s, cache)
+        s.graph = graph
+        logger.info("captured a CUDA graph for batch %d, %d query tokens", *s.ids.shape)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
+                cache) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The target's forward of N new tokens over the static cache, or None when it does not fit
+        (the caller then runs the ordinary forward).
+
+        Args:
+            input_ids, position_ids: [B, N]; attention_mask: [B, 1, N, T + N] additive, as
+                :func:`~dart_core.kv_cache.cache_mask` builds it; cache: the
+                :class:`~dart_core.target.TargetCache` (T = its padded length).
+
+        Returns:
+            (logits [B, N, V] float32, taps [B, N, 3H]): views of static outputs, overwritten by
+            the next forward.  The cache then holds T + N entries per row, as after the
+            ordinary forward.
+        """
+        b, n = input_ids.shape
+        t = cache.padded_length
+        nb = self.bucket(n)
+        layers = cache.cache.layers
+        if (nb is None or t + nb > self.capacity or not layers or not all(getattr(x, "is_initialized", False)
+                                                                       for x in layers)):
+            if nb is not None and t + nb > self.capacity and not self._warned:
+                logger.warning("the KV cache (%d positions) outgrew the static capacity %d: such steps run "
+                               "without CUDA graphs (raise capacity)", t + nb, self.capacity)
+                self._warned = True
+            self.eager += 1
+            return None
+        self._bind(cache, b, t)
+        s = self._shape(b, nb)
+        # static inputs: padding nodes take token 0 at the last real position and see only themselves
+        s.ids.zero_()
+        s.ids[:, :n] = input_ids
+        s.pos[:, :n] = position_ids
+        s.pos[:, n:] = position_ids[:, -1:]
+        s.mask.fill_(torch.finfo(s.mask.dtype).min)
+        s.mask[:, :, :n, : t + n] = attention_mask
+        if nb > n:
+            pad = torch.arange(n, nb, device=s.mask.device)
+            s.mask[:, 0, pad, t + pad] = 0
+        torch.add(torch.arange(nb, device=s.write_index.device), t, out=s.write_index)
+        if not self.use_graphs:
+            self._run(s, cache)
+        elif s.graph is None:
+            self._capture(s, cache)
+            s.graph.replay()
+        else:
+            s.graph.replay()
+        for layer, (kb, vb) in zip(layers, self._kv[b]):
+            layer.keys, layer.values = kb[:, :, : t + n], vb[:, :, : t + n]
+        self.replays += 1
+        return s.logits[:, :n], s.taps[:, :n]
