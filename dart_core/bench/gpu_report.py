@@ -8,9 +8,12 @@ section holds exactly what the files say.  Files read from the folder, each
 optional except one decoding run:
 
 - ``pytest-gpu.log``: the output of ``pytest -m gpu`` there;
-- ``decoding-<dtype>.json``: :mod:`dart_core.bench.decoding` runs (batch 1);
-- ``step_profile-<dtype>.json``: :mod:`dart_core.bench.step_profile` runs (the floor);
-- ``batching-<dtype>.json``: :mod:`dart_core.bench.batching` sweeps;
+- ``decoding-<label>.json``: :mod:`dart_core.bench.decoding` runs (batch 1);
+- ``step_profile-<label>.json``: :mod:`dart_core.bench.step_profile` runs (the floor);
+- ``batching-<label>.json``: :mod:`dart_core.bench.batching` sweeps;
+
+(``<label>`` names the run, e.g. ``bf16`` or ``bf16-graphs``; a run made with
+``--cuda-graphs`` says so in its heading.)
 - ``commands.md``: the commands that made them (quoted as is).
 """
 
@@ -30,6 +33,11 @@ END = "<!-- gpu-results:end -->"
 
 def _load(folder: Path, prefix: str) -> list[tuple[str, dict]]:
     return [(p.stem.split("-", 1)[1], json.loads(p.read_text())) for p in sorted(folder.glob(f"{prefix}-*.json"))]
+
+
+def _label(name: str, result: dict) -> str:
+    """A result's heading: its file label, and whether verification ran as CUDA graphs."""
+    return f"{name}, CUDA graphs" if result.get("config", {}).get("cuda_graphs") else name
 
 
 def render_gpu_section(folder: str | Path, page: str | Path) -> str:
@@ -57,7 +65,7 @@ def render_gpu_section(folder: str | Path, page: str | Path) -> str:
     lines += ["### Decoding (batch 1)", ""]
     for dtype, d in dec:
         c = d["config"]
-        lines += [f"**{dtype}**: {', '.join(c['datasets'])}, "
+        lines += [f"**{_label(dtype, d)}**: {', '.join(c['datasets'])}, "
                   f"first {c['num_prompts']} prompts, {c['max_new_tokens']} new tokens, {c['repeats']} timed "
                   f"pass(es), budget `{c['budget']}`, {d['seconds']:.0f} s.", "", decoding.markdown_table(d), ""]
     prof = _load(folder, "step_profile")
@@ -68,11 +76,12 @@ def render_gpu_section(folder: str | Path, page: str | Path) -> str:
                   "the step during which no kernel runs.", ""]
         for dtype, p in prof:
             c = p["config"]
-            lines += [f"**{dtype}** ({c['num_prompts']} MT-Bench prompt(s), {c['max_new_tokens']} new tokens):", "",
+            lines += [f"**{_label(dtype, p)}** ({c['num_prompts']} MT-Bench prompt(s), {c['max_new_tokens']} new "
+                      "tokens):", "",
                       step_profile.markdown_table(p), ""]
     for dtype, b in _load(folder, "batching"):
         b = {**b, "server": b.get("server") or {"model": "SmolLM2-135M-Instruct", "url": "in process"}}
-        lines += [f"### Continuous batching ({dtype}, `python -m dart_core.bench.batching`)", "",
+        lines += [f"### Continuous batching ({_label(dtype, b)}, `python -m dart_core.bench.batching`)", "",
                   serving.markdown_table(b), ""]
     cmds = folder / "commands.md"
     if cmds.is_file():

@@ -269,5 +269,12 @@ def test_the_gpu_section_is_rendered_from_the_results_files(tmp_path):
     prof = json.loads((folder / "step_profile-bf16.json").read_text())
     assert decoding.markdown_table(dec) in text and step_profile.markdown_table(prof) in text
     assert prof["hardware"]["gpu"] in text and text.count(gpu_report.START) == 1
+    assert "**fp32**:" in text and "CUDA graphs" not in text
+    # a run made with --cuda-graphs says so in its heading
+    graphs = tmp_path / "graphs"
+    graphs.mkdir()
+    (graphs / "decoding-fp32-graphs.json").write_text(json.dumps({**dec, "config": {**dec["config"],
+                                                                                    "cuda_graphs": True}}))
+    assert "**fp32-graphs, CUDA graphs**:" in gpu_report.render_gpu_section(graphs, page)
     with pytest.raises(FileNotFoundError, match="decoding"):
         gpu_report.render_gpu_section(tmp_path, page)
