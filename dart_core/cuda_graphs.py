@@ -11,10 +11,16 @@ is a tree of one node) exactly that:
 - **Padded tree sizes**: a forward of N query tokens runs at the smallest
   size bucket Nb ≥ N (1, 2, 4, ..., 64 by default); the Nb - N padding
   nodes attend only to themselves and their outputs are dropped.
-- **A static KV cache**: per batch size B one [B, H_kv, capacity, D] key and
-  value buffer per layer.  The cache's layers
+- **Padded batch sizes**: a batch of B sequences runs at the smallest
+  batch bucket Bb ≥ B (1, 2, 4, ..., 64), its padding rows attending only
+  to themselves, so a continuous batch that moves through every size from
+  1 to 64 needs 7 sets of buffers and graphs per tree size, not 64
+  (SmolLM2 in bf16 at capacity 2,048: 47 MB of KV buffers per row, 6 GB
+  for every bucket up to 64).
+- **A static KV cache**: per batch bucket Bb one [Bb, H_kv, capacity, D] key
+  and value buffer per layer.  The cache's layers
   (:class:`~dart_core.kv_cache.BufferedKVLayer`) are bound to those buffers,
-  their ``keys`` / ``values`` views of the first T positions as before, so
+  their ``keys`` / ``values`` views of the first B rows and T positions, so
   the engine's compaction and cropping work unchanged; a forward writes its
   Nb new entries at [T, T + Nb) through an index tensor
   (``BufferedKVLayer.static_write_index``) and attends over the whole
@@ -26,10 +32,10 @@ is a tree of one node) exactly that:
   replay; logits and taps are returned as views of the graph's outputs,
   valid until the next forward (the engine reads them within the step).
 
-Graphs are captured lazily, one per (B, Nb), the first time that shape is
+Graphs are captured lazily, one per (Bb, Nb), the first time that shape is
 verified (warm-up runs, then capture, on a side stream, as PyTorch's CUDA
 graph documentation prescribes).  A forward that does not fit (more than the
-largest bucket, or past the capacity) runs eagerly on the same cache.
+largest buckets, or past the capacity) runs eagerly on the same cache.
 
 Without CUDA (``use_graphs=False``) the same static path runs eagerly: that
 is how the CPU tests check it equal to the ordinary forward; only the
@@ -46,21 +52,22 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StaticVerifier", "DEFAULT_BUCKETS"]
+__all__ = ["StaticVerifier", "DEFAULT_BUCKETS", "DEFAULT_BATCH_BUCKETS"]
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 @dataclass
 class _Shape:
-    """The static tensors of one (B, Nb) shape and its graph (None without CUDA graphs)."""
+    """The static tensors of one (Bb, Nb) shape and its graph (None without CUDA graphs)."""
 
-    ids: torch.Tensor  # [B, Nb] int64
-    pos: torch.Tensor  # [B, Nb] int64
-    mask: torch.Tensor  # [B, 1, Nb, capacity] additive, target dtype
+    ids: torch.Tensor  # [Bb, Nb] int64
+    pos: torch.Tensor  # [Bb, Nb] int64
+    mask: torch.Tensor  # [Bb, 1, Nb, capacity] additive, target dtype
     write_index: torch.Tensor  # [Nb] int64: where the Nb new entries go in the buffers
-    logits: torch.Tensor | None = None  # [B, Nb, V] float32 (graph output)
-    taps: torch.Tensor | None = None  # [B, Nb, 3H]
+    logits: torch.Tensor | None = None  # [Bb, Nb, V] float32 (graph output)
+    taps: torch.Tensor | None = None  # [Bb, Nb, 3H]
     graph: "torch.cuda.CUDAGraph | None" = None
 
 
@@ -73,30 +80,33 @@ class StaticVerifier:
         capacity: KV positions per sequence in the static buffers; a forward whose cache plus
             padded tree exceeds it runs eagerly.
         buckets: the padded query sizes, ascending; larger forwards run eagerly.
+        batch_buckets: the padded batch sizes, ascending; larger batches run eagerly.
         use_graphs: capture and replay CUDA graphs (default: on a CUDA device); False runs the
             static path eagerly (tests, or to compare).
 
     Raises:
         ValueError: ``use_graphs=True`` off CUDA, a capacity below the largest bucket, or
-            buckets that are not positive and ascending.
+            buckets (of either kind) that are not positive and ascending.
     """
 
     def __init__(self, target, *, capacity: int = 2048, buckets: tuple[int, ...] = DEFAULT_BUCKETS,
-                 use_graphs: bool | None = None) -> None:
+                 batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS, use_graphs: bool | None = None) -> None:
         device = target.device
         if use_graphs is None:
             use_graphs = device.type == "cuda"
         if use_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the target is on {device}")
-        if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
-            raise ValueError(f"buckets must be positive and ascending, got {buckets}")
+        for name, sizes in (("buckets", buckets), ("batch_buckets", batch_buckets)):
+            if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
+                raise ValueError(f"{name} must be positive and ascending, got {sizes}")
         if capacity < buckets[-1]:
             raise ValueError(f"capacity {capacity} is below the largest bucket {buckets[-1]}")
         self.target = target
         self.capacity = capacity
         self.buckets = tuple(buckets)
+        self.batch_buckets = tuple(batch_buckets)
         self.use_graphs = use_graphs
-        self._kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # B -> per layer (keys, values)
+        self._kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # Bb -> per layer (keys, values)
         self._shapes: dict[tuple[int, int], _Shape] = {}
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.replays = 0  # forwards that took the static path
@@ -107,25 +117,29 @@ class StaticVerifier:
         """The padded size for ``n`` query tokens, None beyond the largest bucket."""
         return next((b for b in self.buckets if b >= n), None)
 
+    def batch_bucket(self, b: int) -> int | None:
+        """The padded batch size for ``b`` sequences, None beyond the largest batch bucket."""
+        return next((x for x in self.batch_buckets if x >= b), None)
+
     def _buffers(self, b: int, layers) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if b not in self._kv:
             self._kv[b] = [(layer.keys.new_zeros(b, layer.keys.shape[1], self.capacity, layer.keys.shape[3]),
                             layer.values.new_zeros(b, layer.values.shape[1], self.capacity, layer.values.shape[3]))
                            for layer in layers]
-            logger.info("static KV cache for batch %d: %d positions, %.1f MB", b, self.capacity,
+            logger.info("static KV cache for %d rows: %d positions, %.1f MB", b, self.capacity,
                         sum(k.numel() * k.element_size() * 2 for k, _ in self._kv[b]) / 1e6)
         return self._kv[b]
 
-    def _bind(self, cache, b: int, t: int) -> None:
-        """Points every cache layer at the static buffers of batch ``b`` (copying its T entries in
-        when they live elsewhere)."""
+    def _bind(self, cache, b: int, bb: int, t: int) -> None:
+        """Points every cache layer's B rows at the first rows of the static buffers of bucket
+        ``bb`` (copying its T entries in when they live elsewhere)."""
         layers = cache.cache.layers
-        for layer, (kb, vb) in zip(layers, self._buffers(b, layers)):
-            if getattr(layer, "_key_buffer", None) is not kb or not layer._backed():
-                kb[:, :, :t].copy_(layer.keys)
-                vb[:, :, :t].copy_(layer.values)
+        for layer, (kb, vb) in zip(layers, self._buffers(bb, layers)):
+            if not (_leading_view(layer.keys, kb, b) and _leading_view(layer.values, vb, b)):
+                kb[:b, :, :t].copy_(layer.keys)
+                vb[:b, :, :t].copy_(layer.values)
                 layer._key_buffer, layer._value_buffer = kb, vb
-                layer.keys, layer.values = kb[:, :, :t], vb[:, :, :t]
+                layer.keys, layer.values = kb[:b, :, :t], vb[:b, :, :t]
 
     def _shape(self, b: int, nb: int) -> _Shape:
         key = (b, nb)
@@ -183,29 +197,29 @@ class StaticVerifier:
         """
         b, n = input_ids.shape
         t = cache.padded_length
-        nb = self.bucket(n)
+        nb, bb = self.bucket(n), self.batch_bucket(b)
         layers = cache.cache.layers
-        if (nb is None or t + nb > self.capacity or not layers or not all(getattr(x, "is_initialized", False)
-                                                                       for x in layers)):
+        if (nb is None or bb is None or t + nb > self.capacity or not layers
+                or not all(getattr(x, "is_initialized", False) for x in layers)):
             if nb is not None and t + nb > self.capacity and not self._warned:
                 logger.warning("the KV cache (%d positions) outgrew the static capacity %d: such steps run "
                                "without CUDA graphs (raise capacity)", t + nb, self.capacity)
                 self._warned = True
             self.eager += 1
             return None
-        self._bind(cache, b, t)
-        s = self._shape(b, nb)
-        # static inputs: padding nodes take token 0 at the last real position and see only themselves
+        self._bind(cache, b, bb, t)
+        s = self._shape(bb, nb)
+        # static inputs: padding nodes and rows take token 0 and see only themselves
         s.ids.zero_()
-        s.ids[:, :n] = input_ids
-        s.pos[:, :n] = position_ids
-        s.pos[:, n:] = position_ids[:, -1:]
+        s.ids[:b, :n] = input_ids
+        s.pos.zero_()
+        s.pos[:b, :n] = position_ids
+        s.pos[:b, n:] = position_ids[:, -1:]
         s.mask.fill_(torch.finfo(s.mask.dtype).min)
-        s.mask[:, :, :n, : t + n] = attention_mask
-        if nb > n:
-            pad = torch.arange(n, nb, device=s.mask.device)
-            s.mask[:, 0, pad, t + pad] = 0
-        torch.add(torch.arange(nb, device=s.write_index.device), t, out=s.write_index)
+        s.mask[:b, :, :n, : t + n] = attention_mask
+        node = torch.arange(nb, device=s.mask.device)
+        s.mask[:, 0, node, t + node] = 0  # every node sees itself (real ones already do)
+        torch.add(node, t, out=s.write_index)
         if not self.use_graphs:
             self._run(s, cache)
         elif s.graph is None:
@@ -213,7 +227,13 @@ class StaticVerifier:
             s.graph.replay()
         else:
             s.graph.replay()
-        for layer, (kb, vb) in zip(layers, self._kv[b]):
-            layer.keys, layer.values = kb[:, :, : t + n], vb[:, :, : t + n]
+        for layer, (kb, vb) in zip(layers, self._kv[bb]):
+            layer.keys, layer.values = kb[:b, :, : t + n], vb[:b, :, : t + n]
         self.replays += 1
-        return s.logits[:, :n], s.taps[:, :n]
+        return s.logits[:b, :n], s.taps[:b, :n]
+
+
+def _leading_view(x: torch.Tensor, buf: torch.Tensor, rows: int) -> bool:
+    """Whether ``x`` is ``buf[:rows, :, :T]`` for some T (same storage start and strides)."""
+    return (x.shape[0] == rows and x.shape[1] == buf.shape[1] and x.stride() == buf.stride()
+            and x.storage_offset() == 0 and x.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr())

@@ -79,30 +79,37 @@ def test_the_static_path_equals_the_ordinary_forward_and_cache(arch):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_greedy_dart_stays_exact_over_the_static_cache_with_continuous_batching(arch):
     """Oracle drafts (long acceptances, KV compaction), sequences joining and leaving (the static
-    buffers re-bound per batch size) and a cache that outgrows the capacity (the last steps run
-    eagerly on the same cache): every output equals transformers' generate."""
+    buffers re-bound per batch bucket; a sequence in the middle of a batch of 4 finishing first,
+    so the remaining 3 move rows inside the same 4-row bucket) and a cache that outgrows the
+    capacity (the last steps run eagerly on the same cache): every output equals transformers'
+    generate."""
     target = tiny_target(arch, seed=5)
     rng = np.random.default_rng(5)
     prompts = prompts_of(rng, [4, 9, 2, 6])
-    truth = [hf_greedy(target, p, 40) for p in prompts]
+    lengths = [40, 20, 40, 40]  # the second sequence (row 1 of the full batch) finishes first
+    truth = [hf_greedy(target, p, n) for p, n in zip(prompts, lengths)]
     oracle = OracleTreeSearch([p + t for p, t in zip(prompts, truth)], depth=3, seed=1)  # trees of 7 nodes
     static = target.enable_static_cache(capacity=44, buckets=(1, 2, 4, 8), use_graphs=False)
     engine = DartEngine(target, random_head(target), oracle, SearchParams(top_k=10, beam_width=6, budget=6))
-    schedule = {2: [prompts[1]], 5: [prompts[2], prompts[3]]}
+    schedule = {2: [1], 4: [2, 3]}
     calls = {"n": 0}
 
     def admit():
         calls["n"] += 1
-        return [NewSequence(p, SamplingParams(max_new_tokens=40)) for p in schedule.pop(calls["n"], [])]
+        return [NewSequence(prompts[i], SamplingParams(max_new_tokens=lengths[i]))
+                for i in schedule.pop(calls["n"], [])]
 
     out: dict[int, list[int]] = {}
+    rows = []
     for step in engine.generate_stream([prompts[0]], SamplingParams(max_new_tokens=40), admit=admit):
+        rows.append(tuple(step.seq_ids))
         for sid, toks in zip(step.seq_ids, step.new_tokens):
             out.setdefault(sid, []).extend(toks)
     target.static = None
     assert [out[i] for i in range(4)] == truth
     assert static.replays > 10 and static.eager > 0  # both paths ran
-    assert len({b for b, _ in static._shapes}) >= 2  # several batch sizes, each with its own buffers
+    assert (0, 1, 2, 3) in rows and (0, 2, 3) in rows  # the middle row left a batch of 4
+    assert {b for b, _ in static._shapes} == {2, 4}  # batch buckets, not batch sizes (3 ran as 4)
 
 
 def test_bad_settings_are_refused():
@@ -111,9 +118,12 @@ def test_bad_settings_are_refused():
         StaticVerifier(target, use_graphs=True)
     with pytest.raises(ValueError, match="ascending"):
         StaticVerifier(target, buckets=(4, 2))
+    with pytest.raises(ValueError, match="batch_buckets"):
+        StaticVerifier(target, batch_buckets=(0, 1))
     with pytest.raises(ValueError, match="largest bucket"):
         StaticVerifier(target, capacity=8, buckets=(1, 16))
-    assert StaticVerifier(target, use_graphs=False).bucket(3) == 4 and StaticVerifier(target).bucket(65) is None
+    v = StaticVerifier(target, use_graphs=False)
+    assert v.bucket(3) == 4 and v.bucket(65) is None and v.batch_bucket(5) == 8 and v.batch_bucket(65) is None
 
 
 @pytest.mark.gpu
