@@ -160,8 +160,8 @@ class DartModel:
             base_model_name_or_path, dart_model_name_or_path, ngram_model_name_or_path:
                 the reference's names for ``model``, ``head`` and ``trie`` (local paths only).
             is_small_ngram: with a reference n-gram folder, use its ``small.trie``.
-            cuda_graphs: on CUDA, verify over a static KV cache with padded tree sizes, each
-                (batch size, size bucket) captured once as a CUDA graph and replayed
+            cuda_graphs: on CUDA, verify over a static KV cache with padded tree and batch
+                sizes, each (batch bucket, size bucket) captured once as a CUDA graph and replayed
                 (:class:`~dart_core.cuda_graphs.StaticVerifier`; the verification cost curve
                 is then measured with the graphs).  Off by default until measured on a GPU.
 

@@ -28,7 +28,7 @@ is a tree of one node) exactly that:
   allow.  A cache whose layers hold other tensors (prefill, a batch that
   gained or lost sequences) is copied into the buffers once.
 - **Static inputs and outputs**: token ids, positions and the
-  [B, 1, Nb, capacity] mask are copied into fixed tensors before each
+  [Bb, 1, Nb, capacity] mask are copied into fixed tensors before each
   replay; logits and taps are returned as views of the graph's outputs,
   valid until the next forward (the engine reads them within the step).
 
@@ -49,6 +49,8 @@ import logging
 from dataclasses import dataclass
 
 import torch
+
+from dart_core.kv_cache import is_leading_view
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +137,7 @@ class StaticVerifier:
         ``bb`` (copying its T entries in when they live elsewhere)."""
         layers = cache.cache.layers
         for layer, (kb, vb) in zip(layers, self._buffers(bb, layers)):
-            if not (_leading_view(layer.keys, kb, b) and _leading_view(layer.values, vb, b)):
+            if not (is_leading_view(layer.keys, kb, b) and is_leading_view(layer.values, vb, b)):
                 kb[:b, :, :t].copy_(layer.keys)
                 vb[:b, :, :t].copy_(layer.values)
                 layer._key_buffer, layer._value_buffer = kb, vb
@@ -157,14 +159,11 @@ class StaticVerifier:
         for layer in layers:
             layer.static_write_index = s.write_index
         try:
-            out = self.target.model(input_ids=s.ids, position_ids=s.pos, attention_mask=s.mask,
-                                    past_key_values=cache.cache, use_cache=True, output_hidden_states=True)
+            out = self.target.model_forward(s.ids, s.pos, s.mask, cache)
         finally:
             for layer in layers:
                 layer.static_write_index = None
-        hs = out.hidden_states
-        s.logits = out.logits.float()
-        s.taps = torch.cat([hs[i] for i in self.target.tap_layers], dim=-1)
+        s.logits, s.taps = out.logits, out.taps
 
     def _capture(self, s: _Shape, cache) -> None:
         stream = torch.cuda.Stream(self.target.device)
@@ -232,8 +231,3 @@ class StaticVerifier:
         self.replays += 1
         return s.logits[:b, :n], s.taps[:b, :n]
 
-
-def _leading_view(x: torch.Tensor, buf: torch.Tensor, rows: int) -> bool:
-    """Whether ``x`` is ``buf[:rows, :, :T]`` for some T (same storage start and strides)."""
-    return (x.shape[0] == rows and x.shape[1] == buf.shape[1] and x.stride() == buf.stride()
-            and x.storage_offset() == 0 and x.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr())

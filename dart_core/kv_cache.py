@@ -23,7 +23,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-__all__ = ["compact_", "compaction_plan", "apply_compaction", "HeadKVCache", "cache_mask", "BufferedKVLayer", "BufferedKVCache"]
+__all__ = ["compact_", "compaction_plan", "apply_compaction", "HeadKVCache", "cache_mask", "BufferedKVLayer", "BufferedKVCache",
+           "is_leading_view"]
 
 
 def compaction_plan(lengths: torch.Tensor, src: torch.Tensor, counts: torch.Tensor
@@ -128,6 +129,13 @@ class HeadKVCache:
         self.keys, self.values = self.keys[:, :, :t], self.values[:, :, :t]
 
 
+def is_leading_view(x: torch.Tensor, buf: torch.Tensor, rows: int) -> bool:
+    """Whether ``x`` is ``buf[:rows, :, :T]`` for some T, i.e. the same storage start, strides and
+    heads (``_base`` is not tracked in inference mode, so the storage is compared instead)."""
+    return (x.shape[0] == rows and x.shape[1] == buf.shape[1] and x.stride() == buf.stride()
+            and x.storage_offset() == 0 and x.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr())
+
+
 class BufferedKVLayer(DynamicLayer):
     """A ``DynamicLayer`` that appends into preallocated capacity instead of concatenating.
 
@@ -152,9 +160,8 @@ class BufferedKVLayer(DynamicLayer):
         self._key_buffer = self._value_buffer = None
 
     def _backed(self) -> bool:
-        """Whether keys/values are still leading views of the buffers (``_base`` is not tracked in inference mode)."""
-        return all(buf is not None and x.shape[:2] == buf.shape[:2] and x.stride() == buf.stride()
-                   and x.storage_offset() == 0 and x.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+        """Whether keys/values are still leading views of the buffers, all their rows."""
+        return all(buf is not None and is_leading_view(x, buf, buf.shape[0])
                    for x, buf in ((self.keys, self._key_buffer), (self.values, self._value_buffer)))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs

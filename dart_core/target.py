@@ -256,8 +256,9 @@ class TargetModel:
 
     def enable_static_cache(self, **kwargs) -> "StaticVerifier":
         """Runs verification forwards over a static KV cache from now on, replayed as CUDA graphs
-        on a GPU: :class:`~dart_core.cuda_graphs.StaticVerifier` (padded tree sizes, one graph
-        per batch size and size bucket, captured when first needed), built with ``kwargs``.
+        on a GPU: :class:`~dart_core.cuda_graphs.StaticVerifier` (padded tree and batch sizes,
+        one graph per batch bucket and size bucket, captured when first needed), built with
+        ``kwargs``.
 
         Raises:
             ValueError: as :class:`~dart_core.cuda_graphs.StaticVerifier`."""
@@ -333,6 +334,12 @@ class TargetModel:
             static = self.static.forward(input_ids, position_ids, attention_mask, cache)
             if static is not None:
                 return TargetOutput(logits=static[0], taps=static[1])
+        return self.model_forward(input_ids, position_ids, attention_mask, cache)
+
+    @torch.inference_mode()
+    def model_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      cache: TargetCache) -> TargetOutput:
+        """The stock model's forward behind :meth:`forward` (no static cache): logits and the taps."""
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                          past_key_values=cache.cache, use_cache=True, output_hidden_states=True)
         hs = out.hidden_states

@@ -123,7 +123,7 @@ def init_head(target, draft_vocab: np.ndarray, seed: int, *, final_norm_twice: b
 def head_draft_vocab(head: DartDraftHead) -> np.ndarray:
     """[V_draft] int64, ascending: the target ids of a head's draft vocabulary (draft index i is
     target id i + d2t[i], the reference ``d2t`` convention)."""
-    return (torch.arange(head.d2t.numel()) + head.d2t.cpu().long()).numpy()
+    return head.draft_to_target(torch.arange(head.d2t.numel(), device=head.d2t.device)).cpu().numpy()
 
 
 def warm_start_head(folder: str | Path, target, *, final_norm_twice: bool = False) -> DartDraftHead:
