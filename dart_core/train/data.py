@@ -30,7 +30,8 @@ from tqdm.auto import tqdm
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DataConfig", "Example", "generate_responses", "load_examples", "training_prompts", "sharegpt_examples",
+__all__ = ["DataConfig", "Example", "generate_responses", "answer_prompts", "unanswered_prompts",
+           "chat_prompt_ids", "load_examples", "training_prompts", "sharegpt_examples",
            "SHAREGPT_INDEX_BASE", "write_examples", "read_examples", "stored_examples"]
 
 RESPONSES = "responses.jsonl"
@@ -108,15 +109,75 @@ def _ends_mid_line(path: Path) -> bool:
         return f.read(1) != b"\n"
 
 
+def chat_prompt_ids(tokenizer, text: str) -> list[int]:
+    """``text`` as one user message through the target's chat template, generation prompt added."""
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=True)["input_ids"])
+
+
+def unanswered_prompts(config: DataConfig, folder: str | Path, tokenizer,
+                       prompts: list[str | None] | None = None) -> list[Example]:
+    """The training prompts (below ``num_prompts``, excluded ones left out) that ``folder`` holds no
+    answer to and that fit ``max_prompt_tokens``, as prompt-only examples (``response_ids == []``)
+    through the chat template, in list order: what :func:`answer_prompts` would answer there, or what
+    ``gpu_recipe pack --generate-there`` sends to be answered on another machine."""
+    done = _records(Path(folder) / RESPONSES)
+    out = []
+    for i, text in enumerate(training_prompts(config) if prompts is None else prompts):
+        if text is None or i in done:
+            continue
+        ids = chat_prompt_ids(tokenizer, text)
+        if len(ids) <= config.max_prompt_tokens:
+            out.append(Example(i, ids, []))
+    return out
+
+
 @torch.inference_mode()
 def generate_responses(target, config: DataConfig, folder: str | Path, *, progress: bool = True,
-                       prompts: list[str | None] | None = None) -> Path:
+                       prompts: list[str | None] | None = None, deadline: float | None = None) -> Path:
     """Answers the training prompts with the target (resumable); returns the JSONL path.
 
     Args:
         target: a :class:`dart_core.target.TargetModel` with its tokenizer.
         folder: data folder; ``responses.jsonl`` is appended there.
         prompts: :func:`training_prompts` of ``config`` when the caller has it already.
+        deadline: as for :func:`answer_prompts`.
+
+    Raises:
+        ValueError: the folder holds answers to other prompts (another seed,
+            corpus or tokenizer) under the same indices.
+    """
+    out = Path(folder) / RESPONSES
+    tok = target.tokenizer
+    done = _records(out)
+    asked = []
+    for i, text in enumerate(training_prompts(config) if prompts is None else prompts):
+        if text is None:
+            continue  # an evaluation prompt: never answered, and an old answer is not loaded
+        if i in done and tok is None:
+            continue  # nothing to check the stored prompt against (a tokenizer-less test target)
+        asked.append(Example(i, chat_prompt_ids(tok, text), []))
+    answer_prompts(target, asked, folder, config, progress=progress, deadline=deadline)
+    return out
+
+
+@torch.inference_mode()
+def answer_prompts(target, prompts: list[Example], folder: str | Path, config: DataConfig, *,
+                   progress: bool = True, deadline: float | None = None) -> bool:
+    """Greedy answers of the target to tokenized prompts, appended to ``folder/responses.jsonl``
+    under each prompt's index (resumable: prompts answered there already are skipped; prompts longer
+    than ``config.max_prompt_tokens`` are left out).  ``config.generate_batch_size`` sequences are
+    decoded together (continuous batching with dart-serve's engine, no draft head).
+
+    Args:
+        prompts: :class:`Example` s whose ``prompt_ids`` are the chat-templated prompt (responses ignored).
+        deadline: a ``time.time()`` value: past it no prompt joins the batch any more (the answers
+            in flight still finish, at most ``max_new_tokens`` steps); every call admits at least one
+            batch, so repeated calls always make progress.
+
+    Returns:
+        True when every prompt (that fits) is answered, False when the deadline left some for a
+        later call.
 
     Raises:
         ValueError: the folder holds answers to other prompts (another seed,
@@ -128,29 +189,23 @@ def generate_responses(target, config: DataConfig, folder: str | Path, *, progre
     tok = target.tokenizer
     done = _records(out)
     todo = []
-    for i, text in enumerate(training_prompts(config) if prompts is None else prompts):
-        if text is None:
-            continue  # an evaluation prompt: never answered, and an old answer is not loaded
-        if i in done and tok is None:
-            continue  # nothing to check the stored prompt against (a tokenizer-less test target)
-        ids = list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                           tokenize=True, return_dict=True)["input_ids"])
-        if i in done:
-            if done[i]["prompt_ids"] != ids:
-                raise ValueError(f"{out} answers another prompt under index {i} (a different prompt seed, "
+    for e in prompts:
+        if e.index in done:
+            if done[e.index]["prompt_ids"] != list(e.prompt_ids):
+                raise ValueError(f"{out} answers another prompt under index {e.index} (a different prompt seed, "
                                  "corpus or tokenizer); use another work directory or remove that file")
             continue
-        if len(ids) <= config.max_prompt_tokens:
-            todo.append((i, ids))
+        if len(e.prompt_ids) <= config.max_prompt_tokens:
+            todo.append((e.index, list(e.prompt_ids)))
     if not todo:
-        return out
+        return True
     # prompts join in list order (continuous batching: a finished answer's slot goes to the next
     # prompt at the next step), so a run stopped early holds about a prefix of the list (give that
     # prefix's size as num_prompts to use it); answers are written as they finish
     from dart_core.engine import DartEngine, NewSequence
     from dart_core.sampling import SamplingParams
 
-    eos = tok.eos_token_id
+    eos = None if tok is None else tok.eos_token_id
     sampling = SamplingParams(max_new_tokens=config.max_new_tokens, stop_token_ids=() if eos is None else (eos,))
     engine = DartEngine(target)  # no draft head: plain greedy decoding, the target's own answers
     queue = list(reversed(todo))
@@ -160,10 +215,12 @@ def generate_responses(target, config: DataConfig, folder: str | Path, *, progre
     def admit() -> list[NewSequence]:
         nonlocal next_id
         joining = []
+        if next_id and deadline is not None and time.time() > deadline:
+            return joining  # past the deadline: let the batch drain (the first batch always joins)
         # joining copies the batch's KV cache once: let a few slots free up first (a quarter of the batch)
         if running and config.generate_batch_size - len(running) < max(1, config.generate_batch_size // 4):
             return joining
-        while queue and len(running) + len(joining) < config.generate_batch_size:
+        while queue and len(running) < config.generate_batch_size:  # running holds the joining ones too
             i, ids = queue.pop()
             running[next_id + len(joining)] = (i, ids)
             joining.append(NewSequence(ids, sampling))
@@ -189,7 +246,12 @@ def generate_responses(target, config: DataConfig, folder: str | Path, *, progre
                 bar.update(1)
                 bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
     bar.close()
-    return out
+    seconds = time.perf_counter() - t0
+    logger.info("self-distilled responses: %d of %d answered this call, %d new tokens in %.0f s (%.0f tokens/s)",
+                len(todo) - len(queue), len(todo), new_tokens, seconds, new_tokens / max(seconds, 1e-9))
+    if queue:
+        logger.info("self-distilled responses: time limit, %d prompts left for the next call (resumable)", len(queue))
+    return not queue
 
 
 def load_examples(folder: str | Path, limit: int | None = None,

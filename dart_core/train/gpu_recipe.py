@@ -10,12 +10,16 @@ through one output folder in files of at most 16 MiB.  So the recipe has four st
    ``gguf`` reader transformers needs for it, and the training examples pre-tokenized
    (:func:`~dart_core.train.data.write_examples`, ≈ 2 bytes per token) are cut into parts of at
    most ``--part-mib`` MiB under ``--dest``, each with the same ``manifest.json`` (sizes, SHA-256).
+   With ``--generate-there`` the examples include prompts without answers (tokenized ShareGPT
+   first turns), which ``train`` answers there.
 2. ``stage PART --dir D`` (there, once per part, one command each, carrying that part):
    copies the part into ``D``; once every chunk of a file is there, the file is joined and its
    SHA-256 checked.
 3. ``train --dir D --results $OUT`` (there, repeated): :func:`~dart_core.train.trainer.train`
-   on the staged model and examples, stopping itself after ``--max-minutes`` (default 8.5) with
-   a checkpoint in ``D/work``; the next call continues it.  Each call writes ``status.json``
+   on the staged model and examples (first answering the packed prompts with the target, greedy,
+   ``--generate-batch-size`` 256 sequences at a time, into ``D/work/data``), stopping itself after
+   ``--max-minutes`` (default 8.5) with the answers, features or checkpoint so far in ``D/work``;
+   the next call continues it.  Each call writes ``status.json``
    to the results folder; the finished head is written there too, its weights cut into chunks
    under 16 MiB.  No τ is measured there (the n-gram trie is not built there).
 4. ``unpack FOLDER --out HEAD`` (here): joins and checks the head, loads it once.
@@ -100,11 +104,15 @@ def _write_dist_info(site: Path, package: str) -> None:
 
 
 def pack(dest: str | Path, *, model: str | None, data, work_dir: str | Path | None, part_mib: float = 32.0,
-         extra: list[str | Path] = ()) -> dict:
+         extra: list[str | Path] = (), generate_there: bool = False) -> dict:
     """Writes the parts (step 1).  ``data`` is a :class:`~dart_core.train.data.DataConfig`: the
     self-distilled responses already stored under ``work_dir/data`` (below ``num_prompts``;
-    nothing is generated) plus ``sharegpt_turns`` teacher-forced ShareGPT turns.  ``extra``
-    files (a trie, prompt files for the benchmarks there) travel too and are staged as
+    nothing is generated here) plus ``sharegpt_turns`` teacher-forced ShareGPT turns.  With
+    ``generate_there``, the prompts below ``num_prompts`` that have no stored answer travel too,
+    tokenized through the chat template as prompt-only examples, and ``train`` answers them there
+    with the target (the self-distilled source, greedy, at the GPU's batch size) before its teacher
+    forwards; the held-out prompts among them are answered too, so the held-out set exists there.
+    ``extra`` files (a trie, prompt files for the benchmarks there) travel too and are staged as
     ``files/extra/<name>``.
 
     Returns the manifest.  Raises:
@@ -112,7 +120,7 @@ def pack(dest: str | Path, *, model: str | None, data, work_dir: str | Path | No
         FileNotFoundError: the model cannot be found.
     """
     from dart_core.tokenizer import load_tokenizer, resolve_model
-    from dart_core.train.data import SHAREGPT_INDEX_BASE, stored_examples, write_examples
+    from dart_core.train.data import SHAREGPT_INDEX_BASE, stored_examples, unanswered_prompts, write_examples
     from ngram_service.cache import cache_root
 
     if part_mib < 1:
@@ -127,15 +135,17 @@ def pack(dest: str | Path, *, model: str | None, data, work_dir: str | Path | No
     tokenizer = load_tokenizer(model)
     work = Path(work_dir).expanduser() if work_dir else cache_root() / "train"
     examples = stored_examples(data, work / "data", tokenizer)
-    if not examples:
-        raise ValueError(f"nothing to pack: no responses in {work / 'data'} and no --sharegpt-turns")
+    asked = unanswered_prompts(data, work / "data", tokenizer) if generate_there else []
+    if not examples and not asked:
+        raise ValueError(f"nothing to pack: no responses in {work / 'data'}, no --sharegpt-turns and no prompts "
+                         "to answer there (--generate-there)")
     with tempfile.TemporaryDirectory() as tmp:
         payload = [(f"model/{p.name}", p) for p in model_files]
         for path in map(Path, extra):  # before the examples, so the parts a benchmark needs come first
             if not path.is_file():
                 raise FileNotFoundError(f"--extra {path}: no such file")
             payload.append((f"extra/{path.name}", path))
-        payload.append(("examples.npz", write_examples(examples, Path(tmp) / "examples.npz")))
+        payload.append(("examples.npz", write_examples(examples + asked, Path(tmp) / "examples.npz")))
         site = []
         if source.gguf_file:  # transformers reads GGUF through the gguf package, absent there
             import gguf
@@ -162,7 +172,9 @@ def pack(dest: str | Path, *, model: str | None, data, work_dir: str | Path | No
                     "files": files, "parts": {f"part-{i + 1}": names for i, names in enumerate(parts)},
                     "eval_prompts": data.eval_prompts,
                     "examples": {"sequences": len(examples), "tokens": sum(len(e.ids) for e in examples),
-                                 "sharegpt_turns": sum(1 for e in examples if e.index >= SHAREGPT_INDEX_BASE)},
+                                 "sharegpt_turns": sum(1 for e in examples if e.index >= SHAREGPT_INDEX_BASE),
+                                 "prompts_to_answer": len(asked),
+                                 "prompt_tokens_to_answer": sum(len(e.prompt_ids) for e in asked)},
                     "site_packages": [p.name for p in site]}
         for i, names in enumerate(parts):
             pdir = dest / f"part-{i + 1}"
@@ -246,8 +258,7 @@ def run_training(directory: str | Path, results: str | Path, args: dict, *, prog
     if manifest.get("model_file"):
         model = model / manifest["model_file"]
     args = {**args, "out": str(directory / "head"), "work_dir": str(directory / "work"), "model": str(model),
-            "examples_file": str(directory / "files" / "examples.npz"), "generate": False,
-            "eval_prompts": manifest["eval_prompts"]}
+            "examples_file": str(directory / "files" / "examples.npz"), "eval_prompts": manifest["eval_prompts"]}
     summary = train(config_from_args(args), progress=progress)
     results.mkdir(parents=True, exist_ok=True)
     status = {k: v for k, v in summary.items() if k != "config"}
@@ -299,15 +310,18 @@ def main(argv: list[str] | None = None) -> int:
                  "prompt_seed"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(DataConfig, name))
     p.add_argument("--exclude-alpacaeval", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--generate-there", action="store_true",
+                   help="send the prompts below --num-prompts that have no stored answer, for `train` to answer "
+                        "there with the target (self-distilled data generated on the GPU)")
     s = sub.add_parser("stage", help="step 2, there: copy one part in, join what is complete")
     s.add_argument("part")
     s.add_argument("--dir", required=True)
     t = sub.add_parser("train", help="step 3, there: train (resumable) and export the head")
     t.add_argument("--dir", required=True)
     t.add_argument("--results", required=True, help="the returned folder ($OUT)")
-    add_train_arguments(t, skip=("out", "work_dir", "model", "examples_file", "generate", "eval_prompts"))
+    add_train_arguments(t, skip=("out", "work_dir", "model", "examples_file", "eval_prompts"))
     t.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
-    t.set_defaults(max_minutes=8.5, eval_tau_prompts=0)
+    t.set_defaults(max_minutes=8.5, eval_tau_prompts=0, generate_batch_size=256)
     u = sub.add_parser("unpack", help="step 4, here: join the returned head")
     u.add_argument("folder")
     u.add_argument("--out", required=True)
@@ -320,14 +334,15 @@ def main(argv: list[str] | None = None) -> int:
                                                       "max_prompt_tokens", "max_new_tokens", "prompt_seed",
                                                       "exclude_alpacaeval")})
             m = pack(args["dest"], model=args["model"], data=data, work_dir=args["work_dir"], part_mib=args["part_mib"],
-                     extra=args["extra"])
+                     extra=args["extra"], generate_there=args["generate_there"])
             print(json.dumps({"parts": {k: len(v) for k, v in m["parts"].items()}, "examples": m["examples"]}))
         elif step == "stage":
             print(json.dumps(stage(args["part"], args["dir"])))
         elif step == "train":
             directory, results, quiet = args.pop("dir"), args.pop("results"), args.pop("quiet")
             status = run_training(directory, results, args, progress=not quiet)
-            print(json.dumps({k: status.get(k) for k in ("finished", "stage", "steps", "steps_done", "wall_time_s")}))
+            print(json.dumps({k: status.get(k) for k in ("finished", "stage", "prompts", "steps", "steps_done",
+                                                         "wall_time_s")}))
         else:
             print(unpack(args["folder"], args["out"]))
     except (RecipeError, ValueError, FileNotFoundError) as e:

@@ -24,8 +24,9 @@ AdamW, linear warm-up then cosine decay, gradient clipping, bf16 autocast on
 CUDA and on CPUs that multiply bf16 natively; a checkpoint (tensors and numbers
 only, loaded with ``weights_only=True``) every ``save_every`` steps, kept under
 ``<work_dir>/runs/<run key>/`` so runs of different settings do not collide,
-makes a killed run resumable; ``max_minutes`` (counted from the call's start, teacher
-forwards included) stops a run on purpose the same way.  What happens when the work dir is gone: everything is computed again
+makes a killed run resumable; ``max_minutes`` (counted from the call's start, generation
+and teacher forwards included) stops a run on purpose the same way (generation stops admitting
+prompts and lets the answers in flight finish).  What happens when the work dir is gone: everything is computed again
 (the responses are regenerated, the features recomputed, training restarts).
 """
 
@@ -45,8 +46,9 @@ import torch
 from tqdm.auto import tqdm
 
 from dart_core.draft_head import DartDraftHead, DraftHeadConfig, save_draft_head
-from dart_core.train.data import (RESPONSES, SHAREGPT_INDEX_BASE, DataConfig, generate_responses, read_examples,
-                                  stored_examples, training_prompts)
+from dart_core.train.data import (RESPONSES, SHAREGPT_INDEX_BASE, DataConfig, answer_prompts, generate_responses,
+                                  load_examples, read_examples, stored_examples, training_prompts,
+                                  unanswered_prompts)
 from dart_core.train.features import Features, choose_draft_vocab, compute_features
 from ngram_service.cache import cache_root
 
@@ -363,12 +365,26 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
 
     data_dir = work / "data"
     t0 = time.time()
+    deadline = None if cfg.max_minutes is None else started + 60 * cfg.max_minutes
+    asked: list | None = None  # prompt-only examples of the examples file (answered here), for the summary
     if cfg.data.examples_file:  # pre-tokenized (gpu_recipe): neither source is read here
-        examples = [e for e in read_examples(cfg.data.examples_file) if len(e.response_ids) >= 2]
+        packed = read_examples(cfg.data.examples_file)
+        examples = [e for e in packed if e.response_ids]
+        asked = [e for e in packed if not e.response_ids]  # prompt-only: answered here (pack --generate-there)
+        if asked:
+            if cfg.data.generate and not answer_prompts(target, asked, data_dir, cfg.data, progress=progress,
+                                                        deadline=deadline):
+                return _unfinished(cfg, "generate", started, time.time() - t0, 0.0, _answered(asked, data_dir))
+            answers = {e.index: e for e in load_examples(data_dir)} if (data_dir / RESPONSES).is_file() else {}
+            examples += [answers[e.index] for e in asked if e.index in answers]
+        examples = [e for e in examples if len(e.response_ids) >= 2]
     else:
         prompts = training_prompts(cfg.data)
         if cfg.data.generate:
-            generate_responses(target, cfg.data, data_dir, progress=progress, prompts=prompts)
+            generate_responses(target, cfg.data, data_dir, progress=progress, prompts=prompts, deadline=deadline)
+            if (deadline is not None and time.time() > deadline and target.tokenizer is not None
+                    and unanswered_prompts(cfg.data, data_dir, target.tokenizer, prompts)):
+                return _unfinished(cfg, "generate", started, time.time() - t0, 0.0, None)
         elif not (data_dir / RESPONSES).is_file() and not cfg.data.sharegpt_turns:
             raise ValueError(f"--no-generate with no stored responses in {data_dir} and no --sharegpt-turns: "
                              "nothing to train on")
@@ -391,15 +407,12 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
                                          always=(eos,) if eos is not None else ())
         head = init_head(target, draft_vocab, cfg.seed, final_norm_twice=cfg.final_norm_twice)
     t0 = time.time()
-    deadline = None if cfg.max_minutes is None else started + 60 * cfg.max_minutes
     feats = compute_features(target, train_ex + held_ex, work / "features", draft_vocab=draft_vocab,
                              top_k=cfg.teacher_top_k, max_length=cfg.max_length, progress=progress,
                              deadline=deadline)
     feat_s = time.time() - t0
     if feats is None:  # the time limit came during the teacher forwards
-        return {"config": asdict(cfg), "finished": False, "stage": "teacher_features", "steps": None,
-                "steps_done": 0, "wall_time_s": {"generate": round(gen_s, 1), "teacher_features": round(feat_s, 1),
-                                                 "total": round(time.time() - started, 1)}}
+        return _unfinished(cfg, "teacher_features", started, gen_s, feat_s, _answered(asked, data_dir))
     sources = {"all": lambda e: True, "self": lambda e: e.index < SHAREGPT_INDEX_BASE,
                "sharegpt": lambda e: e.index >= SHAREGPT_INDEX_BASE}
     if cfg.train_source not in sources:
@@ -507,6 +520,7 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
                       "train_sharegpt": len(train_rows) - self_distilled, "held_out": len(held_ex),
                       "train_tokens": train_tokens, "train_tokens_self_distilled": self_tokens,
                       "available_train_sequences": len(train_ex)},
+        "prompts": _answered(asked, data_dir),
         "steps": total,
         "steps_done": step,
         "wall_time_s": {"generate": round(gen_s, 1), "teacher_features": round(feat_s, 1),
@@ -524,6 +538,23 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
     if finished:
         (Path(cfg.out) / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _answered(asked: list | None, data_dir: Path) -> dict | None:
+    """How many of an examples file's prompt-only examples have an answer in ``data_dir`` (None
+    without an examples file)."""
+    if asked is None:
+        return None
+    done = {e.index for e in load_examples(data_dir)} if (data_dir / RESPONSES).is_file() else set()
+    return {"asked": len(asked), "answered": sum(e.index in done for e in asked)}
+
+
+def _unfinished(cfg: TrainConfig, stage: str, started: float, gen_s: float, feat_s: float,
+                prompts: dict | None) -> dict:
+    """The summary of a call that the time limit stopped before training (``stage``: where)."""
+    return {"config": asdict(cfg), "finished": False, "stage": stage, "prompts": prompts, "steps": None,
+            "steps_done": 0, "wall_time_s": {"generate": round(gen_s, 1), "teacher_features": round(feat_s, 1),
+                                             "total": round(time.time() - started, 1)}}
 
 
 def _cpu_name() -> str:

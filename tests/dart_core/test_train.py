@@ -377,6 +377,54 @@ def test_gpu_recipe_packs_stages_trains_resumably_and_unpacks(tmp_path, tiny_mod
         gpu_recipe.unpack(tmp_path / "nothing", tmp_path / "head2")
 
 
+def test_gpu_recipe_answers_packed_prompts_there_resumably(tmp_path, tiny_model_dir, monkeypatch):
+    """``pack --generate-there``: the prompts without a stored answer travel tokenized; ``train``
+    answers them there with the target (greedy, its own output), stops admitting prompts at its time
+    limit and continues at the next call, then trains on the answers (held-out ones included)."""
+    from dart_core.target import TargetModel
+    from dart_core.train import gpu_recipe
+    from dart_core.train.data import answer_prompts, read_examples, unanswered_prompts
+
+    _fake_sharegpt(monkeypatch, 12, set())
+    monkeypatch.setenv("DART_SERVE_CACHE", str(tmp_path / "cache"))
+    target = TargetModel.from_pretrained(tiny_model_dir)
+    data = DataConfig(num_prompts=12, eval_prompts=2, exclude_alpacaeval=False, max_new_tokens=10)
+    work = tmp_path / "work"
+    asked = unanswered_prompts(data, work / "data", target.tokenizer)
+    assert [e.index for e in asked] == list(range(12)) and all(not e.response_ids for e in asked)
+    assert answer_prompts(target, asked[2:5], work / "data", data, progress=False)  # 3 answered here
+    manifest = gpu_recipe.pack(tmp_path / "parts", model=tiny_model_dir, data=data, work_dir=work, part_mib=8,
+                               generate_there=True)
+    assert manifest["examples"]["sequences"] == 3 and manifest["examples"]["prompts_to_answer"] == 9
+    stage_dir = tmp_path / "gpu"
+    for p in sorted((tmp_path / "parts").iterdir()):
+        state = gpu_recipe.stage(p, stage_dir)
+    assert state["complete"]
+    packed = read_examples(stage_dir / "files" / "examples.npz")
+    assert [(e.index, bool(e.response_ids)) for e in packed] == [(i, 2 <= i < 5) for i in (2, 3, 4, 0, 1, 5, 6, 7,
+                                                                                              8, 9, 10, 11)]
+    results = tmp_path / "out"
+    train_args = ["train", "--dir", str(stage_dir), "--results", str(results), "--device", "cpu",
+                  "--draft-vocab-size", "64", "--teacher-top-k", "8", "--max-length", "64", "--anchors-per-seq", "8",
+                  "--epochs", "1", "--batch-size", "2", "--warmup-steps", "1", "--eval-every", "0", "-q",
+                  "--max-new-tokens", "10", "--generate-batch-size", "4"]
+    assert gpu_recipe.main(train_args + ["--max-minutes", "0"]) == 0  # one batch of 4 joins, then none
+    first = json.loads((results / "status.json").read_text())
+    assert not first["finished"] and first["stage"] == "generate"
+    assert first["prompts"] == {"asked": 9, "answered": 4}
+    assert gpu_recipe.main(train_args) == 0
+    status = json.loads((results / "status.json").read_text())
+    assert status["finished"] and status["prompts"] == {"asked": 9, "answered": 9}
+    assert status["sequences"]["held_out"] == 2 and status["sequences"]["train"] == 10
+    there = load_examples(stage_dir / "work" / "data")
+    assert sorted(e.index for e in there) == [0, 1, 5, 6, 7, 8, 9, 10, 11]
+    for e in there:  # the target's own greedy answers to the packed prompts
+        assert e.prompt_ids == asked[e.index].prompt_ids and 1 <= len(e.response_ids) <= 10
+        assert e.response_ids == hf_greedy(target, e.prompt_ids, len(e.response_ids))[: len(e.response_ids)] or \
+            e.response_ids[-1] == target.tokenizer.eos_token_id
+    assert gpu_recipe.unpack(results, tmp_path / "head").is_dir()
+
+
 def test_gpu_recipe_gives_a_copied_package_its_version(tmp_path):
     """transformers asks importlib.metadata for the gguf reader's version: a package folder copied
     to the GPU machine gets a dist-info with the version installed here."""
