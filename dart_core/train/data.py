@@ -51,6 +51,7 @@ class DataConfig:
     exclude_alpacaeval: bool = True  # drop AlpacaEval instructions too (fetches the alpaca-eval sdist once)
     sharegpt_turns: int = 0  # teacher-forced source: ShareGPT's own assistant turns (0 = none)
     sharegpt_skip: int = 0  # teacher-forced turns to pass over first (fresh data for a warm start)
+    prompt_skip: int = 0  # prompts below this index are not answered or loaded (fresh data), the held-out ones stay
     generate: bool = True  # False: train on the responses already stored; unanswered prompts are left out
     examples_file: str | None = None  # pre-tokenized examples (.npz, write_examples): used instead of both sources
 
@@ -74,7 +75,9 @@ def training_prompts(config: DataConfig) -> list[str | None]:
     AlpacaEval instruction are ``None`` rather than removed: the list is
     shuffled before that filter, so a prompt keeps its index with either
     setting and a data folder stays usable when the setting changes (its
-    answers to excluded prompts are then ignored)."""
+    answers to excluded prompts are then ignored).  ``prompt_skip`` makes the entries from
+    ``eval_prompts`` to ``prompt_skip - 1`` ``None`` the same way (the prompts an earlier run
+    answered, for a warm start on fresh ones), keeping the held-out ones."""
     from ngram_service.corpus import sharegpt_first_prompts
 
     prompts = list(sharegpt_first_prompts(exclude_alpacaeval=False))
@@ -83,6 +86,8 @@ def training_prompts(config: DataConfig) -> list[str | None]:
     if config.exclude_alpacaeval:
         kept = set(sharegpt_first_prompts(exclude_alpacaeval=True))
         prompts = [p if p in kept else None for p in prompts]
+    if config.prompt_skip:  # a warm start's fresh prompts: those a previous run used are passed over
+        prompts = [p if i < config.eval_prompts or i >= config.prompt_skip else None for i, p in enumerate(prompts)]
     return prompts
 
 

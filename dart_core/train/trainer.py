@@ -372,7 +372,9 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
         examples = [e for e in packed if e.response_ids]
         asked = [e for e in packed if not e.response_ids]  # prompt-only: answered here (pack --generate-there)
         if asked:
-            if cfg.data.generate and not answer_prompts(target, asked, data_dir, cfg.data, progress=progress,
+            # every packed prompt is answered: `pack` applied its own --max-prompt-tokens already
+            longest = replace(cfg.data, max_prompt_tokens=max(len(e.prompt_ids) for e in asked))
+            if cfg.data.generate and not answer_prompts(target, asked, data_dir, longest, progress=progress,
                                                         deadline=deadline):
                 return _unfinished(cfg, "generate", started, time.time() - t0, 0.0, _answered(asked, data_dir))
             answers = {e.index: e for e in load_examples(data_dir)} if (data_dir / RESPONSES).is_file() else {}

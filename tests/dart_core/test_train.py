@@ -54,6 +54,8 @@ def test_prompts_keep_their_index_when_alpacaeval_is_excluded(monkeypatch):
     assert sorted(full) == [f"q{i}" for i in range(8)] and full != sorted(full)  # shuffled
     assert kept == [None if p in ("q2", "q5") else p for p in full]
     assert training_prompts(DataConfig(num_prompts=3, exclude_alpacaeval=False)) == full[:3]
+    fresh = training_prompts(DataConfig(num_prompts=8, eval_prompts=2, prompt_skip=5, exclude_alpacaeval=False))
+    assert fresh == full[:2] + [None] * 3 + full[5:]  # held-out kept, the used ones passed over
 
 
 def test_a_data_folder_of_other_prompts_is_refused_and_excluded_answers_are_not_loaded(tmp_path, monkeypatch):
@@ -407,7 +409,8 @@ def test_gpu_recipe_answers_packed_prompts_there_resumably(tmp_path, tiny_model_
     train_args = ["train", "--dir", str(stage_dir), "--results", str(results), "--device", "cpu",
                   "--draft-vocab-size", "64", "--teacher-top-k", "8", "--max-length", "64", "--anchors-per-seq", "8",
                   "--epochs", "1", "--batch-size", "2", "--warmup-steps", "1", "--eval-every", "0", "-q",
-                  "--max-new-tokens", "10", "--generate-batch-size", "4"]
+                  "--max-new-tokens", "10", "--generate-batch-size", "4",
+                  "--max-prompt-tokens", "8"]  # pack's own limit applied already: every packed prompt is answered
     assert gpu_recipe.main(train_args + ["--max-minutes", "0"]) == 0  # one batch of 4 joins, then none
     first = json.loads((results / "status.json").read_text())
     assert not first["finished"] and first["stage"] == "generate"
