@@ -30,8 +30,8 @@ from tqdm.auto import tqdm
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DataConfig", "Example", "generate_responses", "answer_prompts", "unanswered_prompts",
-           "chat_prompt_ids", "load_examples", "training_prompts", "sharegpt_examples",
+__all__ = ["DataConfig", "Example", "generate_responses", "answer_prompts", "prompt_examples",
+           "unanswered_prompts", "chat_prompt_ids", "load_examples", "training_prompts", "sharegpt_examples",
            "SHAREGPT_INDEX_BASE", "write_examples", "read_examples", "stored_examples"]
 
 RESPONSES = "responses.jsonl"
@@ -120,59 +120,59 @@ def chat_prompt_ids(tokenizer, text: str) -> list[int]:
                                               tokenize=True, return_dict=True)["input_ids"])
 
 
-def unanswered_prompts(config: DataConfig, folder: str | Path, tokenizer,
-                       prompts: list[str | None] | None = None) -> list[Example]:
-    """The training prompts (below ``num_prompts``, excluded ones left out) that ``folder`` holds no
-    answer to and that fit ``max_prompt_tokens``, as prompt-only examples (``response_ids == []``)
-    through the chat template, in list order: what :func:`answer_prompts` would answer there, or what
-    ``gpu_recipe pack --generate-there`` sends to be answered on another machine."""
+def prompt_examples(config: DataConfig, folder: str | Path, tokenizer,
+                    prompts: list[str | None] | None = None) -> list[Example]:
+    """The training prompts (below ``num_prompts``, excluded ones left out) as prompt-only examples
+    (``response_ids == []``) through the chat template, in list order, for :func:`answer_prompts`:
+    those longer than ``max_prompt_tokens`` are left out unless ``folder`` holds an answer to them
+    (which :func:`answer_prompts` then checks against the prompt).  With no tokenizer (a test
+    target) the answered ones are left out too, there being nothing to check them against."""
     done = _records(Path(folder) / RESPONSES)
     out = []
     for i, text in enumerate(training_prompts(config) if prompts is None else prompts):
-        if text is None or i in done:
-            continue
+        if text is None or (i in done and tokenizer is None):
+            continue  # an evaluation or excluded prompt: never answered, and an old answer is not loaded
         ids = chat_prompt_ids(tokenizer, text)
-        if len(ids) <= config.max_prompt_tokens:
+        if i in done or len(ids) <= config.max_prompt_tokens:
             out.append(Example(i, ids, []))
     return out
 
 
+def unanswered_prompts(config: DataConfig, folder: str | Path, tokenizer,
+                       prompts: list[str | None] | None = None) -> list[Example]:
+    """:func:`prompt_examples` that ``folder`` holds no answer to: what ``gpu_recipe pack
+    --generate-there`` sends to be answered on another machine."""
+    done = _records(Path(folder) / RESPONSES)
+    return [e for e in prompt_examples(config, folder, tokenizer, prompts) if e.index not in done]
+
+
 @torch.inference_mode()
 def generate_responses(target, config: DataConfig, folder: str | Path, *, progress: bool = True,
-                       prompts: list[str | None] | None = None, deadline: float | None = None) -> Path:
+                       prompts: list[str | None] | None = None) -> Path:
     """Answers the training prompts with the target (resumable); returns the JSONL path.
 
     Args:
         target: a :class:`dart_core.target.TargetModel` with its tokenizer.
         folder: data folder; ``responses.jsonl`` is appended there.
         prompts: :func:`training_prompts` of ``config`` when the caller has it already.
-        deadline: as for :func:`answer_prompts`.
 
     Raises:
         ValueError: the folder holds answers to other prompts (another seed,
             corpus or tokenizer) under the same indices.
     """
-    out = Path(folder) / RESPONSES
-    tok = target.tokenizer
-    done = _records(out)
-    asked = []
-    for i, text in enumerate(training_prompts(config) if prompts is None else prompts):
-        if text is None:
-            continue  # an evaluation prompt: never answered, and an old answer is not loaded
-        if i in done and tok is None:
-            continue  # nothing to check the stored prompt against (a tokenizer-less test target)
-        asked.append(Example(i, chat_prompt_ids(tok, text), []))
-    answer_prompts(target, asked, folder, config, progress=progress, deadline=deadline)
-    return out
+    answer_prompts(target, prompt_examples(config, folder, target.tokenizer, prompts), folder, config,
+                   progress=progress)
+    return Path(folder) / RESPONSES
 
 
 @torch.inference_mode()
 def answer_prompts(target, prompts: list[Example], folder: str | Path, config: DataConfig, *,
                    progress: bool = True, deadline: float | None = None) -> bool:
     """Greedy answers of the target to tokenized prompts, appended to ``folder/responses.jsonl``
-    under each prompt's index (resumable: prompts answered there already are skipped; prompts longer
-    than ``config.max_prompt_tokens`` are left out).  ``config.generate_batch_size`` sequences are
-    decoded together (continuous batching with dart-serve's engine, no draft head).
+    under each prompt's index (resumable: prompts answered there already are skipped; every other
+    prompt is answered, the caller chose them: :func:`prompt_examples`, or a packed set).
+    ``config.generate_batch_size`` sequences are decoded together (continuous batching with
+    dart-serve's engine, no draft head), at most ``config.max_new_tokens`` tokens each.
 
     Args:
         prompts: :class:`Example` s whose ``prompt_ids`` are the chat-templated prompt (responses ignored).
@@ -181,8 +181,7 @@ def answer_prompts(target, prompts: list[Example], folder: str | Path, config: D
             batch, so repeated calls always make progress.
 
     Returns:
-        True when every prompt (that fits) is answered, False when the deadline left some for a
-        later call.
+        True when every prompt is answered, False when the deadline left some for a later call.
 
     Raises:
         ValueError: the folder holds answers to other prompts (another seed,
@@ -200,8 +199,7 @@ def answer_prompts(target, prompts: list[Example], folder: str | Path, config: D
                 raise ValueError(f"{out} answers another prompt under index {e.index} (a different prompt seed, "
                                  "corpus or tokenizer); use another work directory or remove that file")
             continue
-        if len(e.prompt_ids) <= config.max_prompt_tokens:
-            todo.append((e.index, list(e.prompt_ids)))
+        todo.append((e.index, list(e.prompt_ids)))
     if not todo:
         return True
     # prompts join in list order (continuous batching: a finished answer's slot goes to the next

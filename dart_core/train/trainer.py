@@ -46,9 +46,9 @@ import torch
 from tqdm.auto import tqdm
 
 from dart_core.draft_head import DartDraftHead, DraftHeadConfig, save_draft_head
-from dart_core.train.data import (RESPONSES, SHAREGPT_INDEX_BASE, DataConfig, answer_prompts, generate_responses,
-                                  load_examples, read_examples, stored_examples, training_prompts,
-                                  unanswered_prompts)
+from dart_core.train.data import (RESPONSES, SHAREGPT_INDEX_BASE, DataConfig, Example, answer_prompts,
+                                  load_examples, prompt_examples, read_examples, stored_examples,
+                                  training_prompts)
 from dart_core.train.features import Features, choose_draft_vocab, compute_features
 from ngram_service.cache import cache_root
 
@@ -366,28 +366,27 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
     data_dir = work / "data"
     t0 = time.time()
     deadline = None if cfg.max_minutes is None else started + 60 * cfg.max_minutes
-    asked: list | None = None  # prompt-only examples of the examples file (answered here), for the summary
+    asked_answered = None  # {"asked", "answered"}: the examples file's prompt-only examples, for the summary
     if cfg.data.examples_file:  # pre-tokenized (gpu_recipe): neither source is read here
         packed = read_examples(cfg.data.examples_file)
         examples = [e for e in packed if e.response_ids]
         asked = [e for e in packed if not e.response_ids]  # prompt-only: answered here (pack --generate-there)
-        if asked:
-            # every packed prompt is answered: `pack` applied its own --max-prompt-tokens already
-            longest = replace(cfg.data, max_prompt_tokens=max(len(e.prompt_ids) for e in asked))
-            if cfg.data.generate and not answer_prompts(target, asked, data_dir, longest, progress=progress,
+        asked_answered = {"asked": len(asked), "answered": 0}
+        if asked:  # every packed prompt is answered: `pack` applied its own --max-prompt-tokens already
+            if cfg.data.generate and not answer_prompts(target, asked, data_dir, cfg.data, progress=progress,
                                                         deadline=deadline):
                 return _unfinished(cfg, "generate", started, time.time() - t0, 0.0, _answered(asked, data_dir))
             answers = {e.index: e for e in load_examples(data_dir)} if (data_dir / RESPONSES).is_file() else {}
             examples += [answers[e.index] for e in asked if e.index in answers]
+            asked_answered = {"asked": len(asked), "answered": sum(e.index in answers for e in asked)}
         examples = [e for e in examples if len(e.response_ids) >= 2]
     else:
         prompts = training_prompts(cfg.data)
-        if cfg.data.generate:
-            generate_responses(target, cfg.data, data_dir, progress=progress, prompts=prompts, deadline=deadline)
-            if (deadline is not None and time.time() > deadline and target.tokenizer is not None
-                    and unanswered_prompts(cfg.data, data_dir, target.tokenizer, prompts)):
-                return _unfinished(cfg, "generate", started, time.time() - t0, 0.0, None)
-        elif not (data_dir / RESPONSES).is_file() and not cfg.data.sharegpt_turns:
+        if cfg.data.generate and not answer_prompts(
+                target, prompt_examples(cfg.data, data_dir, target.tokenizer, prompts), data_dir, cfg.data,
+                progress=progress, deadline=deadline):
+            return _unfinished(cfg, "generate", started, time.time() - t0, 0.0, None)
+        if not cfg.data.generate and not (data_dir / RESPONSES).is_file() and not cfg.data.sharegpt_turns:
             raise ValueError(f"--no-generate with no stored responses in {data_dir} and no --sharegpt-turns: "
                              "nothing to train on")
         examples = stored_examples(cfg.data, data_dir, target.tokenizer, prompts)
@@ -414,7 +413,7 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
                              deadline=deadline)
     feat_s = time.time() - t0
     if feats is None:  # the time limit came during the teacher forwards
-        return _unfinished(cfg, "teacher_features", started, gen_s, feat_s, _answered(asked, data_dir))
+        return _unfinished(cfg, "teacher_features", started, gen_s, feat_s, asked_answered)
     sources = {"all": lambda e: True, "self": lambda e: e.index < SHAREGPT_INDEX_BASE,
                "sharegpt": lambda e: e.index >= SHAREGPT_INDEX_BASE}
     if cfg.train_source not in sources:
@@ -522,7 +521,7 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
                       "train_sharegpt": len(train_rows) - self_distilled, "held_out": len(held_ex),
                       "train_tokens": train_tokens, "train_tokens_self_distilled": self_tokens,
                       "available_train_sequences": len(train_ex)},
-        "prompts": _answered(asked, data_dir),
+        "prompts": asked_answered,
         "steps": total,
         "steps_done": step,
         "wall_time_s": {"generate": round(gen_s, 1), "teacher_features": round(feat_s, 1),
@@ -542,11 +541,8 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
     return summary
 
 
-def _answered(asked: list | None, data_dir: Path) -> dict | None:
-    """How many of an examples file's prompt-only examples have an answer in ``data_dir`` (None
-    without an examples file)."""
-    if asked is None:
-        return None
+def _answered(asked: list[Example], data_dir: Path) -> dict:
+    """How many of an examples file's prompt-only examples have an answer in ``data_dir``."""
     done = {e.index for e in load_examples(data_dir)} if (data_dir / RESPONSES).is_file() else set()
     return {"asked": len(asked), "answered": sum(e.index in done for e in asked)}
 
