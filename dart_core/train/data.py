@@ -127,23 +127,29 @@ def prompt_examples(config: DataConfig, folder: str | Path, tokenizer,
     those longer than ``max_prompt_tokens`` are left out unless ``folder`` holds an answer to them
     (which :func:`answer_prompts` then checks against the prompt).  With no tokenizer (a test
     target) the answered ones are left out too, there being nothing to check them against."""
-    done = _records(Path(folder) / RESPONSES)
-    out = []
-    for i, text in enumerate(training_prompts(config) if prompts is None else prompts):
-        if text is None or (i in done and tokenizer is None):
-            continue  # an evaluation or excluded prompt: never answered, and an old answer is not loaded
-        ids = chat_prompt_ids(tokenizer, text)
-        if i in done or len(ids) <= config.max_prompt_tokens:
-            out.append(Example(i, ids, []))
-    return out
+    return _prompt_examples(config, _records(Path(folder) / RESPONSES), tokenizer, prompts,
+                            answered=tokenizer is not None)
 
 
 def unanswered_prompts(config: DataConfig, folder: str | Path, tokenizer,
                        prompts: list[str | None] | None = None) -> list[Example]:
     """:func:`prompt_examples` that ``folder`` holds no answer to: what ``gpu_recipe pack
     --generate-there`` sends to be answered on another machine."""
-    done = _records(Path(folder) / RESPONSES)
-    return [e for e in prompt_examples(config, folder, tokenizer, prompts) if e.index not in done]
+    return _prompt_examples(config, _records(Path(folder) / RESPONSES), tokenizer, prompts, answered=False)
+
+
+def _prompt_examples(config: DataConfig, done: dict[int, dict], tokenizer, prompts: list[str | None] | None,
+                     *, answered: bool) -> list[Example]:
+    """:func:`prompt_examples` given the stored answers ``done``; ``answered=False`` leaves out (and
+    does not tokenize) the prompts answered there."""
+    out = []
+    for i, text in enumerate(training_prompts(config) if prompts is None else prompts):
+        if text is None or (i in done and not answered):
+            continue  # an excluded prompt (an old answer to it is not loaded), or an answered one not asked for
+        ids = chat_prompt_ids(tokenizer, text)
+        if i in done or len(ids) <= config.max_prompt_tokens:
+            out.append(Example(i, ids, []))
+    return out
 
 
 @torch.inference_mode()
