@@ -103,6 +103,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _prefill_groups(lengths: list[int], max_tokens: int) -> list[tuple[int, int]]:
+    """Consecutive [lo, hi) groups of prompts whose padded size (rows x longest) stays within
+    ``max_tokens``; a prompt longer than that forms a group of its own."""
+    groups, lo, longest = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > lo and (i - lo + 1) * max(longest, n) > max_tokens:
+            groups.append((lo, i))
+            lo, longest = i, 0
+        longest = max(longest, n)
+    if lengths:
+        groups.append((lo, len(lengths)))
+    return groups
+
+
 def _root_only(tokens: list[list[int]]) -> list[DraftTree]:
     return [DraftTree.from_parents([t[-1]], [-1], [0], [0.0], [1.0]) for t in tokens]
 
@@ -133,12 +147,22 @@ class DartEngine:
             sequence's context chain alone (up to this many tokens), skipping the draft head and
             the tree search, where the budget expects that to be faster
             (:meth:`AdaptiveBudget.select_lookup`; README, "Context in the tree"); 0 never does.
+        max_prefill_tokens: sequences that join together are prefilled in groups of at most this
+            many padded tokens (rows x longest prompt of the group; a longer prompt goes alone):
+            a prefill returns [rows, length, vocabulary] logits and every layer's hidden states,
+            so 512 prompts of up to 1,024 tokens prefilled at once would need ≈ 100 GB for
+            SmolLM2's logits alone.  The groups keep the joining order; each is its own step.
+
+    Raises:
+        ValueError: a negative ``lookup_length`` or a ``max_prefill_tokens`` under 1, a head of
+            another hidden size or vocabulary than the target.
     """
 
     def __init__(self, target: TargetModel, head: DartDraftHead | None = None,
                  tree_search: TreeSearchClient | None = None, search_params: SearchParams | None = None,
                  budget: AdaptiveBudget | None = None, gate: SpeculationGate | None = None,
-                 context_window: int = 1 << 16, context_order: int = 4, lookup_length: int = 24) -> None:
+                 context_window: int = 1 << 16, context_order: int = 4, lookup_length: int = 24,
+                 max_prefill_tokens: int = 8192) -> None:
         self.target = target
         self.head = head
         self.tree_search = tree_search or InProcessTreeSearch(None)
@@ -150,6 +174,9 @@ class DartEngine:
         if lookup_length < 0:
             raise ValueError("lookup_length must be >= 0")
         self.lookup_length = lookup_length
+        if max_prefill_tokens < 1:
+            raise ValueError("max_prefill_tokens must be >= 1")
+        self.max_prefill_tokens = max_prefill_tokens
         if head is not None:
             if head.config.target_hidden_size != target.config.hidden_size:
                 raise ValueError("draft head and target hidden sizes differ")
@@ -229,10 +256,11 @@ class DartEngine:
             if pending:
                 ids = list(range(next_id, next_id + len(pending)))
                 next_id += len(pending)
-                step = self._prefill(state, ids, pending)
-                pending = []
-                yield step
-                state.keep([i for i, r in enumerate(state.reasons) if r is None])
+                prefilling, pending = pending, []
+                for lo, hi in _prefill_groups([len(x.prompt) for x in prefilling], self.max_prefill_tokens):
+                    step = self._prefill(state, ids[lo:hi], prefilling[lo:hi])
+                    yield step
+                    state.keep([i for i, r in enumerate(state.reasons) if r is None])
                 continue
             gone = {i for i, sid in enumerate(state.seq_ids) if sid in cancelled}
             if gone:

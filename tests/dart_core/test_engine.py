@@ -104,6 +104,25 @@ def test_sequences_finish_independently():
     assert [len(t) for t in short.token_ids] == [3, 3, 3] and set(short.finish_reasons) == {"length"}
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_prefill_in_groups_keeps_output_exact(speculative):
+    """Joining prompts prefilled in groups of at most max_prefill_tokens padded tokens (each group
+    its own prefill step) decode exactly as one prefill of them all."""
+    target = tiny_target("llama", seed=9)
+    rng = np.random.default_rng(9)
+    prompts = prompts_of(rng, [5, 12, 3, 9, 2, 7])
+    sp = SamplingParams(max_new_tokens=12)
+    whole = DartEngine(target).generate(prompts, sp, speculative=False)
+    engine = DartEngine(target, random_head(target), OracleTreeSearch([p + o for p, o in zip(prompts, whole.token_ids)]),
+                        max_prefill_tokens=24)
+    prefills = [s for s in engine.generate_stream(prompts, sp, speculative=speculative) if not any(s.accepted_lengths)]
+    # groups in order: [5, 12] (3 rows would pad to 36 > 24), [3, 9] (3 x 9 > 24), [2, 7]
+    assert [s.seq_ids for s in prefills] == [[0, 1], [2, 3], [4, 5]]
+    assert engine.generate(prompts, sp, speculative=speculative).token_ids == whole.token_ids
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        DartEngine(target, max_prefill_tokens=0)
+
+
 def test_context_limit_stops_generation():
     target = tiny_target("llama")
     limit = target.max_context
