@@ -463,7 +463,10 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
     bar = tqdm(total=total, initial=step, desc="training draft head", unit="step", disable=not progress)
     t_train = time.time() - train_s
     anchors_seen = 0
+    step_s, timed_steps = 0.0, 0  # optimizer steps alone (no evaluation, no checkpoint), the call's first left out
+    first_of_call = True
     while step < total:
+        t_step = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         batch = order[step * cfg.batch_size: (step + 1) * cfg.batch_size]
         rng = random.Random(cfg.seed * 1_000_003 + step)  # per step: a resumed run samples the same anchors
@@ -486,6 +489,12 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
         opt.step()
         sched.step()
         step += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if not first_of_call:  # the call's first step pays the warm-up
+            step_s += time.perf_counter() - t_step
+            timed_steps += 1
+        first_of_call = False
         bar.update(1)
         bar.set_postfix(loss=f"{loss_sum / max(len(batch), 1):.3f}", lr=f"{sched.get_last_lr()[0]:.2e}")
         last = step == total
@@ -530,7 +539,8 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
                        "anchors_this_call": anchors_seen,
                        "train_anchors_per_s_this_call": round(anchors_seen / max(time.time() - started - gen_s
                                                                                   - feat_s, 1e-9), 1),
-                       "feature_bytes_per_token": feats.meta.get("bytes_per_token")},
+                       "feature_bytes_per_token": feats.meta.get("bytes_per_token"),
+                       "seconds_per_step": round(step_s / timed_steps, 4) if timed_steps else None},
         "autocast": autocast_name,
         "hardware": {"device": torch.cuda.get_device_name(device) if device.type == "cuda"
                      else f"CPU {_cpu_name()}, {torch.get_num_threads()} threads"},

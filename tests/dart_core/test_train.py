@@ -118,6 +118,9 @@ def test_training_learns_saves_and_resumes(tmp_path, monkeypatch):
     # a rerun finds the finished checkpoint: no step is trained again, the same head comes out
     again = train(cfg, target=target, progress=False)
     assert again["throughput"]["anchors_this_call"] == 0 and summary["throughput"]["anchors_this_call"] > 0
+    # seconds per optimizer step (evaluation and the warm-up step left out): none timed in the rerun
+    assert 0 < summary["throughput"]["seconds_per_step"] < summary["wall_time_s"]["train"] / (summary["steps"] - 1)
+    assert again["throughput"]["seconds_per_step"] is None
     reloaded = load_draft_head(tmp_path / "head", target.config)
     for (name, a), b in zip(trained.state_dict().items(), reloaded.state_dict().values()):
         assert torch.equal(a, b), name
