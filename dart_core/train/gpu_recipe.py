@@ -32,6 +32,7 @@ README ("Training the draft head on a GPU") gives the command sequence and what 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import logging
@@ -104,7 +105,7 @@ def _write_dist_info(site: Path, package: str) -> None:
 
 
 def pack(dest: str | Path, *, model: str | None, data, work_dir: str | Path | None, part_mib: float = 32.0,
-         extra: list[str | Path] = (), generate_there: bool = False) -> dict:
+         extra: list[str | Path] = (), generate_there: bool = False, skipped_last: bool = False) -> dict:
     """Writes the parts (step 1).  ``data`` is a :class:`~dart_core.train.data.DataConfig`: the
     self-distilled responses already stored under ``work_dir/data`` (below ``num_prompts``;
     nothing is generated here) plus ``sharegpt_turns`` teacher-forced ShareGPT turns.  With
@@ -112,6 +113,9 @@ def pack(dest: str | Path, *, model: str | None, data, work_dir: str | Path | No
     tokenized through the chat template as prompt-only examples, and ``train`` answers them there
     with the target (the self-distilled source, greedy, at the GPU's batch size) before its teacher
     forwards; the held-out prompts among them are answered too, so the held-out set exists there.
+    With ``skipped_last`` (and ``data.prompt_skip``), the unanswered prompts that ``prompt_skip``
+    passes over travel as well, after the fresh ones: ``train`` answers in file order, so a time
+    limit there leaves the prompts an earlier run already learnt from out first.
     ``extra`` files (a trie, prompt files for the benchmarks there) travel too and are staged as
     ``files/extra/<name>``.
 
@@ -136,6 +140,10 @@ def pack(dest: str | Path, *, model: str | None, data, work_dir: str | Path | No
     work = Path(work_dir).expanduser() if work_dir else cache_root() / "train"
     examples = stored_examples(data, work / "data", tokenizer)
     asked = unanswered_prompts(data, work / "data", tokenizer) if generate_there else []
+    if generate_there and skipped_last and data.prompt_skip:
+        fresh = {e.index for e in asked}
+        asked += [e for e in unanswered_prompts(dataclasses.replace(data, prompt_skip=0), work / "data", tokenizer)
+                  if e.index not in fresh]
     if not examples and not asked:
         raise ValueError(f"nothing to pack: no responses in {work / 'data'}, no --sharegpt-turns and no prompts "
                          "to answer there (--generate-there)")
@@ -306,13 +314,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", default=None, help="where the self-distilled responses are (as for training)")
     p.add_argument("--extra", nargs="*", default=[], metavar="FILE",
                    help="more files to send (a trie, prompt files), staged as files/extra/NAME")
-    for name in ("num_prompts", "sharegpt_turns", "eval_prompts", "max_prompt_tokens", "max_new_tokens",
-                 "prompt_seed"):
+    for name in ("num_prompts", "sharegpt_turns", "sharegpt_skip", "prompt_skip", "eval_prompts",
+                 "max_prompt_tokens", "max_new_tokens", "prompt_seed"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(DataConfig, name))
     p.add_argument("--exclude-alpacaeval", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--generate-there", action="store_true",
                    help="send the prompts below --num-prompts that have no stored answer, for `train` to answer "
                         "there with the target (self-distilled data generated on the GPU)")
+    p.add_argument("--skipped-last", action="store_true",
+                   help="with --generate-there and --prompt-skip: send the passed-over prompts too, after the fresh "
+                        "ones (answered last there, so a time limit drops them first)")
     s = sub.add_parser("stage", help="step 2, there: copy one part in, join what is complete")
     s.add_argument("part")
     s.add_argument("--dir", required=True)
@@ -330,11 +341,12 @@ def main(argv: list[str] | None = None) -> int:
     step = args.pop("step")
     try:
         if step == "pack":
-            data = DataConfig(**{k: args[k] for k in ("num_prompts", "sharegpt_turns", "eval_prompts",
-                                                      "max_prompt_tokens", "max_new_tokens", "prompt_seed",
-                                                      "exclude_alpacaeval")})
+            data = DataConfig(**{k: args[k] for k in ("num_prompts", "sharegpt_turns", "sharegpt_skip",
+                                                      "prompt_skip", "eval_prompts", "max_prompt_tokens",
+                                                      "max_new_tokens", "prompt_seed", "exclude_alpacaeval")})
             m = pack(args["dest"], model=args["model"], data=data, work_dir=args["work_dir"], part_mib=args["part_mib"],
-                     extra=args["extra"], generate_there=args["generate_there"])
+                     extra=args["extra"], generate_there=args["generate_there"],
+                     skipped_last=args["skipped_last"])
             print(json.dumps({"parts": {k: len(v) for k, v in m["parts"].items()}, "examples": m["examples"]}))
         elif step == "stage":
             print(json.dumps(stage(args["part"], args["dir"])))

@@ -431,6 +431,35 @@ def test_gpu_recipe_answers_packed_prompts_there_resumably(tmp_path, tiny_model_
     assert gpu_recipe.unpack(results, tmp_path / "head").is_dir()
 
 
+def test_gpu_recipe_packs_fresh_prompts_first(tmp_path, tiny_model_dir, monkeypatch):
+    """``pack --prompt-skip K --skipped-last``: the held-out and fresh prompts (index >= K) travel first,
+    then the unanswered ones below K, which ``train`` answers last; without ``--skipped-last`` those
+    stay behind; a prompt below K answered here is not asked again (and, below K, not loaded)."""
+    from dart_core.target import TargetModel
+    from dart_core.train import gpu_recipe
+    from dart_core.train.data import answer_prompts, read_examples, unanswered_prompts
+
+    _fake_sharegpt(monkeypatch, 12, set())
+    monkeypatch.setenv("DART_SERVE_CACHE", str(tmp_path / "cache"))
+    target = TargetModel.from_pretrained(tiny_model_dir)
+    work = tmp_path / "work"
+    data = DataConfig(num_prompts=12, eval_prompts=2, exclude_alpacaeval=False, max_new_tokens=4, prompt_skip=7)
+    answer_prompts(target, unanswered_prompts(DataConfig(num_prompts=12, eval_prompts=2, exclude_alpacaeval=False,
+                                                         max_new_tokens=4), work / "data", target.tokenizer)[3:4],
+                   work / "data", data, progress=False)  # prompt 3 answered here
+    orders = {}
+    for last in (False, True):
+        dest = tmp_path / f"parts-{last}"
+        gpu_recipe.pack(dest, model=tiny_model_dir, data=data, work_dir=work, part_mib=8, generate_there=True,
+                        skipped_last=last)
+        stage_dir = tmp_path / f"gpu-{last}"
+        for p in sorted(dest.iterdir()):
+            gpu_recipe.stage(p, stage_dir)
+        orders[last] = [(e.index, bool(e.response_ids)) for e in read_examples(stage_dir / "files" / "examples.npz")]
+    assert orders[False] == [(i, False) for i in (0, 1, 7, 8, 9, 10, 11)]
+    assert orders[True] == orders[False] + [(i, False) for i in (2, 4, 5, 6)]
+
+
 def test_gpu_recipe_gives_a_copied_package_its_version(tmp_path):
     """transformers asks importlib.metadata for the gguf reader's version: a package folder copied
     to the GPU machine gets a dist-info with the version installed here."""
