@@ -23,9 +23,8 @@ __all__ = ["DEFAULT_MODEL", "ModelSource", "resolve_model", "load_tokenizer", "t
 
 def load_tokenizer(spec: str | None = None):
     """Loads the (fast) Hugging Face tokenizer of a model spec (see :func:`resolve_model`);
-    a GGUF model's is converted once and cached (:func:`tokenizer_folder`), and its BOS and
-    EOS are those the GGUF file names (:func:`gguf_special_tokens`; a cache converted by a
-    transformers release that read them wrongly is corrected on load).
+    a GGUF model's is converted once and cached (:func:`tokenizer_folder`), with the BOS and
+    EOS the GGUF file names (:func:`gguf_special_tokens`).
 
     Raises:
         FileNotFoundError: as :func:`resolve_model`.
@@ -38,7 +37,7 @@ def load_tokenizer(spec: str | None = None):
     except OSError as e:  # an unwritable cache: read the GGUF file itself (slower, every time)
         logger.warning("%s; loading the tokenizer from %s directly", e, source.folder)
         tok = AutoTokenizer.from_pretrained(source.folder, **source.from_pretrained_kwargs())
-    if source.gguf_file:
-        gguf_special_tokens(tok, source.folder / source.gguf_file)
+        if source.gguf_file:
+            gguf_special_tokens(tok, source.folder / source.gguf_file)
     tok.dart_model_name = source.name
     return tok

