@@ -139,11 +139,13 @@ def pack(dest: str | Path, *, model: str | None, data, work_dir: str | Path | No
     tokenizer = load_tokenizer(model)
     work = Path(work_dir).expanduser() if work_dir else cache_root() / "train"
     examples = stored_examples(data, work / "data", tokenizer)
-    asked = unanswered_prompts(data, work / "data", tokenizer) if generate_there else []
-    if generate_there and skipped_last and data.prompt_skip:
-        fresh = {e.index for e in asked}
-        asked += [e for e in unanswered_prompts(dataclasses.replace(data, prompt_skip=0), work / "data", tokenizer)
-                  if e.index not in fresh]
+    asked = []
+    if generate_there:
+        skipped_too = skipped_last and data.prompt_skip
+        asked = unanswered_prompts(dataclasses.replace(data, prompt_skip=0) if skipped_too else data, work / "data",
+                                   tokenizer)
+        if skipped_too:  # stable: the held-out and fresh ones first, each part in list order
+            asked.sort(key=lambda e: data.eval_prompts <= e.index < data.prompt_skip)
     if not examples and not asked:
         raise ValueError(f"nothing to pack: no responses in {work / 'data'}, no --sharegpt-turns and no prompts "
                          "to answer there (--generate-there)")
