@@ -46,6 +46,7 @@ import torch
 from tqdm.auto import tqdm
 
 from dart_core.draft_head import DartDraftHead, DraftHeadConfig, save_draft_head
+from dart_core.engine import _sync
 from dart_core.train.data import (RESPONSES, SHAREGPT_INDEX_BASE, DataConfig, Example, answer_prompts,
                                   load_examples, prompt_examples, read_examples, stored_examples,
                                   training_prompts)
@@ -464,7 +465,7 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
     t_train = time.time() - train_s
     anchors_seen = 0
     step_s, timed_steps = 0.0, 0  # optimizer steps alone (no evaluation, no checkpoint), the call's first left out
-    first_of_call = True
+    first_step = step
     while step < total:
         t_step = time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -489,12 +490,10 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
         opt.step()
         sched.step()
         step += 1
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if not first_of_call:  # the call's first step pays the warm-up
+        _sync(device)
+        if step > first_step + 1:  # the call's first step pays the warm-up
             step_s += time.perf_counter() - t_step
             timed_steps += 1
-        first_of_call = False
         bar.update(1)
         bar.set_postfix(loss=f"{loss_sum / max(len(batch), 1):.3f}", lr=f"{sched.get_last_lr()[0]:.2e}")
         last = step == total
