@@ -12,6 +12,7 @@ head reads: the inputs of decoder layers 2, L//2 and L-3, i.e. indices
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -247,6 +248,9 @@ class TargetModel:
             self.model.set_attn_implementation(GROUPED_SDPA)
         self.tokenizer = tokenizer
         self.config = model.config
+        # the KV cache argument: `cache` from transformers 5.24 on (`past_key_values` deprecated there)
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
+            else "past_key_values"
         layers = self.config.num_hidden_layers
         if layers < 5:
             raise ValueError(f"DART taps layers 2, L//2 and L-3; the target has only {layers} layers")
@@ -341,7 +345,7 @@ class TargetModel:
                       cache: TargetCache) -> TargetOutput:
         """The stock model's forward behind :meth:`forward` (no static cache): logits and the taps."""
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                         past_key_values=cache.cache, use_cache=True, output_hidden_states=True)
+                         use_cache=True, output_hidden_states=True, **{self._cache_kwarg: cache.cache})
         hs = out.hidden_states
         taps = torch.cat([hs[i] for i in self.tap_layers], dim=-1)
         return TargetOutput(logits=out.logits.float(), taps=taps)
