@@ -119,6 +119,8 @@ def compute_features(target, examples: list[Example], folder: str | Path, *, dra
     folder = Path(folder)
     key = {"indices": [e.index for e in examples], "draft_vocab_sha": _sha(draft_vocab), "top_k": top_k,
            "max_length": max_length, "tap_layers": list(target.tap_layers), "format": 2}
+    if target.dtype != torch.float32:  # fp32 stores (all made before the key had a dtype) stay valid
+        key["dtype"] = str(target.dtype).removeprefix("torch.")
     meta_path, progress_path = folder / "meta.json", folder / "progress.json"
     if meta_path.is_file() and json.loads(meta_path.read_text()).get("key") == key:
         return Features(folder)

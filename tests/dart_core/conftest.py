@@ -21,7 +21,7 @@ def tiny_config(arch: str):
     return Qwen3Config(head_dim=16, **common)
 
 
-def tiny_target(arch: str, seed: int = 0, device: str = "cpu") -> TargetModel:
+def tiny_target(arch: str, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32) -> TargetModel:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch), attn_implementation="sdpa")
     # sharper distributions than a fresh init, so sampled text has structure
@@ -29,7 +29,7 @@ def tiny_target(arch: str, seed: int = 0, device: str = "cpu") -> TargetModel:
         model.get_output_embeddings().weight.mul_(8.0)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
-    return TargetModel(model.to(device))
+    return TargetModel(model.to(device=device, dtype=dtype))
 
 
 @pytest.fixture(params=["llama", "qwen3"])

@@ -183,6 +183,21 @@ def test_a_token_budget_trains_on_a_subset_and_a_time_limit_stops_resumably(tmp_
         assert torch.equal(x, y), name  # stopping and resuming trains exactly what one run trains
 
 
+def test_the_teacher_dtype_is_checked_recorded_and_keys_the_feature_store(tmp_path, monkeypatch):
+    """A bf16 teacher (--teacher-dtype bfloat16: faster teacher forwards on a CPU with native bf16)
+    writes its own feature store: fp32 features of the same sequences are not reused for it."""
+    target, base = _small_run(tmp_path, monkeypatch)
+    with pytest.raises(ValueError, match="teacher_dtype"):
+        train(TrainConfig(out=str(tmp_path / "bad"), teacher_dtype="fp8", **base), progress=False)
+    fp32 = train(TrainConfig(out=str(tmp_path / "fp32"), epochs=1, **base), target=target, progress=False)
+    meta = tmp_path / "cache" / "train" / "features" / "meta.json"
+    assert fp32["teacher_dtype"] == "float32" and "dtype" not in json.loads(meta.read_text())["key"]
+    bf16 = train(TrainConfig(out=str(tmp_path / "bf16"), epochs=1, teacher_dtype="bfloat16", **base),
+                 target=tiny_target("llama", dtype=torch.bfloat16), progress=False)
+    assert bf16["teacher_dtype"] == "bfloat16" and json.loads(meta.read_text())["key"]["dtype"] == "bfloat16"
+    assert bf16["wall_time_s"]["teacher_features"] > 0 and math.isfinite(bf16["eval"][-1]["loss"])
+
+
 def test_a_warm_start_continues_from_a_head_and_refuses_a_mismatch(tmp_path, monkeypatch):
     from dart_core.draft_head import HeadLoadError
 
