@@ -14,7 +14,11 @@ first ``--num-prompts`` prompts are decoded twice after a warm-up: once timed
 ``torch.profiler`` (device-kernel ms per target forward and kernel launches
 per target forward).  Wall ms far above kernel ms means the step waits on the
 host (Python, kernel launches); kernel ms far above the floor means the
-kernels themselves are slow (small matrices, many launches).  On a CPU there
+kernels themselves are slow (small matrices, many launches).  ``--top-ops N``
+adds, per mode, the N operators of that profiled pass with the most self
+host time and (on CUDA) the N kernels with the most device time, in ms per
+target forward: where a step's time goes when one phase is unexpectedly slow
+(on a CPU the profiled pass then runs too, host time only).  On a CPU there
 are no device kernels: kernel figures are reported as absent and the floor
 uses the measured memory-copy bandwidth of the host.
 """
@@ -50,6 +54,7 @@ class StepProfileConfig:
     threads: int | None = None
     cuda_graphs: bool = False  # CUDA: verification replayed as CUDA graphs over a static KV cache
     copy_mib: int = 1024
+    top_ops: int = 0  # per mode, the operators (and CUDA kernels) taking the most time: 0 = none
 
 
 def measure_bandwidth(device, mib: int = 1024, repeats: int = 5) -> float:
@@ -113,6 +118,46 @@ def _kernel_stats(prof) -> tuple[float, int]:
     return ms, count
 
 
+def _top_ops(prof, n: int | None, forwards: int) -> dict[str, list[dict]]:
+    """The ``n`` (None: all) host operators with the most self CPU time and the ``n`` CUDA kernels with the most
+    device time of a finished ``torch.profiler`` run, in ms and calls per target forward:
+    ``{"host": [{"op", "self_ms", "calls"}, ...], "device": [...]}`` (``device`` empty on a CPU)."""
+    import torch
+
+    host, device = [], []
+    per = max(forwards, 1)
+    for evt in prof.key_averages():
+        if getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            us = getattr(evt, "self_device_time_total", None)
+            device.append((us if us is not None else getattr(evt, "self_cuda_time_total", 0.0), evt))
+        else:
+            host.append((evt.self_cpu_time_total, evt))
+
+    def top(pairs):
+        pairs.sort(key=lambda p: -p[0])
+        return [{"op": evt.key, "self_ms": round(us / 1000.0 / per, 4), "calls": round(evt.count / per, 2)}
+                for us, evt in pairs[:n]]
+
+    return {"host": top(host), "device": top(device)}
+
+
+def _merge_top_ops(per_prompt: list[dict], n: int, prompts: int) -> dict[str, list[dict]]:
+    """The prompts' top-op lists (each per target forward of its prompt) averaged over the prompts,
+    the ``n`` largest of each kind kept."""
+    merged = {}
+    for kind in ("host", "device"):
+        acc: dict[str, list[float]] = {}
+        for lists in per_prompt:
+            for r in lists[kind]:
+                a = acc.setdefault(r["op"], [0.0, 0.0])
+                a[0] += r["self_ms"]
+                a[1] += r["calls"]
+        rows = [{"op": op, "self_ms": round(ms / prompts, 4), "calls": round(c / prompts, 2)}
+                for op, (ms, c) in acc.items()]
+        merged[kind] = sorted(rows, key=lambda r: -r["self_ms"])[:n]
+    return merged
+
+
 def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
     """Loads the model, measures the bandwidth and each mode's step; returns
     ``{"config", "hardware", "weights_bytes", "bandwidth_gbs", "floor_ms", "rows", "seconds"}``.
@@ -131,6 +176,8 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
 
     if not cfg.modes or set(cfg.modes) - set(MODES):
         raise ValueError(f"modes must be among {', '.join(MODES)}")
+    if cfg.top_ops < 0:
+        raise ValueError(f"top_ops must be 0 or more, got {cfg.top_ops}")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     started = time.perf_counter()
@@ -163,6 +210,7 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
         decode(prompts[0])  # warm-up: allocator, kernels' first launches
         wall_s, forwards, emitted, phases = 0.0, 0, 0, {}
         kernel_ms, kernels, prof_forwards = 0.0, 0, 0
+        ops = []  # (profiler run, its target forwards) for --top-ops
         for prompt in prompts:
             _sync(device)
             t0 = time.perf_counter()
@@ -174,7 +222,7 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
             emitted += stats.emitted_after_prefill
             for k, v in stats.phase_ms.items():
                 phases[k] = phases.get(k, 0.0) + v
-            if profile_cuda:
+            if profile_cuda or cfg.top_ops:
                 with torch.profiler.profile(activities=activities) as prof:
                     again = decode(prompt)
                     _sync(device)
@@ -182,6 +230,8 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
                 kernel_ms += ms
                 kernels += n
                 prof_forwards += again.result.target_forwards
+                if cfg.top_ops:
+                    ops.append((prof, again.result.target_forwards))
             bar.update(1)
         fwd = max(forwards, 1)
         step_ms = phases.get("total", wall_s * 1e3) / fwd
@@ -193,6 +243,8 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
                "kernel_ms_per_step": round(kernel_ms / max(prof_forwards, 1), 3) if profile_cuda else None,
                "kernels_per_step": round(kernels / max(prof_forwards, 1), 1) if profile_cuda else None,
                "step_over_floor": round(step_ms / floor_ms, 1)}
+        if cfg.top_ops:
+            row["top_ops"] = _merge_top_ops([_top_ops(p, None, f) for p, f in ops], cfg.top_ops, len(ops))
         if profile_cuda:
             row["kernel_over_floor"] = round(row["kernel_ms_per_step"] / floor_ms, 1)
             row["host_share"] = round(1 - min(row["kernel_ms_per_step"] / max(step_ms, 1e-9), 1.0), 3)
@@ -219,7 +271,14 @@ def markdown_table(result: dict) -> str:
         lines.append(f"| {r['mode']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['step_ms']:.2f} | "
                      f"{f(r['kernel_ms_per_step'], '.2f')} | {f(r['kernels_per_step'], '.0f')} | "
                      f"{f(r.get('host_share'), '.0%')} | {r['step_over_floor']:.0f}× |")
-    return head + "\n".join(lines) + "\n"
+    text = head + "\n".join(lines) + "\n"
+    for r in result["rows"]:
+        for kind, what in (("host", "operators by self host ms"), ("device", "CUDA kernels by device ms")):
+            top = r.get("top_ops", {}).get(kind)
+            if top:
+                text += (f"\n{r['mode']}: {what} per target forward\n\n| op | ms | calls |\n|---|---|---|\n"
+                         + "".join(f"| `{o['op'][:80]}` | {o['self_ms']:.3f} | {o['calls']:g} |\n" for o in top))
+    return text
 
 
 def save(result: dict, out: str | Path) -> dict:
@@ -243,6 +302,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     ap.add_argument("--modes", nargs="+", default=d.modes, choices=MODES)
     ap.add_argument("--copy-mib", type=int, default=d.copy_mib, help="size of the bandwidth copy [1024]")
+    ap.add_argument("--top-ops", type=int, default=d.top_ops,
+                    help="per mode, the N operators (and CUDA kernels) with the most time per target forward [0]")
     ap.add_argument("--out", default="bench/results", help="folder for step_profile.json/.md")
     ap.add_argument("--no-progress", action="store_true")
     return run_cli(StepProfileConfig, ap.parse_args(argv), run_step_profile, save, markdown_table)

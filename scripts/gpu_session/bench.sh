@@ -9,7 +9,8 @@ for job in "$@"; do
   case ${job%-graphs} in
     dec-fp32)   cmd="dart_core.bench $DS --dtype float32 --methods autoregressive dart-context" ;;
     dec-bf16)   cmd="dart_core.bench $DS --dtype bfloat16 --methods autoregressive dart dart-context" ;;
-    prof-bf16)  cmd="dart_core.bench.step_profile --dataset $MT --num-prompts 1 --max-new-tokens 32 --device cuda --dtype bfloat16 --no-progress" ;;
+    prof-bf16)  cmd="dart_core.bench.step_profile --dataset $MT --num-prompts 1 --max-new-tokens 32 --device cuda --dtype bfloat16 --top-ops 12 --no-progress" ;;
+    prof-fp32)  cmd="dart_core.bench.step_profile --dataset $MT --num-prompts 1 --max-new-tokens 32 --device cuda --dtype float32 --top-ops 12 --no-progress" ;;
     batch-bf16) cmd="dart_core.bench.batching --concurrency 1 4 16 64 --requests-per-client 1 --max-tokens 64 --dataset $MT --device cuda --dtype bfloat16 --no-progress" ;;
     *) echo "unknown job $job"; continue ;;
   esac

@@ -246,10 +246,33 @@ def test_step_profile_reports_the_floor_and_each_mode(tiny_model_dir, prompts_fi
     assert set(rows) == {"autoregressive", "dart"} and rows["autoregressive"]["tau"] == 1.0
     assert all(r["target_forwards"] > 0 and r["step_ms"] > 0 and r["kernel_ms_per_step"] is None
                for r in rows.values())
+    assert all("top_ops" not in r for r in rows.values())  # only when asked for
     paths = step_profile.save(result, tmp_path)
     assert "| autoregressive | 1.00 |" in paths["md"].read_text()
     with pytest.raises(ValueError, match="modes"):
         step_profile.run_step_profile(step_profile.StepProfileConfig(modes=["beam"]), progress=False)
+    with pytest.raises(ValueError, match="top_ops"):
+        step_profile.run_step_profile(step_profile.StepProfileConfig(top_ops=-1), progress=False)
+
+
+def test_step_profile_lists_the_operators_taking_the_most_time(tiny_model_dir, prompts_file, tmp_path):
+    """--top-ops N: per mode, the N host operators with the most self time per target forward,
+    largest first (on a CPU the profiled pass runs for them; no CUDA kernels to list)."""
+    from dart_core.bench import step_profile
+
+    cfg = step_profile.StepProfileConfig(model=tiny_model_dir, head="random", trie="none", dataset=prompts_file,
+                                         num_prompts=2, max_new_tokens=6, budget="4", copy_mib=8, top_ops=3)
+    result = step_profile.run_step_profile(cfg, progress=False)
+    for row in result["rows"]:
+        host = row["top_ops"]["host"]
+        assert len(host) == 3 and row["top_ops"]["device"] == []
+        assert [o["self_ms"] for o in host] == sorted((o["self_ms"] for o in host), reverse=True)
+        assert host[0]["self_ms"] > 0 and all(o["calls"] > 0 and o["op"] for o in host)
+        # per target forward: no operator takes more host time than a whole timed step
+        assert host[0]["self_ms"] < 5 * row["step_ms"]
+    md = step_profile.markdown_table(result)
+    assert "dart: operators by self host ms per target forward" in md
+    assert f"| `{result['rows'][0]['top_ops']['host'][0]['op'][:80]}` |" in md
 
 
 def test_the_gpu_section_is_rendered_from_the_results_files(tmp_path):
