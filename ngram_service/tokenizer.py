@@ -210,9 +210,10 @@ def gguf_special_tokens(tokenizer, path: str | Path) -> dict[str, int]:
     """Sets a Hugging Face tokenizer's BOS and EOS tokens to those a GGUF file names
     (``tokenizer.ggml.bos_token_id`` / ``eos_token_id``) where they differ, and returns the
     ids changed ({} when none).  Reading the file's metadata takes seconds (the whole
-    vocabulary is parsed): call it where a GGUF tokenizer is converted, not on every load.  Some transformers releases convert a GGUF tokenizer with
-    the wrong EOS (5.17 gives SmolLM2-135M-Instruct's ``<|im_start|>``, id 1, where the file
-    says ``<|im_end|>``, id 2), and generation then runs past the end of a turn.
+    vocabulary is parsed): call it where a GGUF tokenizer is converted, not on every load.
+    Some transformers releases convert a GGUF tokenizer with the wrong EOS (5.17 gives
+    SmolLM2-135M-Instruct's ``<|im_start|>``, id 1, where the file says ``<|im_end|>``,
+    id 2), and generation then runs past the end of a turn.
 
     Raises:
         ImportError: the ``gguf`` package is missing (transformers needs it to read GGUF too).

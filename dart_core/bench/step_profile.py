@@ -118,33 +118,28 @@ def _kernel_stats(prof) -> tuple[float, int]:
     return ms, count
 
 
-def _top_ops(prof, n: int | None, forwards: int) -> dict[str, list[dict]]:
-    """The ``n`` (None: all) host operators with the most self CPU time and the ``n`` CUDA kernels with the most
-    device time of a finished ``torch.profiler`` run, in ms and calls per target forward:
+def _op_times(prof, forwards: int) -> dict[str, list[dict]]:
+    """Every host operator's self CPU time and every CUDA kernel's device time of a finished
+    ``torch.profiler`` run, in ms and calls per target forward:
     ``{"host": [{"op", "self_ms", "calls"}, ...], "device": [...]}`` (``device`` empty on a CPU)."""
     import torch
 
-    host, device = [], []
     per = max(forwards, 1)
+    rows = {"host": [], "device": []}
     for evt in prof.key_averages():
         if getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA:
             us = getattr(evt, "self_device_time_total", None)
-            device.append((us if us is not None else getattr(evt, "self_cuda_time_total", 0.0), evt))
+            kind, us = "device", us if us is not None else getattr(evt, "self_cuda_time_total", 0.0)
         else:
-            host.append((evt.self_cpu_time_total, evt))
-
-    def top(pairs):
-        pairs.sort(key=lambda p: -p[0])
-        return [{"op": evt.key, "self_ms": round(us / 1000.0 / per, 4), "calls": round(evt.count / per, 2)}
-                for us, evt in pairs[:n]]
-
-    return {"host": top(host), "device": top(device)}
+            kind, us = "host", evt.self_cpu_time_total
+        rows[kind].append({"op": evt.key, "self_ms": round(us / 1000.0 / per, 4), "calls": round(evt.count / per, 2)})
+    return rows
 
 
-def _merge_top_ops(per_prompt: list[dict], n: int, prompts: int) -> dict[str, list[dict]]:
-    """The prompts' top-op lists (each per target forward of its prompt) averaged over the prompts,
-    the ``n`` largest of each kind kept."""
-    merged = {}
+def _merge_top_ops(per_prompt: list[dict], n: int) -> dict[str, list[dict]]:
+    """The prompts' operator lists (:func:`_op_times`, each per target forward of its prompt)
+    averaged over the prompts, the ``n`` largest of each kind kept, largest first."""
+    merged, prompts = {}, max(len(per_prompt), 1)
     for kind in ("host", "device"):
         acc: dict[str, list[float]] = {}
         for lists in per_prompt:
@@ -244,7 +239,7 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
                "kernels_per_step": round(kernels / max(prof_forwards, 1), 1) if profile_cuda else None,
                "step_over_floor": round(step_ms / floor_ms, 1)}
         if cfg.top_ops:
-            row["top_ops"] = _merge_top_ops([_top_ops(p, None, f) for p, f in ops], cfg.top_ops, len(ops))
+            row["top_ops"] = _merge_top_ops([_op_times(p, f) for p, f in ops], cfg.top_ops)
         if profile_cuda:
             row["kernel_over_floor"] = round(row["kernel_ms_per_step"] / floor_ms, 1)
             row["host_share"] = round(1 - min(row["kernel_ms_per_step"] / max(step_ms, 1e-9), 1.0), 3)
