@@ -64,24 +64,24 @@ class TrainConfig:
     work_dir: str | None = None  # responses, teacher features, checkpoint; None = $DART_SERVE_CACHE/train
     model: str | None = None  # target: None = embedded SmolLM2-135M-Instruct
     data: DataConfig = field(default_factory=DataConfig)
-    draft_vocab_size: int = 8192
-    teacher_top_k: int = 16
+    draft_vocab_size: int = 8192  # tokens the head predicts (the most frequent of the training data; d2t / t2d)
+    teacher_top_k: int = 16  # target probabilities kept per position as the distillation target
     max_length: int = 512  # tokens per training sequence (prompt + response)
     anchors_per_seq: int = 64  # sampled per sequence and step; real positions cost little (keys/values only)
-    gamma: float = 0.6
-    epochs: float = 2.0
+    gamma: float = 0.6  # weight gamma^(j-1) of draft position j in the loss
+    epochs: float = 2.0  # passes over the training sequences (fractions allowed)
     batch_size: int = 8  # sequences per optimizer step
-    lr: float = 5e-4
-    warmup_steps: int = 50
-    min_lr_ratio: float = 0.05
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
+    lr: float = 5e-4  # peak learning rate (AdamW)
+    warmup_steps: int = 50  # linear warm-up, then cosine decay
+    min_lr_ratio: float = 0.05  # the cosine ends at this fraction of the peak learning rate
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # gradient norm clip
     eval_every: int = 200  # steps; 0 = only at the end
     eval_tau_prompts: int = 4  # held-out prompts decoded with the engine to measure τ (0 = skip)
-    eval_tau_tokens: int = 64
-    eval_budget: int = 60
-    save_every: int = 100
-    seed: int = 0
+    eval_tau_tokens: int = 64  # new tokens per prompt for that τ
+    eval_budget: int = 60  # draft tree size (nodes) for that τ
+    save_every: int = 100  # steps between checkpoints (resume)
+    seed: int = 0  # head initialisation, anchor sampling, train_tokens subset
     device: str | None = None  # default CUDA when available
     threads: int | None = None  # torch CPU threads
     train_tokens: int | None = None  # train on a seeded random subset of about this many tokens (learning curves)

@@ -642,3 +642,25 @@ def test_a_run_padding_sequences_together_trains_the_same_head(tmp_path, monkeyp
     assert apart < 0.05 * moved, (apart, moved)  # the runs agree far more closely than training moved them
     with pytest.raises(ValueError, match="at least 1"):
         train(TrainConfig(out=str(tmp_path / "bad"), sequences_per_forward=-1, **base), target=target, progress=False)
+
+
+def test_every_training_option_is_documented_in_help_and_parses_into_the_config(capsys):
+    import argparse
+
+    from dart_core.train.__main__ import add_train_arguments, config_from_args, field_comments
+
+    comments = field_comments(TrainConfig) | field_comments(DataConfig)
+    fields = [f.name for f in dataclasses.fields(TrainConfig) if f.name != "data"] + \
+        [f.name for f in dataclasses.fields(DataConfig)]
+    assert set(fields) <= set(comments), sorted(set(fields) - set(comments))
+    # a continued comment is joined: teacher_dtype's runs over two lines
+    assert comments["teacher_dtype"].endswith("CPU with native bf16 matmul)")
+    ap = argparse.ArgumentParser()
+    add_train_arguments(ap)
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "peak learning rate (AdamW) [0.0005]" in text
+    assert "prompts to answer [4000]" in text
+    cfg = config_from_args(vars(ap.parse_args(["--out", "o", "--lr", "3e-4", "--no-generate", "--prompt-skip", "9"])))
+    assert (cfg.out, cfg.lr, cfg.data.generate, cfg.data.prompt_skip) == ("o", 3e-4, False, 9)
