@@ -32,11 +32,20 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DataConfig", "Example", "generate_responses", "answer_prompts", "prompt_examples",
            "unanswered_prompts", "chat_prompt_ids", "load_examples", "training_prompts", "sharegpt_examples",
-           "SHAREGPT_INDEX_BASE", "write_examples", "read_examples", "stored_examples"]
+           "SHAREGPT_INDEX_BASE", "LATER_TURN_INDEX_BASE", "is_teacher_forced", "later_turn_prompts",
+           "write_examples", "read_examples", "stored_examples"]
 
 RESPONSES = "responses.jsonl"
 #: Example indices of the teacher-forced ShareGPT source start here (self-distilled ones are prompt indices).
 SHAREGPT_INDEX_BASE = 10_000_000
+#: Example indices of the later-turn self-distilled source (the target's answers to ShareGPT's later human turns).
+LATER_TURN_INDEX_BASE = 20_000_000
+
+
+def is_teacher_forced(index: int) -> bool:
+    """Whether an example index belongs to the teacher-forced ShareGPT source (the others are the
+    target's own answers: first-turn prompt indices, or later turns from :data:`LATER_TURN_INDEX_BASE`)."""
+    return SHAREGPT_INDEX_BASE <= index < LATER_TURN_INDEX_BASE
 _ROLES = {"human": "user", "gpt": "assistant"}
 
 
@@ -52,6 +61,9 @@ class DataConfig:
     sharegpt_turns: int = 0  # teacher-forced source: ShareGPT's own assistant turns (0 = none)
     sharegpt_skip: int = 0  # teacher-forced turns to pass over first (fresh data for a warm start)
     prompt_skip: int = 0  # prompts below this index are not answered or loaded (fresh data), the held-out ones stay
+    later_turns: int = 0  # self-distilled source 2: the target answers ShareGPT's 2nd and later human turns, the
+    # conversation before them as context (0 = none); about as many again as the first turns at 1,024 prompt tokens
+    later_turns_skip: int = 0  # later-turn prompts to pass over first (fresh data for a warm start)
     generate: bool = True  # False: train on the responses already stored; unanswered prompts are left out
     examples_file: str | None = None  # pre-tokenized examples (.npz, write_examples): used instead of both sources
 
@@ -149,6 +161,8 @@ def _prompt_examples(config: DataConfig, done: dict[int, dict], tokenizer, promp
         ids = chat_prompt_ids(tokenizer, text)
         if i in done or len(ids) <= config.max_prompt_tokens:
             out.append(Example(i, ids, []))
+    if config.later_turns and tokenizer is not None:  # the second self-distilled source, after the first turns
+        out += [e for e in later_turn_prompts(tokenizer, config) if answered or e.index not in done]
     return out
 
 
@@ -281,11 +295,36 @@ def load_examples(folder: str | Path, limit: int | None = None,
     return [Example(k, rows[k]["prompt_ids"], rows[k]["response_ids"]) for k in keep]
 
 
+def _chat_conversations(config: DataConfig, seed: int) -> list[list[dict]]:
+    """ShareGPT conversations as chat messages (``{"role", "content"}``), shuffled with ``seed``:
+    those quoting an evaluation prompt (AlpacaEval's too with ``exclude_alpacaeval``), those whose
+    first prompt is a held-out one (the first ``eval_prompts`` of :func:`training_prompts`) and those
+    with roles other than human/gpt alternating from a human turn are left out."""
+    from ngram_service.corpus import clean_sharegpt_conversations, normalise_text
+
+    held_out = {normalise_text(p) for p in training_prompts(config)[: config.eval_prompts] if p is not None}
+    out = []
+    for turns in clean_sharegpt_conversations(None, True, config.exclude_alpacaeval):
+        if not turns or normalise_text(turns[0]["value"]) in held_out:
+            continue
+        roles = [_ROLES.get(t.get("from")) for t in turns]
+        if None in roles or any(r != ("user", "assistant")[i % 2] for i, r in enumerate(roles)):
+            continue
+        out.append([{"role": r, "content": t["value"]} for r, t in zip(roles, turns)])
+    random.Random(seed).shuffle(out)
+    return out
+
+
+def _template(tokenizer, messages: list[dict]) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"])
+
+
 def sharegpt_examples(tokenizer, config: DataConfig) -> list[Example]:
     """The teacher-forced source: ShareGPT's own assistant turns, as the target's chat template
     puts them, for a target forward to label (its distributions over text it did not write).
 
-    Conversations are shuffled with ``prompt_seed``; each assistant turn becomes one example:
+    Conversations are shuffled with ``prompt_seed + 1``; each assistant turn becomes one example:
     the conversation up to it through the chat template (with the generation prompt) as the
     prompt, its text plus EOS as the response (anchors lie in the response only).  Turns whose
     prompt exceeds ``max_prompt_tokens`` are skipped; of the turns kept, the first
@@ -297,25 +336,14 @@ def sharegpt_examples(tokenizer, config: DataConfig) -> list[Example]:
     a turn has the same index whatever ``sharegpt_skip`` is (``--sharegpt-skip 3300
     --sharegpt-turns 2400`` gives the 2,400 turns that follow a ``--sharegpt-turns 3300`` run).
     """
-    from ngram_service.corpus import clean_sharegpt_conversations, normalise_text
-
     if config.sharegpt_turns <= 0:
         return []
-    held_out = {normalise_text(p) for p in training_prompts(config)[: config.eval_prompts] if p is not None}
-    conversations = [c for c in clean_sharegpt_conversations(None, True, config.exclude_alpacaeval)
-                     if c and normalise_text(c[0]["value"]) not in held_out]
-    random.Random(config.prompt_seed + 1).shuffle(conversations)
     eos = tokenizer.eos_token_id
     out: list[Example] = []
     kept = 0  # turns kept so far, the skipped ones included
-    for turns in conversations:
-        roles = [_ROLES.get(t.get("from")) for t in turns]
-        if None in roles or any(r != ("user", "assistant")[i % 2] for i, r in enumerate(roles)):
-            continue
-        messages = [{"role": r, "content": t["value"]} for r, t in zip(roles, turns)]
+    for messages in _chat_conversations(config, config.prompt_seed + 1):
         for i in range(1, len(messages), 2):
-            prompt = list(tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=True,
-                                                        return_dict=True)["input_ids"])
+            prompt = _template(tokenizer, messages[:i])
             if len(prompt) > config.max_prompt_tokens:
                 break  # later turns only grow the history
             response = tokenizer(messages[i]["content"].strip(), add_special_tokens=False)["input_ids"]
@@ -333,11 +361,51 @@ def sharegpt_examples(tokenizer, config: DataConfig) -> list[Example]:
     return out
 
 
+def later_turn_prompts(tokenizer, config: DataConfig) -> list[Example]:
+    """The later-turn prompts, prompt-only (``response_ids == []``): for :func:`answer_prompts`,
+    whose greedy answers make a second self-distilled source next to the first turns of
+    :func:`training_prompts`, for runs that have used those up.  The pool grows with
+    ``max_prompt_tokens``, as the history does: of ShareGPT's 26.2 k later human turns (in
+    11.0 k usable conversations), about 2.2 k fit in 256 tokens, 6.7 k in 512 and 14.5 k in 1,024
+    (a 3,000-prompt sample, SmolLM2's template), against 13.0 k and 14.6 k first turns at 256 and
+    1,024.
+
+    Conversations are those of the teacher-forced source (:func:`sharegpt_examples`: evaluation
+    quotes, held-out first prompts and odd roles left out), shuffled with ``prompt_seed + 2``.
+    Each human turn after the first becomes one prompt: the conversation up to it (ShareGPT's
+    own earlier assistant turns as the history) through the chat template, with the generation
+    prompt.  Prompts over ``max_prompt_tokens`` end their conversation (later turns only grow the
+    history); of the prompts kept, the first ``later_turns_skip`` are passed over and the next
+    ``later_turns`` returned.  Indices are ``LATER_TURN_INDEX_BASE + k`` for the k-th prompt kept,
+    counting the skipped ones, so a prompt keeps its index whatever ``later_turns_skip`` is.
+    """
+    if config.later_turns <= 0:
+        return []
+    out: list[Example] = []
+    kept = 0
+    for messages in _chat_conversations(config, config.prompt_seed + 2):
+        for i in range(2, len(messages), 2):  # messages[i] is a human turn after the first
+            if not messages[i]["content"].strip():
+                continue
+            prompt = _template(tokenizer, messages[: i + 1])
+            if len(prompt) > config.max_prompt_tokens:
+                break
+            kept += 1
+            if kept <= config.later_turns_skip:
+                continue
+            out.append(Example(LATER_TURN_INDEX_BASE + kept - 1, prompt, []))
+            if len(out) >= config.later_turns:
+                return out
+    logger.warning("ShareGPT gave %d later-turn prompts of the %d asked for (after skipping %d)", len(out),
+                   config.later_turns, config.later_turns_skip)
+    return out
+
+
 def write_examples(examples: list[Example], path: str | Path) -> Path:
     """Saves examples as one compressed ``.npz`` of plain arrays (no pickle): ``tokens`` (all
     sequences concatenated, uint16 when every id fits, else int32), ``offsets`` [S + 1],
     ``prompt_lengths`` [S] and ``indices`` [S] (example indices, which keep the held-out split and
-    the source: self-distilled below :data:`SHAREGPT_INDEX_BASE`).  About 2 bytes per token
+    the source: :func:`is_teacher_forced`).  About 2 bytes per token
     before compression: how the training data travels to a machine without the data packages."""
     path = Path(path)
     ids = [e.ids for e in examples]
@@ -384,8 +452,12 @@ def stored_examples(config: DataConfig, folder: str | Path, tokenizer,
                     prompts: list[str | None] | None = None) -> list[Example]:
     """Every example of a data configuration, nothing generated: the self-distilled responses
     stored in ``folder`` (below ``num_prompts``, excluded prompts left out; none when the folder
-    has no responses), then ``sharegpt_turns`` teacher-forced turns (with a tokenizer).  Examples
-    whose response is shorter than 2 tokens (no anchor) are dropped.
+    has no responses) and those to the ``later_turns`` prompts answered there (with a tokenizer),
+    then ``sharegpt_turns`` teacher-forced turns (with a tokenizer).  Examples whose response is
+    shorter than 2 tokens (no anchor) are dropped.
+
+    Raises:
+        ValueError: the folder answers another later-turn prompt under one of the indices.
 
     Args:
         prompts: :func:`training_prompts` of ``config`` when the caller has it already.
@@ -394,6 +466,15 @@ def stored_examples(config: DataConfig, folder: str | Path, tokenizer,
     if (Path(folder) / RESPONSES).is_file():
         examples = load_examples(folder, limit=config.num_prompts,
                                  prompts=training_prompts(config) if prompts is None else prompts)
+        if config.later_turns and tokenizer is not None:
+            rows = _records(Path(folder) / RESPONSES)
+            for e in later_turn_prompts(tokenizer, config):
+                if e.index not in rows:
+                    continue  # not answered (yet): left out, as unanswered first turns are
+                if rows[e.index]["prompt_ids"] != e.prompt_ids:
+                    raise ValueError(f"{Path(folder) / RESPONSES} answers another later-turn prompt under index "
+                                     f"{e.index} (a different prompt seed, corpus or tokenizer)")
+                examples.append(Example(e.index, e.prompt_ids, rows[e.index]["response_ids"]))
     if config.sharegpt_turns and tokenizer is not None:
         examples += sharegpt_examples(tokenizer, config)
     return [e for e in examples if len(e.response_ids) >= 2]

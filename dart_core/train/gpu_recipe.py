@@ -124,7 +124,7 @@ def pack(dest: str | Path, *, model: str | None, data, work_dir: str | Path | No
         FileNotFoundError: the model cannot be found.
     """
     from dart_core.tokenizer import load_tokenizer, resolve_model
-    from dart_core.train.data import SHAREGPT_INDEX_BASE, stored_examples, unanswered_prompts, write_examples
+    from dart_core.train.data import is_teacher_forced, stored_examples, unanswered_prompts, write_examples
     from ngram_service.cache import cache_root
 
     if part_mib < 1:
@@ -182,7 +182,7 @@ def pack(dest: str | Path, *, model: str | None, data, work_dir: str | Path | No
                     "files": files, "parts": {f"part-{i + 1}": names for i, names in enumerate(parts)},
                     "eval_prompts": data.eval_prompts,
                     "examples": {"sequences": len(examples), "tokens": sum(len(e.ids) for e in examples),
-                                 "sharegpt_turns": sum(1 for e in examples if e.index >= SHAREGPT_INDEX_BASE),
+                                 "sharegpt_turns": sum(1 for e in examples if is_teacher_forced(e.index)),
                                  "prompts_to_answer": len(asked),
                                  "prompt_tokens_to_answer": sum(len(e.prompt_ids) for e in asked)},
                     "site_packages": [p.name for p in site]}
@@ -303,8 +303,13 @@ def unpack(folder: str | Path, out: str | Path) -> Path:
     return out
 
 
+#: The DataConfig fields that ``pack`` takes as options (integers): which examples and prompts travel.
+_PACK_DATA_OPTIONS = ("num_prompts", "sharegpt_turns", "sharegpt_skip", "prompt_skip", "later_turns",
+                      "later_turns_skip", "eval_prompts", "max_prompt_tokens", "max_new_tokens", "prompt_seed")
+
+
 def main(argv: list[str] | None = None) -> int:
-    from dart_core.train.__main__ import add_train_arguments
+    from dart_core.train.__main__ import add_train_arguments, field_comments
     from dart_core.train.data import DataConfig
 
     ap = argparse.ArgumentParser(prog="python -m dart_core.train.gpu_recipe", description=__doc__.split("\n\n")[0])
@@ -316,9 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", default=None, help="where the self-distilled responses are (as for training)")
     p.add_argument("--extra", nargs="*", default=[], metavar="FILE",
                    help="more files to send (a trie, prompt files), staged as files/extra/NAME")
-    for name in ("num_prompts", "sharegpt_turns", "sharegpt_skip", "prompt_skip", "eval_prompts",
-                 "max_prompt_tokens", "max_new_tokens", "prompt_seed"):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(DataConfig, name))
+    comments = field_comments(DataConfig)
+    for name in _PACK_DATA_OPTIONS:
+        default = getattr(DataConfig, name)
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=default, help=f"{comments[name]} [{default}]")
     p.add_argument("--exclude-alpacaeval", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--generate-there", action="store_true",
                    help="send the prompts below --num-prompts that have no stored answer, for `train` to answer "
@@ -343,9 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     step = args.pop("step")
     try:
         if step == "pack":
-            data = DataConfig(**{k: args[k] for k in ("num_prompts", "sharegpt_turns", "sharegpt_skip",
-                                                      "prompt_skip", "eval_prompts", "max_prompt_tokens",
-                                                      "max_new_tokens", "prompt_seed", "exclude_alpacaeval")})
+            data = DataConfig(**{k: args[k] for k in (*_PACK_DATA_OPTIONS, "exclude_alpacaeval")})
             m = pack(args["dest"], model=args["model"], data=data, work_dir=args["work_dir"], part_mib=args["part_mib"],
                      extra=args["extra"], generate_there=args["generate_there"],
                      skipped_last=args["skipped_last"])

@@ -47,7 +47,7 @@ from tqdm.auto import tqdm
 
 from dart_core.draft_head import DartDraftHead, DraftHeadConfig, save_draft_head
 from dart_core.engine import _sync
-from dart_core.train.data import (RESPONSES, SHAREGPT_INDEX_BASE, DataConfig, Example, answer_prompts,
+from dart_core.train.data import (RESPONSES, DataConfig, Example, answer_prompts, is_teacher_forced,
                                   load_examples, prompt_examples, read_examples, stored_examples,
                                   training_prompts)
 from dart_core.train.features import Features, choose_draft_vocab, compute_features
@@ -432,8 +432,8 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
     feat_s = time.time() - t0
     if feats is None:  # the time limit came during the teacher forwards
         return _unfinished(cfg, "teacher_features", started, gen_s, feat_s, asked_answered)
-    sources = {"all": lambda e: True, "self": lambda e: e.index < SHAREGPT_INDEX_BASE,
-               "sharegpt": lambda e: e.index >= SHAREGPT_INDEX_BASE}
+    sources = {"all": lambda e: True, "self": lambda e: not is_teacher_forced(e.index),
+               "sharegpt": lambda e: is_teacher_forced(e.index)}
     if cfg.train_source not in sources:
         raise ValueError(f'train_source must be "all", "self" or "sharegpt", got {cfg.train_source!r}')
     pool = [r for r, e in enumerate(train_ex) if sources[cfg.train_source](e)]
@@ -443,7 +443,7 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
     train_rows = _subset(pool, feats, cfg.train_tokens, cfg.seed)
     held_rows = list(range(len(train_ex), len(train_ex) + len(held_ex)))
     train_tokens = _token_count(feats, train_rows)
-    self_rows = [r for r in train_rows if train_ex[r].index < SHAREGPT_INDEX_BASE]
+    self_rows = [r for r in train_rows if not is_teacher_forced(train_ex[r].index)]
     self_distilled = len(self_rows)
     self_tokens = _token_count(feats, self_rows)
 

@@ -339,6 +339,48 @@ def test_sharegpt_turns_are_teacher_forced_examples(default_tokenizer, monkeypat
     assert data_module.sharegpt_examples(default_tokenizer, dataclasses.replace(cfg, sharegpt_skip=2)) == []
 
 
+def test_later_turns_are_prompts_with_their_history_answered_and_loaded(default_tokenizer, monkeypatch, tmp_path):
+    from dart_core.train import data as data_module
+    from ngram_service import corpus
+
+    convs = [[{"from": "human", "value": "held out question"}, {"from": "gpt", "value": "no"},
+              {"from": "human", "value": "held out follow-up"}, {"from": "gpt", "value": "no"}],
+             [{"from": "human", "value": "What is 2+2?"}, {"from": "gpt", "value": "4."},
+              {"from": "human", "value": "And 3+3?"}, {"from": "gpt", "value": "6."},
+              {"from": "human", "value": "And 4+4?"}],
+             [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello! " * 300},
+              {"from": "human", "value": "too long a history"}],
+             [{"from": "human", "value": "Hi"}, {"from": "system", "value": "odd role"},
+              {"from": "human", "value": "x"}]]
+    monkeypatch.setattr(corpus, "clean_sharegpt_conversations", lambda *a, **kw: iter(convs))
+    monkeypatch.setattr(data_module, "training_prompts", lambda cfg: ["held out question"])
+    tok = default_tokenizer
+    cfg = DataConfig(num_prompts=1, eval_prompts=1, later_turns=10, exclude_alpacaeval=False)
+    out = data_module.later_turn_prompts(tok, cfg)
+    base = data_module.LATER_TURN_INDEX_BASE
+    assert [e.index for e in out] == [base, base + 1] and all(e.response_ids == [] for e in out)
+    texts = [tok.decode(e.prompt_ids) for e in out]
+    assert "What is 2+2?" in texts[0] and "4." in texts[0] and texts[0].endswith(
+        "And 3+3?<|im_end|>\n<|im_start|>assistant\n") and "6." not in texts[0]
+    assert "6." in texts[1] and texts[1].endswith("And 4+4?<|im_end|>\n<|im_start|>assistant\n")
+    assert not any("held out" in t or "too long" in t for t in texts)
+    assert data_module.later_turn_prompts(tok, dataclasses.replace(cfg, later_turns_skip=1)) == out[1:]
+    assert data_module.later_turn_prompts(tok, dataclasses.replace(cfg, later_turns=0)) == []
+    assert data_module.is_teacher_forced(data_module.SHAREGPT_INDEX_BASE) and not data_module.is_teacher_forced(base)
+    # the generator is asked for them after the first turns; the answers stored are loaded as training examples
+    asked = data_module.prompt_examples(cfg, tmp_path, tok, ["held out question"])
+    assert [e.index for e in asked] == [0, base, base + 1]
+    (tmp_path / data_module.RESPONSES).write_text(
+        json.dumps({"index": base + 1, "prompt_ids": out[1].prompt_ids, "response_ids": [5, 6, 7]}) + "\n")
+    assert data_module.stored_examples(cfg, tmp_path, tok, ["held out question"]) == [
+        Example(base + 1, out[1].prompt_ids, [5, 6, 7])]
+    assert [e.index for e in data_module.unanswered_prompts(cfg, tmp_path, tok, ["held out question"])] == [0, base]
+    (tmp_path / data_module.RESPONSES).write_text(
+        json.dumps({"index": base + 1, "prompt_ids": [1, 2], "response_ids": [5, 6, 7]}) + "\n")
+    with pytest.raises(ValueError, match="another later-turn prompt"):
+        data_module.stored_examples(cfg, tmp_path, tok, ["held out question"])
+
+
 def test_gpu_recipe_packs_stages_trains_resumably_and_unpacks(tmp_path, tiny_model_dir, monkeypatch):
     """The GPU recipe end to end on CPU at a tiny size: parts under the size limit, staged one by one
     (a file joins only when all its chunks are in, checksums checked), training stopped by its time
