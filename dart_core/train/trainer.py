@@ -342,6 +342,12 @@ def _subset(rows: list[int], feats: Features, budget: int | None, seed: int) -> 
     return sorted(out)
 
 
+#: Data options added after runs had been checkpointed, left out of the run key at these values
+#: (which do what the trainer did before the option existed), so that a new option does not orphan
+#: the checkpoint of a run stopped under the earlier code.  A new field goes here with its neutral value.
+_KEY_NEUTRAL_DATA = {"later_turns": 0, "later_turns_skip": 0}
+
+
 def _run_key(cfg: TrainConfig, train_rows: list[int]) -> str:
     """What makes two runs the same run (their checkpoints interchangeable)."""
     import hashlib
@@ -349,6 +355,8 @@ def _run_key(cfg: TrainConfig, train_rows: list[int]) -> str:
     fields = {k: v for k, v in asdict(cfg).items() if k not in ("out", "work_dir", "threads", "device", "max_minutes",
                                                                 "eval_every", "save_every", "eval_tau_prompts",
                                                                 "sequences_per_forward")}
+    fields["data"] = {k: v for k, v in fields["data"].items()
+                      if not (k in _KEY_NEUTRAL_DATA and v == _KEY_NEUTRAL_DATA[k])}
     blob = json.dumps(fields, sort_keys=True, default=str) + json.dumps(train_rows)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

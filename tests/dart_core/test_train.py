@@ -706,3 +706,15 @@ def test_every_training_option_is_documented_in_help_and_parses_into_the_config(
     assert "prompts to answer [4000]" in text
     cfg = config_from_args(vars(ap.parse_args(["--out", "o", "--lr", "3e-4", "--no-generate", "--prompt-skip", "9"])))
     assert (cfg.out, cfg.lr, cfg.data.generate, cfg.data.prompt_skip) == ("o", 3e-4, False, 9)
+
+
+def test_run_keys_of_earlier_runs_survive_new_data_options():
+    from dart_core.train.trainer import _run_key
+
+    cfg = TrainConfig(out="x", data=DataConfig(num_prompts=100, prompt_skip=7))
+    # the key this configuration had before --later-turns existed (commit 36fc40a): a checkpoint
+    # stopped under that code is still found, while a run that uses the new option is another run
+    assert _run_key(cfg, [1, 2, 3]) == "a04a0603b73c36bb"
+    assert _run_key(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, later_turns=5)), [1, 2, 3]) != \
+        "a04a0603b73c36bb"
+    assert _run_key(dataclasses.replace(cfg, lr=1e-3), [1, 2, 3]) != _run_key(cfg, [1, 2, 3])
