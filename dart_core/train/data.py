@@ -46,6 +46,8 @@ def is_teacher_forced(index: int) -> bool:
     """Whether an example index belongs to the teacher-forced ShareGPT source (the others are the
     target's own answers: first-turn prompt indices, or later turns from :data:`LATER_TURN_INDEX_BASE`)."""
     return SHAREGPT_INDEX_BASE <= index < LATER_TURN_INDEX_BASE
+
+
 _ROLES = {"human": "user", "gpt": "assistant"}
 
 
@@ -133,27 +135,28 @@ def chat_prompt_ids(tokenizer, text: str) -> list[int]:
 
 
 def prompt_examples(config: DataConfig, folder: str | Path, tokenizer,
-                    prompts: list[str | None] | None = None) -> list[Example]:
+                    prompts: list[str | None] | None = None, later: list[Example] | None = None) -> list[Example]:
     """The training prompts (below ``num_prompts``, excluded ones left out) as prompt-only examples
     (``response_ids == []``) through the chat template, in list order, for :func:`answer_prompts`:
     those longer than ``max_prompt_tokens`` are left out unless ``folder`` holds an answer to them
     (which :func:`answer_prompts` then checks against the prompt).  With no tokenizer (a test
     target) the answered ones are left out too, there being nothing to check them against."""
-    return _prompt_examples(config, _records(Path(folder) / RESPONSES), tokenizer, prompts,
+    return _prompt_examples(config, _records(Path(folder) / RESPONSES), tokenizer, prompts, later,
                             answered=tokenizer is not None)
 
 
 def unanswered_prompts(config: DataConfig, folder: str | Path, tokenizer,
-                       prompts: list[str | None] | None = None) -> list[Example]:
+                       prompts: list[str | None] | None = None, later: list[Example] | None = None) -> list[Example]:
     """:func:`prompt_examples` that ``folder`` holds no answer to: what ``gpu_recipe pack
     --generate-there`` sends to be answered on another machine."""
-    return _prompt_examples(config, _records(Path(folder) / RESPONSES), tokenizer, prompts, answered=False)
+    return _prompt_examples(config, _records(Path(folder) / RESPONSES), tokenizer, prompts, later, answered=False)
 
 
 def _prompt_examples(config: DataConfig, done: dict[int, dict], tokenizer, prompts: list[str | None] | None,
-                     *, answered: bool) -> list[Example]:
+                     later: list[Example] | None, *, answered: bool) -> list[Example]:
     """:func:`prompt_examples` given the stored answers ``done``; ``answered=False`` leaves out (and
-    does not tokenize) the prompts answered there."""
+    does not tokenize) the prompts answered there.  ``prompts`` / ``later``: :func:`training_prompts`
+    and :func:`later_turn_prompts` of ``config`` when the caller has them already."""
     out = []
     for i, text in enumerate(training_prompts(config) if prompts is None else prompts):
         if text is None or (i in done and not answered):
@@ -162,7 +165,8 @@ def _prompt_examples(config: DataConfig, done: dict[int, dict], tokenizer, promp
         if i in done or len(ids) <= config.max_prompt_tokens:
             out.append(Example(i, ids, []))
     if config.later_turns and tokenizer is not None:  # the second self-distilled source, after the first turns
-        out += [e for e in later_turn_prompts(tokenizer, config) if answered or e.index not in done]
+        later = later_turn_prompts(tokenizer, config) if later is None else later
+        out += [e for e in later if answered or e.index not in done]
     return out
 
 
@@ -289,7 +293,12 @@ def load_examples(folder: str | Path, limit: int | None = None,
     path = Path(folder) / RESPONSES
     if not path.is_file():
         raise FileNotFoundError(f"no self-distilled responses at {path}; generate them first")
-    rows = _records(path)
+    return _first_turn_examples(_records(path), limit, prompts)
+
+
+def _first_turn_examples(rows: dict[int, dict], limit: int | None,
+                         prompts: list[str | None] | None) -> list[Example]:
+    """:func:`load_examples` given the records of ``responses.jsonl``."""
     keep = [k for k in sorted(rows) if (limit is None or k < limit)
             and (prompts is None or (k < len(prompts) and prompts[k] is not None))]
     return [Example(k, rows[k]["prompt_ids"], rows[k]["response_ids"]) for k in keep]
@@ -449,7 +458,7 @@ def read_examples(path: str | Path) -> list[Example]:
 
 
 def stored_examples(config: DataConfig, folder: str | Path, tokenizer,
-                    prompts: list[str | None] | None = None) -> list[Example]:
+                    prompts: list[str | None] | None = None, later: list[Example] | None = None) -> list[Example]:
     """Every example of a data configuration, nothing generated: the self-distilled responses
     stored in ``folder`` (below ``num_prompts``, excluded prompts left out; none when the folder
     has no responses) and those to the ``later_turns`` prompts answered there (with a tokenizer),
@@ -461,14 +470,15 @@ def stored_examples(config: DataConfig, folder: str | Path, tokenizer,
 
     Args:
         prompts: :func:`training_prompts` of ``config`` when the caller has it already.
+        later: :func:`later_turn_prompts` of ``config`` when the caller has it already.
     """
     examples = []
     if (Path(folder) / RESPONSES).is_file():
-        examples = load_examples(folder, limit=config.num_prompts,
-                                 prompts=training_prompts(config) if prompts is None else prompts)
+        rows = _records(Path(folder) / RESPONSES)
+        examples = _first_turn_examples(rows, config.num_prompts,
+                                        training_prompts(config) if prompts is None else prompts)
         if config.later_turns and tokenizer is not None:
-            rows = _records(Path(folder) / RESPONSES)
-            for e in later_turn_prompts(tokenizer, config):
+            for e in later_turn_prompts(tokenizer, config) if later is None else later:
                 if e.index not in rows:
                     continue  # not answered (yet): left out, as unanswered first turns are
                 if rows[e.index]["prompt_ids"] != e.prompt_ids:

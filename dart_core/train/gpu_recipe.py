@@ -124,7 +124,8 @@ def pack(dest: str | Path, *, model: str | None, data, work_dir: str | Path | No
         FileNotFoundError: the model cannot be found.
     """
     from dart_core.tokenizer import load_tokenizer, resolve_model
-    from dart_core.train.data import is_teacher_forced, stored_examples, unanswered_prompts, write_examples
+    from dart_core.train.data import (is_teacher_forced, later_turn_prompts, stored_examples, unanswered_prompts,
+                                      write_examples)
     from ngram_service.cache import cache_root
 
     if part_mib < 1:
@@ -138,12 +139,13 @@ def pack(dest: str | Path, *, model: str | None, data, work_dir: str | Path | No
     model_files = [folder / source.gguf_file] if source.gguf_file else sorted(p for p in folder.iterdir() if p.is_file())
     tokenizer = load_tokenizer(model)
     work = Path(work_dir).expanduser() if work_dir else cache_root() / "train"
-    examples = stored_examples(data, work / "data", tokenizer)
+    later = later_turn_prompts(tokenizer, data)  # prompt_skip, replaced below, does not change them
+    examples = stored_examples(data, work / "data", tokenizer, later=later)
     asked = []
     if generate_there:
         skipped_too = skipped_last and data.prompt_skip
         asked = unanswered_prompts(dataclasses.replace(data, prompt_skip=0) if skipped_too else data, work / "data",
-                                   tokenizer)
+                                   tokenizer, later=later)
         if skipped_too:  # stable: the held-out and fresh ones first, each part in list order
             asked.sort(key=lambda e: data.eval_prompts <= e.index < data.prompt_skip)
     if not examples and not asked:

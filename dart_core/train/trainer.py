@@ -48,8 +48,8 @@ from tqdm.auto import tqdm
 from dart_core.draft_head import DartDraftHead, DraftHeadConfig, save_draft_head
 from dart_core.engine import _sync
 from dart_core.train.data import (RESPONSES, DataConfig, Example, answer_prompts, is_teacher_forced,
-                                  load_examples, prompt_examples, read_examples, stored_examples,
-                                  training_prompts)
+                                  later_turn_prompts, load_examples, prompt_examples, read_examples,
+                                  stored_examples, training_prompts)
 from dart_core.train.features import Features, choose_draft_vocab, compute_features
 from ngram_service.cache import cache_root
 
@@ -408,14 +408,15 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
         examples = [e for e in examples if len(e.response_ids) >= 2]
     else:
         prompts = training_prompts(cfg.data)
+        later = later_turn_prompts(target.tokenizer, cfg.data) if target.tokenizer is not None else []
         if cfg.data.generate and not answer_prompts(
-                target, prompt_examples(cfg.data, data_dir, target.tokenizer, prompts), data_dir, cfg.data,
+                target, prompt_examples(cfg.data, data_dir, target.tokenizer, prompts, later), data_dir, cfg.data,
                 progress=progress, deadline=deadline):
             return _unfinished(cfg, "generate", started, time.time() - t0, 0.0, None)
         if not cfg.data.generate and not (data_dir / RESPONSES).is_file() and not cfg.data.sharegpt_turns:
             raise ValueError(f"--no-generate with no stored responses in {data_dir} and no --sharegpt-turns: "
                              "nothing to train on")
-        examples = stored_examples(cfg.data, data_dir, target.tokenizer, prompts)
+        examples = stored_examples(cfg.data, data_dir, target.tokenizer, prompts, later)
     # self-distilled held-out prompts come first in the prompt list; ShareGPT indices are never below them
     held_ex = [e for e in examples if e.index < cfg.data.eval_prompts]
     train_ex = [e for e in examples if e.index >= cfg.data.eval_prompts]
