@@ -41,6 +41,8 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from dart_core.attention import attention_backend, sdpa_backends
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["DraftHeadConfig", "DartDraftHead", "HeadLoadError", "load_draft_head", "save_draft_head"]
@@ -142,9 +144,12 @@ class _DraftAttention(nn.Module):
         self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
 
-    def forward(self, x, xq, cos, sin, cos_q, sin_q, past_k, past_v, mask):
+    def forward(self, x, xq, cos, sin, cos_q, sin_q, past_k, past_v, mask, write_index=None):
         # x: [B, N, 2H] new positions (keys/values); xq: [B, Q, 2H] the subset that queries;
-        # cos/sin: [B, N, D], cos_q/sin_q: [B, Q, D]; past_k/v: [B, Hkv, K, D]; mask: [B, 1, Q, K + N] additive
+        # cos/sin: [B, N, D], cos_q/sin_q: [B, Q, D]; past_k/v: [B, Hkv, K, D]; mask: [B, 1, Q, K + N] additive.
+        # With write_index [B, N] int64 (a static cache): past_k/v are [B, Hkv, C, D] buffers, the N new
+        # keys/values are written at those positions and attention runs over the whole buffers
+        # (mask: [B, 1, Q, C]).
         b, n, _ = x.shape
         q = xq.shape[1]
         c = self.c
@@ -153,10 +158,19 @@ class _DraftAttention(nn.Module):
         vs = self.v_proj(x).view(b, n, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         qs = apply_rotary_pos_emb(qs, qs, cos_q, sin_q)[0]
         ks = apply_rotary_pos_emb(ks, ks, cos, sin)[0]
-        keys = torch.cat([past_k, ks], dim=2)
-        values = torch.cat([past_v, vs], dim=2)
-        out = nn.functional.scaled_dot_product_attention(
-            qs, keys, values, attn_mask=mask, enable_gqa=c.num_key_value_heads != c.num_attention_heads)
+        if write_index is None:
+            keys = torch.cat([past_k, ks], dim=2)
+            values = torch.cat([past_v, vs], dim=2)
+        else:
+            at = write_index[:, None, :, None].expand(b, c.num_key_value_heads, n, c.head_dim)
+            keys, values = past_k.scatter_(2, at, ks), past_v.scatter_(2, at, vs)
+        grouped = c.num_key_value_heads != c.num_attention_heads
+        if grouped and sdpa_backends(qs.device) is not None:  # not every chosen kernel takes grouped heads
+            groups = c.num_attention_heads // c.num_key_value_heads
+            keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+            grouped = False
+        with attention_backend(qs.device):
+            out = nn.functional.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, enable_gqa=grouped)
         return self.o_proj(out.transpose(1, 2).reshape(b, q, -1)), ks, vs
 
 
@@ -194,7 +208,16 @@ class DartDraftHead(nn.Module):
                                   max_position_embeddings=c.max_position_embeddings,
                                   rope_scaling=dict(c.rope_scaling) if c.rope_scaling else None)
         self.rotary = LlamaRotaryEmbedding(rope_config)
+        self._inv_freq = self.rotary.inv_freq.float().clone()  # [D/2] kept in float32 (see _apply)
         self.reset_parameters()
+
+    def _apply(self, fn, recurse=True):
+        """``.to()`` / ``.half()`` / ``.cuda()`` as for any module, except that the rotary
+        frequencies stay float32: a bf16 ``inv_freq`` is off by up to 0.4 %, so the rotation
+        angle at position 500 is off by up to 2 radians for the fastest frequency."""
+        super()._apply(fn, recurse)
+        self.rotary.inv_freq = self._inv_freq.to(self.rotary.inv_freq.device)
+        return self
 
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = None) -> None:
@@ -247,6 +270,48 @@ class DartDraftHead(nn.Module):
         h, ks, vs = self._layer(taps, next_embeds, positions, slot_pos, past_k, past_v, mask, take)
         return self.logits(h), ks[:, :, :t], vs[:, :, :t]
 
+    def forward_static(
+        self,
+        taps: torch.Tensor,  # [B, T, 3 * H_target] as forward
+        next_embeds: torch.Tensor,  # [B, T, H]
+        positions: torch.Tensor,  # [B, T]
+        last_index: torch.Tensor,  # [B]
+        key_buffer: torch.Tensor,  # [B, Hkv, C, D] static head KV cache, updated in place
+        value_buffer: torch.Tensor,  # [B, Hkv, C, D]
+        past_lengths: torch.Tensor,  # [B] valid entries per sequence at [0, past_lengths[b])
+    ) -> torch.Tensor:
+        """:meth:`forward` for all d levels over a static KV cache, with no shape that depends on the
+        cache's contents (so it can be captured in a CUDA graph: ``dart_core.cuda_graphs.StaticDrafter``).
+
+        Sequence b's valid real keys go to [L_b, L_b + n_b) (L = ``past_lengths``, n_b =
+        ``last_index[b] + 1``), its d - 1 mask slots' keys to [L_b + n_b, L_b + n_b + d - 1), the padded
+        real positions to the scratch entry C - 1; a query sees the entries before L_b + n_b and the
+        slots up to itself, as in :meth:`forward`.  Nothing is compacted: the caller advances
+        ``past_lengths`` by n_b, and the next step overwrites the slots' entries.  The caller keeps
+        L_b + n_b + d + 1 <= C.
+
+        Returns:
+            logits [B, d, V_draft], equal to :meth:`forward`'s up to rounding (tested).
+        """
+        c = self.config
+        b, t, _ = taps.shape
+        slots, dev, cap = c.draft_length, taps.device, key_buffer.shape[2]
+        last_pos = positions.gather(1, last_index[:, None])  # [B, 1]
+        slot_pos = last_pos + torch.arange(1, slots + 1, device=dev)  # [B, slots]
+        j = torch.arange(t, device=dev)
+        base = past_lengths + last_index + 1  # [B] where the slots' keys go
+        real_at = torch.where(j[None, :] <= last_index[:, None], past_lengths[:, None] + j[None, :], cap - 1)
+        write = torch.cat([real_at, base[:, None] + torch.arange(slots, device=dev)], dim=1)  # [B, T + slots]
+        # query q (0: the last real position, s: slot s) sees entry k iff k - base < q
+        q = torch.arange(slots + 1, device=dev)
+        allowed = (torch.arange(cap, device=dev)[None, None, :] - base[:, None, None]) < q[None, :, None]
+        mask = torch.zeros(allowed.shape, dtype=taps.dtype, device=dev)
+        mask.masked_fill_(~allowed, torch.finfo(taps.dtype).min)
+        take = torch.cat([last_index[:, None], t + torch.arange(slots, device=dev).expand(b, slots)], dim=1)
+        h, _, _ = self._layer(taps, next_embeds, positions, slot_pos, key_buffer, value_buffer, mask[:, None], take,
+                              write)
+        return self.logits(h)
+
     def forward_train(self, taps: torch.Tensor, next_embeds: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """Drafts for many anchor positions of whole sequences in one forward (training).
 
@@ -298,9 +363,10 @@ class DartDraftHead(nn.Module):
             h = self.norm(h)
         return self.lm_head(h)
 
-    def _layer(self, taps, next_embeds, positions, slot_pos, past_k, past_v, mask, query_index):
+    def _layer(self, taps, next_embeds, positions, slot_pos, past_k, past_v, mask, query_index, write_index=None):
         """The decoder layer over real positions [B, T] followed by slots [B, S], evaluated for the
-        positions ``query_index`` [B, Q] only: hidden [B, Q, H] and the keys/values of all T + S."""
+        positions ``query_index`` [B, Q] only: hidden [B, Q, H] and the keys/values of all T + S
+        (``write_index`` [B, T + S]: written into the static buffers ``past_k``/``past_v`` there)."""
         c = self.config
         b = taps.shape[0]
         g = self.fc(taps)  # [B, T, H]
@@ -310,7 +376,8 @@ class DartDraftHead(nn.Module):
         residual = torch.cat([g, mask_in[..., : c.hidden_size]], dim=1)  # [B, T + S, H]
         cos, sin = self.rotary(x, torch.cat([positions, slot_pos], dim=1))
         pick = lambda v: v.gather(1, query_index[..., None].expand(b, query_index.shape[1], v.shape[-1]))  # noqa: E731
-        attn, ks, vs = self.midlayer.self_attn(x, pick(x), cos, sin, pick(cos), pick(sin), past_k, past_v, mask)
+        attn, ks, vs = self.midlayer.self_attn(x, pick(x), cos, sin, pick(cos), pick(sin), past_k, past_v, mask,
+                                                write_index)
         h = pick(residual) + attn
         return h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h)), ks, vs
 

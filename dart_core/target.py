@@ -22,6 +22,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from dart_core.attention import attention_backend
 from dart_core.kv_cache import BufferedKVCache, apply_compaction, cache_mask, compaction_plan
 from dart_core.tokenizer import converted_cache, load_tokenizer, resolve_model, save_converted
 
@@ -344,8 +345,9 @@ class TargetModel:
     def model_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                       cache: TargetCache) -> TargetOutput:
         """The stock model's forward behind :meth:`forward` (no static cache): logits and the taps."""
-        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                         use_cache=True, output_hidden_states=True, **{self._cache_kwarg: cache.cache})
+        with attention_backend(input_ids.device):  # an explicit SDPA choice (dart_core.attention)
+            out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                             use_cache=True, output_hidden_states=True, **{self._cache_kwarg: cache.cache})
         hs = out.hidden_states
         taps = torch.cat([hs[i] for i in self.tap_layers], dim=-1)
         return TargetOutput(logits=out.logits.float(), taps=taps)
