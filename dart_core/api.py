@@ -17,6 +17,7 @@ Everything is local: a model folder or ``.gguf`` file, a head folder
 from __future__ import annotations
 
 import logging
+import os
 import numbers
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -163,7 +164,10 @@ class DartModel:
             cuda_graphs: on CUDA, verify over a static KV cache with padded tree and batch
                 sizes, each (batch bucket, size bucket) captured once as a CUDA graph and replayed
                 (:class:`~dart_core.cuda_graphs.StaticVerifier`; the verification cost curve
-                is then measured with the graphs).  Off by default until measured on a GPU.
+                is then measured with the graphs), and draft likewise over a static head KV cache
+                (:class:`~dart_core.cuda_graphs.StaticDrafter`; the environment variable
+                ``DART_DRAFT_GRAPHS=0`` keeps the draft eager, for comparisons).  Off by default
+                until measured on a GPU.
 
         Raises:
             TypeError: a value given under both its name and its reference alias.
@@ -200,7 +204,10 @@ class DartModel:
             sizes = tuple(sorted({1, 2, 4, 8, 16, 32, 48, params.budget + 1}))
             policy = AdaptiveBudget(VerifyCostCurve.measure(target, node_counts=sizes))
             gate = SpeculationGate()
-        return cls(DartEngine(target, draft, tree_search, params, budget=policy, gate=gate), target.tokenizer)
+        engine = DartEngine(target, draft, tree_search, params, budget=policy, gate=gate)
+        if cuda_graphs and draft is not None and os.environ.get("DART_DRAFT_GRAPHS", "1") != "0":
+            engine.enable_static_draft()
+        return cls(engine, target.tokenizer)
 
     @staticmethod
     def _load_head(head, name: str, target: TargetModel, dtype: torch.dtype) -> DartDraftHead | None:

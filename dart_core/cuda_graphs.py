@@ -40,7 +40,8 @@ largest buckets, or past the capacity) runs eagerly on the same cache.
 Without CUDA (``use_graphs=False``) the same static path runs eagerly: that
 is how the CPU tests check it equal to the ordinary forward; only the
 capture and replay themselves need a GPU (the ``gpu``-marked test).
-Prefill and the draft head stay eager.
+The draft head's forward has its own static path, :class:`StaticDrafter`, built the same
+way over a static head KV cache.  Prefill stays eager.
 """
 
 from __future__ import annotations
@@ -54,10 +55,23 @@ from dart_core.kv_cache import is_leading_view
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StaticVerifier", "DEFAULT_BUCKETS", "DEFAULT_BATCH_BUCKETS"]
+__all__ = ["StaticVerifier", "StaticDrafter", "DEFAULT_BUCKETS", "DEFAULT_BATCH_BUCKETS", "DEFAULT_DRAFT_WIDTHS"]
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def _check_settings(what: str, device: torch.device, use_graphs: bool | None, **sizes: tuple[int, ...]) -> bool:
+    """Whether to capture graphs (default: on CUDA); raises ValueError for graphs off CUDA or
+    bucket sizes that are not positive and ascending."""
+    if use_graphs is None:
+        use_graphs = device.type == "cuda"
+    if use_graphs and device.type != "cuda":
+        raise ValueError(f"CUDA graphs need a CUDA device, the {what} is on {device}")
+    for name, values in sizes.items():
+        if not values or list(values) != sorted(set(values)) or values[0] < 1:
+            raise ValueError(f"{name} must be positive and ascending, got {values}")
+    return use_graphs
 
 
 @dataclass
@@ -93,14 +107,7 @@ class StaticVerifier:
 
     def __init__(self, target, *, capacity: int = 2048, buckets: tuple[int, ...] = DEFAULT_BUCKETS,
                  batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS, use_graphs: bool | None = None) -> None:
-        device = target.device
-        if use_graphs is None:
-            use_graphs = device.type == "cuda"
-        if use_graphs and device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, the target is on {device}")
-        for name, sizes in (("buckets", buckets), ("batch_buckets", batch_buckets)):
-            if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
-                raise ValueError(f"{name} must be positive and ascending, got {sizes}")
+        use_graphs = _check_settings("target", target.device, use_graphs, buckets=buckets, batch_buckets=batch_buckets)
         if capacity < buckets[-1]:
             raise ValueError(f"capacity {capacity} is below the largest bucket {buckets[-1]}")
         self.target = target
@@ -231,3 +238,172 @@ class StaticVerifier:
         self.replays += 1
         return s.logits[:b, :n], s.taps[:b, :n]
 
+
+
+DEFAULT_DRAFT_WIDTHS = (1, 2, 4, 8, 16)
+
+
+@dataclass
+class _DraftShape:
+    """The static tensors of one (Bb, Wb) draft shape and its graph (None without CUDA graphs)."""
+
+    taps: torch.Tensor  # [Bb, Wb, 3H] head dtype: taps of the new real positions
+    next_ids: torch.Tensor  # [Bb, Wb] int64: the token after each of them
+    pos: torch.Tensor  # [Bb, Wb] int64 RoPE positions
+    last_index: torch.Tensor  # [Bb] int64: each row's last valid real position in Wb
+    lengths: torch.Tensor  # [Bb] int64: valid head-cache entries before the forward
+    ids: torch.Tensor | None = None  # [Bb, d, k] int64 target ids of the top-k per level (graph output)
+    probs: torch.Tensor | None = None  # [Bb, d, k] float32 softmax over the top-k logits (graph output)
+    graph: "torch.cuda.CUDAGraph | None" = None
+
+
+class StaticDrafter:
+    """Runs the draft head's forward over a static head KV cache, as CUDA graphs on a GPU.
+
+    The draft forward (:meth:`DartDraftHead.forward_static <dart_core.draft_head.DartDraftHead.forward_static>`)
+    together with the target's embedding of the next tokens, the top-k per level, its softmax and
+    the draft-to-target vocabulary mapping, at fixed shapes:
+
+    - **Padded widths**: a forward of W new real positions per row (the tokens accepted since the
+      last draft) runs at the smallest width bucket Wb >= W (1, 2, 4, 8, 16); wider catch-up
+      drafts (a new prompt, steps without drafting) run eagerly.
+    - **Padded batch sizes**, as :class:`StaticVerifier`; padding rows draft garbage that is dropped.
+    - **A static head KV cache**: per batch bucket one [Bb, H_kv, capacity, D] key and value buffer.
+      The :class:`~dart_core.kv_cache.HeadKVCache`'s ``keys``/``values`` become views of its first B
+      rows (a cache that lives elsewhere, after continuous batching merged or dropped rows, is
+      copied in once); a forward writes the new entries in place and only ``lengths`` advances: no
+      concatenation, no compaction.
+    - All d levels are drafted; a step that needs fewer levels reads the first ones (they do not
+      depend on the later slots).
+
+    Graphs are captured lazily, one per (Bb, Wb).  Without CUDA (``use_graphs=False``) the same
+    static path runs eagerly (the CPU tests compare it with the ordinary forward).
+
+    Args:
+        head: the :class:`~dart_core.draft_head.DartDraftHead`.
+        embed: the target's input embedding module (``TargetModel.embed_tokens``).
+        top_k: draft tokens per level (``SearchParams.top_k``; at most the draft vocabulary).
+        capacity: head KV positions per sequence in the static buffers.
+        widths, batch_buckets: the padded widths and batch sizes, ascending.
+        use_graphs: capture and replay CUDA graphs (default: on a CUDA device).
+
+    Raises:
+        ValueError: ``use_graphs=True`` off CUDA, buckets that are not positive and ascending, or a
+            capacity that leaves no room for the largest width and the mask slots.
+    """
+
+    def __init__(self, head, embed, *, top_k: int, capacity: int = 2048,
+                 widths: tuple[int, ...] = DEFAULT_DRAFT_WIDTHS,
+                 batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS, use_graphs: bool | None = None) -> None:
+        device = head.norm.weight.device
+        use_graphs = _check_settings("draft head", device, use_graphs, widths=widths, batch_buckets=batch_buckets)
+        if capacity < widths[-1] + head.config.depth + 2:
+            raise ValueError(f"capacity {capacity} leaves no room for width {widths[-1]} and the mask slots")
+        self.head, self.embed, self.device = head, embed, device
+        self.top_k = min(top_k, head.config.draft_vocab_size)
+        self.capacity = capacity
+        self.widths = tuple(widths)
+        self.batch_buckets = tuple(batch_buckets)
+        self.use_graphs = use_graphs
+        self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # Bb -> (keys, values) buffers
+        self._shapes: dict[tuple[int, int], _DraftShape] = {}
+        self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        self.replays = 0
+        self.eager = 0
+        self._warned = False
+
+    def _buffers(self, bb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if bb not in self._kv:
+            c = self.head.config
+            shape = (bb, c.num_key_value_heads, self.capacity, c.head_dim)
+            self._kv[bb] = (torch.zeros(shape, dtype=self.head.dtype, device=self.device),
+                            torch.zeros(shape, dtype=self.head.dtype, device=self.device))
+        return self._kv[bb]
+
+    def _shape(self, bb: int, wb: int) -> _DraftShape:
+        key = (bb, wb)
+        if key not in self._shapes:
+            c, dev = self.head.config, self.device
+            long = dict(dtype=torch.long, device=dev)
+            self._shapes[key] = _DraftShape(
+                taps=torch.zeros(bb, wb, 3 * c.target_hidden_size, dtype=self.head.dtype, device=dev),
+                next_ids=torch.zeros(bb, wb, **long), pos=torch.zeros(bb, wb, **long),
+                last_index=torch.zeros(bb, **long), lengths=torch.zeros(bb, **long))
+        return self._shapes[key]
+
+    def _run(self, s: _DraftShape, keys: torch.Tensor, values: torch.Tensor) -> None:
+        head = self.head
+        logits = head.forward_static(s.taps, self.embed(s.next_ids).to(head.dtype), s.pos, s.last_index,
+                                     keys, values, s.lengths)  # [Bb, d, V_draft]
+        top, idx = torch.topk(logits.float(), self.top_k, dim=-1)
+        s.probs = top.softmax(-1)
+        s.ids = head.draft_to_target(idx)
+
+    def _capture(self, s: _DraftShape, keys: torch.Tensor, values: torch.Tensor) -> None:
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up with the real inputs (it writes the same cache entries)
+                self._run(s, keys, values)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._run(s, keys, values)
+        s.graph = graph
+        logger.info("captured a draft CUDA graph for batch %d, width %d", *s.next_ids.shape)
+
+    @torch.inference_mode()
+    def forward(self, taps: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
+                last_index: torch.Tensor, cache, max_positions: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One draft over the static cache, or None when it does not fit (the caller drafts eagerly).
+
+        Args:
+            taps: [B, W, 3H]; next_ids, positions: [B, W] int64; last_index: [B] int64, as
+                :meth:`DartDraftHead.forward <dart_core.draft_head.DartDraftHead.forward>` takes them.
+            cache: the :class:`~dart_core.kv_cache.HeadKVCache`; its ``lengths`` advance by
+                ``last_index + 1`` and its ``keys``/``values`` become views of the static buffers.
+            max_positions: a host-side upper bound on every row's head-cache length after this
+                draft (its tokens so far), so that the capacity check reads no device tensor.
+
+        Returns:
+            (ids [B, d, k] int64 target ids, probs [B, d, k] float32): views of static outputs,
+            valid until the next draft.
+        """
+        b, w = next_ids.shape
+        wb = next((x for x in self.widths if x >= w), None)
+        bb = next((x for x in self.batch_buckets if x >= b), None)
+        t = cache.keys.shape[2]
+        fits = max_positions + self.head.config.depth + 1 < self.capacity and t <= self.capacity
+        if wb is None or bb is None or not fits:
+            if not fits and not self._warned:
+                logger.warning("the draft head's KV cache outgrew the static capacity %d: such drafts run "
+                               "without CUDA graphs", self.capacity)
+                self._warned = True
+            self.eager += 1
+            return None
+        kb, vb = self._buffers(bb)
+        if not (is_leading_view(cache.keys, kb, b) and is_leading_view(cache.values, vb, b)):
+            kb[:b, :, :t].copy_(cache.keys)
+            vb[:b, :, :t].copy_(cache.values)
+        s = self._shape(bb, wb)
+        s.taps.zero_()
+        s.taps[:b, :w] = taps
+        s.next_ids.zero_()
+        s.next_ids[:b, :w] = next_ids
+        s.pos.zero_()
+        s.pos[:b, :w] = positions
+        s.last_index.zero_()
+        s.last_index[:b] = last_index
+        s.lengths.zero_()
+        s.lengths[:b] = cache.lengths
+        if not self.use_graphs:
+            self._run(s, kb, vb)
+        elif s.graph is None:
+            self._capture(s, kb, vb)
+            s.graph.replay()
+        else:
+            s.graph.replay()
+        cache.keys, cache.values = kb[:b], vb[:b]
+        cache.lengths = cache.lengths + last_index + 1
+        self.replays += 1
+        return s.ids[:b], s.probs[:b]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Container, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Container, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -37,6 +37,9 @@ from dart_core.verify import Acceptance, accept_greedy, accept_sampling
 from ngram_service.client import InProcessTreeSearch, TreeSearchClient
 from ngram_service.context import ContextIndex
 from ngram_service.tree_search import ContextChain, DraftTree, SearchParams
+
+if TYPE_CHECKING:
+    from dart_core.cuda_graphs import StaticDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +180,7 @@ class DartEngine:
         if max_prefill_tokens < 1:
             raise ValueError("max_prefill_tokens must be >= 1")
         self.max_prefill_tokens = max_prefill_tokens
+        self.static_draft: "StaticDrafter | None" = None  # enable_static_draft
         if head is not None:
             if head.config.target_hidden_size != target.config.hidden_size:
                 raise ValueError("draft head and target hidden sizes differ")
@@ -368,7 +372,8 @@ class DartEngine:
             width = int(state.pend_count.max())
             catch_up = width > self.head.config.draft_length + 2  # StepOutput.catch_up
             topk_ids, topk_probs = self._draft(state.pend_taps[:, :width], state.pend_next, state.pend_pos[:, :width],
-                                               state.pend_count - 1, state.head_cache, self._draft_levels())
+                                               state.pend_count - 1, state.head_cache, self._draft_levels(),
+                                               max(len(t) for t in state.tokens))
             state.clear_pending()
             _sync(device)
             draft_ms = 1e3 * (time.perf_counter() - t0)
@@ -492,17 +497,41 @@ class DartEngine:
             depth = self.budget.search_depth(depth)
         return max(1, depth)
 
+    def enable_static_draft(self, **kwargs) -> "StaticDrafter":
+        """Drafts over a static head KV cache from now on, replayed as CUDA graphs on a GPU:
+        :class:`~dart_core.cuda_graphs.StaticDrafter` (padded widths and batch sizes, one graph per
+        pair, captured when first needed), built with ``kwargs``.
+
+        Raises:
+            ValueError: no draft head, or as :class:`~dart_core.cuda_graphs.StaticDrafter`."""
+        from dart_core.cuda_graphs import StaticDrafter
+
+        if self.head is None:
+            raise ValueError("a static draft needs a draft head")
+        self.static_draft = StaticDrafter(self.head, self.target.embed_tokens, top_k=self.search_params.top_k,
+                                          **kwargs)
+        return self.static_draft
+
     @torch.inference_mode()
     def _draft(self, taps, next_tokens: list[list[int]], positions, last_index, head_cache: HeadKVCache,
-               levels: int | None = None):
+               levels: int | None = None, max_positions: int | None = None):
         """Draft head forward → (topk_ids [B, L, k] int64 target ids, topk_probs [B, L, k] float32),
-        L = ``levels`` (default d); the tree search goes no deeper than L."""
+        L = ``levels`` (default d); the tree search goes no deeper than L.  With
+        :meth:`enable_static_draft` and ``max_positions`` (a host-side bound on every row's
+        tokens), a draft that fits runs the static path."""
         head, device = self.head, self.target.device
         b, t = taps.shape[:2]
         nxt = torch.zeros(b, t, dtype=torch.long)
         for i, row in enumerate(next_tokens):
             nxt[i, : len(row)] = torch.tensor(row)
         nxt = nxt.to(device)
+        levels = head.config.depth if levels is None else levels
+        if self.static_draft is not None and max_positions is not None:
+            static = self.static_draft.forward(taps.to(head.dtype), nxt, positions, last_index, head_cache,
+                                               max_positions)
+            if static is not None:
+                ids, probs = static[0][:, :levels], static[1][:, :levels]
+                return ids.cpu().numpy().astype(np.int64), probs.cpu().numpy().astype(np.float32)
         dtype = head.dtype
         logits, new_k, new_v = head(taps.to(dtype), self.target.embed(nxt).to(dtype), positions, last_index,
                                     head_cache.keys, head_cache.values, head_cache.lengths, levels)

@@ -63,6 +63,8 @@ class AppConfig(BaseModel):
                                                "for a random head (tests)")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="the target's dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    cuda_graphs: bool = Field(False, description="CUDA only: verify and draft over static KV caches replayed as "
+                                                 "CUDA graphs (dart_core.cuda_graphs); refused off CUDA")
     budget: Budget = Field("auto", description='draft nodes per tree: "auto" adapts the tree to the measured '
                                                "verify cost and speculates only at batch sizes where it measures "
                                                "faster than autoregressive steps; an int (1.."

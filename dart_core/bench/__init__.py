@@ -47,9 +47,9 @@ def add_engine_arguments(ap, defaults) -> None:
 
 
 def add_cuda_graphs_argument(ap) -> None:
-    """``--cuda-graphs``: the engine's verification replayed as CUDA graphs (every benchmark CLI)."""
-    ap.add_argument("--cuda-graphs", action="store_true", help="CUDA only: verify over a static KV cache replayed "
-                    "as CUDA graphs (dart_core.cuda_graphs)")
+    """``--cuda-graphs``: the engine's verification and draft replayed as CUDA graphs (every benchmark CLI)."""
+    ap.add_argument("--cuda-graphs", action="store_true", help="CUDA only: verify and draft over static KV caches "
+                    "replayed as CUDA graphs (dart_core.cuda_graphs; DART_DRAFT_GRAPHS=0 keeps the draft eager)")
 
 
 def run_cli(config_cls, args, run, save, table, requires: tuple[str, ...] = ()) -> int:

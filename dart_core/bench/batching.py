@@ -49,7 +49,7 @@ class BatchingConfig:
     dtype: str | None = None
     device: str | None = None
     threads: int | None = None  # torch CPU threads (default: torch's)
-    cuda_graphs: bool = False  # CUDA: verification replayed as CUDA graphs over a static KV cache
+    cuda_graphs: bool = False  # CUDA: verification and draft replayed as CUDA graphs over static KV caches
 
 
 def _level(batcher, prompts: list[str], concurrency: int, speculative: bool, cfg: BatchingConfig) -> dict:

@@ -74,7 +74,7 @@ class DecodingConfig:
     dtype: str | None = None  # default: bfloat16 on CUDA, float32 on CPU
     device: str | None = None
     threads: int | None = None  # torch CPU threads (default: torch's)
-    cuda_graphs: bool = False  # CUDA: verification replayed as CUDA graphs over a static KV cache
+    cuda_graphs: bool = False  # CUDA: verification and draft replayed as CUDA graphs over static KV caches
     seed: int = 0
 
 

@@ -52,7 +52,7 @@ class StepProfileConfig:
     dtype: str | None = None  # default: bfloat16 on CUDA, float32 on CPU
     device: str | None = None
     threads: int | None = None
-    cuda_graphs: bool = False  # CUDA: verification replayed as CUDA graphs over a static KV cache
+    cuda_graphs: bool = False  # CUDA: verification and draft replayed as CUDA graphs over static KV caches
     copy_mib: int = 1024
     top_ops: int = 0  # per mode, the operators (and CUDA kernels) taking the most time: 0 = none
 

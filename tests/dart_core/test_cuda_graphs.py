@@ -1,7 +1,7 @@
-"""The static-KV-cache verification path (dart_core.cuda_graphs): on a CPU it runs eagerly and must
-give the ordinary forward's logits, taps and cache, and leave DART's greedy output exact at
-every tree size, with continuous batching; on a GPU the same path is captured and replayed as
-CUDA graphs (gpu-marked)."""
+"""The static-KV-cache verification and draft paths (dart_core.cuda_graphs): on a CPU they run
+eagerly and must give the ordinary forwards' logits, taps, drafts and caches, and leave DART's
+greedy output exact at every tree size, with continuous batching; on a GPU the same paths are
+captured and replayed as CUDA graphs (gpu-marked)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from dart_core.cuda_graphs import StaticVerifier
+from dart_core.cuda_graphs import StaticDrafter, StaticVerifier
 from dart_core.engine import DartEngine, NewSequence
 from dart_core.kv_cache import cache_mask
 from dart_core.sampling import SamplingParams
@@ -76,6 +76,43 @@ def test_the_static_path_equals_the_ordinary_forward_and_cache(arch):
             torch.testing.assert_close(v1[row, :, :n], v0[row, :, :n], rtol=1e-5, atol=1e-5)
 
 
+class _Recording(OracleTreeSearch):
+    """The oracle's trees, keeping every draft the search was given (top-k ids and probabilities)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.drafts = []
+
+    def search(self, topk_ids, topk_probs, contexts, params, chains=None):
+        self.drafts.append((np.array(topk_ids), np.array(topk_probs)))
+        return super().search(topk_ids, topk_probs, contexts, params, chains)
+
+
+def _dart_with_joins(target, prompts, lengths, truth, static_draft: dict | None = None, head_seed: int = 0):
+    """Greedy DART (oracle trees of 7 nodes) with sequences 1 and 2, 3 joining at the 2nd and 4th
+    step: (outputs per sequence, the recording search, the engine, each step's seq_ids)."""
+    oracle = _Recording([p + t for p, t in zip(prompts, truth)], depth=3, seed=1)
+    engine = DartEngine(target, random_head(target, seed=head_seed), oracle,
+                        SearchParams(top_k=10, beam_width=6, budget=6))
+    if static_draft is not None:
+        engine.enable_static_draft(use_graphs=False, **static_draft)
+    schedule = {2: [1], 4: [2, 3]}
+    calls = {"n": 0}
+
+    def admit():
+        calls["n"] += 1
+        return [NewSequence(prompts[i], SamplingParams(max_new_tokens=lengths[i]))
+                for i in schedule.pop(calls["n"], [])]
+
+    out: dict[int, list[int]] = {}
+    rows = []
+    for step in engine.generate_stream([prompts[0]], SamplingParams(max_new_tokens=lengths[0]), admit=admit):
+        rows.append(tuple(step.seq_ids))
+        for sid, toks in zip(step.seq_ids, step.new_tokens):
+            out.setdefault(sid, []).extend(toks)
+    return [out[i] for i in range(len(prompts))], oracle, engine, rows
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_greedy_dart_stays_exact_over_the_static_cache_with_continuous_batching(arch):
     """Oracle drafts (long acceptances, KV compaction), sequences joining and leaving (the static
@@ -88,25 +125,10 @@ def test_greedy_dart_stays_exact_over_the_static_cache_with_continuous_batching(
     prompts = prompts_of(rng, [4, 9, 2, 6])
     lengths = [40, 20, 40, 40]  # the second sequence (row 1 of the full batch) finishes first
     truth = [hf_greedy(target, p, n) for p, n in zip(prompts, lengths)]
-    oracle = OracleTreeSearch([p + t for p, t in zip(prompts, truth)], depth=3, seed=1)  # trees of 7 nodes
     static = target.enable_static_cache(capacity=44, buckets=(1, 2, 4, 8), use_graphs=False)
-    engine = DartEngine(target, random_head(target), oracle, SearchParams(top_k=10, beam_width=6, budget=6))
-    schedule = {2: [1], 4: [2, 3]}
-    calls = {"n": 0}
-
-    def admit():
-        calls["n"] += 1
-        return [NewSequence(prompts[i], SamplingParams(max_new_tokens=lengths[i]))
-                for i in schedule.pop(calls["n"], [])]
-
-    out: dict[int, list[int]] = {}
-    rows = []
-    for step in engine.generate_stream([prompts[0]], SamplingParams(max_new_tokens=40), admit=admit):
-        rows.append(tuple(step.seq_ids))
-        for sid, toks in zip(step.seq_ids, step.new_tokens):
-            out.setdefault(sid, []).extend(toks)
+    out, _, _, rows = _dart_with_joins(target, prompts, lengths, truth)
     target.static = None
-    assert [out[i] for i in range(4)] == truth
+    assert out == truth
     assert static.replays > 10 and static.eager > 0  # both paths ran
     assert (0, 1, 2, 3) in rows and (0, 2, 3) in rows  # the middle row left a batch of 4
     assert {b for b, _ in static._shapes} == {2, 4}  # batch buckets, not batch sizes (3 ran as 4)
@@ -126,6 +148,71 @@ def test_bad_settings_are_refused():
     assert v.bucket(3) == 4 and v.bucket(65) is None and v.batch_bucket(5) == 8 and v.batch_bucket(65) is None
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_static_draft_equals_the_ordinary_draft(arch):
+    """Every draft of the static path (its head KV cache written in place, never compacted;
+    rows joining and leaving; catch-up drafts wider than the widths and drafts past the capacity
+    running eagerly on the same cache) gives the eager draft's top-k, and output stays exact."""
+    target = tiny_target(arch, seed=7)
+    rng = np.random.default_rng(7)
+    prompts = prompts_of(rng, [4, 9, 2, 6])
+    lengths = [40, 20, 40, 40]
+    truth = [hf_greedy(target, p, n) for p, n in zip(prompts, lengths)]
+    ref, ref_search, _, _ = _dart_with_joins(target, prompts, lengths, truth, head_seed=3)
+    static_draft = dict(capacity=48, widths=(1, 2, 4, 8), batch_buckets=(1, 2, 4))
+    out, search, engine, _ = _dart_with_joins(target, prompts, lengths, truth, static_draft, head_seed=3)
+    assert ref == truth and out == truth
+    static = engine.static_draft
+    assert static.replays > 10 and static.eager > 0  # both paths ran (prompts are wider than 8; capacity 48)
+    assert {b for b, _ in static._shapes} == {4}  # batches of 3 and 4 (earlier drafts were catch-ups)
+    assert len(search.drafts) == len(ref_search.drafts)
+    for (ids0, p0), (ids1, p1) in zip(ref_search.drafts, search.drafts):
+        assert ids0.shape == ids1.shape
+        np.testing.assert_allclose(p1, p0, rtol=1e-4, atol=1e-5)
+        assert (ids0 == ids1).mean() > 0.99  # near-ties may swap order
+
+
+def test_the_static_draft_forward_equals_forward_per_row():
+    """forward_static with ragged widths and cache lengths: each row's d distributions equal
+    forward's, and the buffers hold that row's real keys after its prefix."""
+    target = tiny_target("llama", seed=2)
+    head = random_head(target, seed=4)
+    c = head.config
+    b, t, cap = 3, 5, 32
+    g = torch.Generator().manual_seed(0)
+    taps = torch.randn(b, t, 3 * c.target_hidden_size, generator=g)
+    emb = torch.randn(b, t, c.hidden_size, generator=g)
+    past_len = torch.tensor([0, 7, 3])
+    last = torch.tensor([4, 0, 2])
+    pos = past_len[:, None] + torch.arange(t)[None]
+    keys = torch.randn(b, c.num_key_value_heads, cap, c.head_dim, generator=g)
+    values = torch.randn(b, c.num_key_value_heads, cap, c.head_dim, generator=g)
+    k0, v0 = keys.clone(), values.clone()
+    with torch.inference_mode():
+        static = head.forward_static(taps, emb, pos, last, keys, values, past_len)
+        for r in range(b):
+            n = int(past_len[r])
+            ref, new_k, _ = head(taps[r:r + 1], emb[r:r + 1], pos[r:r + 1], last[r:r + 1], k0[r:r + 1, :, :n],
+                                 v0[r:r + 1, :, :n], past_len[r:r + 1])
+            torch.testing.assert_close(static[r:r + 1], ref, rtol=1e-5, atol=1e-5)
+            m = int(last[r]) + 1
+            torch.testing.assert_close(keys[r, :, n:n + m], new_k[0, :, :m], rtol=1e-6, atol=1e-6)
+            assert torch.equal(keys[r, :, :n], k0[r, :, :n])  # the prefix is untouched
+
+
+def test_bad_static_draft_settings_are_refused():
+    target = tiny_target("llama")
+    head = random_head(target)
+    with pytest.raises(ValueError, match="CUDA device"):
+        StaticDrafter(head, target.embed_tokens, top_k=4, use_graphs=True)
+    with pytest.raises(ValueError, match="ascending"):
+        StaticDrafter(head, target.embed_tokens, top_k=4, widths=(4, 2))
+    with pytest.raises(ValueError, match="no room"):
+        StaticDrafter(head, target.embed_tokens, top_k=4, capacity=16, widths=(1, 16))
+    with pytest.raises(ValueError, match="draft head"):
+        DartEngine(target).enable_static_draft()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graph_replays_equal_eager_decoding():
@@ -140,5 +227,8 @@ def test_cuda_graph_replays_equal_eager_decoding():
     for speculative in (False, True):
         engine = DartEngine(target, random_head(target).to("cuda"), OracleTreeSearch(truth, depth=5, seed=1),
                             SearchParams(top_k=10, beam_width=6, budget=6))
+        drafter = engine.enable_static_draft(capacity=128)
+        assert drafter.use_graphs
         assert engine.generate(prompts, sp, speculative=speculative).token_ids == ar.token_ids
     assert static.replays > 0 and all(s.graph is not None for s in static._shapes.values())
+    assert drafter.replays > 0 and all(s.graph is not None for s in drafter._shapes.values())
