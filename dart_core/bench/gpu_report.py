@@ -11,9 +11,13 @@ optional except one decoding run:
 - ``decoding-<label>.json``: :mod:`dart_core.bench.decoding` runs (batch 1);
 - ``step_profile-<label>.json``: :mod:`dart_core.bench.step_profile` runs (the floor);
 - ``batching-<label>.json``: :mod:`dart_core.bench.batching` sweeps;
+- ``sdpa_probe.json``: ``scripts/gpu_session/sdpa_probe.py`` (milliseconds of one masked
+  attention call per SDPA backend, at a new shape every call and at a fixed one);
 
 (``<label>`` names the run, e.g. ``bf16`` or ``bf16-graphs``; a run made with
-``--cuda-graphs`` says so in its heading.)
+``--cuda-graphs`` says so in its heading.  Repeats of one configuration are labelled
+``<label>-run1``, ``<label>-run2``, ...: each is shown, and a table gives the median
+over them of every method's tokens/s and speed-up.)
 - ``commands.md``: the commands that made them (quoted as is).
 """
 
@@ -22,6 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -38,6 +44,48 @@ def _load(folder: Path, prefix: str) -> list[tuple[str, dict]]:
 def _label(name: str, result: dict) -> str:
     """A result's heading: its file label, and whether verification ran as CUDA graphs."""
     return f"{name}, CUDA graphs" if result.get("config", {}).get("cuda_graphs") else name
+
+
+def _run_group(label: str) -> str:
+    """``bf16-graphs-run2`` -> ``bf16-graphs``; a label without a run suffix is its own group."""
+    return re.sub(r"-run\d+$", "", label)
+
+
+def median_table(runs: list[tuple[str, dict]]) -> str:
+    """Median over repeated decoding runs (labels ``<group>-runN``): per group, dataset and method,
+    the median tokens/s, speed-up over the same run's autoregressive decoding, and τ."""
+    groups: dict[str, list[dict]] = {}
+    for label, d in runs:
+        groups.setdefault(_run_group(label), []).append(d)
+    lines = ["| run | dataset | method | runs | tokens/s (median) | speed-up (median) | speed-ups | τ (median) |",
+             "|---|---|---|---:|---:|---:|---|---:|"]
+    for group, ds in groups.items():
+        if len(ds) < 2:
+            continue
+        keys = list(dict.fromkeys((r["dataset"], r["method"]) for d in ds for r in d["rows"]))
+        for dataset, method in keys:
+            rows = [r for d in ds for r in d["rows"] if (r["dataset"], r["method"]) == (dataset, method)]
+            ups = [r["speedup"] for r in rows]
+            taus = [r["tau"] for r in rows if r.get("tau") is not None]
+            lines.append(f"| {group} | {dataset} | {method} | {len(rows)} | "
+                         f"{statistics.median(r['tokens_per_s'] for r in rows):.1f} | {statistics.median(ups):.2f}× | "
+                         f"{', '.join(f'{u:.2f}' for u in ups)} | "
+                         f"{f'{statistics.median(taus):.2f}' if taus else '–'} |")
+    return "\n".join(lines) + "\n" if len(lines) > 2 else ""
+
+
+def probe_table(probe: dict) -> str:
+    """``sdpa_probe.json`` as a table: ms per masked attention call by shape and SDPA backend."""
+    lines = [f"{probe['device']}, torch {probe['torch']}, cuDNN {probe['cudnn']}; bf16, additive mask, "
+             "median of 40 calls.", "",
+             "| shape | backend | ms per call, a new key length each call | ms per call, one key length |",
+             "|---|---|---:|---:|"]
+    for r in probe["results"]:
+        if "error" in r:
+            lines.append(f"| {r['shape']} | {r['backend']} | refused: {r['error']} | |")
+        else:
+            lines.append(f"| {r['shape']} | {r['backend']} | {r['new_shape_ms']:.3f} | {r['same_shape_ms']:.3f} |")
+    return "\n".join(lines) + "\n"
 
 
 def render_gpu_section(folder: str | Path, page: str | Path) -> str:
@@ -62,7 +110,17 @@ def render_gpu_section(folder: str | Path, page: str | Path) -> str:
                   "tiny random target, fp32 on CUDA):", "", "```", log.read_text().strip(), "```", "",
                   "On SmolLM2 the `lossless` column of each decoding table below compares every method's tokens "
                   "with the engine's autoregressive ones (`hf-generate` is transformers' own `generate`).", ""]
+    probe = folder / "sdpa_probe.json"
+    if probe.is_file():
+        lines += ["### Attention backend", "",
+                  "One masked attention call per SDPA backend (`scripts/gpu_session/sdpa_probe.py`): `default` is "
+                  "PyTorch's own choice, `auto` the engine's (`dart_core.attention`).", "",
+                  probe_table(json.loads(probe.read_text())), ""]
     lines += ["### Decoding (batch 1)", ""]
+    medians = median_table(dec)
+    if medians:
+        lines += ["Median over repeated runs of one configuration (each run's speed-up is against the "
+                  "autoregressive decoding of the same run):", "", medians, ""]
     for dtype, d in dec:
         c = d["config"]
         lines += [f"**{_label(dtype, d)}**: {', '.join(c['datasets'])}, "

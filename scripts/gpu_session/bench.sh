@@ -1,10 +1,21 @@
-# usage: bash scripts/gpu_session/bench.sh JOB ...  -> JSON under $R/rep (named as gpu_report reads them), logs in $R/rep/logs
+# usage: bash scripts/gpu_session/bench.sh JOB[:VARIANT] ...  -> JSON under $R/rep (named as gpu_report reads
+# them), logs in $R/rep/logs.  VARIANT sdpa-default runs under PyTorch's own SDPA backend choice
+# (DART_SDPA_BACKENDS=default), draft-eager keeps the draft head eager beside graph-captured
+# verification (DART_DRAFT_GRAPHS=0); the variant is appended to the result's label.
 source scripts/gpu_session/env.sh
 mkdir -p $R/rep/logs $R/b
 MT=$D/files/extra/mt-bench.jsonl
-DS="--datasets $MT $D/files/extra/humaneval.jsonl --num-prompts 2 --max-new-tokens 64 --repeats 1 --device cuda --no-progress"
-for job in "$@"; do
-  t0=$(date +%s); echo "[$(date +%T)] $job"
+DS="--datasets $MT $D/files/extra/humaneval.jsonl --num-prompts ${BENCH_PROMPTS:-2} --max-new-tokens 64 --repeats 1 --device cuda --no-progress"
+for spec in "$@"; do
+  t0=$(date +%s); echo "[$(date +%T)] $spec"
+  job=${spec%%:*}; variant=; [[ $spec == *:* ]] && variant=${spec#*:}
+  envs=()
+  case $variant in
+    "") ;;
+    sdpa-default) envs=(DART_SDPA_BACKENDS=default) ;;
+    draft-eager) envs=(DART_DRAFT_GRAPHS=0) ;;
+    *) echo "unknown variant $variant"; continue ;;
+  esac
   graphs=; [[ $job == *-graphs ]] && graphs=--cuda-graphs  # JOB-graphs: the same run with --cuda-graphs
   case ${job%-graphs} in
     dec-fp32)   cmd="dart_core.bench $DS --dtype float32 --methods autoregressive dart-context" ;;
@@ -16,10 +27,11 @@ for job in "$@"; do
     batch-bf16) cmd="dart_core.bench.batching --concurrency 1 4 16 64 --requests-per-client 1 --max-tokens 64 --dataset $MT --device cuda --dtype bfloat16 --no-progress" ;;
     *) echo "unknown job $job"; continue ;;
   esac
-  python3 -m $cmd $graphs --out $R/b/$job > $R/rep/logs/$job.log 2>&1
+  name=$job${variant:+-$variant}
+  env "${envs[@]}" timeout ${JOB_TIMEOUT:-600} python3 -m $cmd $graphs --out $R/b/$name > $R/rep/logs/$name.log 2>&1
   rc=$?
-  label=${job#*-}; kind=${job%%-*}
+  label=${job#*-}${variant:+-$variant}; kind=${job%%-*}
   case $kind in dec) f=decoding;; prof) f=step_profile;; ops) f=step_profile; label=ops-$label;; batch) f=batching;; esac
-  [ -f $R/b/$job/$f.json ] && cp $R/b/$job/$f.json $R/rep/$f-$label.json
-  echo "[$(date +%T)] $job rc=$rc $(( $(date +%s) - t0 )) s"; tail -4 $R/rep/logs/$job.log | cut -c1-300
+  [ -f $R/b/$name/$f.json ] && cp $R/b/$name/$f.json $R/rep/$f-$label.json
+  echo "[$(date +%T)] $name rc=$rc $(( $(date +%s) - t0 )) s"; tail -4 $R/rep/logs/$name.log | cut -c1-300
 done

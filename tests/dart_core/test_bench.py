@@ -301,3 +301,24 @@ def test_the_gpu_section_is_rendered_from_the_results_files(tmp_path):
     assert "**fp32-graphs, CUDA graphs**:" in gpu_report.render_gpu_section(graphs, page)
     with pytest.raises(FileNotFoundError, match="decoding"):
         gpu_report.render_gpu_section(tmp_path, page)
+
+
+def test_the_gpu_section_gives_the_median_of_repeated_runs_and_the_attention_probe(tmp_path):
+    from pathlib import Path
+
+    from dart_core.bench import gpu_report
+
+    dec = json.loads((Path(__file__).parents[2] / "bench" / "results" / "gpu-h100" / "decoding-fp32.json").read_text())
+    row = dec["rows"][-1]
+    for i, up in enumerate([1.5, 0.9, 2.0], 1):  # median 1.5, not the mean 1.47
+        rows = [{**r, "speedup": up if r is row else r["speedup"]} for r in dec["rows"]]
+        (tmp_path / f"decoding-bf16-run{i}.json").write_text(json.dumps({**dec, "rows": rows}))
+    (tmp_path / "decoding-other.json").write_text(json.dumps(dec))  # a single run: no median row
+    probe = {"device": "GPU X", "torch": "2.11", "cudnn": 91900,
+             "results": [{"shape": "draft b1", "backend": "default", "new_shape_ms": 54.0, "same_shape_ms": 0.036},
+                         {"shape": "draft b1", "backend": "flash", "error": "No available kernel"}]}
+    (tmp_path / "sdpa_probe.json").write_text(json.dumps(probe))
+    text = gpu_report.render_gpu_section(tmp_path, tmp_path / "BENCHMARKS.md")
+    assert f"| bf16 | {row['dataset']} | {row['method']} | 3 |" in text
+    assert "| 1.50× | 1.50, 0.90, 2.00 |" in text and "| other |" not in text
+    assert "| draft b1 | default | 54.000 | 0.036 |" in text and "refused: No available kernel" in text
