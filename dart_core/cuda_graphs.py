@@ -262,28 +262,29 @@ class StaticDrafter:
 
     The draft forward (:meth:`DartDraftHead.forward_static <dart_core.draft_head.DartDraftHead.forward_static>`)
     together with the target's embedding of the next tokens, the top-k per level, its softmax and
-    the draft-to-target vocabulary mapping, at fixed shapes:
+    the draft-to-target vocabulary mapping:
 
-    - **Padded widths**: a forward of W new real positions per row (the tokens accepted since the
-      last draft) runs at the smallest width bucket Wb >= W (1, 2, 4, 8, 16); wider catch-up
-      drafts (a new prompt, steps without drafting) run eagerly.
-    - **Padded batch sizes**, as :class:`StaticVerifier`; padding rows draft garbage that is dropped.
     - **A static head KV cache**: per batch bucket one [Bb, H_kv, capacity, D] key and value buffer.
       The :class:`~dart_core.kv_cache.HeadKVCache`'s ``keys``/``values`` become views of its first B
       rows (a cache that lives elsewhere, after continuous batching merged or dropped rows, is
       copied in once); a forward writes the new entries in place and only ``lengths`` advances: no
-      concatenation, no compaction.
-    - All d levels are drafted; a step that needs fewer levels reads the first ones (they do not
-      depend on the later slots).
-
-    Graphs are captured lazily, one per (Bb, Wb).  Without CUDA (``use_graphs=False``) the same
-    static path runs eagerly (the CPU tests compare it with the ordinary forward).
+      concatenation, no compaction, no host read.
+    - **With CUDA graphs** (``use_graphs``, default on CUDA), at fixed shapes: a forward of W new
+      real positions per row (the tokens accepted since the last draft) runs at the smallest width
+      bucket Wb >= W (1, 2, 4, 8, 16), a batch at its batch bucket (padding rows draft garbage that
+      is dropped), all d levels (a step that needs fewer reads the first ones: they do not depend
+      on the later slots), one graph per (Bb, Wb) captured lazily.  Wider catch-up drafts (a new
+      prompt, steps without drafting) and caches past ``capacity`` (2,048 by default) run eagerly.
+    - **Without graphs** (a CPU): the same static cache at the exact shapes, only the levels asked
+      for; the capacity (unless given) starts at 256 positions and doubles as sequences grow, so
+      every draft takes this path.
 
     Args:
         head: the :class:`~dart_core.draft_head.DartDraftHead`.
         embed: the target's input embedding module (``TargetModel.embed_tokens``).
         top_k: draft tokens per level (``SearchParams.top_k``; at most the draft vocabulary).
-        capacity: head KV positions per sequence in the static buffers.
+        capacity: head KV positions per sequence in the static buffers (None: 2,048 with graphs,
+            growing without them).
         widths, batch_buckets: the padded widths and batch sizes, ascending.
         use_graphs: capture and replay CUDA graphs (default: on a CUDA device).
 
@@ -292,33 +293,43 @@ class StaticDrafter:
             capacity that leaves no room for the largest width and the mask slots.
     """
 
-    def __init__(self, head, embed, *, top_k: int, capacity: int = 2048,
+    def __init__(self, head, embed, *, top_k: int, capacity: int | None = None,
                  widths: tuple[int, ...] = DEFAULT_DRAFT_WIDTHS,
                  batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS, use_graphs: bool | None = None) -> None:
         device = head.norm.weight.device
         use_graphs = _check_settings("draft head", device, use_graphs, widths=widths, batch_buckets=batch_buckets)
-        if capacity < widths[-1] + head.config.depth + 2:
+        if capacity is None and use_graphs:
+            capacity = 2048
+        if capacity is not None and capacity < widths[-1] + head.config.depth + 2:
             raise ValueError(f"capacity {capacity} leaves no room for width {widths[-1]} and the mask slots")
         self.head, self.embed, self.device = head, embed, device
         self.top_k = min(top_k, head.config.draft_vocab_size)
-        self.capacity = capacity
+        self.capacity = capacity  # None: grows (without graphs)
         self.widths = tuple(widths)
         self.batch_buckets = tuple(batch_buckets)
         self.use_graphs = use_graphs
         self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # Bb -> (keys, values) buffers
         self._shapes: dict[tuple[int, int], _DraftShape] = {}
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
-        self.replays = 0
-        self.eager = 0
+        self.replays = 0  # drafts that took the static path
+        self.eager = 0  # drafts that did not fit it
         self._warned = False
 
-    def _buffers(self, bb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if bb not in self._kv:
+    def _buffers(self, bb: int, need: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The buffers of batch bucket ``bb``, (re)allocated to hold ``need`` positions per row."""
+        have = self._kv.get(bb)
+        if have is None or have[0].shape[2] < need:
             c = self.head.config
-            shape = (bb, c.num_key_value_heads, self.capacity, c.head_dim)
+            cap = self.capacity or max(256, 1 << (need - 1).bit_length())
+            shape = (bb, c.num_key_value_heads, cap, c.head_dim)
             self._kv[bb] = (torch.zeros(shape, dtype=self.head.dtype, device=self.device),
                             torch.zeros(shape, dtype=self.head.dtype, device=self.device))
         return self._kv[bb]
+
+    def _holds(self, cache, bb: int, b: int) -> bool:
+        """Whether the cache's keys/values are already the first ``b`` rows of bucket ``bb``'s buffers."""
+        kb, vb = self._kv[bb]
+        return is_leading_view(cache.keys, kb, b) and is_leading_view(cache.values, vb, b)
 
     def _shape(self, bb: int, wb: int) -> _DraftShape:
         key = (bb, wb)
@@ -331,13 +342,16 @@ class StaticDrafter:
                 last_index=torch.zeros(bb, **long), lengths=torch.zeros(bb, **long))
         return self._shapes[key]
 
-    def _run(self, s: _DraftShape, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def _topk(self, taps, next_ids, pos, last_index, keys, values, lengths, levels=None):
+        """The draft and its top-k: (ids [B, L, k] target ids, probs [B, L, k] float32)."""
         head = self.head
-        logits = head.forward_static(s.taps, self.embed(s.next_ids).to(head.dtype), s.pos, s.last_index,
-                                     keys, values, s.lengths)  # [Bb, d, V_draft]
+        logits = head.forward_static(taps, self.embed(next_ids).to(head.dtype), pos, last_index, keys, values,
+                                     lengths, levels)  # [B, L, V_draft]
         top, idx = torch.topk(logits.float(), self.top_k, dim=-1)
-        s.probs = top.softmax(-1)
-        s.ids = head.draft_to_target(idx)
+        return head.draft_to_target(idx), top.softmax(-1)
+
+    def _run(self, s: _DraftShape, keys: torch.Tensor, values: torch.Tensor) -> None:
+        s.ids, s.probs = self._topk(s.taps, s.next_ids, s.pos, s.last_index, keys, values, s.lengths)
 
     def _capture(self, s: _DraftShape, keys: torch.Tensor, values: torch.Tensor) -> None:
         stream = torch.cuda.Stream(self.device)
@@ -354,7 +368,8 @@ class StaticDrafter:
 
     @torch.inference_mode()
     def forward(self, taps: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
-                last_index: torch.Tensor, cache, max_positions: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+                last_index: torch.Tensor, cache, max_positions: int, levels: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One draft over the static cache, or None when it does not fit (the caller drafts eagerly).
 
         Args:
@@ -364,46 +379,52 @@ class StaticDrafter:
                 ``last_index + 1`` and its ``keys``/``values`` become views of the static buffers.
             max_positions: a host-side upper bound on every row's head-cache length after this
                 draft (its tokens so far), so that the capacity check reads no device tensor.
+            levels: the levels needed (default d; with graphs all d are drafted anyway).
 
         Returns:
-            (ids [B, d, k] int64 target ids, probs [B, d, k] float32): views of static outputs,
-            valid until the next draft.
+            (ids [B, L, k] int64 target ids, probs [B, L, k] float32), L = ``levels`` (with graphs,
+            views of static outputs, valid until the next draft).
         """
         b, w = next_ids.shape
+        t = cache.keys.shape[2]
         wb = next((x for x in self.widths if x >= w), None)
         bb = next((x for x in self.batch_buckets if x >= b), None)
-        t = cache.keys.shape[2]
-        fits = max_positions + self.head.config.depth + 1 < self.capacity and t <= self.capacity
-        if wb is None or bb is None or not fits:
-            if not fits and not self._warned:
+        if not self.use_graphs:
+            wb, bb = w, bb or b
+        need = max_positions + self.head.config.depth + 2
+        if bb not in self._kv or not self._holds(cache, bb, b):
+            need = max(need, t)  # the cache is copied in
+        if wb is None or bb is None or (self.capacity is not None and need > self.capacity):
+            if wb is not None and bb is not None and not self._warned:
                 logger.warning("the draft head's KV cache outgrew the static capacity %d: such drafts run "
-                               "without CUDA graphs", self.capacity)
+                               "eagerly", self.capacity)
                 self._warned = True
             self.eager += 1
             return None
-        kb, vb = self._buffers(bb)
-        if not (is_leading_view(cache.keys, kb, b) and is_leading_view(cache.values, vb, b)):
+        kb, vb = self._buffers(bb, need)
+        if not self._holds(cache, bb, b):
             kb[:b, :, :t].copy_(cache.keys)
             vb[:b, :, :t].copy_(cache.values)
-        s = self._shape(bb, wb)
-        s.taps.zero_()
-        s.taps[:b, :w] = taps
-        s.next_ids.zero_()
-        s.next_ids[:b, :w] = next_ids
-        s.pos.zero_()
-        s.pos[:b, :w] = positions
-        s.last_index.zero_()
-        s.last_index[:b] = last_index
-        s.lengths.zero_()
-        s.lengths[:b] = cache.lengths
         if not self.use_graphs:
-            self._run(s, kb, vb)
-        elif s.graph is None:
-            self._capture(s, kb, vb)
-            s.graph.replay()
+            ids, probs = self._topk(taps, next_ids, positions, last_index, kb[:b], vb[:b], cache.lengths, levels)
         else:
+            s = self._shape(bb, wb)
+            s.taps.zero_()
+            s.taps[:b, :w] = taps
+            s.next_ids.zero_()
+            s.next_ids[:b, :w] = next_ids
+            s.pos.zero_()
+            s.pos[:b, :w] = positions
+            s.last_index.zero_()
+            s.last_index[:b] = last_index
+            s.lengths.zero_()
+            s.lengths[:b] = cache.lengths
+            if s.graph is None:
+                self._capture(s, kb, vb)
             s.graph.replay()
+            levels = self.head.config.depth if levels is None else levels
+            ids, probs = s.ids[:b, :levels], s.probs[:b, :levels]
         cache.keys, cache.values = kb[:b], vb[:b]
         cache.lengths = cache.lengths + last_index + 1
         self.replays += 1
-        return s.ids[:b], s.probs[:b]
+        return ids, probs

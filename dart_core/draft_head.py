@@ -279,23 +279,31 @@ class DartDraftHead(nn.Module):
         key_buffer: torch.Tensor,  # [B, Hkv, C, D] static head KV cache, updated in place
         value_buffer: torch.Tensor,  # [B, Hkv, C, D]
         past_lengths: torch.Tensor,  # [B] valid entries per sequence at [0, past_lengths[b])
+        levels: int | None = None,
     ) -> torch.Tensor:
-        """:meth:`forward` for all d levels over a static KV cache, with no shape that depends on the
-        cache's contents (so it can be captured in a CUDA graph: ``dart_core.cuda_graphs.StaticDrafter``).
+        """:meth:`forward` over a static KV cache, with no shape that depends on the cache's contents
+        (so it can be captured in a CUDA graph: ``dart_core.cuda_graphs.StaticDrafter``).
 
         Sequence b's valid real keys go to [L_b, L_b + n_b) (L = ``past_lengths``, n_b =
         ``last_index[b] + 1``), its d - 1 mask slots' keys to [L_b + n_b, L_b + n_b + d - 1), the padded
         real positions to the scratch entry C - 1; a query sees the entries before L_b + n_b and the
         slots up to itself, as in :meth:`forward`.  Nothing is compacted: the caller advances
         ``past_lengths`` by n_b, and the next step overwrites the slots' entries.  The caller keeps
-        L_b + n_b + d + 1 <= C.
+        L_b + n_b + d + 1 <= C.  ``levels`` (1..d) drafts only the first levels, as in :meth:`forward`.
 
         Returns:
-            logits [B, d, V_draft], equal to :meth:`forward`'s up to rounding (tested).
+            logits [B, levels, V_draft] (default d levels), equal to :meth:`forward`'s up to rounding
+            (tested).
+
+        Raises:
+            ValueError: ``levels`` outside 1..d.
         """
         c = self.config
         b, t, _ = taps.shape
-        slots, dev, cap = c.draft_length, taps.device, key_buffer.shape[2]
+        if levels is not None and not 1 <= levels <= c.depth:
+            raise ValueError(f"levels must be in 1..{c.depth}, got {levels}")
+        slots = c.draft_length if levels is None else levels - 1
+        dev, cap = taps.device, key_buffer.shape[2]
         last_pos = positions.gather(1, last_index[:, None])  # [B, 1]
         slot_pos = last_pos + torch.arange(1, slots + 1, device=dev)  # [B, slots]
         j = torch.arange(t, device=dev)

@@ -23,23 +23,21 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable, Container, Iterator, Sequence
+from typing import Callable, Container, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from dart_core.budget import AdaptiveBudget, SpeculationGate
+from dart_core.cuda_graphs import StaticDrafter
 from dart_core.draft_head import DartDraftHead
-from dart_core.kv_cache import HeadKVCache, cache_mask
+from dart_core.kv_cache import HeadKVCache, cache_mask, compaction_plan_host
 from dart_core.sampling import SamplingParams, target_probs
 from dart_core.target import TargetCache, TargetModel
-from dart_core.verify import Acceptance, accept_greedy, accept_sampling
+from dart_core.verify import Acceptance, accept_greedy, accept_greedy_batch, accept_sampling
 from ngram_service.client import InProcessTreeSearch, TreeSearchClient
 from ngram_service.context import ContextIndex
 from ngram_service.tree_search import ContextChain, DraftTree, SearchParams
-
-if TYPE_CHECKING:
-    from dart_core.cuda_graphs import StaticDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +178,9 @@ class DartEngine:
         if max_prefill_tokens < 1:
             raise ValueError("max_prefill_tokens must be >= 1")
         self.max_prefill_tokens = max_prefill_tokens
-        self.static_draft: "StaticDrafter | None" = None  # enable_static_draft
+        # the draft head's static KV cache (eager; enable_static_draft captures it in CUDA graphs)
+        self.static_draft = StaticDrafter(head, target.embed_tokens, top_k=self.search_params.top_k,
+                                          use_graphs=False) if head is not None else None
         if head is not None:
             if head.config.target_hidden_size != target.config.hidden_size:
                 raise ValueError("draft head and target hidden sizes differ")
@@ -369,7 +369,7 @@ class DartEngine:
             search_ms = 1e3 * (time.perf_counter() - t_step)
         elif speculative:
             t0 = time.perf_counter()
-            width = int(state.pend_count.max())
+            width = max(len(x) for x in state.pend_next)  # pending positions per row, known on the host
             catch_up = width > self.head.config.draft_length + 2  # StepOutput.catch_up
             topk_ids, topk_probs = self._draft(state.pend_taps[:, :width], state.pend_next, state.pend_pos[:, :width],
                                                state.pend_count - 1, state.head_cache, self._draft_levels(),
@@ -396,28 +396,20 @@ class DartEngine:
         # verify ------------------------------------------------------------
         t0 = time.perf_counter()
         cache = state.cache
-        n = max(tr.num_nodes for tr in trees)
-        node_tokens = torch.zeros(b_size, n, dtype=torch.long)
-        depths = torch.zeros(b_size, n, dtype=torch.long)
-        tree_mask = torch.eye(n, dtype=torch.bool).repeat(b_size, 1, 1)  # padding nodes see themselves
-        for i, tr in enumerate(trees):
-            m = tr.num_nodes
-            node_tokens[i, :m] = torch.from_numpy(tr.tokens)
-            depths[i, :m] = torch.from_numpy(tr.depths.astype(np.int64))
-            tree_mask[i, :m, :m] = torch.from_numpy(tr.tree_mask)
-        node_tokens, depths, tree_mask = node_tokens.to(device), depths.to(device), tree_mask.to(device)
+        batch = _TreeBatch.pack(trees, device)
+        n = batch.num_nodes
         padded_len = cache.padded_length
-        mask = cache_mask(cache.lengths, padded_len, tree_mask, target.dtype)
-        out = target.forward(node_tokens, cache.lengths[:, None] + depths, mask, cache)
-        accepted = self._accept(trees, out.logits, state.samplings, state.generators)
-        a_max = max(len(acc.path) for acc in accepted)
-        path = torch.zeros(b_size, a_max, dtype=torch.long)
-        for i, acc in enumerate(accepted):
-            path[i, : len(acc.path)] = torch.tensor(acc.path)
-        path = path.to(device)
-        counts = torch.tensor([len(acc.path) for acc in accepted], device=device)
+        mask = cache_mask(cache.lengths, padded_len, batch.tree_mask, target.dtype)
+        out = target.forward(batch.tokens, cache.lengths[:, None] + batch.depths, mask, cache)
+        accepted, path = self._accept(trees, batch, out.logits, state.samplings, state.generators)
+        counts_host = [len(acc.path) for acc in accepted]
+        a_max = max(counts_host)
+        path = path[:, :a_max]  # [B, A] accepted node indices (0 past each row's count)
+        counts = torch.tensor(counts_host, device=device)
         old_lengths = cache.lengths
-        cache.compact(padded_len + path, counts)
+        # the cache holds every token but the root: its lengths are known here without a read
+        cache.compact(padded_len + path, counts, host_plan=compaction_plan_host(
+            [len(t) - 1 for t in state.tokens], padded_len, [acc.path for acc in accepted], device))
         new_tokens, acc_lens, nexts, logprobs = [], [], [], []
         for i, (tr, acc) in enumerate(zip(trees, accepted)):
             drafted = [int(tr.tokens[j]) for j in acc.path[1:]]
@@ -497,15 +489,14 @@ class DartEngine:
             depth = self.budget.search_depth(depth)
         return max(1, depth)
 
-    def enable_static_draft(self, **kwargs) -> "StaticDrafter":
-        """Drafts over a static head KV cache from now on, replayed as CUDA graphs on a GPU:
-        :class:`~dart_core.cuda_graphs.StaticDrafter` (padded widths and batch sizes, one graph per
-        pair, captured when first needed), built with ``kwargs``.
+    def enable_static_draft(self, **kwargs) -> StaticDrafter:
+        """Replaces the drafter's static KV cache by one built with ``kwargs``: by default on a GPU
+        one replayed as CUDA graphs (:class:`~dart_core.cuda_graphs.StaticDrafter`: padded widths
+        and batch sizes, one graph per pair, captured when first needed).  Sequences already
+        running keep their cache (it is copied into the new buffers at their next draft).
 
         Raises:
             ValueError: no draft head, or as :class:`~dart_core.cuda_graphs.StaticDrafter`."""
-        from dart_core.cuda_graphs import StaticDrafter
-
         if self.head is None:
             raise ValueError("a static draft needs a draft head")
         self.static_draft = StaticDrafter(self.head, self.target.embed_tokens, top_k=self.search_params.top_k,
@@ -516,38 +507,88 @@ class DartEngine:
     def _draft(self, taps, next_tokens: list[list[int]], positions, last_index, head_cache: HeadKVCache,
                levels: int | None = None, max_positions: int | None = None):
         """Draft head forward → (topk_ids [B, L, k] int64 target ids, topk_probs [B, L, k] float32),
-        L = ``levels`` (default d); the tree search goes no deeper than L.  With
-        :meth:`enable_static_draft` and ``max_positions`` (a host-side bound on every row's
-        tokens), a draft that fits runs the static path."""
+        L = ``levels`` (default d); the tree search goes no deeper than L.  With a static drafter
+        (the default; :meth:`enable_static_draft`) and ``max_positions`` (a host-side bound on
+        every row's tokens) the draft runs over its static cache where it fits; either way the
+        top-k comes to the host in one copy."""
         head, device = self.head, self.target.device
         b, t = taps.shape[:2]
-        nxt = torch.zeros(b, t, dtype=torch.long)
+        nxt = np.zeros((b, t), dtype=np.int64)
         for i, row in enumerate(next_tokens):
-            nxt[i, : len(row)] = torch.tensor(row)
-        nxt = nxt.to(device)
+            nxt[i, : len(row)] = row
+        nxt = torch.from_numpy(nxt).to(device)
         levels = head.config.depth if levels is None else levels
+        static = None
         if self.static_draft is not None and max_positions is not None:
             static = self.static_draft.forward(taps.to(head.dtype), nxt, positions, last_index, head_cache,
-                                               max_positions)
-            if static is not None:
-                ids, probs = static[0][:, :levels], static[1][:, :levels]
-                return ids.cpu().numpy().astype(np.int64), probs.cpu().numpy().astype(np.float32)
-        dtype = head.dtype
-        logits, new_k, new_v = head(taps.to(dtype), self.target.embed(nxt).to(dtype), positions, last_index,
-                                    head_cache.keys, head_cache.values, head_cache.lengths, levels)
-        head_cache.append(new_k, new_v, last_index + 1)
-        k = min(self.search_params.top_k, logits.shape[-1])
-        values, idx = torch.topk(logits.float(), k, dim=-1)  # [B, L, k]
-        probs = values.softmax(-1)
-        ids = head.draft_to_target(idx)
-        return ids.cpu().numpy().astype(np.int64), probs.cpu().numpy().astype(np.float32)
+                                               max_positions, levels)
+        if static is not None:
+            ids, probs = static[0][:, :levels], static[1][:, :levels]
+        else:
+            dtype = head.dtype
+            logits, new_k, new_v = head(taps.to(dtype), self.target.embed(nxt).to(dtype), positions, last_index,
+                                        head_cache.keys, head_cache.values, head_cache.lengths, levels)
+            head_cache.append(new_k, new_v, last_index + 1)
+            k = min(self.search_params.top_k, logits.shape[-1])
+            values, idx = torch.topk(logits.float(), k, dim=-1)  # [B, L, k]
+            ids, probs = head.draft_to_target(idx), values.softmax(-1)
+        # one copy to the host: the ids as int32 beside the probabilities' bits
+        host = torch.stack([ids.to(torch.int32), probs.contiguous().view(torch.int32)]).cpu().numpy()
+        return host[0].astype(np.int64), host[1].view(np.float32)
 
-    def _accept(self, trees: list[DraftTree], logits: torch.Tensor, samplings: list[SamplingParams],
-                generators: list[torch.Generator]) -> list[Acceptance]:
+    def _accept(self, trees: list[DraftTree], batch: "_TreeBatch", logits: torch.Tensor,
+                samplings: list[SamplingParams], generators: list[torch.Generator]
+                ) -> tuple[list[Acceptance], torch.Tensor]:
+        """Each sequence's accepted path and bonus token, and the paths [B, N] on the device.
+
+        An all-greedy batch is accepted on the device (:func:`~dart_core.verify.accept_greedy_batch`)
+        and read back in one copy; a batch with sampling rows goes through the host, row by row."""
+        device = logits.device
+        if all(s.greedy for s in samplings):
+            path, counts, bonus = accept_greedy_batch(batch.tokens, batch.parents, batch.depths, batch.counts,
+                                                      batch.tree_mask, logits.argmax(-1))
+            width = batch.max_depth + 1
+            host = torch.cat([counts[:, None], bonus[:, None], path[:, :width]], dim=1).cpu().numpy()  # one read
+            return [Acceptance(row[2: 2 + row[0]].tolist(), int(row[1])) for row in host], path
         argmax = logits.argmax(-1).cpu().numpy()  # [B, N]
-        return [accept_greedy(tr.tokens, tr.parents, argmax[i]) if samplings[i].greedy else
-                accept_sampling(tr.tokens, tr.parents, logits[i, : tr.num_nodes], samplings[i], generators[i])
-                for i, tr in enumerate(trees)]
+        accepted = [accept_greedy(tr.tokens, tr.parents, argmax[i]) if samplings[i].greedy else
+                    accept_sampling(tr.tokens, tr.parents, logits[i, : tr.num_nodes], samplings[i], generators[i])
+                    for i, tr in enumerate(trees)]
+        path = np.zeros((len(trees), batch.num_nodes), dtype=np.int64)
+        for i, acc in enumerate(accepted):
+            path[i, : len(acc.path)] = acc.path
+        return accepted, torch.from_numpy(path).to(device)
+
+
+@dataclass(frozen=True)
+class _TreeBatch:
+    """A step's draft trees padded to one node count N and moved to the device together.
+
+    Padding nodes are token 0 at depth 0 with the root as parent and see only themselves.
+    """
+
+    tokens: torch.Tensor  # [B, N] int64
+    parents: torch.Tensor  # [B, N] int64 (the root's parent given as 0)
+    depths: torch.Tensor  # [B, N] int64
+    counts: torch.Tensor  # [B] int64 real nodes per tree
+    tree_mask: torch.Tensor  # [B, N, N] bool, [b, i, j] = j is i or an ancestor of i
+    num_nodes: int  # N
+    max_depth: int  # the deepest node of any tree
+
+    @classmethod
+    def pack(cls, trees: list[DraftTree], device: torch.device) -> "_TreeBatch":
+        b, n = len(trees), max(tr.num_nodes for tr in trees)
+        ints = np.zeros((3, b, n), dtype=np.int64)  # tokens, parents, depths
+        mask = np.broadcast_to(np.eye(n, dtype=bool), (b, n, n)).copy()
+        for i, tr in enumerate(trees):
+            m = tr.num_nodes
+            ints[0, i, :m] = tr.tokens
+            ints[1, i, 1:m] = tr.parents[1:]
+            ints[2, i, :m] = tr.depths
+            mask[i, :m, :m] = tr.tree_mask
+        ints_d = torch.from_numpy(ints).to(device)
+        return cls(ints_d[0], ints_d[1], ints_d[2], torch.tensor([tr.num_nodes for tr in trees], device=device),
+                   torch.from_numpy(mask).to(device), n, max(int(tr.depths[-1]) for tr in trees))
 
 
 @dataclass(frozen=True)
@@ -574,14 +615,15 @@ def _pad_cat(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([_zero_pad(a, dim, n), _zero_pad(b, dim, n)], dim=0)
 
 
-def _append_in_place(buf: torch.Tensor, counts: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """Writes new[r, :] at buf[r, counts[r]:] and returns the buffer ([B, capacity, ...]).
+def _append_in_place(buf: torch.Tensor, counts: torch.Tensor, new: torch.Tensor, longest: int) -> torch.Tensor:
+    """Writes new[r, :] at buf[r, counts[r]:] and returns the buffer ([B, capacity, ...]);
+    ``longest`` = max(counts), which the caller knows without reading ``counts``.
 
     Amortised O(new): the buffer grows (doubling, zero-filled, so padding stays finite) only
     when a row would run past its capacity; entries past a row's count are padding.
     """
     rows, t_new = new.shape[0], new.shape[1]
-    need = int(counts.max()) + t_new if rows else 0
+    need = longest + t_new if rows else 0
     if need > buf.shape[1]:
         buf = _zero_pad(buf, 1, max(need, 2 * buf.shape[1]))
     idx = counts[:, None] + torch.arange(t_new, device=counts.device)[None, :]
@@ -674,7 +716,8 @@ class _BatchState:
         drafts = torch.tensor(self.spec_ok, dtype=torch.bool, device=counts.device)
         counts = torch.where(drafts, counts, 0)
         nexts = [n if ok else [] for n, ok in zip(nexts, self.spec_ok)]
-        self.pend_taps = _append_in_place(self.pend_taps, self.pend_count, taps)
-        self.pend_pos = _append_in_place(self.pend_pos, self.pend_count, positions)
+        longest = max((len(x) for x in self.pend_next), default=0)  # max(pend_count), known on the host
+        self.pend_taps = _append_in_place(self.pend_taps, self.pend_count, taps, longest)
+        self.pend_pos = _append_in_place(self.pend_pos, self.pend_count, positions, longest)
         self.pend_count = self.pend_count + counts
         self.pend_next = [a + b for a, b in zip(self.pend_next, nexts)]

@@ -19,11 +19,12 @@ same buffer.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-__all__ = ["compact_", "compaction_plan", "apply_compaction", "HeadKVCache", "cache_mask", "BufferedKVLayer", "BufferedKVCache",
+__all__ = ["compact_", "compaction_plan", "compaction_plan_host", "apply_compaction", "HeadKVCache", "cache_mask", "BufferedKVLayer", "BufferedKVCache",
            "is_leading_view"]
 
 
@@ -50,6 +51,32 @@ def compaction_plan(lengths: torch.Tensor, src: torch.Tensor, counts: torch.Tens
         return None, new_len
     rows = torch.arange(b, device=src.device)[:, None].expand(b, a)[move]
     return (rows, dst[move], src[move]), new_len
+
+
+def compaction_plan_host(lengths: list[int], offset: int, paths: list[list[int]], device
+                         ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, int]:
+    """:func:`compaction_plan` from what the host already knows, with no read of a device tensor.
+
+    Args:
+        lengths: [B] valid prefix lengths before this step.
+        offset: where this step's entries start in the cache (its padded length before the step).
+        paths: per sequence, the entries to keep as offsets from ``offset``, in order (the accepted
+            node indices of the step).
+
+    Returns:
+        as :func:`compaction_plan` (the index tensors on ``device``).
+    """
+    counts = np.array([len(p) for p in paths], dtype=np.int64)
+    new_len = int((np.asarray(lengths, dtype=np.int64) + counts).max()) if paths else 0
+    rows = np.repeat(np.arange(len(paths)), counts)
+    j = np.concatenate([np.arange(c) for c in counts]) if paths else np.zeros(0, dtype=np.int64)
+    src = offset + np.concatenate([np.asarray(p, dtype=np.int64) for p in paths]) if paths else j
+    dst = np.asarray(lengths, dtype=np.int64)[rows] + j
+    move = src != dst
+    if not move.any():
+        return None, new_len
+    idx = torch.from_numpy(np.stack([rows[move], dst[move], src[move]])).to(device)
+    return (idx[0], idx[1], idx[2]), new_len
 
 
 def apply_compaction(keys: torch.Tensor, values: torch.Tensor,

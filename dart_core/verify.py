@@ -26,7 +26,7 @@ import torch
 
 from dart_core.sampling import SamplingParams, target_probs
 
-__all__ = ["Acceptance", "children_lists", "accept_greedy", "accept_sampling"]
+__all__ = ["Acceptance", "children_lists", "accept_greedy", "accept_greedy_batch", "accept_sampling"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,39 @@ def accept_greedy(tokens: np.ndarray, parents: np.ndarray, argmax: np.ndarray) -
             return Acceptance(path, int(argmax[cur]))
         path.append(nxt)
         cur = nxt
+
+
+def accept_greedy_batch(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, num_nodes: torch.Tensor,
+                        tree_mask: torch.Tensor, argmax: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`accept_greedy` for a padded batch of trees, on the device, with no host read.
+
+    A node is accepted when its token is the target's argmax at its parent and every ancestor is
+    accepted (``tree_mask`` gives the ancestors); the path ends at the deepest accepted node (the
+    first in node order among equally deep ones: where sibling tokens differ, as the tree search
+    makes them, only one node per depth can be accepted, so this is :func:`accept_greedy`'s path).
+
+    Args:
+        tokens, parents, depths, argmax: [B, N] int64 (parents of padding nodes: any valid index;
+            argmax[b, i] = the target's greedy token after node i); num_nodes: [B] real nodes per
+            tree; tree_mask: [B, N, N] bool, [b, i, j] = j is i or an ancestor of i.
+
+    Returns:
+        path [B, N] int64 (the accepted node indices from the root, entries past ``counts`` are 0),
+        counts [B] int64 (accepted nodes, root included: τ of the step), bonus [B] int64.
+    """
+    b, n = tokens.shape
+    idx = torch.arange(n, device=tokens.device)
+    valid = idx[None, :] < num_nodes[:, None]  # [B, N]
+    ok = (tokens == argmax.gather(1, parents.clamp(min=0))) & valid
+    ok[:, 0] = True  # the root is accepted
+    reach = ~(tree_mask & ~ok[:, None, :]).any(-1) & valid  # every ancestor (and itself) accepted
+    leaf = torch.where(reach, depths * n + (n - 1 - idx)[None, :], -1).argmax(-1)  # [B]
+    counts = depths.gather(1, leaf[:, None])[:, 0] + 1
+    on_path = tree_mask[torch.arange(b, device=tokens.device), leaf]  # [B, N] the leaf and its ancestors
+    path = torch.zeros(b, n + 1, dtype=torch.long, device=tokens.device)  # column n collects the rest
+    path.scatter_(1, torch.where(on_path, depths, n), idx.expand(b, n))
+    return path[:, :n], counts, argmax.gather(1, leaf[:, None])[:, 0]
 
 
 def accept_sampling(tokens: np.ndarray, parents: np.ndarray, logits: torch.Tensor, params: SamplingParams,

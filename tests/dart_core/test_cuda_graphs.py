@@ -88,13 +88,17 @@ class _Recording(OracleTreeSearch):
         return super().search(topk_ids, topk_probs, contexts, params, chains)
 
 
-def _dart_with_joins(target, prompts, lengths, truth, static_draft: dict | None = None, head_seed: int = 0):
+def _dart_with_joins(target, prompts, lengths, truth, static_draft: dict | str | None = None, head_seed: int = 0):
     """Greedy DART (oracle trees of 7 nodes) with sequences 1 and 2, 3 joining at the 2nd and 4th
-    step: (outputs per sequence, the recording search, the engine, each step's seq_ids)."""
+    step: (outputs per sequence, the recording search, the engine, each step's seq_ids).
+    ``static_draft``: None for the engine's default drafter, "eager" for none, or the settings of
+    a static drafter run without graphs."""
     oracle = _Recording([p + t for p, t in zip(prompts, truth)], depth=3, seed=1)
     engine = DartEngine(target, random_head(target, seed=head_seed), oracle,
                         SearchParams(top_k=10, beam_width=6, budget=6))
-    if static_draft is not None:
+    if static_draft == "eager":
+        engine.static_draft = None
+    elif static_draft is not None:
         engine.enable_static_draft(use_graphs=False, **static_draft)
     schedule = {2: [1], 4: [2, 3]}
     calls = {"n": 0}
@@ -150,26 +154,31 @@ def test_bad_settings_are_refused():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_the_static_draft_equals_the_ordinary_draft(arch):
-    """Every draft of the static path (its head KV cache written in place, never compacted;
-    rows joining and leaving; catch-up drafts wider than the widths and drafts past the capacity
-    running eagerly on the same cache) gives the eager draft's top-k, and output stays exact."""
+    """Every draft of the static path (its head KV cache written in place, never compacted; rows
+    joining and leaving) gives the eager draft's top-k, and output stays exact: the engine's
+    default drafter (no graphs, a capacity that grows, so every draft takes it) and one with a
+    fixed capacity and widths, where catch-up drafts wider than the widths and drafts past the
+    capacity run eagerly on the same cache."""
     target = tiny_target(arch, seed=7)
     rng = np.random.default_rng(7)
     prompts = prompts_of(rng, [4, 9, 2, 6])
     lengths = [40, 20, 40, 40]
     truth = [hf_greedy(target, p, n) for p, n in zip(prompts, lengths)]
-    ref, ref_search, _, _ = _dart_with_joins(target, prompts, lengths, truth, head_seed=3)
-    static_draft = dict(capacity=48, widths=(1, 2, 4, 8), batch_buckets=(1, 2, 4))
-    out, search, engine, _ = _dart_with_joins(target, prompts, lengths, truth, static_draft, head_seed=3)
-    assert ref == truth and out == truth
-    static = engine.static_draft
-    assert static.replays > 10 and static.eager > 0  # both paths ran (prompts are wider than 8; capacity 48)
-    assert {b for b, _ in static._shapes} == {4}  # batches of 3 and 4 (earlier drafts were catch-ups)
-    assert len(search.drafts) == len(ref_search.drafts)
-    for (ids0, p0), (ids1, p1) in zip(ref_search.drafts, search.drafts):
-        assert ids0.shape == ids1.shape
-        np.testing.assert_allclose(p1, p0, rtol=1e-4, atol=1e-5)
-        assert (ids0 == ids1).mean() > 0.99  # near-ties may swap order
+    ref, ref_search, _, _ = _dart_with_joins(target, prompts, lengths, truth, "eager", head_seed=3)
+    assert ref == truth
+    for settings in (None, dict(capacity=48, widths=(1, 2, 4, 8), batch_buckets=(1, 2, 4))):
+        out, search, engine, _ = _dart_with_joins(target, prompts, lengths, truth, settings, head_seed=3)
+        assert out == truth
+        static = engine.static_draft
+        if settings is None:
+            assert static.replays == len(search.drafts) and static.eager == 0
+        else:  # prompts wider than 8 and sequences past 48 positions draft eagerly
+            assert static.replays > 10 and static.eager > 0
+        assert len(search.drafts) == len(ref_search.drafts)
+        for (ids0, p0), (ids1, p1) in zip(ref_search.drafts, search.drafts):
+            assert ids0.shape == ids1.shape
+            np.testing.assert_allclose(p1, p0, rtol=1e-4, atol=1e-5)
+            assert (ids0 == ids1).mean() > 0.99  # near-ties may swap order
 
 
 def test_the_static_draft_forward_equals_forward_per_row():

@@ -367,7 +367,7 @@ def test_pending_inputs_append_in_place():
     for step in range(12):
         new = torch.randn(3, 1 + step % 3, 2, generator=g)
         valid = torch.randint(0, new.shape[1] + 1, (3,), generator=g)
-        buf = _append_in_place(buf, counts, new)
+        buf = _append_in_place(buf, counts, new, int(counts.max()))
         for r in range(3):
             rows[r] += new[r, : valid[r]].tolist()
         counts = counts + valid
@@ -473,3 +473,25 @@ def test_the_gate_measures_lookup_steps_whatever_is_pending():
         piled = piled or (s.lookup and pending > engine.head.config.draft_length + 2)
         pending = pending + s.accepted_lengths[0] if s.lookup or not s.draft_ms else s.accepted_lengths[0]
     assert piled  # some measured lookup step started with a catch-up's worth of pending positions
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_a_step_reads_device_tensors_at_most_twice(batch):
+    """A speculative step reads device tensors twice (the draft's top-k out, the accepted paths
+    out) and an autoregressive step once (the accepted token out), whatever the batch size and
+    tree size: on a GPU each read is a sync.  Counted over typical steps (after the first, catch-up
+    draft; no sequence joins or leaves)."""
+    from dart_core.bench.host_reads import count_host_reads
+
+    target = tiny_target("llama")
+    prompts = prompts_of(np.random.default_rng(batch), [3 + i % 7 for i in range(batch)])
+    for speculative, budget, most in ((False, 8, 1), (True, 4, 2), (True, 12, 2)):
+        engine = DartEngine(target, random_head(target), InProcessTreeSearch(None),
+                            SearchParams(top_k=8, beam_width=4, budget=budget))
+        steps = engine.generate_stream(prompts, SamplingParams(max_new_tokens=40), speculative=speculative)
+        next(steps), next(steps)  # the prefill and the first draft (a catch-up over the prompt)
+        with count_host_reads() as reads:
+            for _ in range(4):
+                step = next(steps)
+                assert step.num_nodes > 1 or not speculative
+        assert sum(reads.values()) == 4 * most, dict(reads)
