@@ -21,6 +21,15 @@ target forward: where a step's time goes when one phase is unexpectedly slow
 (on a CPU the profiled pass then runs too, host time only).  On a CPU there
 are no device kernels: kernel figures are reported as absent and the floor
 uses the measured memory-copy bandwidth of the host.
+
+A third, instrumented pass gives the host's share of a step, per typical step
+(catch-up drafts after a new prompt left out): **host reads** of tensors
+(:mod:`dart_core.bench.host_reads`; each one a sync on a GPU), **operators
+dispatched**, and **host-only
+ms** = the step minus its target forward, draft and tree search (the forward
+timed with a sync before and after, so on a GPU this pass is slower than the
+timed one); a fourth pass counts the operators dispatched (every ATen call,
+through a dispatch mode).  ``--batch-size B`` decodes the prompts B at a time.
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ class StepProfileConfig:
     cuda_graphs: bool = False  # CUDA: verification and draft replayed as CUDA graphs over static KV caches
     copy_mib: int = 1024
     top_ops: int = 0  # per mode, the operators (and CUDA kernels) taking the most time: 0 = none
+    batch_size: int = 1  # prompts decoded together
 
 
 def measure_bandwidth(device, mib: int = 1024, repeats: int = 5) -> float:
@@ -153,6 +163,67 @@ def _merge_top_ops(per_prompt: list[dict], n: int) -> dict[str, list[dict]]:
     return merged
 
 
+def _instrumented(engine, run) -> dict:
+    """Per typical step (not a catch-up) of ``run()``: the mean host reads and host-only ms (the
+    engine's steps counted and its target forwards timed), then, in a second ``run()``, the mean
+    operators dispatched (counted apart, so that counting them costs the first figures nothing)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dart_core.bench.host_reads import count_host_reads
+    from dart_core.engine import _sync
+
+    device = engine.target.device
+    target_forward, step = engine.target.forward, engine._step
+    reads, host_ms, ops = [], [], []
+    forward_ms = [0.0]
+
+    class _CountOps(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            _CountOps.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def timed_forward(*args, **kwargs):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = target_forward(*args, **kwargs)
+        _sync(device)
+        forward_ms[0] += 1e3 * (time.perf_counter() - t0)
+        return out
+
+    def counted_step(state, speculative):
+        forward_ms[0] = 0.0
+        with count_host_reads() as counts:
+            out = step(state, speculative)
+        if not out.catch_up:
+            reads.append(sum(counts.values()))
+            host_ms.append(out.step_ms - forward_ms[0] - out.draft_ms - out.tree_search_ms)
+        return out
+
+    def ops_step(state, speculative):
+        _CountOps.n = 0
+        with _CountOps():
+            out = step(state, speculative)
+        if not out.catch_up:
+            ops.append(_CountOps.n)
+        return out
+
+    try:
+        engine.target.forward, engine._step = timed_forward, counted_step
+        run()
+        engine.target.forward, engine._step = target_forward, ops_step
+        run()
+    finally:
+        engine.target.forward, engine._step = target_forward, step
+
+    def mean(xs, nd):
+        return round(sum(xs) / len(xs), nd) if xs else None
+
+    return {"host_reads_per_step": mean(reads, 2), "host_only_ms_per_step": mean(host_ms, 3),
+            "ops_per_step": mean(ops, 1)}
+
+
 def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
     """Loads the model, measures the bandwidth and each mode's step; returns
     ``{"config", "hardware", "weights_bytes", "bandwidth_gbs", "floor_ms", "rows", "seconds"}``.
@@ -173,6 +244,8 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
         raise ValueError(f"modes must be among {', '.join(MODES)}")
     if cfg.top_ops < 0:
         raise ValueError(f"top_ops must be 0 or more, got {cfg.top_ops}")
+    if cfg.batch_size < 1:
+        raise ValueError(f"batch_size must be 1 or more, got {cfg.batch_size}")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     started = time.perf_counter()
@@ -198,15 +271,16 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
     for mode in cfg.modes:
         speculative = mode == "dart"
 
-        def decode(prompt):
-            return model.generate([{"role": "user", "content": prompt}], max_new_tokens=cfg.max_new_tokens,
-                                  speculative=speculative)
+        def decode(group):
+            return model.generate([[{"role": "user", "content": p}] for p in group],
+                                  max_new_tokens=cfg.max_new_tokens, speculative=speculative)
 
-        decode(prompts[0])  # warm-up: allocator, kernels' first launches
+        groups = [prompts[i: i + cfg.batch_size] for i in range(0, len(prompts), cfg.batch_size)]
+        decode(groups[0])  # warm-up: allocator, kernels' first launches
         wall_s, forwards, emitted, phases = 0.0, 0, 0, {}
         kernel_ms, kernels, prof_forwards = 0.0, 0, 0
         ops = []  # (profiler run, its target forwards) for --top-ops
-        for prompt in prompts:
+        for prompt in groups:
             _sync(device)
             t0 = time.perf_counter()
             out = decode(prompt)
@@ -228,6 +302,7 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
                 if cfg.top_ops:
                     ops.append((prof, again.result.target_forwards))
             bar.update(1)
+        host = _instrumented(model.engine, lambda: [decode(g) for g in groups])
         fwd = max(forwards, 1)
         step_ms = phases.get("total", wall_s * 1e3) / fwd
         row = {"mode": mode, "target_forwards": forwards, "tokens": emitted,
@@ -237,7 +312,7 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
                "phase_ms_per_step": {k: round(v / fwd, 3) for k, v in phases.items()},
                "kernel_ms_per_step": round(kernel_ms / max(prof_forwards, 1), 3) if profile_cuda else None,
                "kernels_per_step": round(kernels / max(prof_forwards, 1), 1) if profile_cuda else None,
-               "step_over_floor": round(step_ms / floor_ms, 1)}
+               "step_over_floor": round(step_ms / floor_ms, 1), **host}
         if cfg.top_ops:
             row["top_ops"] = _merge_top_ops([_op_times(p, f) for p, f in ops], cfg.top_ops)
         if profile_cuda:
@@ -258,14 +333,17 @@ def markdown_table(result: dict) -> str:
     head = (f"{hardware_line(result['hardware'])}. Target weights {result['weights_bytes'] / 1e6:.1f} MB "
             f"({result['weights_dtype']}), measured bandwidth {result['bandwidth_gbs']:.0f} GB/s: "
             f"floor {result['floor_ms']:.3f} ms per target forward.\n\n")
-    lines = ["| mode | τ | tokens/s | step ms | kernel ms | kernels/step | host share | step ÷ floor |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | τ | tokens/s | step ms | kernel ms | kernels/step | host share | step ÷ floor | "
+             "host reads/step | ops/step | host-only ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         def f(v, spec):
             return "—" if v is None else format(v, spec)
         lines.append(f"| {r['mode']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['step_ms']:.2f} | "
                      f"{f(r['kernel_ms_per_step'], '.2f')} | {f(r['kernels_per_step'], '.0f')} | "
-                     f"{f(r.get('host_share'), '.0%')} | {r['step_over_floor']:.0f}× |")
+                     f"{f(r.get('host_share'), '.0%')} | {r['step_over_floor']:.0f}× | "
+                     f"{f(r.get('host_reads_per_step'), '.1f')} | {f(r.get('ops_per_step'), '.0f')} | "
+                     f"{f(r.get('host_only_ms_per_step'), '.2f')} |")
     text = head + "\n".join(lines) + "\n"
     for r in result["rows"]:
         for kind, what in (("host", "operators by self host ms"), ("device", "CUDA kernels by device ms")):
@@ -296,6 +374,7 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, default=d.num_prompts)
     ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     ap.add_argument("--modes", nargs="+", default=d.modes, choices=MODES)
+    ap.add_argument("--batch-size", type=int, default=d.batch_size, help="prompts decoded together [1]")
     ap.add_argument("--copy-mib", type=int, default=d.copy_mib, help="size of the bandwidth copy [1024]")
     ap.add_argument("--top-ops", type=int, default=d.top_ops,
                     help="per mode, the N operators (and CUDA kernels) with the most time per target forward [0]")

@@ -5,6 +5,7 @@ AlpacaEval cache; the results page keeps its hand-written text."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -247,12 +248,19 @@ def test_step_profile_reports_the_floor_and_each_mode(tiny_model_dir, prompts_fi
     assert all(r["target_forwards"] > 0 and r["step_ms"] > 0 and r["kernel_ms_per_step"] is None
                for r in rows.values())
     assert all("top_ops" not in r for r in rows.values())  # only when asked for
+    # the host's share of a step: one read per autoregressive step, two per speculative one
+    assert rows["autoregressive"]["host_reads_per_step"] == 1 and rows["dart"]["host_reads_per_step"] == 2
+    assert all(r["ops_per_step"] > 0 and r["host_only_ms_per_step"] is not None for r in rows.values())
     paths = step_profile.save(result, tmp_path)
     assert "| autoregressive | 1.00 |" in paths["md"].read_text()
+    batched = step_profile.run_step_profile(dataclasses.replace(cfg, batch_size=2, modes=["dart"]), progress=False)
+    assert batched["rows"][0]["host_reads_per_step"] == 2  # two prompts decoded together, still two reads
     with pytest.raises(ValueError, match="modes"):
         step_profile.run_step_profile(step_profile.StepProfileConfig(modes=["beam"]), progress=False)
     with pytest.raises(ValueError, match="top_ops"):
         step_profile.run_step_profile(step_profile.StepProfileConfig(top_ops=-1), progress=False)
+    with pytest.raises(ValueError, match="batch_size"):
+        step_profile.run_step_profile(step_profile.StepProfileConfig(batch_size=0), progress=False)
 
 
 def test_step_profile_lists_the_operators_taking_the_most_time(tiny_model_dir, prompts_file, tmp_path):
