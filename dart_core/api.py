@@ -17,8 +17,8 @@ Everything is local: a model folder or ``.gguf`` file, a head folder
 from __future__ import annotations
 
 import logging
-import os
 import numbers
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Sequence, Union
@@ -30,6 +30,7 @@ from dart_core.detokenizer import IncrementalDetokenizer
 from dart_core.draft_head import DartDraftHead, DraftHeadConfig, load_draft_head
 from dart_core.engine import DartEngine, GenerationResult
 from dart_core.sampling import SamplingParams
+from dart_core.speculative import SpeculativeConfig
 from dart_core.target import TargetModel, can_pack, pack_linears
 from dart_core.tokenizer import DEFAULT_MODEL, tokenizer_identity
 from ngram_service.client import InProcessTreeSearch, TreeSearchClient
@@ -126,6 +127,7 @@ class DartModel:
         ngram_model_name_or_path: str | Path | None = None,
         is_small_ngram: bool = False,
         cuda_graphs: bool = False,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> "DartModel":
         """Loads everything from local files.
 
@@ -168,15 +170,28 @@ class DartModel:
                 (:class:`~dart_core.cuda_graphs.StaticDrafter`; the environment variable
                 ``DART_DRAFT_GRAPHS=0`` keeps the draft eager, for comparisons).  Off by default
                 until measured on a GPU.
+            speculative_config: every speculation setting in one object
+                (:class:`~dart_core.speculative.SpeculativeConfig`: budget, tree search, context,
+                lookup steps, gate, prefill grouping, CUDA graphs); instead of ``search_params``,
+                ``budget`` and ``cuda_graphs``, which build one when it is not given.
 
         Raises:
-            TypeError: a value given under both its name and its reference alias.
+            TypeError: a value given under both its name and its reference alias, or
+                ``speculative_config`` together with ``search_params``, ``budget`` or ``cuda_graphs``.
             FileNotFoundError: a path does not exist.
             ReferenceTrieError: a reference n-gram file that is truncated or inconsistent.
             HeadLoadError: the head does not fit the target.
             TokenizerMismatchError: the trie was built with another tokenizer.
             ValueError: ``cuda_graphs`` off CUDA.
         """
+        if speculative_config is None:
+            speculative_config = SpeculativeConfig(budget=budget, search=search_params or SearchParams(),
+                                                   cuda_graphs=cuda_graphs)
+        elif search_params is not None or budget != "auto" or cuda_graphs:
+            raise TypeError("give the speculation settings either in speculative_config or as search_params / "
+                            "budget / cuda_graphs, not both")
+        spec = speculative_config
+        budget, cuda_graphs = spec.budget, spec.cuda_graphs
         model = _alias(model, base_model_name_or_path, "model", "base_model_name_or_path", None)
         head = _alias(head, dart_model_name_or_path, "head", "dart_model_name_or_path", None)
         trie = _alias(trie, ngram_model_name_or_path, "trie", "ngram_model_name_or_path", "auto")
@@ -191,9 +206,7 @@ class DartModel:
         draft = cls._load_head(head, name, target, draft_dtype or default_draft_dtype(target))
         if draft is not None and can_pack(draft):  # a float32 head on a CPU: oneDNN-packed like the target
             logger.info("packed %d linear layers of the draft head for oneDNN", pack_linears(draft))
-        params = search_params or SearchParams()
-        if isinstance(budget, int):
-            params = replace(params, budget=budget)
+        params = spec.search_params
         eos = target.tokenizer.eos_token_id if target.tokenizer is not None else None
         if params.eos_token_id < 0 and eos is not None:  # trees stop drafting past the end of the answer
             params = replace(params, eos_token_id=int(eos))
@@ -202,9 +215,10 @@ class DartModel:
         policy = gate = None
         if budget == "auto" and draft is not None:
             sizes = tuple(sorted({1, 2, 4, 8, 16, 32, 48, params.budget + 1}))
-            policy = AdaptiveBudget(VerifyCostCurve.measure(target, node_counts=sizes))
-            gate = SpeculationGate()
-        engine = DartEngine(target, draft, tree_search, params, budget=policy, gate=gate)
+            policy = AdaptiveBudget(VerifyCostCurve.measure(target, node_counts=sizes),
+                                    lookup_preference=spec.lookup_preference)
+            gate = SpeculationGate(probe_every=spec.gate_probe_every)
+        engine = DartEngine(target, draft, tree_search, params, budget=policy, gate=gate, **spec.engine_kwargs())
         if cuda_graphs and draft is not None and os.environ.get("DART_DRAFT_GRAPHS", "1") != "0":
             engine.enable_static_draft()
         return cls(engine, target.tokenizer)

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from dart_core.kv_cache import cache_mask
+from dart_core.speculative import LOOKUP_PREFERENCE
 from dart_core.target import TargetCache, TargetModel
 from ngram_service.tree_search import ContextChain, DraftTree
 
@@ -54,7 +55,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["VerifyCostCurve", "AdaptiveBudget", "SpeculationGate", "node_acceptance_estimates", "LOOKUP_PREFERENCE"]
 
 
-LOOKUP_PREFERENCE = 1.0  # a lookup step when its expected rate reaches the tree steps' measured one (tuning split, README)
 _CHAIN_PRIOR = (2.0, 3.0)  # r_m before evidence: 2/3
 _CHAIN_DECAY = 0.95  # weight of older chain evidence per observation
 _TREE_RATE_EMA = 0.2  # weight of the newest step in the tree rate and the lookup overhead

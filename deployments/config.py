@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ngram_service.corpus import NAMED_CORPORA
 from ngram_service.server import ServerLimits
@@ -86,7 +86,41 @@ class AppConfig(BaseModel):
     max_tokens_limit: int = Field(2048, ge=1, description="largest max_tokens a request may ask for")
     api_key_env: str = Field("DART_API_KEY", description="environment variable with an optional API key; when set, "
                                                          "requests need `Authorization: Bearer <key>`")
+    context_window: int | None = Field(None, ge=1, description="tokens of a request's prompt and output indexed "
+                                                                "for its context chains (default: the engine's)")
+    context_order: int | None = Field(None, ge=1, description="longest context the index matches, in tokens "
+                                                              "(default: the engine's)")
+    lookup_length: int | None = Field(None, ge=0, description="longest context chain a lookup step verifies alone, "
+                                                              "0 = no lookup steps (default: the engine's)")
+    lookup_preference: float | None = Field(None, gt=0, description="a lookup step is taken when its expected rate "
+                                                                    "reaches this many times the tree steps' "
+                                                                    "(default: the engine's)")
+    gate_probe_every: int | None = Field(None, ge=5, le=1024, description="with budget auto, the speculation gate "
+                                                                          "re-measures the path it is not on every "
+                                                                          "this many steps (default: the engine's)")
+    max_prefill_tokens: int | None = Field(None, ge=1, description="joining prompts are prefilled in groups of at "
+                                                                   "most this many padded tokens (default: the "
+                                                                   "engine's)")
     ngram: NgramConfig = Field(default_factory=NgramConfig)
+
+    @model_validator(mode="after")
+    def _speculation_is_valid(self) -> "AppConfig":
+        self.speculative_config()  # validated where every speculation setting is: SpeculativeConfig
+        return self
+
+    def speculative_config(self):
+        """The engine's :class:`~dart_core.speculative.SpeculativeConfig` (fields left null keep its
+        defaults).
+
+        Raises:
+            ValueError: a setting SpeculativeConfig refuses."""
+        from dart_core.speculative import SpeculativeConfig
+
+        optional = {name: getattr(self, name) for name in ("context_window", "context_order", "lookup_length",
+                                                           "lookup_preference", "gate_probe_every",
+                                                           "max_prefill_tokens") if getattr(self, name) is not None}
+        return SpeculativeConfig(budget=self.budget, search=self.search_params(), cuda_graphs=self.cuda_graphs,
+                                 **optional)
 
     def search_params(self) -> SearchParams:
         """The engine's tree-search parameters (a fixed budget's node count; "auto" starts at the default)."""

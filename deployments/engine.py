@@ -109,8 +109,7 @@ class DartEngineDeployment:
         dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
         # with the service the trie lives on the n-gram node; without it the search is logits-only
         self.model = DartModel.from_pretrained(cfg.model, head=cfg.head, trie=None, dtype=dtype,
-                                               budget=cfg.budget, search_params=cfg.search_params(),
-                                               cuda_graphs=cfg.cuda_graphs)
+                                               speculative_config=cfg.speculative_config())
         self.tree_search = None
         if self._ngram is not None:
             self.tree_search = grpc_tree_search(cfg.ngram, self._resolve_ngram,

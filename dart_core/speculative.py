@@ -1,0 +1,67 @@
+"""One configuration for how the engine speculates.
+
+Every setting that decides what a decoding step drafts and verifies lives in
+:class:`SpeculativeConfig`, validated once when it is built: the tree budget
+and its gate, the tree-search parameters, the request's context (window and
+order), lookup steps, prefill grouping and CUDA graphs.
+:meth:`DartModel.from_pretrained <dart_core.api.DartModel.from_pretrained>`
+takes it, and the Serve application's config (``deployments/dart.yaml``)
+builds it from its fields, so every one is reachable from there.  This module imports
+neither torch nor transformers, so the Serve ingress validates the config without them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+from ngram_service.tree_search import SearchParams
+
+__all__ = ["SpeculativeConfig", "LOOKUP_PREFERENCE"]
+
+LOOKUP_PREFERENCE = 1.0  # a lookup step when its expected rate reaches the tree steps' measured one (tuning split, README)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How the engine speculates (docs/design.md §2; README, "Context in the tree").
+
+    Raises:
+        ValueError: a field out of range (the field is named); tree-search fields are checked by
+            :class:`~ngram_service.tree_search.SearchParams`.
+    """
+
+    budget: Union[int, str] = "auto"  # "auto": tree size adapted to the measured verify cost, with the speculation
+    # gate; an int: that many draft nodes per tree, always speculating
+    search: SearchParams = field(default_factory=SearchParams)  # tree search: top-k, beam width, κ, ...
+    context_window: int = 1 << 16  # tokens of a sequence's prompt and output indexed for its context chains
+    context_order: int = 4  # longest context the index matches, in tokens
+    lookup_length: int = 24  # longest context chain a lookup step verifies alone (0: no lookup steps)
+    lookup_preference: float = LOOKUP_PREFERENCE  # a lookup step is taken when its rate reaches this x tree steps'
+    gate_probe_every: int = 64  # the gate re-measures the path it is not on every this many steps
+    max_prefill_tokens: int = 8192  # joining prompts are prefilled in groups of at most this many padded tokens
+    cuda_graphs: bool = False  # CUDA: verification and draft replayed as CUDA graphs over static KV caches
+
+    def __post_init__(self) -> None:
+        if not (self.budget == "auto" or (isinstance(self.budget, int) and not isinstance(self.budget, bool)
+                                          and self.budget >= 1)):
+            raise ValueError(f"budget must be 'auto' or a positive int, got {self.budget!r}")
+        for name, low, high in (("context_window", 1, None), ("context_order", 1, None), ("lookup_length", 0, None),
+                                ("gate_probe_every", 5, 1024), ("max_prefill_tokens", 1, None)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < low or (high is not None and value > high):
+                raise ValueError(f"{name} must be an int in {low}..{high or 'any'}, got {value!r}")
+        if not self.lookup_preference > 0:
+            raise ValueError(f"lookup_preference must be > 0, got {self.lookup_preference!r}")
+
+    @property
+    def search_params(self) -> SearchParams:
+        """The tree-search parameters, their budget the fixed one (an adaptive budget's upper bound)."""
+        from dataclasses import replace
+
+        return replace(self.search, budget=self.budget) if isinstance(self.budget, int) else self.search
+
+    def engine_kwargs(self) -> dict:
+        """The :class:`~dart_core.engine.DartEngine` arguments this config sets directly."""
+        return {"context_window": self.context_window, "context_order": self.context_order,
+                "lookup_length": self.lookup_length, "max_prefill_tokens": self.max_prefill_tokens}
