@@ -256,11 +256,8 @@ class DartDraftHead(nn.Module):
         Raises:
             ValueError: ``levels`` outside 1..d.
         """
-        c = self.config
         b, t, _ = taps.shape
-        if levels is not None and not 1 <= levels <= c.depth:
-            raise ValueError(f"levels must be in 1..{c.depth}, got {levels}")
-        slots = c.draft_length if levels is None else levels - 1
+        slots = self._slots(levels)
         last_pos = positions.gather(1, last_index[:, None])  # [B, 1]
         slot_pos = last_pos + torch.arange(1, slots + 1, device=positions.device)  # [B, slots]
         mask = _head_mask(past_lengths, past_k.shape[2], last_index, t, slots, taps.dtype)
@@ -269,6 +266,12 @@ class DartDraftHead(nn.Module):
         mask = mask.gather(2, take[:, None, :, None].expand(b, 1, slots + 1, mask.shape[-1]))
         h, ks, vs = self._layer(taps, next_embeds, positions, slot_pos, past_k, past_v, mask, take)
         return self.logits(h), ks[:, :, :t], vs[:, :, :t]
+
+    def _slots(self, levels: int | None) -> int:
+        """Mask slots for ``levels`` drafted levels (1..d; None: all d).  Raises ValueError outside."""
+        if levels is not None and not 1 <= levels <= self.config.depth:
+            raise ValueError(f"levels must be in 1..{self.config.depth}, got {levels}")
+        return self.config.draft_length if levels is None else levels - 1
 
     def forward_static(
         self,
@@ -298,11 +301,8 @@ class DartDraftHead(nn.Module):
         Raises:
             ValueError: ``levels`` outside 1..d.
         """
-        c = self.config
         b, t, _ = taps.shape
-        if levels is not None and not 1 <= levels <= c.depth:
-            raise ValueError(f"levels must be in 1..{c.depth}, got {levels}")
-        slots = c.draft_length if levels is None else levels - 1
+        slots = self._slots(levels)
         dev, cap = taps.device, key_buffer.shape[2]
         last_pos = positions.gather(1, last_index[:, None])  # [B, 1]
         slot_pos = last_pos + torch.arange(1, slots + 1, device=dev)  # [B, slots]

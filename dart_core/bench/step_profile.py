@@ -277,7 +277,7 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
 
         groups = [prompts[i: i + cfg.batch_size] for i in range(0, len(prompts), cfg.batch_size)]
         decode(groups[0])  # warm-up: allocator, kernels' first launches
-        wall_s, forwards, emitted, phases = 0.0, 0, 0, {}
+        wall_s, forwards, emitted, seq_steps, phases = 0.0, 0, 0, 0, {}
         kernel_ms, kernels, prof_forwards = 0.0, 0, 0
         ops = []  # (profiler run, its target forwards) for --top-ops
         for prompt in groups:
@@ -289,6 +289,7 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
             stats = out.result
             forwards += stats.target_forwards
             emitted += stats.emitted_after_prefill
+            seq_steps += stats.sequence_steps
             for k, v in stats.phase_ms.items():
                 phases[k] = phases.get(k, 0.0) + v
             if profile_cuda or cfg.top_ops:
@@ -306,7 +307,7 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
         fwd = max(forwards, 1)
         step_ms = phases.get("total", wall_s * 1e3) / fwd
         row = {"mode": mode, "target_forwards": forwards, "tokens": emitted,
-               "tau": round(emitted / fwd, 3),
+               "tau": round(emitted / max(seq_steps, 1), 3),  # per sequence and step, bonus included
                "tokens_per_s": round(emitted / max(wall_s, 1e-9), 1),
                "step_ms": round(step_ms, 3),
                "phase_ms_per_step": {k: round(v / fwd, 3) for k, v in phases.items()},
