@@ -303,7 +303,7 @@ class StaticDrafter:
         if capacity is not None and capacity < widths[-1] + head.config.depth + 2:
             raise ValueError(f"capacity {capacity} leaves no room for width {widths[-1]} and the mask slots")
         self.head, self.embed, self.device = head, embed, device
-        self.top_k = min(top_k, head.config.draft_vocab_size)
+        self.top_k = top_k
         self.capacity = capacity  # None: grows (without graphs)
         self.widths = tuple(widths)
         self.batch_buckets = tuple(batch_buckets)
@@ -347,8 +347,7 @@ class StaticDrafter:
         head = self.head
         logits = head.forward_static(taps, self.embed(next_ids).to(head.dtype), pos, last_index, keys, values,
                                      lengths, levels)  # [B, L, V_draft]
-        top, idx = torch.topk(logits.float(), self.top_k, dim=-1)
-        return head.draft_to_target(idx), top.softmax(-1)
+        return head.top_k(logits, self.top_k)
 
     def _run(self, s: _DraftShape, keys: torch.Tensor, values: torch.Tensor) -> None:
         s.ids, s.probs = self._topk(s.taps, s.next_ids, s.pos, s.last_index, keys, values, s.lengths)

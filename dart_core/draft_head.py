@@ -394,6 +394,13 @@ class DartDraftHead(nn.Module):
         """The dtype the head computes in (its norms' weights: packed linear layers hold no parameters)."""
         return self.norm.weight.dtype
 
+    def top_k(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[..., V_draft] draft logits -> (ids [..., k] int64 target ids of the k most likely draft
+        tokens, probs [..., k] float32 softmax over those k logits), as the tree search takes them
+        (k at most the draft vocabulary)."""
+        values, idx = torch.topk(logits.float(), min(k, logits.shape[-1]), dim=-1)
+        return self.draft_to_target(idx), values.softmax(-1)
+
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Maps draft-vocabulary indices to target token ids (``i + d2t[i]``)."""
         return draft_ids + self.d2t[draft_ids]

@@ -408,8 +408,8 @@ class DartEngine:
         counts = torch.tensor(counts_host, device=device)
         old_lengths = cache.lengths
         # the cache holds every token but the root: its lengths are known here without a read
-        cache.compact(padded_len + path, counts, host_plan=compaction_plan_host(
-            [len(t) - 1 for t in state.tokens], padded_len, [acc.path for acc in accepted], device))
+        cache.compact_planned(compaction_plan_host([len(t) - 1 for t in state.tokens], padded_len,
+                                                   [acc.path for acc in accepted], device), counts)
         new_tokens, acc_lens, nexts, logprobs = [], [], [], []
         for i, (tr, acc) in enumerate(zip(trees, accepted)):
             drafted = [int(tr.tokens[j]) for j in acc.path[1:]]
@@ -523,15 +523,13 @@ class DartEngine:
             static = self.static_draft.forward(taps.to(head.dtype), nxt, positions, last_index, head_cache,
                                                max_positions, levels)
         if static is not None:
-            ids, probs = static[0][:, :levels], static[1][:, :levels]
+            ids, probs = static  # [B, L, k] each
         else:
             dtype = head.dtype
             logits, new_k, new_v = head(taps.to(dtype), self.target.embed(nxt).to(dtype), positions, last_index,
                                         head_cache.keys, head_cache.values, head_cache.lengths, levels)
             head_cache.append(new_k, new_v, last_index + 1)
-            k = min(self.search_params.top_k, logits.shape[-1])
-            values, idx = torch.topk(logits.float(), k, dim=-1)  # [B, L, k]
-            ids, probs = head.draft_to_target(idx), values.softmax(-1)
+            ids, probs = head.top_k(logits, self.search_params.top_k)
         # one copy to the host: the ids as int32 beside the probabilities' bits
         host = torch.stack([ids.to(torch.int32), probs.contiguous().view(torch.int32)]).cpu().numpy()
         return host[0].astype(np.int64), host[1].view(np.float32)

@@ -54,13 +54,17 @@ class TargetCache:
     def padded_length(self) -> int:
         return self.cache.get_seq_length()
 
-    def compact(self, src: torch.Tensor, counts: torch.Tensor, host_plan=None) -> None:
+    def compact(self, src: torch.Tensor, counts: torch.Tensor) -> None:
         """Keeps entries src[b, :counts[b]] (positions in the padded cache) after each prefix.
 
-        The moves are planned once for all layers (:func:`~dart_core.kv_cache.compaction_plan`, or
-        ``host_plan`` from :func:`~dart_core.kv_cache.compaction_plan_host`, which reads no device
-        tensor); entries already in place are not copied."""
-        plan = host_plan if host_plan is not None else compaction_plan(self.lengths, src, counts)
+        The moves are planned once for all layers (:func:`~dart_core.kv_cache.compaction_plan`);
+        entries already in place are not copied."""
+        self.compact_planned(compaction_plan(self.lengths, src, counts), counts)
+
+    def compact_planned(self, plan, counts: torch.Tensor) -> None:
+        """:meth:`compact` with its plan already made (:func:`~dart_core.kv_cache.compaction_plan`,
+        or :func:`~dart_core.kv_cache.compaction_plan_host`, which reads no device tensor);
+        counts [B] entries kept per sequence."""
         for layer in self.cache.layers:
             layer.keys, layer.values = apply_compaction(layer.keys, layer.values, plan)
         self.lengths = self.lengths + counts

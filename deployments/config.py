@@ -86,21 +86,20 @@ class AppConfig(BaseModel):
     max_tokens_limit: int = Field(2048, ge=1, description="largest max_tokens a request may ask for")
     api_key_env: str = Field("DART_API_KEY", description="environment variable with an optional API key; when set, "
                                                          "requests need `Authorization: Bearer <key>`")
-    context_window: int | None = Field(None, ge=1, description="tokens of a request's prompt and output indexed "
-                                                                "for its context chains (default: the engine's)")
-    context_order: int | None = Field(None, ge=1, description="longest context the index matches, in tokens "
-                                                              "(default: the engine's)")
-    lookup_length: int | None = Field(None, ge=0, description="longest context chain a lookup step verifies alone, "
-                                                              "0 = no lookup steps (default: the engine's)")
-    lookup_preference: float | None = Field(None, gt=0, description="a lookup step is taken when its expected rate "
-                                                                    "reaches this many times the tree steps' "
-                                                                    "(default: the engine's)")
-    gate_probe_every: int | None = Field(None, ge=5, le=1024, description="with budget auto, the speculation gate "
-                                                                          "re-measures the path it is not on every "
-                                                                          "this many steps (default: the engine's)")
-    max_prefill_tokens: int | None = Field(None, ge=1, description="joining prompts are prefilled in groups of at "
-                                                                   "most this many padded tokens (default: the "
-                                                                   "engine's)")
+    # the rest of dart_core.speculative.SpeculativeConfig: null keeps its default; validated there (below)
+    context_window: int | None = Field(None, description="tokens of a request's prompt and output indexed for its "
+                                                         "context chains (default: the engine's)")
+    context_order: int | None = Field(None, description="longest context the index matches, in tokens (default: "
+                                                        "the engine's)")
+    lookup_length: int | None = Field(None, description="longest context chain a lookup step verifies alone, 0 = no "
+                                                        "lookup steps (default: the engine's)")
+    lookup_preference: float | None = Field(None, description="a lookup step is taken when its expected rate reaches "
+                                                              "this many times the tree steps' (default: the engine's)")
+    gate_probe_every: int | None = Field(None, description="with budget auto, the speculation gate re-measures the "
+                                                           "path it is not on every this many steps, 5..1024 "
+                                                           "(default: the engine's)")
+    max_prefill_tokens: int | None = Field(None, description="joining prompts are prefilled in groups of at most this "
+                                                             "many padded tokens (default: the engine's)")
     ngram: NgramConfig = Field(default_factory=NgramConfig)
 
     @model_validator(mode="after")
