@@ -337,8 +337,15 @@ class SpeculationGate:
     positions than one step can accept (a new prompt: the first step after a
     prefill would otherwise make speculation look several times slower).
     The first ``warmup`` measured steps of a batch size speculate,
-    the next ``warmup`` do not.  Output is unaffected: both modes are
-    lossless.
+    the next ``warmup`` do not.  Each average starts as the plain mean of its
+    first ``1 / ema`` steps (so the first step does not weigh more than the
+    next ones), and a step whose rate is off the average by more than
+    ``outlier`` times is a hiccup, not a measurement: a slower one (a CUDA
+    graph being captured, a garbage-collector pause, a reconnecting channel)
+    is skipped, a faster one restarts the average (the earlier steps were the
+    hiccup).  One such step among the first would otherwise decide the mode
+    for hundreds of steps (found serving on an H200: BENCHMARKS.md "GPU").
+    Output is unaffected: both modes are lossless.
 
     This is what :class:`AdaptiveBudget` cannot do by itself: its smallest
     tree still pays the draft and search overhead and a 2-token verification,
@@ -352,16 +359,22 @@ class SpeculationGate:
         probe_steps: consecutive steps of the other mode per probe (≥ 2: the
             first is not measured).
         warmup: measured steps of each mode before the gate decides.
+        outlier: a step whose tokens/ms differ from its mode's average by more
+            than this factor is not averaged (see above).
 
     Raises:
         ValueError: settings out of range.
     """
 
     def __init__(self, ema: float = 0.1, probe_every: int = 64, probe_steps: int = 4, warmup: int = 2,
-                 max_probe_every: int = 1024) -> None:
-        if not (0 < ema <= 1) or not (2 <= probe_steps < probe_every <= max_probe_every) or warmup < 1:
-            raise ValueError("need 0 < ema <= 1, 2 <= probe_steps < probe_every <= max_probe_every and warmup >= 1")
+                 max_probe_every: int = 1024, outlier: float = 8.0) -> None:
+        if (not (0 < ema <= 1) or not (2 <= probe_steps < probe_every <= max_probe_every) or warmup < 1
+                or not outlier > 1):
+            raise ValueError("need 0 < ema <= 1, 2 <= probe_steps < probe_every <= max_probe_every, warmup >= 1 "
+                             "and outlier > 1")
         self.ema = ema
+        self.outlier = outlier
+        self.hiccups = 0  # steps left out of the averages as outliers
         self.probe_every = probe_every
         self.max_probe_every = max_probe_every
         self.probe_steps = probe_steps
@@ -408,7 +421,13 @@ class SpeculationGate:
             return
         k = int(speculative)
         rate = tokens / step_ms
-        b.rate[k] = _ema(b.rate[k] if b.seen[k] else None, rate, self.ema)
+        if b.seen[k] and rate * self.outlier < b.rate[k]:  # a hiccup: skipped
+            self.hiccups += 1
+            return
+        if b.seen[k] and rate > self.outlier * b.rate[k]:  # the average so far was the hiccup
+            self.hiccups += b.seen[k]
+            b.seen[k] = 0
+        b.rate[k] = _ema(b.rate[k] if b.seen[k] else None, rate, max(self.ema, 1 / (b.seen[k] + 1)))
         b.seen[k] += 1
 
     def speedup(self, batch: int) -> float | None:

@@ -120,6 +120,7 @@ class StaticVerifier:
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.replays = 0  # forwards that took the static path
         self.eager = 0  # forwards that ran eagerly (prefills into a fresh cache, or too large)
+        self.captures = 0  # graphs captured (each one a slow step: the speculation gate leaves it out)
         self._warned = False
 
     def bucket(self, n: int) -> int | None:
@@ -183,6 +184,7 @@ class StaticVerifier:
         with torch.cuda.graph(graph, pool=self._pool):
             self._run(s, cache)
         s.graph = graph
+        self.captures += 1
         logger.info("captured a CUDA graph for batch %d, %d query tokens", *s.ids.shape)
 
     @torch.inference_mode()
@@ -313,6 +315,7 @@ class StaticDrafter:
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.replays = 0  # drafts that took the static path
         self.eager = 0  # drafts that did not fit it
+        self.captures = 0  # graphs captured
         self._warned = False
 
     def _buffers(self, bb: int, need: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -363,6 +366,7 @@ class StaticDrafter:
         with torch.cuda.graph(graph, pool=self._pool):
             self._run(s, keys, values)
         s.graph = graph
+        self.captures += 1
         logger.info("captured a draft CUDA graph for batch %d, width %d", *s.next_ids.shape)
 
     @torch.inference_mode()

@@ -279,12 +279,15 @@ class DartEngine:
             gated = spec_now and self.gate is not None
             if gated:
                 spec_now = self.gate.speculate(len(state.seq_ids))
+            captures = self._graph_captures()
             t_step = time.perf_counter()
             step = self._step(state, spec_now)
             yield step
             if gated:  # wall time until the caller asks for the next step: its per-step work counts too
+                # a step that captured a CUDA graph is not typical of its mode (tens of ms of capture)
                 self.gate.observe(len(state.seq_ids), spec_now, sum(step.accepted_lengths),
-                                  1e3 * (time.perf_counter() - t_step), typical=not step.catch_up)
+                                  1e3 * (time.perf_counter() - t_step),
+                                  typical=not step.catch_up and self._graph_captures() == captures)
             state.keep([i for i, r in enumerate(state.reasons) if r is None])
 
     def _prefill(self, state: "_BatchState", ids: list[int], joining: list["NewSequence"]) -> StepOutput:
@@ -488,6 +491,11 @@ class DartEngine:
         if self.budget is not None:
             depth = self.budget.search_depth(depth)
         return max(1, depth)
+
+    def _graph_captures(self) -> int:
+        """CUDA graphs captured so far by the target's static verifier and the static drafter."""
+        return (getattr(self.target.static, "captures", 0)
+                + (self.static_draft.captures if self.static_draft is not None else 0))
 
     def enable_static_draft(self, **kwargs) -> StaticDrafter:
         """Replaces the drafter's static KV cache by one built with ``kwargs``: by default on a GPU

@@ -178,6 +178,27 @@ def test_gate_ignores_atypical_steps():
     assert gate.speedup(1) == pytest.approx(2.0)
 
 
+def test_gate_leaves_hiccups_out_of_its_averages():
+    """A step far slower than its mode's average (a CUDA graph capture, a GC pause) is skipped; when the
+    first steps were the hiccup, a step far faster restarts the average."""
+    gate = SpeculationGate(warmup=2)
+    gate.observe(1, True, 2, 500.0)  # the first speculative step captured graphs: 0.004 tokens/ms
+    gate.observe(1, True, 3, 10.0)  # 0.3 tokens/ms: the average restarts here
+    gate.observe(1, True, 3, 600.0)  # a later hiccup: skipped
+    gate.observe(1, True, 3, 10.0)
+    gate.observe(1, False, 1, 1000.0)  # the switch (not measured)
+    gate.observe(1, False, 1, 5.0)
+    gate.observe(1, False, 1, 5.0)
+    assert gate.speedup(1) == pytest.approx(0.3 / 0.2) and gate.hiccups == 2
+    assert gate.speculate(1)  # the hiccups do not turn speculation off
+    plain = SpeculationGate(warmup=1, ema=0.1)  # the first steps average plainly, not 1 : 0.1
+    plain.observe(1, True, 1, 10.0)
+    plain.observe(1, True, 3, 10.0)
+    plain.observe(1, False, 1, 10.0)  # switch
+    plain.observe(1, False, 1, 10.0)
+    assert plain.speedup(1) == pytest.approx(2.0)
+
+
 def test_gate_follows_a_change_seen_by_its_probes():
     gate = SpeculationGate(ema=0.5, probe_every=4, probe_steps=2, warmup=1, max_probe_every=4)
     _drive(gate, 2, 20, spec_rate=0.5, ar_rate=1.0)
@@ -197,7 +218,7 @@ def test_gate_probes_less_often_while_the_same_mode_keeps_winning():
 
 
 @pytest.mark.parametrize("kw", [{"ema": 0}, {"ema": 1.5}, {"probe_steps": 1}, {"probe_every": 4, "probe_steps": 4},
-                                {"probe_every": 64, "max_probe_every": 32}, {"warmup": 0}])
+                                {"probe_every": 64, "max_probe_every": 32}, {"warmup": 0}, {"outlier": 1.0}])
 def test_gate_rejects_bad_settings(kw):
     with pytest.raises(ValueError):
         SpeculationGate(**kw)

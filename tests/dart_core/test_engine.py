@@ -495,3 +495,35 @@ def test_a_step_reads_device_tensors_at_most_twice(batch):
                 step = next(steps)
                 assert step.num_nodes > 1 or not speculative
         assert sum(reads.values()) == 4 * most, dict(reads)
+
+
+def test_a_step_that_captures_a_cuda_graph_is_not_measured_by_the_gate():
+    """A graph capture (tens of ms) is no measure of its mode: the engine marks the step atypical."""
+    from dart_core.budget import SpeculationGate
+
+    class Recording(SpeculationGate):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def observe(self, batch, speculative, tokens, step_ms, typical=True):
+            self.seen.append(typical)
+            super().observe(batch, speculative, tokens, step_ms, typical)
+
+    target = tiny_target("llama")
+    prompt = prompts_of(np.random.default_rng(3), [8])
+    gate = Recording()
+    engine = DartEngine(target, random_head(target), InProcessTreeSearch(None),
+                        SearchParams(top_k=4, beam_width=2, budget=8), gate=gate)
+    real_step, calls = engine._step, []
+
+    def capturing_step(state, speculative):  # the 4th step captures a graph, as a new shape would on CUDA
+        calls.append(speculative)
+        if len(calls) == 4:
+            engine.static_draft.captures += 1
+        return real_step(state, speculative)
+
+    engine._step = capturing_step
+    list(engine.generate_stream(prompt, SamplingParams(max_new_tokens=24)))
+    assert len(gate.seen) == len(calls) >= 5
+    assert gate.seen[3] is False and all(gate.seen[4:])
