@@ -11,6 +11,9 @@ optional except one decoding run:
 - ``decoding-<label>.json``: :mod:`dart_core.bench.decoding` runs (batch 1);
 - ``step_profile-<label>.json``: :mod:`dart_core.bench.step_profile` runs (the floor);
 - ``batching-<label>.json``: :mod:`dart_core.bench.batching` sweeps;
+- ``serving-<label>.json``: :mod:`dart_core.bench.serving` sweeps over HTTP against ``serve run
+  deployments/dart.yaml`` on that machine (``scripts/gpu_session/serve.sh``; the label says how the
+  config differed from the shipped one, ``commands.md`` says it in full);
 - ``sdpa_probe.json``: ``scripts/gpu_session/sdpa_probe.py`` (milliseconds of one masked
   attention call per SDPA backend, at a new shape every call and at a fixed one);
 
@@ -141,6 +144,14 @@ def render_gpu_section(folder: str | Path, page: str | Path) -> str:
         b = {**b, "server": b.get("server") or {"model": "SmolLM2-135M-Instruct", "url": "in process"}}
         lines += [f"### Continuous batching ({_label(dtype, b)}, `python -m dart_core.bench.batching`)", "",
                   serving.markdown_table(b), ""]
+    served = _load(folder, "serving")
+    if served:
+        lines += ["### Ray Serve on the GPU machine (`serve run deployments/dart.yaml`)", "",
+                  "The main job where the design puts it: the engine replica on the GPU, the n-gram service "
+                  "replica beside it (the tree search over gRPC), HTTP clients of `python -m "
+                  "dart_core.bench.serving` (DART and `\"speculative\": false` on the same server).", ""]
+        for label, r in served:
+            lines += [f"**{label}** ({r['seconds']:.0f} s):", "", serving.markdown_table(r), ""]
     cmds = folder / "commands.md"
     if cmds.is_file():
         lines += ["### Commands", "", cmds.read_text().strip(), ""]

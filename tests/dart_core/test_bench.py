@@ -330,3 +330,20 @@ def test_the_gpu_section_gives_the_median_of_repeated_runs_and_the_attention_pro
     assert f"| bf16 | {row['dataset']} | {row['method']} | 3 |" in text
     assert "| 1.50× | 1.50, 0.90, 2.00 |" in text and "| other |" not in text
     assert "| draft b1 | default | 54.000 | 0.036 |" in text and "refused: No available kernel" in text
+
+
+def test_the_gpu_section_shows_serve_run_on_the_gpu_machine(tmp_path):
+    """serving-<label>.json files (the serving bench against `serve run` there) get their own tables."""
+    from pathlib import Path
+
+    from dart_core.bench import gpu_report, serving
+
+    folder = Path(__file__).parents[2] / "bench" / "results" / "gpu-h200-4"
+    served = json.loads((folder / "serving-bf16-graphs-budget60.json").read_text())
+    for name in ("decoding-bf16-graphs-run1.json", "serving-bf16-graphs-budget60.json"):
+        (tmp_path / name).write_text((folder / name).read_text())
+    text = gpu_report.render_gpu_section(tmp_path, tmp_path / "BENCHMARKS.md")
+    assert "### Ray Serve on the GPU machine" in text and "**bf16-graphs-budget60**" in text
+    assert serving.markdown_table(served) in text
+    (tmp_path / "serving-bf16-graphs-budget60.json").unlink()
+    assert "Ray Serve" not in gpu_report.render_gpu_section(tmp_path, tmp_path / "BENCHMARKS.md")
