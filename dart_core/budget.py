@@ -195,26 +195,42 @@ class AdaptiveBudget:
         trees, predicted = self.select_batch([tree])
         return trees[0], predicted[0]
 
-    def select_batch(self, trees: list[DraftTree]) -> tuple[list[DraftTree], list[float]]:
+    def select_batch(self, trees: list[DraftTree], packed: bool = False) -> tuple[list[DraftTree], list[float]]:
         """Sizes the trees of a whole batch together (one verification forward for all of them).
 
-        The engine verifies a batch in one forward with every tree padded to the
-        largest, so a node count n costs ``curve(B · (n + 1))`` query tokens
-        whichever sequences use it: one sequence's seventh node makes all B
+        **Padded** (``packed=False``): the batch is verified with every tree padded
+        to the largest, so a node count n costs ``curve(B · (n + 1))`` query
+        tokens whichever sequences use it: one sequence's seventh node makes all B
         sequences pay for seven.  Every tree therefore gets the same n (its n
         best nodes in its own rank order, so it stays prefix-closed; fewer if it
         has fewer), and n ≥ ``min_budget`` maximises
 
             (B + Σ_sequences Σ_{n best nodes} P(node accepted)) / (overhead + curve(B · (n + 1)))
 
-        At batch 1 this is the per-tree choice of the module docstring.
+        **Packed** (``packed=True``: the target computes only the real nodes,
+        :meth:`dart_core.target.TargetModel.forward` ``rows``): every node of every
+        tree competes for one budget of T nodes.  A node's value is its estimate
+        capped by those of the nodes before it in its tree's rank order (so values
+        fall along each tree and every prefix of the merged order is prefix-closed
+        per tree); the merged order takes values high to low, and T ≥
+        ``min_budget`` maximises
+
+            (B + Σ_{T best nodes} P(node accepted)) / (overhead + curve(B + T))
+
+        so one sequence may verify 20 nodes in a step where another verifies none.
+
+        At batch 1 both are the per-tree choice of the module docstring.
 
         Args:
             trees: B draft trees (their ``probs`` give the acceptance estimates).
+            packed: price the verification by real nodes (B + T query tokens)
+                rather than the padded layout.
 
         Returns:
             (truncated trees, predicted accepted draft nodes per tree).
         """
+        if packed and len(trees) > 1:
+            return self._select_packed(trees)
         orders, probs = [], []
         for i, tree in enumerate(trees):
             if tree.num_nodes <= 1:
@@ -249,6 +265,39 @@ class AdaptiveBudget:
             predicted.append(float(cum[i, k]))
         if out:
             self._kept_depths.append(max(int(t.depths.max()) for t in out))
+        return out, predicted
+
+    def _select_packed(self, trees: list[DraftTree]) -> tuple[list[DraftTree], list[float]]:
+        """One budget of nodes for the whole batch, priced by real nodes (see :meth:`select_batch`)."""
+        b = len(trees)
+        orders, probs, owner, rank, value = [], [], [], [], []
+        for i, tree in enumerate(trees):
+            order = _rank_order(tree) if tree.num_nodes > 1 else np.zeros(0, dtype=np.int64)
+            p = np.minimum(node_acceptance_estimates(tree)[order] * self.calibration, 1.0) if len(order) \
+                else np.zeros(0)
+            orders.append(order)
+            probs.append(p)
+            owner.append(np.full(len(p), i))
+            rank.append(np.arange(len(p)))
+            value.append(np.minimum.accumulate(p) if len(p) else p)
+        owner_a, rank_a, value_a = np.concatenate(owner), np.concatenate(rank), np.concatenate(value)
+        merged = np.lexsort((owner_a, rank_a, -value_a))  # value high to low, then rank, then sequence
+        gains = np.concatenate(probs)[merged]  # probs, owner_a, rank_a, value_a: one (sequence, rank) order
+        total = len(merged)
+        counts = np.arange(min(self.min_budget, total), total + 1)
+        expected = b + np.concatenate([[0.0], np.cumsum(gains)])[counts]
+        rate = expected / (self.overhead_ms + self.curve(b + counts))
+        t = int(counts[int(np.argmax(rate))])  # ties: the fewest nodes
+        keep_counts = np.bincount(owner_a[merged[:t]], minlength=b)
+        out, predicted = [], []
+        for i, (tree, order) in enumerate(zip(trees, orders)):
+            k = int(keep_counts[i])
+            keep = np.zeros(tree.num_nodes, dtype=bool)
+            keep[0] = True
+            keep[order[:k]] = True
+            out.append(tree.select(keep))
+            predicted.append(float(probs[i][:k].sum()))
+        self._kept_depths.append(max(int(tr.depths.max()) for tr in out))
         return out, predicted
 
     def observe(self, predicted: float, accepted: int, overhead_ms: float) -> None:

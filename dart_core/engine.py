@@ -170,6 +170,9 @@ class DartEngine:
         self.search_params = search_params or SearchParams()
         self.budget = budget
         self.gate = gate
+        # one verification budget pooled across the batch, verified without computing padding
+        # (packed_verification); off by default: not yet measured faster (BENCHMARKS.md, batching)
+        self.pooled_budget = False
         self.context_window = context_window
         self.context_order = context_order
         if lookup_length < 0:
@@ -388,7 +391,7 @@ class DartEngine:
                                             self.search_params, chains)
             search_ms = 1e3 * (time.perf_counter() - t0)
             if self.budget is not None:
-                trees, predicted = self.budget.select_batch(trees)
+                trees, predicted = self.budget.select_batch(trees, packed=self.packed_verification)
         else:
             trees = _root_only(state.tokens)
         # never draft past max_new_tokens or the context window
@@ -403,7 +406,8 @@ class DartEngine:
         n = batch.num_nodes
         padded_len = cache.padded_length
         mask = cache_mask(cache.lengths, padded_len, batch.tree_mask, target.dtype)
-        out = target.forward(batch.tokens, cache.lengths[:, None] + batch.depths, mask, cache)
+        out = target.forward(batch.tokens, cache.lengths[:, None] + batch.depths, mask, cache,
+                             rows=self._real_rows(trees, n))
         accepted, path = self._accept(trees, batch, out.logits, state.samplings, state.generators)
         counts_host = [len(acc.path) for acc in accepted]
         a_max = max(counts_host)
@@ -439,6 +443,24 @@ class DartEngine:
         return StepOutput(list(state.seq_ids), new_tokens, list(state.reasons), acc_lens,
                           [tr.num_nodes - 1 for tr in trees], n, draft_ms, search_ms, verify_ms,
                           step_ms, logprobs, lookup is not None, catch_up)
+
+    @property
+    def packed_verification(self) -> bool:
+        """Whether a verification forward computes only the real nodes of a padded batch of trees:
+        :attr:`pooled_budget` set on a packed CPU target without a static cache
+        (:meth:`TargetModel.forward` ``rows``).  The adaptive budget then prices a step by its real
+        nodes and lets them compete across the batch (:meth:`AdaptiveBudget.select_batch`)."""
+        return (self.pooled_budget and bool(getattr(self.target, "packed", False))
+                and getattr(self.target, "static", None) is None)
+
+    def _real_rows(self, trees: list[DraftTree], n: int) -> torch.Tensor | None:
+        """Flat indices (b · n + node) of the real nodes of trees padded to ``n``; None when nothing
+        is padding or the target computes every row anyway."""
+        sizes = [tr.num_nodes for tr in trees]
+        if not self.packed_verification or sum(sizes) == len(sizes) * n:
+            return None
+        rows = np.concatenate([i * n + np.arange(m) for i, m in enumerate(sizes)])
+        return torch.from_numpy(rows).to(self.target.device)
 
     # -- internals ----------------------------------------------------------
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -131,6 +133,24 @@ AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)  # masks built by trans
 _PACK_ROWS = 16  # oneDNN picks the weight layout for this many input rows; 8 to 64 all time the same
 
 
+# (flat row indices, row count of the full input) while a forward computes only some rows: see real_rows
+_REAL_ROWS: ContextVar["tuple[torch.Tensor, int] | None"] = ContextVar("dart_real_rows", default=None)
+
+
+@contextmanager
+def real_rows(rows: torch.Tensor | None, total: int):
+    """Within the block, every :class:`PackedLinear` given ``total`` input rows computes only ``rows``
+    (int64 [R], indices into the flattened rows) and leaves the others zero: a batch of draft trees
+    padded to one node count then pays its linear layers (the bulk of a CPU forward) for its real
+    nodes only.  Attention still runs on the padded layout; padding positions see only themselves,
+    so a zero row stays finite.  ``rows=None`` computes everything."""
+    token = _REAL_ROWS.set(None if rows is None else (rows, int(total)))
+    try:
+        yield
+    finally:
+        _REAL_ROWS.reset(token)
+
+
 class PackedLinear(torch.nn.Module):
     """``nn.Linear`` for float32 inference on a CPU, its weight reordered once
     into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``)
@@ -177,6 +197,12 @@ class PackedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        real = _REAL_ROWS.get()
+        if real is not None and real[1] == rows.shape[0]:  # only the real rows (see real_rows)
+            y = torch.ops.mkldnn._linear_pointwise(rows.index_select(0, real[0]), self.packed_weight, self.bias,
+                                                   "none", [], "")
+            return y.new_zeros(rows.shape[0], self.out_features).index_copy_(0, real[0], y).view(
+                *x.shape[:-1], self.out_features)
         y = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)
 
@@ -250,6 +276,7 @@ class TargetModel:
             raise ValueError("pack=True needs float32 weights on a CPU and a PyTorch built with oneDNN")
         if pack:
             logger.info("packed %d linear layers for oneDNN", pack_linears(self.model))
+        self.packed = bool(pack)  # forward(rows=...) skips padding rows in the linear layers
         if getattr(self.model.config, "_attn_implementation", None) == "sdpa":
             self.model.set_attn_implementation(GROUPED_SDPA)
         self.tokenizer = tokenizer
@@ -331,11 +358,15 @@ class TargetModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-                cache: TargetCache) -> TargetOutput:
+                cache: TargetCache, rows: torch.Tensor | None = None) -> TargetOutput:
         """One forward of new tokens after the cached prefix; appends their KV entries.
 
         Args:
             input_ids: [B, Q]; position_ids: [B, Q]; attention_mask: [B, 1, Q, T + Q] additive.
+            rows: int64 [R], the flat indices (b · Q + q) of the positions that matter, or None
+                for all. With a packed target (:attr:`packed`) the linear layers compute only
+                those (:func:`real_rows`): the other positions' logits and taps are then
+                meaningless (zero or finite garbage), their KV entries too.  Ignored otherwise.
 
         With :meth:`enable_static_cache`, a forward that fits the static cache returns views
         valid until the next forward.
@@ -344,6 +375,9 @@ class TargetModel:
             static = self.static.forward(input_ids, position_ids, attention_mask, cache)
             if static is not None:
                 return TargetOutput(logits=static[0], taps=static[1])
+        if rows is not None and self.packed:
+            with real_rows(rows, input_ids.numel()):
+                return self.model_forward(input_ids, position_ids, attention_mask, cache)
         return self.model_forward(input_ids, position_ids, attention_mask, cache)
 
     @torch.inference_mode()

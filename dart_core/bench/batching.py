@@ -16,6 +16,15 @@ per (level, mode), as the serving benchmark does: output tokens/s (all
 completion tokens ÷ wall time of the level), requests, TTFT and ITL p50/p99,
 and the mean τ of the requests.  ``--no-gate`` turns the speculation gate off,
 as the decoding benchmark does, so batch-1 figures compare with its rows.
+
+Each row also says where the tokens came from (``steps``, from the engine's
+step outputs during the level; prefills left out): decoding steps, the share
+that speculated, and per speculative step the verified tokens (draft nodes +
+roots of all sequences), the accepted tokens (τ summed over the batch) and the
+padding share (positions of the padded layout that hold no node: 1 − verified ÷
+B · N).  With ``--pooled-budget`` on a packed CPU target (``packed_verification``
+in the result) the nodes of all sequences compete for one budget and padding
+positions are not computed by the linear layers.
 """
 
 from __future__ import annotations
@@ -50,6 +59,57 @@ class BatchingConfig:
     device: str | None = None
     threads: int | None = None  # torch CPU threads (default: torch's)
     cuda_graphs: bool = False  # CUDA: verification and draft replayed as CUDA graphs over static KV caches
+    pooled_budget: bool = False  # one budget across the batch, padding not computed (DartEngine.pooled_budget)
+
+
+class StepTally:
+    """A batcher observer that counts a level's decoding steps (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps = self.speculative = self.verified = self.layout = self.accepted = 0
+
+    def on_admit(self, wait_ms: float, queued: int) -> None:
+        pass
+
+    def on_finish(self, chunk) -> None:
+        pass
+
+    def on_step(self, step, prefill: bool) -> None:
+        if prefill or not step.seq_ids:
+            return
+        self.steps += 1
+        if max(step.draft_nodes, default=0) > 0:
+            self.speculative += 1
+            self.verified += sum(step.draft_nodes) + len(step.seq_ids)
+            self.layout += step.num_nodes * len(step.seq_ids)
+            self.accepted += sum(step.accepted_lengths)
+
+    def summary(self) -> dict:
+        spec = self.speculative
+        return {"decode_steps": self.steps, "speculative_share": round(spec / self.steps, 3) if self.steps else None,
+                "verified_per_step": round(self.verified / spec, 2) if spec else None,
+                "accepted_per_step": round(self.accepted / spec, 2) if spec else None,
+                "padding_share": round(1 - self.verified / self.layout, 3) if self.layout else None}
+
+
+def step_table(result: dict) -> str:
+    """The rows' ``steps`` as a markdown table (speculative steps only, per step)."""
+    lines = [f"Speculative steps{' (verified packed: padding not computed)' if result.get('packed_verification') else ''}:",
+             "", "| clients | mode | decode steps | speculative share | verified tokens/step | "
+             "accepted tokens/step | padding share |", "|---:|---|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        st = r.get("steps") or {}
+
+        def f(x):
+            return "–" if x is None else str(x)
+
+        lines.append(f"| {r['concurrency']} | {r['mode']} | {f(st.get('decode_steps'))} | "
+                     f"{f(st.get('speculative_share'))} | {f(st.get('verified_per_step'))} | "
+                     f"{f(st.get('accepted_per_step'))} | {f(st.get('padding_share'))} |")
+    return "\n".join(lines) + "\n"
 
 
 def _level(batcher, prompts: list[str], concurrency: int, speculative: bool, cfg: BatchingConfig) -> dict:
@@ -115,24 +175,29 @@ def run_batching(cfg: BatchingConfig, *, progress: bool = True) -> dict:
                                       cuda_graphs=cfg.cuda_graphs)
     if not cfg.gate:
         model.engine.gate = None
+    model.engine.pooled_budget = cfg.pooled_budget
     prompts = load_prompts(cfg.dataset)
     batch = BatcherConfig(max_batch_size=max(cfg.max_batch_size, max(cfg.concurrency)),
                           max_speculative_batch=cfg.max_speculative_batch, max_tokens_limit=max(cfg.max_tokens, 8))
     rows = []
-    with ContinuousBatcher(model.engine, model.tokenizer, batch) as batcher:
+    tally = StepTally()
+    with ContinuousBatcher(model.engine, model.tokenizer, batch, observer=tally) as batcher:
         list(batcher.generate(GenerationRequest(prompt=prompts[0], max_tokens=8)))  # warm-up
         bar = tqdm(total=len(cfg.concurrency) * len(cfg.modes), desc="batching benchmark", unit="level",
                    disable=not progress)
         for i, c in enumerate(cfg.concurrency):
             modes = list(cfg.modes) if i % 2 == 0 else list(reversed(cfg.modes))
             for mode in modes:
-                rows.append(_level(batcher, prompts, c, mode == "dart", cfg))
+                tally.reset()
+                row = _level(batcher, prompts, c, mode == "dart", cfg)
+                rows.append({**row, "steps": tally.summary()})
                 bar.update()
         bar.close()
     rows.sort(key=lambda r: (r["concurrency"], MODES.index(r["mode"])))
     name = getattr(model.tokenizer, "dart_model_name", "model")
     return {"config": asdict(cfg), "server": {"url": "in process (ContinuousBatcher, no Ray)", "model": name},
             "hardware": hardware(model.engine.target.device), "rows": rows,
+            "packed_verification": model.engine.packed_verification,
             "seconds": round(time.perf_counter() - started, 1)}
 
 
@@ -141,8 +206,12 @@ def save(result: dict, out_dir: str | Path, stem: str = "batching") -> dict[str,
     from dart_core.bench import serving
 
     hw = result["hardware"].get("gpu") or result["hardware"]["cpu"]
-    return serving.save(result, out_dir, stem=stem, title=f"Continuous batching without Ray, {result['server']['model']}"
-                                                           f" on {hw}")
+    paths = serving.save(result, out_dir, stem=stem, title=f"Continuous batching without Ray, "
+                                                           f"{result['server']['model']} on {hw}")
+    if any("steps" in r for r in result["rows"]):
+        md = Path(out_dir) / f"{stem}.md"
+        md.write_text(md.read_text().rstrip("\n") + "\n\n" + step_table(result))
+    return paths
 
 
 def main(argv=None) -> int:
@@ -156,11 +225,14 @@ def main(argv=None) -> int:
     add_engine_arguments(ap, d)
     add_sweep_arguments(ap, d)
     ap.add_argument("--no-gate", dest="gate", action="store_false", help="speculate at every step (no gate)")
+    ap.add_argument("--pooled-budget", action="store_true",
+                    help="one verification budget for the whole batch, padding not computed (packed CPU targets)")
     ap.add_argument("--max-batch-size", type=int, default=d.max_batch_size)
     ap.add_argument("--max-speculative-batch", type=int, default=d.max_speculative_batch)
     ap.add_argument("--out", default="bench/results", help="folder for batching.json/.md/.png")
     ap.add_argument("--no-progress", action="store_true")
-    return run_cli(BatchingConfig, ap.parse_args(argv), run_batching, save, markdown_table)
+    return run_cli(BatchingConfig, ap.parse_args(argv), run_batching, save,
+                   lambda r: markdown_table(r) + ("\n" + step_table(r) if any("steps" in x for x in r["rows"]) else ""))
 
 
 if __name__ == "__main__":

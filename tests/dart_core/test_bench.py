@@ -205,6 +205,26 @@ def test_batching_benchmark_runs_without_ray(tiny_model_dir, prompts_file, tmp_p
     paths = batching.save(result, tmp_path)
     assert "| 3 | no-speculation |" in paths["md"].read_text() and json.loads(paths["json"].read_text())["rows"]
     assert serving.level_row(1, True, 2.0, serving.new_record())["tokens_per_s"] == 0
+    # where the tokens came from: the engine's steps per level
+    plain, spec = rows[(3, "no-speculation")]["steps"], rows[(3, "dart")]["steps"]
+    assert plain["decode_steps"] > 0 and plain["speculative_share"] == 0 and plain["verified_per_step"] is None
+    assert 0 < spec["speculative_share"] <= 1 and spec["verified_per_step"] >= 3 and spec["accepted_per_step"] >= 3
+    assert 0 <= spec["padding_share"] < 1 and "| 3 | dart |" in batching.step_table(result)
+    assert "padding share" in paths["md"].read_text()
+
+
+def test_step_tally_counts_verified_accepted_and_padding():
+    from dart_core.bench.batching import StepTally
+    from dart_core.engine import StepOutput
+
+    tally = StepTally()
+    step = StepOutput([0, 1], [[5], [6, 7]], [None, None], [1, 2], [0, 3], 4, 0.0, 0.0, 0.0, 1.0)
+    tally.on_step(step, prefill=False)
+    tally.on_step(StepOutput([0, 1], [[5], [6]], [None, None], [1, 1], [0, 0], 1, 0.0, 0.0, 0.0, 1.0), False)
+    tally.on_step(step, prefill=True)  # a prefill is not a decoding step
+    # 2 roots + 3 nodes verified out of a layout of 2 x 4; 3 tokens accepted
+    assert tally.summary() == {"decode_steps": 2, "speculative_share": 0.5, "verified_per_step": 5.0,
+                               "accepted_per_step": 3.0, "padding_share": 0.375}
 
 
 def test_context_tuning_runs_the_grid_losslessly(tiny_model_dir, tmp_path):

@@ -83,6 +83,30 @@ def test_batch_selection_prices_the_padded_verification():
     assert [t.num_nodes for t in flat.select_batch([tree, hopeless(tree)])[0]] == [5, 5]
 
 
+def test_packed_batch_selection_lets_nodes_compete_across_the_batch():
+    """Priced by real nodes (a packed target), one budget serves the whole batch: the promising tree
+    takes the nodes, the hopeless one verifies its root only; every kept set stays prefix-closed."""
+    tree = with_scores(TREE, [0.0, -0.7, -1.2, -0.9, -3.0])  # rank: 1, 3, 2, 4 with P .5, .4, .3, .03
+    policy = AdaptiveBudget(VerifyCostCurve((1, 11), (30.0, 80.0)))  # 5 ms per query token
+    # T nodes in all cost curve(2 + T): 2.5/40, 2.9/45 (best), 3.2/50, 3.23/55
+    (good, bad), predicted = policy.select_batch([tree, hopeless(tree)], packed=True)
+    np.testing.assert_array_equal(good.tokens, [9, 1, 3])
+    np.testing.assert_array_equal(bad.tokens, [9])
+    assert predicted == pytest.approx([0.9, 0.0])
+    (alone,), (p1,) = policy.select_batch([tree], packed=True)  # batch 1: the per-tree choice
+    single, p2 = policy.select(tree)
+    np.testing.assert_array_equal(alone.tokens, single.tokens)
+    assert p1 == p2
+    flat = AdaptiveBudget(VerifyCostCurve((1, 64), (10.0, 10.0)))
+    assert [t.num_nodes for t in flat.select_batch([tree, hopeless(tree)], packed=True)[0]] == [5, 5]
+    # a node is never kept without its parent, whatever its own estimate
+    odd = make_tree([9, 1, 2, 3], [-1, 0, 1, 2], [1.0, 0.2, 0.99, 0.99])
+    steep = AdaptiveBudget(VerifyCostCurve((1, 11), (30.0, 80.0)))
+    for t in steep.select_batch([odd, tree, odd], packed=True)[0]:
+        assert all(0 <= t.parents[i] < i and t.depths[i] == t.depths[t.parents[i]] + 1
+                   for i in range(1, t.num_nodes))
+
+
 def test_search_depth_follows_the_kept_trees():
     """One level deeper than the deepest node kept over the recent steps, within max_depth."""
     tree = with_scores(TREE, [0.0, -0.7, -1.2, -0.9, -3.0])  # depths 1, 1, 2, 2

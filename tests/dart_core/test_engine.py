@@ -527,3 +527,35 @@ def test_a_step_that_captures_a_cuda_graph_is_not_measured_by_the_gate():
     list(engine.generate_stream(prompt, SamplingParams(max_new_tokens=24)))
     assert len(gate.seen) == len(calls) >= 5
     assert gate.seen[3] is False and all(gate.seen[4:])
+
+
+def test_packed_verification_is_lossless_and_skips_padding():
+    """With the adaptive budget on a packed CPU target, nodes compete across the batch, trees of
+    different sizes are verified with only their real rows computed, and greedy output stays exact."""
+    from dart_core.budget import AdaptiveBudget, VerifyCostCurve
+
+    target = tiny_target("llama", seed=4)
+    if not target.packed:
+        pytest.skip("this PyTorch cannot pack linear layers (no oneDNN)")
+    rng = np.random.default_rng(11)
+    prompts = prompts_of(rng, [6, 3, 9, 4])
+    sp = SamplingParams(max_new_tokens=24)
+    ar = DartEngine(target).generate(prompts, sp, speculative=False)
+    truth = [p + o for p, o in zip(prompts, ar.token_ids)]
+    engine = DartEngine(target, random_head(target), OracleTreeSearch(truth, depth=5, seed=2),
+                        budget=AdaptiveBudget(VerifyCostCurve((1, 64), (10.0, 74.0))))
+    assert not engine.packed_verification  # opt-in
+    engine.pooled_budget = True
+    assert engine.packed_verification
+    real, rows_seen = target.forward, []
+
+    def spy(*args, rows=None, **kw):
+        rows_seen.append(None if rows is None else len(rows))
+        return real(*args, rows=rows, **kw)
+
+    target.forward = spy
+    try:
+        assert engine.generate(prompts, sp).token_ids == ar.token_ids
+    finally:
+        del target.forward
+    assert any(r is not None for r in rows_seen)

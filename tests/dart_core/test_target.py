@@ -83,3 +83,23 @@ def test_packed_target_stays_exact_against_the_stock_model(arch):
     dart = DartEngine(stock, random_head(stock), oracle).generate(prompts, sp)
     assert dart.token_ids == reference
     assert dart.tau > 2.0
+
+
+def test_packed_linear_computes_only_the_real_rows():
+    from dart_core.target import PackedLinear, can_pack, real_rows
+
+    lin = torch.nn.Linear(8, 5)
+    if not can_pack(lin):
+        pytest.skip("this PyTorch cannot pack linear layers (no oneDNN)")
+    packed = PackedLinear(lin)
+    x = torch.randn(2, 3, 8)
+    full = packed(x)
+    rows = torch.tensor([0, 1, 3])
+    z = torch.randn(7, 8)
+    with real_rows(rows, 6):
+        part = packed(x)
+        other = packed(z)  # another row count (not the padded batch): computed in full
+    assert torch.allclose(part.view(6, 5)[rows], full.view(6, 5)[rows], atol=1e-6)
+    assert part.view(6, 5)[[2, 4, 5]].abs().max() == 0
+    assert torch.equal(other, packed(z))
+    assert torch.equal(packed(x), full)  # outside the block every row again
