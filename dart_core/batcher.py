@@ -238,9 +238,12 @@ class ContinuousBatcher:
         if max_tokens > cfg.max_tokens_limit:
             raise InvalidRequest(f"max_tokens {max_tokens} is above this server's limit of {cfg.max_tokens_limit}")
         try:
-            return SamplingParams.stopping_at(
-                self.tokenizer.eos_token_id, max_new_tokens=min(max_tokens, room), temperature=request.temperature,
-                top_p=request.top_p, top_k=request.top_k, seed=request.seed, logprobs=request.logprobs)
+            eos = self.tokenizer.eos_token_id
+            stop_ids = tuple(dict.fromkeys(([] if eos is None or request.ignore_eos else [int(eos)])
+                                           + list(request.stop_token_ids)))
+            return SamplingParams(max_new_tokens=min(max_tokens, room), temperature=request.temperature,
+                                  top_p=request.top_p, top_k=request.top_k, seed=request.seed,
+                                  logprobs=request.logprobs, stop_token_ids=stop_ids)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
 
@@ -255,7 +258,9 @@ class ContinuousBatcher:
             raise RuntimeError("the batcher is not running (call start())")
         ids = encode_prompt(self.tokenizer, request)
         sampling = self.sampling_params(request, len(ids))
-        req = _Request(ids, sampling, request.speculative, IncrementalDetokenizer(self.tokenizer, request.stop), sink)
+        detok = IncrementalDetokenizer(self.tokenizer, request.stop, skip_special_tokens=request.skip_special_tokens,
+                                       include_stop=request.include_stop_str_in_output)
+        req = _Request(ids, sampling, request.speculative, detok, sink)
         self._incoming.put(req)
         return RequestHandle(req, len(ids))
 

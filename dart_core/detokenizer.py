@@ -46,15 +46,18 @@ class IncrementalDetokenizer:
         tokenizer: a Hugging Face tokenizer (``decode`` is all that is used).
         stop: stop strings (empty ones are ignored).
         skip_special_tokens: as ``tokenizer.decode``.
+        include_stop: keep the stop string that ends the text (vLLM's ``include_stop_str_in_output``).
 
     Attributes:
         text: all text shown or held so far (cut at a stop string once found).
         stopped: a stop string was found; later tokens are ignored.
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str] = (), *, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer, stop: Sequence[str] = (), *, skip_special_tokens: bool = True,
+                 include_stop: bool = False) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.include_stop = include_stop
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
@@ -96,9 +99,10 @@ class IncrementalDetokenizer:
 
     def _release(self, start: int, final: bool) -> str:
         if self.stop and len(self.text) > start:
-            at = self._find_stop(start)
-            if at is not None:
-                self.text = self.text[:at]
+            found = self._find_stop(start)
+            if found is not None:
+                at, matched = found
+                self.text = self.text[:at + (len(matched) if self.include_stop else 0)]
                 self.stopped = True
                 final = True
         end = len(self.text) if final else max(self.shown, len(self.text) - self.hold)
@@ -106,11 +110,12 @@ class IncrementalDetokenizer:
         self.shown = max(self.shown, end)
         return delta
 
-    def _find_stop(self, start: int) -> int | None:
-        """Where the earliest stop string begins, looking only where new text could complete one."""
+    def _find_stop(self, start: int) -> tuple[int, str] | None:
+        """(where the earliest stop string begins, that string), looking only where new text could
+        complete one; None when none is there."""
         best = None
         for s in self.stop:
             i = self.text.find(s, max(0, start - len(s) + 1))
-            if i != -1 and (best is None or i < best):
-                best = i
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
         return best

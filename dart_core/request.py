@@ -71,6 +71,12 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()  # stop strings, not included in the text
     speculative: bool = True  # False: decode this request without speculation (its batch steps autoregressively)
     logprobs: int | None = None  # None: none; k >= 0: each token's log-probability and the k most likely
+    # vLLM's sampling extensions, with vLLM's meaning
+    ignore_eos: bool = False  # keep generating past the model's EOS token (load generators fix lengths so)
+    stop_token_ids: tuple[int, ...] = ()  # more token ids that end the sequence (the token stays in the output)
+    skip_special_tokens: bool = True  # leave special tokens out of the text
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text
+    min_tokens: int = 0  # honoured only where nothing can stop earlier (see __post_init__)
 
     def __post_init__(self) -> None:
         _require((self.prompt is None) != (self.messages is None), "give either a prompt or messages, not both")
@@ -97,6 +103,17 @@ class GenerationRequest:
         _require(isinstance(self.speculative, bool), "speculative must be true or false")
         _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
                  f"top logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            _require(isinstance(getattr(self, name), bool), f"{name} must be true or false")
+        ids = tuple(self.stop_token_ids or ())
+        _require(all(_is_int(t) and t >= 0 for t in ids), "stop_token_ids must be token ids (integers >= 0)")
+        object.__setattr__(self, "stop_token_ids", ids)
+        _require(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens must be an integer >= 0")
+        # min_tokens suppresses EOS and stop tokens until that many are generated (vLLM); dart-serve does
+        # not mask logits, so it takes min_tokens only where nothing could end the sequence earlier
+        _require(self.min_tokens == 0 or (self.ignore_eos and not ids and not stop),
+                 "min_tokens > 0 is supported only with ignore_eos: true and no stop strings or stop_token_ids")
+        _require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens")
 
     def chat(self) -> list[dict] | None:
         """The messages as the chat template takes them (None for a text prompt)."""

@@ -72,6 +72,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = Field(False, description="a last chunk with the usage (and the dart statistics)")
+    continuous_usage_stats: bool = Field(False, description="vLLM extension: every chunk carries the usage so far")
 
 
 #: OpenAI fields dart-serve does not implement: accepted only with their neutral value.
@@ -81,7 +82,7 @@ _NEUTRAL: dict[str, Any] = {
     "parallel_tool_calls": (None,), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
     "store": (None, False), "service_tier": (None, "auto", "default"), "audio": (None,), "prediction": (None,),
     "reasoning_effort": (None,), "web_search_options": (None,), "modalities": (None, ["text"]),
-    "response_format": (None, {"type": "text"}),
+    "response_format": (None, {"type": "text"}), "repetition_penalty": (None, 1, 1.0),
 }
 
 
@@ -104,8 +105,15 @@ class _Common(BaseModel):
     speculative: bool = Field(True, description="dart-serve extension: false decodes this request without "
                                                 "speculation (A/B comparisons); while it runs, its batch "
                                                 "steps autoregressively")
+    # vLLM's sampling extensions, as vLLM means them (load generators such as guidellm send them)
+    ignore_eos: bool = Field(False, description="vLLM extension: keep generating past the EOS token")
+    min_tokens: int = Field(0, ge=0, description="vLLM extension: taken only with ignore_eos and no stop strings "
+                                                 "or stop_token_ids, where nothing can end the output earlier")
+    stop_token_ids: list[int] | None = Field(None, description="vLLM extension: more token ids that end the output")
+    skip_special_tokens: bool = Field(True, description="vLLM extension: leave special tokens out of the text")
+    include_stop_str_in_output: bool = Field(False, description="vLLM extension: keep the matched stop string")
     _NEUTRAL_ONLY: ClassVar[tuple[str, ...]] = ("frequency_penalty", "presence_penalty", "logit_bias", "best_of",
-                                                "store", "service_tier")
+                                                "store", "service_tier", "repetition_penalty")
 
     @model_validator(mode="before")
     @classmethod
@@ -212,7 +220,11 @@ def _generation_request(body: _Common, **prompt) -> GenerationRequest:
     try:
         return GenerationRequest(**prompt, max_tokens=body.max_completion_tokens or body.max_tokens,
                                  temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-                                 stop=body.stop_strings(), speculative=body.speculative, logprobs=body.logprobs_k())
+                                 stop=body.stop_strings(), speculative=body.speculative, logprobs=body.logprobs_k(),
+                                 ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+                                 stop_token_ids=tuple(body.stop_token_ids or ()),
+                                 skip_special_tokens=body.skip_special_tokens,
+                                 include_stop_str_in_output=body.include_stop_str_in_output)
     except InvalidRequest as e:
         raise APIError(400, str(e)) from None
 
@@ -406,8 +418,10 @@ class OpenAIIngress:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         if body.stream:
-            usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self._sse(stream, first, rid, created, name, chat, usage, request),
+            opts = body.stream_options
+            usage = opts is not None and opts.include_usage
+            every = opts is not None and opts.continuous_usage_stats
+            return StreamingResponse(self._sse(stream, first, rid, created, name, chat, usage, request, every),
                                      media_type="text/event-stream")
         chunks = [first]
         async for chunk in stream:
@@ -417,7 +431,8 @@ class OpenAIIngress:
                 "model": name, "choices": [_choice(chat, text, chunks[-1].finish_reason, chunks, full=True)],
                 "usage": _usage(chunks[-1])}
 
-    async def _sse(self, stream, first: GenerationChunk, rid, created, name, chat, usage: bool, request: Request):
+    async def _sse(self, stream, first: GenerationChunk, rid, created, name, chat, usage: bool, request: Request,
+                   every_chunk_usage: bool = False):
         kind = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": rid, "object": kind, "created": created, "model": name}
         try:
@@ -431,8 +446,11 @@ class OpenAIIngress:
                 if await request.is_disconnected():
                     stream.cancel()
                     return
-                yield _sse(head | {"choices": [_choice(chat, chunk.text, chunk.finish_reason, [chunk], full=False,
-                                                       offset=offset)], "dart": _step_stats(chunk)})
+                body = head | {"choices": [_choice(chat, chunk.text, chunk.finish_reason, [chunk], full=False,
+                                                   offset=offset)], "dart": _step_stats(chunk)}
+                if every_chunk_usage:  # vLLM's continuous_usage_stats: the counts so far on every chunk
+                    body["usage"] = _usage(chunk)
+                yield _sse(body)
                 offset += len(chunk.text)
                 chunk = await anext(stream, None)
             if usage:

@@ -303,3 +303,34 @@ def test_bonus_characters_are_the_last_tokens_text(default_tokenizer, per_step):
     for c in chunks[1:]:
         assert c.draft_nodes == per_step - 1 and c.accepted == len(c.token_ids) - 1
         assert c.text[len(c.text) - c.bonus_chars:] == tok.decode(c.token_ids[-1:]) and c.bonus_chars > 0
+
+
+def test_vllm_sampling_extensions(model):
+    """ignore_eos, stop_token_ids, include_stop_str_in_output and skip_special_tokens with vLLM's
+    meaning; min_tokens only where nothing can end the output before it."""
+    ids = engine_output(model, PROMPTS[2], 12)
+    want = model.tokenizer.decode(ids, skip_special_tokens=True)
+    eos = model.tokenizer.eos_token_id
+    with ContinuousBatcher(model.engine, model.tokenizer) as b:
+        # a stop token id ends the output after that token, which stays in the output
+        cut = max(i for i in range(len(ids)) if ids[i] not in ids[:i])  # a first occurrence
+        chunks = list(b.generate(GenerationRequest(prompt=PROMPTS[2], max_tokens=12, stop_token_ids=(ids[cut],))))
+        assert [t for c in chunks for t in c.token_ids] == ids[:cut + 1] and chunks[-1].finish_reason == "stop"
+        # the stop string kept in the text
+        at = next(i for i in range(1, len(want) - 3) if want.find(want[i:i + 3]) == i)
+        kept = list(b.generate(GenerationRequest(prompt=PROMPTS[2], max_tokens=12, stop=(want[at:at + 3],),
+                                                 include_stop_str_in_output=True)))
+        assert "".join(c.text for c in kept) == want[:at + 3]
+        # ignore_eos: the EOS token no longer ends the output (the sampling's stop ids lose it)
+        plain = b.sampling_params(GenerationRequest(prompt="x", max_tokens=4), 1)
+        ignoring = b.sampling_params(GenerationRequest(prompt="x", max_tokens=4, ignore_eos=True,
+                                                       stop_token_ids=(3,)), 1)
+        assert eos in plain.stop_token_ids and ignoring.stop_token_ids == (3,)
+        fixed = list(b.generate(GenerationRequest(prompt=PROMPTS[2], max_tokens=10, min_tokens=10, ignore_eos=True)))
+        assert fixed[-1].completion_tokens == 10 and fixed[-1].finish_reason == "length"
+    for bad, needle in (({"min_tokens": 3}, "min_tokens > 0 is supported only"),
+                        ({"min_tokens": 5, "ignore_eos": True, "max_tokens": 4}, "min_tokens must be <="),
+                        ({"stop_token_ids": (-1,)}, "stop_token_ids"),
+                        ({"ignore_eos": "yes"}, "ignore_eos")):
+        with pytest.raises(InvalidRequest, match=needle):
+            GenerationRequest(prompt="x", **bad)

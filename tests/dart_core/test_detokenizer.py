@@ -89,3 +89,12 @@ def test_work_is_linear_in_the_output_length():
         text = "".join(d.add([t]) for t in ids) + d.finish()
         assert text == bytes(ids).decode("utf-8", errors="replace")
         assert tok.work <= 8 * n  # re-decoding the whole output each step would read n²/2 tokens
+
+
+def test_include_stop_keeps_the_stop_string(default_tokenizer):
+    ids = default_tokenizer.encode("alpha beta gamma delta", add_special_tokens=False)
+    d = IncrementalDetokenizer(default_tokenizer, ["gamma"], include_stop=True)
+    text = "".join(d.add([t]) for t in ids) + d.finish()
+    assert text == "alpha beta gamma" and d.stopped
+    d = IncrementalDetokenizer(default_tokenizer, ["gamma"])
+    assert "".join(d.add([t]) for t in ids) + d.finish() == "alpha beta "

@@ -99,8 +99,11 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(app, body, status,
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools is not supported"),
     ({"response_format": {"type": "json_object"}}, 400, "response_format is not supported"),
     ({"top_logprobs": 2}, 400, "top_logprobs needs logprobs"),
-    ({"repetition_penalty": 1.2}, 400, "unknown or unsupported field: repetition_penalty"),
+    ({"repetition_penalty": 1.2}, 400, "repetition_penalty is not supported"),
+    ({"min_tokens": 2}, 400, "min_tokens > 0 is supported only"),
     ({"presence_penalty": 0, "frequency_penalty": 0.0, "user": "u1", "logit_bias": {}, "store": False}, 200, ""),
+    ({"repetition_penalty": 1.0, "ignore_eos": True, "min_tokens": 2, "skip_special_tokens": True,
+      "stop_token_ids": [], "include_stop_str_in_output": False}, 200, ""),
 ])
 def test_openai_fields_work_or_are_refused(app, extra, status, needle):
     body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2} | extra
@@ -154,6 +157,23 @@ def test_usage_chunk_only_when_asked_for(app):
     with_usage = list(client().chat.completions.create(model=NAME, messages=msgs, max_tokens=3, stream=True,
                                                        stream_options={"include_usage": True}))
     assert with_usage[-1].usage.completion_tokens == 3 and not with_usage[-1].choices
+
+
+def test_what_load_generators_send_is_served(app):
+    """guidellm's requests (vLLM's ignore_eos and continuous usage statistics): every chunk carries
+    the usage so far, and the output runs to max_tokens."""
+    body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = []
+    with httpx.stream("POST", f"{HTTP}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    content = [c for c in chunks if c["choices"] and "dart" in c]
+    assert content and all("usage" in c for c in content)
+    counts = [c["usage"]["completion_tokens"] for c in content]
+    assert counts == sorted(counts) and counts[-1] == 5 and chunks[-1]["usage"]["completion_tokens"] == 5
 
 
 def test_per_step_figures_in_the_stream_and_totals_in_usage(app):
