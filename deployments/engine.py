@@ -50,6 +50,15 @@ class _Metrics:
         self.steps = metrics.Counter("dart_steps", description="decoding steps by mode: speculative (a draft tree "
                                      "verified) or autoregressive (speculation off, opted out, batch too large, "
                                      "or the speculation gate found it slower)", tag_keys=("mode",))
+        self.verified = metrics.Histogram("dart_verified_tokens", description="query tokens a speculative step "
+                                          "verifies, all sequences (draft nodes + one root each): the budget used",
+                                          boundaries=[2, 4, 8, 16, 32, 64, 128, 256, 512])
+        self.accepted = metrics.Histogram("dart_accepted_tokens", description="tokens a speculative step emits, "
+                                          "all sequences (accepted draft tokens + bonus tokens)",
+                                          boundaries=[1, 2, 4, 8, 16, 32, 64, 128, 256])
+        self.padding = metrics.Histogram("dart_padding_share", description="share of a speculative step's padded "
+                                         "tree layout (sequences x largest tree) that holds no node",
+                                         boundaries=[0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
         self.queue = metrics.Gauge("dart_queue_length", description="requests waiting to join the batch")
         self.wait = metrics.Histogram("dart_queue_wait_ms", description="time from arrival to joining the batch",
                                       boundaries=_MS_BUCKETS)
@@ -65,6 +74,11 @@ class _Metrics:
             self.batch.set(len(step.seq_ids))
             mode = "speculative" if max(step.draft_nodes, default=0) > 0 else "autoregressive"
             self.steps.inc(tags={"mode": mode})
+            if mode == "speculative":
+                verified = sum(step.draft_nodes) + len(step.seq_ids)
+                self.verified.observe(verified)
+                self.accepted.observe(sum(step.accepted_lengths))
+                self.padding.observe(1 - verified / max(1, step.num_nodes * len(step.seq_ids)))
             for name, ms in (("draft", step.draft_ms), ("tree_search", step.tree_search_ms),
                              ("verify", step.verify_ms), ("step", step.step_ms)):
                 self.phase.observe(ms, tags={"phase": name})

@@ -61,3 +61,33 @@ def test_the_engines_grpc_client_is_a_tree_search_client():
     assert isinstance(client, TreeSearchClient)
     assert client.wait_resolved(10) and resolved == [1]
     client.close()
+
+
+def test_step_metrics_record_the_verification_budget(monkeypatch):
+    """The engine replica's Prometheus hooks: per speculative step the verified tokens, the tokens
+    emitted and the padding share of the tree layout; autoregressive steps add none of these."""
+    import types
+
+    from dart_core.engine import StepOutput
+    from deployments import engine as engine_module
+
+    class Metric:
+        def __init__(self, name, **kw):
+            self.name, self.seen = name, []
+
+        def observe(self, value, tags=None):
+            self.seen.append(value)
+
+        def inc(self, value=1, tags=None):
+            self.seen.append(value)
+
+        def set(self, value):
+            self.seen.append(value)
+
+    monkeypatch.setattr(engine_module, "metrics", types.SimpleNamespace(Counter=Metric, Histogram=Metric,
+                                                                        Gauge=Metric))
+    m = engine_module._Metrics()
+    spec = StepOutput([0, 1], [[5], [6, 7]], [None, None], [1, 2], [0, 3], 4, 1.0, 1.0, 1.0, 4.0)
+    m.on_step(spec, prefill=False)
+    m.on_step(StepOutput([0, 1], [[5], [6]], [None, None], [1, 1], [0, 0], 1, 0.0, 0.0, 1.0, 1.0), False)
+    assert m.verified.seen == [5] and m.accepted.seen == [3] and m.padding.seen == [0.375]
