@@ -58,7 +58,7 @@ class _Metrics:
                                           boundaries=[1, 2, 4, 8, 16, 32, 64, 128, 256])
         self.padding = metrics.Histogram("dart_padding_share", description="share of a speculative step's padded "
                                          "tree layout (sequences x largest tree) that holds no node",
-                                         boundaries=[0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
+                                         boundaries=[0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
         self.queue = metrics.Gauge("dart_queue_length", description="requests waiting to join the batch")
         self.wait = metrics.Histogram("dart_queue_wait_ms", description="time from arrival to joining the batch",
                                       boundaries=_MS_BUCKETS)
