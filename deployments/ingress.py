@@ -473,7 +473,10 @@ class OpenAIIngress:
                 max_tokens=request.max_tokens or None, temperature=request.temperature, top_p=request.top_p or 1.0,
                 top_k=request.top_k, seed=request.seed if request.HasField("seed") else None,
                 stop=tuple(request.stop),
-                speculative=request.speculative if request.HasField("speculative") else True)
+                speculative=request.speculative if request.HasField("speculative") else True,
+                ignore_eos=request.ignore_eos, stop_token_ids=tuple(request.stop_token_ids),
+                skip_special_tokens=request.skip_special_tokens if request.HasField("skip_special_tokens") else True,
+                include_stop_str_in_output=request.include_stop_str_in_output, min_tokens=request.min_tokens)
             stream, first = await self._start(gen)
         except (InvalidRequest, APIError) as e:  # the code set on the context is what the client gets
             busy = isinstance(e, APIError) and e.status == 503

@@ -242,6 +242,13 @@ def test_grpc_generate_and_stream(app, reference):
         with pytest.raises(grpc.RpcError) as e:  # the proto says: exactly one of them
             stub.Generate(both, metadata=meta, timeout=60)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not both" in e.value.details()
+        # vLLM's extensions, as over HTTP
+        fixed = stub.Generate(dart_pb2.GenerateRequest(prompt="hi", max_tokens=4, ignore_eos=True, min_tokens=4),
+                              metadata=meta, timeout=60)
+        assert fixed.completion_tokens == 4 and fixed.finish_reason == "length"
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Generate(dart_pb2.GenerateRequest(prompt="hi", max_tokens=4, min_tokens=2), metadata=meta, timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_tokens" in e.value.details()
 
 
 def test_concurrent_streams_are_batched_and_exact(app, reference):
