@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy import stats
 
-from dart_core.budget import AdaptiveBudget, VerifyCostCurve
+from dart_core.budget import AdaptiveBudget, SpeculationGate, VerifyCostCurve
 from dart_core.draft_head import DartDraftHead, DraftHeadConfig
 from dart_core.engine import DartEngine
 from dart_core.sampling import SamplingParams, target_probs
@@ -335,8 +335,6 @@ class DepthRecordingSearch(InProcessTreeSearch):
 def test_the_draft_goes_no_deeper_than_the_trees_can():
     """A fixed budget of n nodes drafts min(n, max_depth, d) levels; an adaptive budget drafts one level
     past the trees it keeps.  Output stays exact."""
-    from dart_core.budget import AdaptiveBudget, VerifyCostCurve
-
     target = tiny_target("llama", seed=3)
     prompts = prompts_of(np.random.default_rng(3), [5, 8])
     sp = SamplingParams(max_new_tokens=12)
@@ -444,23 +442,24 @@ def test_lookup_steps_sample_the_target_distribution():
     _assert_columns_follow(draws, p2, p3)
 
 
+class _RecordingGate(SpeculationGate):
+    """A speculation gate that records whether each step it was shown was measured (typical)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def observe(self, batch, speculative, tokens, step_ms, typical=True):
+        self.seen.append(typical)
+        super().observe(batch, speculative, tokens, step_ms, typical)
+
+
 def test_the_gate_measures_lookup_steps_whatever_is_pending():
     """Lookup steps leave the draft head's inputs pending (it catches up at the next tree step); the
     speculation gate still measures them, and only the catch-up draft is left unmeasured."""
-    from dart_core.budget import SpeculationGate
-
-    class Recording(SpeculationGate):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def observe(self, batch, speculative, tokens, step_ms, typical=True):
-            self.seen.append(typical)
-            super().observe(batch, speculative, tokens, step_ms, typical)
-
     target = tiny_target("llama")
     prompt = prompts_of(np.random.default_rng(7), [8])
-    gate = Recording()
+    gate = _RecordingGate()
     engine = DartEngine(target, random_head(target), InProcessTreeSearch(None),
                         SearchParams(top_k=4, beam_width=2, budget=16, context_weight=1.0), budget=_AlwaysLookup(12),
                         gate=gate, context_order=3)
@@ -499,20 +498,9 @@ def test_a_step_reads_device_tensors_at_most_twice(batch):
 
 def test_a_step_that_captures_a_cuda_graph_is_not_measured_by_the_gate():
     """A graph capture (tens of ms) is no measure of its mode: the engine marks the step atypical."""
-    from dart_core.budget import SpeculationGate
-
-    class Recording(SpeculationGate):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def observe(self, batch, speculative, tokens, step_ms, typical=True):
-            self.seen.append(typical)
-            super().observe(batch, speculative, tokens, step_ms, typical)
-
     target = tiny_target("llama")
     prompt = prompts_of(np.random.default_rng(3), [8])
-    gate = Recording()
+    gate = _RecordingGate()
     engine = DartEngine(target, random_head(target), InProcessTreeSearch(None),
                         SearchParams(top_k=4, beam_width=2, budget=8), gate=gate)
     real_step, calls = engine._step, []
@@ -532,8 +520,6 @@ def test_a_step_that_captures_a_cuda_graph_is_not_measured_by_the_gate():
 def test_packed_verification_is_lossless_and_skips_padding():
     """With the adaptive budget on a packed CPU target, nodes compete across the batch, trees of
     different sizes are verified with only their real rows computed, and greedy output stays exact."""
-    from dart_core.budget import AdaptiveBudget, VerifyCostCurve
-
     target = tiny_target("llama", seed=4)
     if not target.packed:
         pytest.skip("this PyTorch cannot pack linear layers (no oneDNN)")
