@@ -361,7 +361,7 @@ class ContinuousBatcher:
     def _publish(self, step: StepOutput, by_seq: dict[int, _Request]) -> None:
         prefill = not any(step.accepted_lengths)
         if not prefill:
-            self.steps["speculative" if max(step.draft_nodes, default=0) > 0 else "autoregressive"] += 1
+            self.steps["speculative" if step.speculated else "autoregressive"] += 1
         logprobs = step.logprobs or [None] * len(step.seq_ids)
         for sid, toks, reason, lp, acc_len, nodes in zip(step.seq_ids, step.new_tokens, step.finish_reasons,
                                                          logprobs, step.accepted_lengths, step.draft_nodes):

@@ -231,15 +231,7 @@ class AdaptiveBudget:
         """
         if packed and len(trees) > 1:
             return self._select_packed(trees)
-        orders, probs = [], []
-        for i, tree in enumerate(trees):
-            if tree.num_nodes <= 1:
-                orders.append(np.zeros(0, dtype=np.int64))
-                probs.append(np.zeros(0))
-            else:
-                orders.append(_rank_order(tree))
-                probs.append(np.minimum(node_acceptance_estimates(tree)[orders[-1]]
-                                        * self.calibration, 1.0))
+        orders, probs = self._ranked(trees)
         b = len(trees)
         sizes = np.array([len(o) for o in orders], dtype=np.int64)
         max_n = int(sizes.max()) if b else 0
@@ -255,14 +247,30 @@ class AdaptiveBudget:
         padded = 1 + np.minimum(sizes[:, None], counts[None, :]).max(axis=0)  # nodes per tree, root included
         rate = expected / (self.overhead_ms + self.curve(b * padded))
         n = int(counts[int(np.argmax(rate))])  # ties: the smallest tree
+        return self._keep_best(trees, orders, probs, [min(n, len(o)) for o in orders])
+
+    def _ranked(self, trees: list[DraftTree]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Per tree, its draft nodes in the search's rank order and their calibrated acceptance
+        estimates in that order (≤ 1; both empty for a root-only tree)."""
+        orders, probs = [], []
+        for tree in trees:
+            order = _rank_order(tree) if tree.num_nodes > 1 else np.zeros(0, dtype=np.int64)
+            orders.append(order)
+            probs.append(np.minimum(node_acceptance_estimates(tree)[order] * self.calibration, 1.0)
+                         if len(order) else np.zeros(0))
+        return orders, probs
+
+    def _keep_best(self, trees: list[DraftTree], orders: list[np.ndarray], probs: list[np.ndarray],
+                   keep_counts) -> tuple[list[DraftTree], list[float]]:
+        """Each tree cut to its root and its ``keep_counts[i]`` best nodes (prefix-closed: rank
+        order), with the predicted accepted nodes of what it keeps; notes the deepest kept node."""
         out, predicted = [], []
-        for i, (tree, order) in enumerate(zip(trees, orders)):
-            k = min(n, len(order))
+        for tree, order, p, k in zip(trees, orders, probs, keep_counts):
             keep = np.zeros(tree.num_nodes, dtype=bool)
             keep[0] = True
             keep[order[:k]] = True
             out.append(tree.select(keep))
-            predicted.append(float(cum[i, k]))
+            predicted.append(float(np.cumsum(p[:k])[-1]) if k else 0.0)
         if out:
             self._kept_depths.append(max(int(t.depths.max()) for t in out))
         return out, predicted
@@ -270,17 +278,11 @@ class AdaptiveBudget:
     def _select_packed(self, trees: list[DraftTree]) -> tuple[list[DraftTree], list[float]]:
         """One budget of nodes for the whole batch, priced by real nodes (see :meth:`select_batch`)."""
         b = len(trees)
-        orders, probs, owner, rank, value = [], [], [], [], []
-        for i, tree in enumerate(trees):
-            order = _rank_order(tree) if tree.num_nodes > 1 else np.zeros(0, dtype=np.int64)
-            p = np.minimum(node_acceptance_estimates(tree)[order] * self.calibration, 1.0) if len(order) \
-                else np.zeros(0)
-            orders.append(order)
-            probs.append(p)
-            owner.append(np.full(len(p), i))
-            rank.append(np.arange(len(p)))
-            value.append(np.minimum.accumulate(p) if len(p) else p)
-        owner_a, rank_a, value_a = np.concatenate(owner), np.concatenate(rank), np.concatenate(value)
+        orders, probs = self._ranked(trees)
+        # values capped along each tree's rank order, so every prefix of the merged order is prefix-closed
+        value_a = np.concatenate([np.minimum.accumulate(p) if len(p) else p for p in probs])
+        owner_a = np.concatenate([np.full(len(p), i) for i, p in enumerate(probs)])
+        rank_a = np.concatenate([np.arange(len(p)) for p in probs])
         merged = np.lexsort((owner_a, rank_a, -value_a))  # value high to low, then rank, then sequence
         gains = np.concatenate(probs)[merged]  # probs, owner_a, rank_a, value_a: one (sequence, rank) order
         total = len(merged)
@@ -288,17 +290,7 @@ class AdaptiveBudget:
         expected = b + np.concatenate([[0.0], np.cumsum(gains)])[counts]
         rate = expected / (self.overhead_ms + self.curve(b + counts))
         t = int(counts[int(np.argmax(rate))])  # ties: the fewest nodes
-        keep_counts = np.bincount(owner_a[merged[:t]], minlength=b)
-        out, predicted = [], []
-        for i, (tree, order) in enumerate(zip(trees, orders)):
-            k = int(keep_counts[i])
-            keep = np.zeros(tree.num_nodes, dtype=bool)
-            keep[0] = True
-            keep[order[:k]] = True
-            out.append(tree.select(keep))
-            predicted.append(float(probs[i][:k].sum()))
-        self._kept_depths.append(max(int(tr.depths.max()) for tr in out))
-        return out, predicted
+        return self._keep_best(trees, orders, probs, np.bincount(owner_a[merged[:t]], minlength=b).tolist())
 
     def observe(self, predicted: float, accepted: int, overhead_ms: float) -> None:
         """Feeds back one sequence-step: predicted vs accepted draft nodes, and the step's draft+search time."""

@@ -63,6 +63,21 @@ class StepOutput:
     catch_up: bool = False  # the draft caught up on more positions than one step can accept (a new prompt, or
     # autoregressive or lookup steps since the last draft): not a typical step, left out of step-time averages
 
+    @property
+    def speculated(self) -> bool:
+        """Whether this step verified draft nodes (False: autoregressive, or a prefill)."""
+        return max(self.draft_nodes, default=0) > 0
+
+    @property
+    def verified_tokens(self) -> int:
+        """Query tokens this step verified, all sequences: draft nodes plus one root each."""
+        return sum(self.draft_nodes) + len(self.seq_ids)
+
+    @property
+    def padded_tokens(self) -> int:
+        """Positions of the padded tree layout the step verified: sequences × ``num_nodes``."""
+        return self.num_nodes * len(self.seq_ids)
+
 
 @dataclass(frozen=True)
 class TokenLogprobs:

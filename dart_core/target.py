@@ -198,12 +198,11 @@ class PackedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         real = _REAL_ROWS.get()
-        if real is not None and real[1] == rows.shape[0]:  # only the real rows (see real_rows)
-            y = torch.ops.mkldnn._linear_pointwise(rows.index_select(0, real[0]), self.packed_weight, self.bias,
-                                                   "none", [], "")
-            return y.new_zeros(rows.shape[0], self.out_features).index_copy_(0, real[0], y).view(
-                *x.shape[:-1], self.out_features)
-        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+        sel = real[0] if real is not None and real[1] == rows.shape[0] else None  # only these rows (real_rows)
+        y = torch.ops.mkldnn._linear_pointwise(rows if sel is None else rows.index_select(0, sel),
+                                               self.packed_weight, self.bias, "none", [], "")
+        if sel is not None:
+            y = y.new_zeros(rows.shape[0], self.out_features).index_copy_(0, sel, y)
         return y.view(*x.shape[:-1], self.out_features)
 
 

@@ -72,13 +72,12 @@ class _Metrics:
         self.tokens.inc(sum(len(t) for t in step.new_tokens))
         if not prefill:
             self.batch.set(len(step.seq_ids))
-            mode = "speculative" if max(step.draft_nodes, default=0) > 0 else "autoregressive"
+            mode = "speculative" if step.speculated else "autoregressive"
             self.steps.inc(tags={"mode": mode})
             if mode == "speculative":
-                verified = sum(step.draft_nodes) + len(step.seq_ids)
-                self.verified.observe(verified)
+                self.verified.observe(step.verified_tokens)
                 self.accepted.observe(sum(step.accepted_lengths))
-                self.padding.observe(1 - verified / max(1, step.num_nodes * len(step.seq_ids)))
+                self.padding.observe(1 - step.verified_tokens / max(1, step.padded_tokens))
             for name, ms in (("draft", step.draft_ms), ("tree_search", step.tree_search_ms),
                              ("verify", step.verify_ms), ("step", step.step_ms)):
                 self.phase.observe(ms, tags={"phase": name})

@@ -63,7 +63,8 @@ class BatchingConfig:
 
 
 class StepTally:
-    """A batcher observer that counts a level's decoding steps (see the module docstring)."""
+    """A batcher observer (the hooks of :class:`dart_core.batcher.BatcherObserver`, duck-typed so this module
+    imports no torch) that counts a level's decoding steps (see the module docstring)."""
 
     def __init__(self) -> None:
         self.reset()
@@ -81,10 +82,10 @@ class StepTally:
         if prefill or not step.seq_ids:
             return
         self.steps += 1
-        if max(step.draft_nodes, default=0) > 0:
+        if step.speculated:
             self.speculative += 1
-            self.verified += sum(step.draft_nodes) + len(step.seq_ids)
-            self.layout += step.num_nodes * len(step.seq_ids)
+            self.verified += step.verified_tokens
+            self.layout += step.padded_tokens
             self.accepted += sum(step.accepted_lengths)
 
     def summary(self) -> dict:
