@@ -186,7 +186,7 @@ class DartEngine:
         self.budget = budget
         self.gate = gate
         # one verification budget pooled across the batch, verified without computing padding
-        # (packed_verification); off by default: not yet measured faster (BENCHMARKS.md, batching)
+        # (packed_verification); off by default: not measured faster yet (bench/results/pooled_budget)
         self.pooled_budget = False
         self.context_window = context_window
         self.context_order = context_order
