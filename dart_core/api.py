@@ -40,7 +40,7 @@ from ngram_service.tree_search import SearchParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DartModel", "Completion", "GenerateOutput", "StreamChunk", "SHIPPED_HEADS"]
+__all__ = ["DartModel", "Completion", "GenerateOutput", "StreamChunk", "SHIPPED_HEADS", "default_weights"]
 
 Message = dict  # {"role": ..., "content": ...}
 Prompt = Union[str, Sequence[int], Sequence[Message]]
@@ -92,6 +92,22 @@ def default_draft_dtype(target: TargetModel) -> torch.dtype:
     return target.dtype
 
 
+def default_weights(model: str | None = None, *, dtype: torch.dtype | None = None, device: str | None = None,
+                    device_map=None) -> str:
+    """``DartModel.from_pretrained``'s ``weights="auto"``: ``"gguf-native"`` for a GGUF model (the
+    embedded default included) loaded on the CPU with float32 (or default) dtype and no
+    ``device_map``, where PyTorch has the CPU int4 kernel; ``"dense"`` otherwise.  The 4-bit
+    target decodes faster than the float32 one on the AVX2-only CPU measured, autoregressively and
+    with DART (BENCHMARKS.md, "GGUF-native target (CPU)")."""
+    from dart_core.quant import can_int4
+    from dart_core.tokenizer import resolve_model
+
+    on_cpu = torch.device(device or "cpu").type == "cpu"
+    if not on_cpu or device_map is not None or dtype not in (None, torch.float32) or not can_int4():
+        return "dense"
+    return "gguf-native" if resolve_model(model).gguf_file else "dense"
+
+
 def _alias(value, reference_value, name: str, reference_name: str, default):
     """``value``, or the same argument given under the DART reference's name."""
     if reference_value is None:
@@ -116,6 +132,7 @@ class DartModel:
         trie: str | Path | None = "auto",
         *,
         dtype: torch.dtype | None = None,
+        weights: str = "auto",
         draft_dtype: torch.dtype | None = None,
         device: str | None = None,
         device_map=None,
@@ -148,6 +165,9 @@ class DartModel:
                 default trie in the cache when it has been built (``python -m
                 ngram_service.build``); None for the logits-only tree search.
             dtype: the target's; default bfloat16 on CUDA, float32 on CPU.
+            weights: the target's weight format: ``"dense"`` (de-quantised to ``dtype``),
+                ``"gguf-native"`` (a GGUF's 4-bit blocks run as they are, CPU only:
+                :func:`dart_core.quant.quantize_from_gguf`) or ``"auto"``: :func:`default_weights`.
             draft_dtype: the draft head's; default the target's, except bfloat16
                 beside a float32 target on a CPU with native bf16 matrix
                 multiplication (AVX512-BF16 / AMX; figures in the README).  Output is
@@ -182,7 +202,9 @@ class DartModel:
             ReferenceTrieError: a reference n-gram file that is truncated or inconsistent.
             HeadLoadError: the head does not fit the target.
             TokenizerMismatchError: the trie was built with another tokenizer.
-            ValueError: ``cuda_graphs`` off CUDA.
+            ValueError: ``cuda_graphs`` off CUDA; an unknown ``weights``, or "gguf-native" where it
+                does not apply (see :meth:`TargetModel.from_pretrained`).
+            GGUFWeightsError: a GGUF whose 4-bit blocks do not match its de-quantised weights.
         """
         if speculative_config is None:
             speculative_config = SpeculativeConfig(budget=budget, search=search_params or SearchParams(),
@@ -199,7 +221,10 @@ class DartModel:
         dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
         if cuda_graphs and not str(device).startswith("cuda"):
             raise ValueError(f"cuda_graphs needs a CUDA device, not {device}")
-        target = TargetModel.from_pretrained(model, dtype=dtype, device=device, device_map=device_map)
+        if weights == "auto":
+            weights = default_weights(model, dtype=dtype, device=device, device_map=device_map)
+        target = TargetModel.from_pretrained(model, dtype=dtype, device=device, device_map=device_map,
+                                             weights=weights)
         if cuda_graphs:
             target.enable_static_cache()
         name = getattr(target.tokenizer, "dart_model_name", DEFAULT_MODEL)

@@ -106,6 +106,9 @@ def _grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     Shapes: query [B, H, Q, D], key/value [B, H_kv, T, D], attention_mask
     [B, 1, Q, T] additive (the engine's) or boolean; returns ([B, Q, H, D], None).
     """
+    if getattr(module, "dart_row_exact", False) and query.device.type == "cpu" and not dropout \
+            and query.shape[2] <= _ROW_EXACT_QUERY:
+        return _row_exact_attention(query, key, value, attention_mask, scaling), None
     if query.device.type != "cpu" or attention_mask is None or query.shape[2] == 1 or dropout:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
@@ -123,6 +126,37 @@ def _grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     probs = scores.softmax(-1).view(b, h_kv, groups * q, t)
     out = torch.matmul(probs, value).view(b, h, q, d)
     return out.transpose(1, 2).contiguous(), None
+
+
+_ROW_EXACT_QUERY = 256  # row-exact attention up to this many query tokens per call (prefill above: SDPA)
+
+
+def _row_exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
+    """softmax(q·kᵀ + mask)·v accumulated in float64 and rounded once to the query's dtype, so a query
+    row's result does not depend on how many other rows share the call: the matrix kernels' blocking
+    changes with the row count, but their float64 differences are about 2⁻²⁹ of a float32 unit and
+    practically never change the rounded value.  Used where the target's other layers are
+    row-exact too (:class:`~dart_core.quant.Int4Linear`), which round activations to bfloat16:
+    there a float32 attention's last-bit differences between a one-token step and a tree
+    verification grow into different tokens.  Grouped key/value heads are shared without a copy.
+
+    Shapes: query [B, H, Q, D], key/value [B, H_kv, T, D], attention_mask [B, 1, Q, ≥T] additive or
+    boolean (True = attend), or None; returns [B, Q, H, D]."""
+    b, h, q, d = query.shape
+    h_kv, t = key.shape[1], key.shape[2]
+    groups = h // h_kv
+    scale = d ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query.double().reshape(b, h_kv, groups * q, d), key.double().transpose(-1, -2)) * scale
+    scores = scores.view(b, h_kv, groups, q, t)
+    if attention_mask is not None:
+        mask = attention_mask[:, :, :, :t]
+        if not mask.is_floating_point():
+            mask = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device).masked_fill_(~mask, float("-inf"))
+        scores = scores + mask.double()[:, :, None]
+    probs = scores.softmax(-1).view(b, h_kv, groups * q, t)
+    out = torch.matmul(probs, value.double()).view(b, h, q, d).to(query.dtype)
+    return out.transpose(1, 2).contiguous()
 
 
 GROUPED_SDPA = "dart_grouped_sdpa"
@@ -275,9 +309,16 @@ class TargetModel:
             raise ValueError("pack=True needs float32 weights on a CPU and a PyTorch built with oneDNN")
         if pack:
             logger.info("packed %d linear layers for oneDNN", pack_linears(self.model))
-        self.packed = bool(pack)  # forward(rows=...) skips padding rows in the linear layers
+        # forward(rows=...) skips padding rows in the linear layers (PackedLinear, Int4Linear)
+        self.packed = bool(pack) or any(getattr(m, "honours_real_rows", False) for m in self.model.modules())
         if getattr(self.model.config, "_attn_implementation", None) == "sdpa":
             self.model.set_attn_implementation(GROUPED_SDPA)
+        # 4-bit layers round activations to bfloat16: attention must then be row-exact too
+        self.row_exact = any(getattr(m, "row_exact", False) for m in self.model.modules())
+        if self.row_exact:
+            for m in self.model.modules():
+                if hasattr(m, "is_causal") and hasattr(m, "head_dim"):  # attention modules
+                    m.dart_row_exact = True
         self.tokenizer = tokenizer
         self.config = model.config
         # the KV cache argument: `cache` from transformers 5.24 on (`past_key_values` deprecated there)
@@ -306,7 +347,7 @@ class TargetModel:
     @classmethod
     def from_pretrained(cls, spec: str | None = None, *, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu", device_map=None,
-                        pack: bool | None = None) -> "TargetModel":
+                        pack: bool | None = None, weights: str = "dense") -> "TargetModel":
         """Loads a local model (see :func:`dart_core.tokenizer.resolve_model`); never a hub.
 
         Args:
@@ -316,14 +357,27 @@ class TargetModel:
             device_map: passed to transformers/accelerate (e.g. "auto") for models larger than one device.
             pack: see the class; None with a ``device_map`` keeps ``nn.Linear`` (accelerate places
                 the layers and its hooks wrap them).
+            weights: "dense" (the weights de-quantised to ``dtype``) or "gguf-native": a GGUF's
+                Q4_0 / Q4_1 / Q8_0 linear layers run from their own 4-bit blocks on the CPU
+                (:func:`dart_core.quant.quantize_from_gguf`; ``dtype`` float32 for the rest of the
+                model, bfloat16 activations in those layers).
 
         Raises:
-            ValueError: ``pack=True`` together with a ``device_map``.
+            ValueError: ``pack=True`` together with a ``device_map``; "gguf-native" for a source that
+                is not a GGUF, off the CPU, with a ``device_map`` or another dtype than float32.
+            dart_core.quant.GGUFWeightsError: a GGUF whose blocks do not match its de-quantised weights.
         """
         if pack and device_map is not None:
             raise ValueError("pack=True cannot be combined with a device_map: accelerate places and wraps the "
                              "linear layers; load without device_map to pack")
+        if weights not in ("dense", "gguf-native"):
+            raise ValueError(f"weights must be 'dense' or 'gguf-native', not {weights!r}")
         source = resolve_model(spec)
+        if weights == "gguf-native":
+            if not source.gguf_file:
+                raise ValueError(f"weights='gguf-native' needs a .gguf model; {source.folder} has none")
+            if torch.device(device).type != "cpu" or device_map is not None or dtype != torch.float32:
+                raise ValueError("weights='gguf-native' runs on the CPU only, without a device_map, dtype float32")
         logger.info("loading target %s from %s (%s)", source.name, source.folder, dtype)
         cached = converted_cache(source, "model")
         if cached is not None and (cached / "config.json").is_file():
@@ -337,6 +391,12 @@ class TargetModel:
                 save_converted(lambda folder: _save_dequantised(model, folder), cached)
         if device_map is None:
             model = model.to(device)
+        if weights == "gguf-native":
+            from dart_core.quant import quantize_from_gguf
+
+            quantize_from_gguf(model, source.folder / source.gguf_file, cache=converted_cache(source, "int4"))
+            if pack is None:
+                pack = can_pack(model)  # the layers left dense (none in a Q4 GGUF's linear layers)
         return cls(model, load_tokenizer(spec), pack=pack if device_map is None else False)
 
     @property

@@ -63,6 +63,9 @@ class AppConfig(BaseModel):
                                                "for a random head (tests)")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="the target's dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    weights: Literal["auto", "dense", "gguf-native"] = Field(
+        "auto", description='the target\'s weights: "gguf-native" runs a GGUF\'s own 4-bit blocks on the CPU, '
+                            '"dense" de-quantises them to dtype; "auto" = gguf-native for a GGUF on the CPU')
     cuda_graphs: bool = Field(False, description="CUDA only: verify and draft over static KV caches replayed as "
                                                  "CUDA graphs (dart_core.cuda_graphs); refused off CUDA")
     budget: Budget = Field("auto", description='draft nodes per tree: "auto" adapts the tree to the measured '

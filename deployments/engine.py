@@ -121,7 +121,7 @@ class DartEngineDeployment:
         self._ngram = ngram if cfg.ngram.enabled else None
         dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
         # with the service the trie lives on the n-gram node; without it the search is logits-only
-        self.model = DartModel.from_pretrained(cfg.model, head=cfg.head, trie=None, dtype=dtype,
+        self.model = DartModel.from_pretrained(cfg.model, head=cfg.head, trie=None, dtype=dtype, weights=cfg.weights,
                                                speculative_config=cfg.speculative_config())
         self.tree_search = None
         if self._ngram is not None:

@@ -34,16 +34,24 @@ def save_plot(plot: Callable[..., None], path: Path, *args) -> Path | None:
 
 
 def add_engine_arguments(ap, defaults) -> None:
-    """The options that load the engine in process (model, head, trie, budget, dtype, device,
+    """The options that load the engine in process (model, head, trie, budget, dtype, weights, device,
     threads, CUDA graphs), shared by the batching benchmark and the step profile."""
     ap.add_argument("--model", default=defaults.model, help="local model folder or .gguf [embedded SmolLM2-135M-Instruct]")
     ap.add_argument("--head", default=defaults.head, help='draft head folder, or "random" [the shipped head]')
     ap.add_argument("--trie", default=defaults.trie, help='trie file, "auto" (default trie) or "none" (logits-only)')
     ap.add_argument("--budget", default=defaults.budget, help='"auto" or a fixed number of draft nodes')
     ap.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"])
+    add_weights_argument(ap, defaults)
     ap.add_argument("--device", default=defaults.device)
     ap.add_argument("--threads", type=int, default=defaults.threads)
     add_cuda_graphs_argument(ap)
+
+
+def add_weights_argument(ap, defaults) -> None:
+    """``--weights``: the target's weight format (``DartModel.from_pretrained(weights=...)``)."""
+    ap.add_argument("--weights", default=defaults.weights, choices=["auto", "dense", "gguf-native"],
+                    help="the target's weights: a GGUF's own 4-bit blocks (gguf-native, CPU), de-quantised to "
+                         "--dtype (dense), or auto [%(default)s: gguf-native for a GGUF on the CPU]")
 
 
 def add_cuda_graphs_argument(ap) -> None:

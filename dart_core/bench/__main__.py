@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dart_core.bench import add_cuda_graphs_argument, run_cli
+from dart_core.bench import add_cuda_graphs_argument, add_weights_argument, run_cli
 from dart_core.bench.decoding import METHODS, DecodingConfig, markdown_table, run_decoding, save
 
 
@@ -32,6 +32,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--context-weight", type=float, default=d.context_weight,
                     help="κ of dart-context and dart-grpc [the engine's default]")
     ap.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
+    add_weights_argument(ap, d)
     ap.add_argument("--device", default=d.device)
     ap.add_argument("--threads", type=int, default=d.threads)
     add_cuda_graphs_argument(ap)

@@ -56,6 +56,7 @@ class BatchingConfig:
     max_batch_size: int = 16
     max_speculative_batch: int | None = 8
     dtype: str | None = None
+    weights: str = "auto"  # the target's weights: "auto", "dense" or "gguf-native"
     device: str | None = None
     threads: int | None = None  # torch CPU threads (default: torch's)
     cuda_graphs: bool = False  # CUDA: verification and draft replayed as CUDA graphs over static KV caches
@@ -172,8 +173,8 @@ def run_batching(cfg: BatchingConfig, *, progress: bool = True) -> dict:
 
         trie = str(ensure_default_trie(cfg.model, progress=progress))
     model = DartModel.from_pretrained(cfg.model, head=cfg.head, trie=trie, budget=budget,
-                                      dtype=getattr(torch, cfg.dtype) if cfg.dtype else None, device=cfg.device,
-                                      cuda_graphs=cfg.cuda_graphs)
+                                      dtype=getattr(torch, cfg.dtype) if cfg.dtype else None, weights=cfg.weights,
+                                      device=cfg.device, cuda_graphs=cfg.cuda_graphs)
     if not cfg.gate:
         model.engine.gate = None
     model.engine.pooled_budget = cfg.pooled_budget

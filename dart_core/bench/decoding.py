@@ -14,7 +14,15 @@ Methods (all batch 1, same target weights, prompts, max new tokens and temperatu
   (context weight κ, README "Context in the tree"): the engine's default;
 - ``dart-grpc``: ``dart-context`` with the tree search served by
   ``ngram_service`` in its own process over gRPC on loopback (the deployment's
-  path).
+  path);
+- ``dense-autoregressive``: autoregressive decoding of the same model with
+  its weights de-quantised to float32 (when the run's target is GGUF-native;
+  its agreement column is how often the 4-bit target's greedy output equals
+  the float32 one);
+- ``llama-cpp``, ``llama-cpp-lookup``: llama.cpp (``llama-cpp-python``,
+  installed separately) on the same GGUF file and prompt token ids, plain
+  decoding and its prompt-lookup decoding; skipped, with the reason printed,
+  where the package is missing or the model is not a GGUF.
 
 Protocol: one untimed warm-up generation per method, then ``repeats`` passes;
 within a pass every prompt is decoded by every method back to back, the
@@ -46,10 +54,13 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["METHODS", "DART_METHODS", "DecodingConfig", "run_decoding", "hardware", "hardware_line", "markdown_table", "plot_speedup",
+__all__ = ["METHODS", "DEFAULT_METHODS", "LLAMA_CPP_METHODS", "DART_METHODS", "DecodingConfig", "run_decoding", "hardware", "hardware_line", "markdown_table", "plot_speedup",
            "agreement"]
 
-METHODS = ("autoregressive", "hf-generate", "hf-prompt-lookup", "dart-no-ngram", "dart", "dart-context", "dart-grpc")
+METHODS = ("autoregressive", "hf-generate", "hf-prompt-lookup", "dart-no-ngram", "dart", "dart-context", "dart-grpc",
+           "dense-autoregressive", "llama-cpp", "llama-cpp-lookup")
+DEFAULT_METHODS = METHODS[:7]  # the comparison methods that need a second model are asked for by name
+LLAMA_CPP_METHODS = ("llama-cpp", "llama-cpp-lookup")
 DART_METHODS = ("dart-no-ngram", "dart", "dart-context", "dart-grpc")
 _CONTEXT_METHODS = ("dart-context", "dart-grpc")  # the others search without the request's context (κ = 0)
 
@@ -66,12 +77,13 @@ class DecodingConfig:
     max_new_tokens: int = 128
     temperature: float = 0.0
     repeats: int = 3
-    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     budget: str = "auto"  # "auto" (adaptive, as served) or a fixed number of draft nodes
     prompt_lookup_num_tokens: int = 10
     context_weight: float | None = None  # κ of the context methods (default: SearchParams')
     grpc_timeout_ms: float = 1000.0
     dtype: str | None = None  # default: bfloat16 on CUDA, float32 on CPU
+    weights: str = "auto"  # the target's weights: "auto", "dense" or "gguf-native" (DartModel.from_pretrained)
     device: str | None = None
     threads: int | None = None  # torch CPU threads (default: torch's)
     cuda_graphs: bool = False  # CUDA: verification and draft replayed as CUDA graphs over static KV caches
@@ -166,8 +178,15 @@ class _Bench:
         self.trie_path = None if trie in (None, "none", "auto") else str(trie)
         dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
         self.model = DartModel.from_pretrained(cfg.model, head=cfg.head, trie=self.trie_path, budget=budget,
-                                               dtype=dtype, device=cfg.device, cuda_graphs=cfg.cuda_graphs)
+                                               dtype=dtype, weights=cfg.weights, device=cfg.device,
+                                               cuda_graphs=cfg.cuda_graphs)
         self.engine = self.model.engine
+        self.skipped: dict[str, str] = {}  # method -> why it did not run
+        self.dense = self.llama = self.llama_lookup = None
+        if "dense-autoregressive" in cfg.methods:
+            self._load_dense(cfg)
+        if set(LLAMA_CPP_METHODS) & set(cfg.methods):
+            self._load_llama_cpp(cfg)
         # each row measures its method: the speculation gate (which would turn a losing
         # method into autoregressive steps, and is shared by the methods) stays off here;
         # the serving benchmark measures the served engine, gate included
@@ -191,6 +210,41 @@ class _Bench:
                 self.grpc_server.address, timeout_ms=cfg.grpc_timeout_ms,
                 vocab_hash=tokenizer_identity(self.tokenizer)[1])
 
+    def _load_dense(self, cfg: DecodingConfig) -> None:
+        from dart_core.engine import DartEngine
+        from dart_core.target import TargetModel
+
+        if _weights(self.engine.target) == "dense":
+            self.skipped["dense-autoregressive"] = "the run's target is already dense"
+            return
+        target = TargetModel.from_pretrained(cfg.model, device=self.engine.target.device, weights="dense")
+        self.dense = DartEngine(target, None, self.engine.tree_search, search_params=self.engine.search_params)
+
+    def _load_llama_cpp(self, cfg: DecodingConfig) -> None:
+        from dart_core.tokenizer import resolve_model
+
+        source = resolve_model(cfg.model)
+        try:
+            import llama_cpp
+        except ImportError:
+            why = "llama-cpp-python is not installed (pip install llama-cpp-python; it compiles llama.cpp)"
+        else:
+            why = None if source.gguf_file else f"{source.folder} holds no .gguf file"
+        if why is not None:
+            for m in LLAMA_CPP_METHODS:
+                self.skipped[m] = why
+            return
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        path = str(source.folder / source.gguf_file)
+        threads = cfg.threads or torch.get_num_threads()
+        common = dict(model_path=path, n_ctx=4096, n_threads=threads, n_threads_batch=threads, verbose=False,
+                      seed=cfg.seed)
+        self.llama = llama_cpp.Llama(**common) if "llama-cpp" in cfg.methods else None
+        if "llama-cpp-lookup" in cfg.methods:
+            self.llama_lookup = llama_cpp.Llama(**common, draft_model=LlamaPromptLookupDecoding(
+                num_pred_tokens=cfg.prompt_lookup_num_tokens))
+
     def close(self) -> None:
         if self.grpc_server is not None:
             self.searchers["dart-grpc"].close()
@@ -200,6 +254,16 @@ class _Bench:
         cfg = self.cfg
         if method.startswith("hf-"):
             return self._run_hf(method, ids, max_new_tokens, seed)
+        if method in LLAMA_CPP_METHODS:
+            return self._run_llama_cpp(self.llama if method == "llama-cpp" else self.llama_lookup, ids,
+                                       max_new_tokens, seed)
+        if method == "dense-autoregressive":
+            sampling = self.model.sampling_params(max_new_tokens=max_new_tokens, temperature=cfg.temperature,
+                                                  seed=seed)
+            t0 = time.perf_counter()
+            res = self.dense.generate([ids], sampling, speculative=False)
+            return _Run(res.token_ids[0], time.perf_counter() - t0, res.emitted_after_prefill, res.sequence_steps,
+                        res.target_forwards, dict(res.phase_ms))
         sampling = self.model.sampling_params(max_new_tokens=max_new_tokens, temperature=cfg.temperature, seed=seed)
         if method != "autoregressive":
             self.engine.tree_search = self.searchers[method]
@@ -209,6 +273,23 @@ class _Bench:
         seconds = time.perf_counter() - t0
         return _Run(res.token_ids[0], seconds, res.emitted_after_prefill, res.sequence_steps, res.target_forwards,
                     dict(res.phase_ms))
+
+    def _run_llama_cpp(self, llm, ids: list[int], max_new_tokens: int, seed: int) -> _Run:
+        """llama.cpp on the same prompt ids: greedy at T = 0 (else its sampler at the run's
+        temperature, top-k and top-p off), stopping after EOS like the engine; a fresh prefill each
+        time (its KV cache is reset, so a repeated prompt is not served from the cache)."""
+        temperature = self.cfg.temperature
+        eos = llm.token_eos()
+        llm.reset()
+        llm.set_seed(seed)
+        out: list[int] = []
+        t0 = time.perf_counter()
+        for tok in llm.generate(ids, temp=temperature, top_k=0 if temperature > 0 else 1, top_p=1.0, min_p=0.0,
+                                repeat_penalty=1.0, reset=True):
+            out.append(int(tok))  # the end-of-sequence token counts, as in the engine's output
+            if tok == eos or len(out) >= max_new_tokens:
+                break
+        return _Run(out, time.perf_counter() - t0)
 
     def _run_hf(self, method: str, ids: list[int], max_new_tokens: int, seed: int) -> _Run:
         cfg = self.cfg
@@ -250,7 +331,9 @@ def run_decoding(cfg: DecodingConfig, *, progress: bool = True) -> dict:
     bench = _Bench(cfg)
     try:
         prompts = {name: _encoded_prompts(bench, name, cfg.num_prompts) for name in cfg.datasets}
-        methods = list(cfg.methods)
+        for m, why in bench.skipped.items():
+            print(f"skipping {m}: {why}", file=sys.stderr)
+        methods = [m for m in cfg.methods if m not in bench.skipped]
         if "autoregressive" not in methods:
             methods.insert(0, "autoregressive")  # every speedup needs it
         first = next(iter(prompts.values()))[0]
@@ -277,8 +360,19 @@ def run_decoding(cfg: DecodingConfig, *, progress: bool = True) -> dict:
     target = bench.engine.target
     return {"config": asdict(cfg), "hardware": hardware(target.device), "device": str(target.device),
             "dtype": str(target.dtype).replace("torch.", ""), "trie": bench.trie_path,
+            "weights": _weights(target), "skipped": bench.skipped,
             "prompts": {d: len(p) for d, p in prompts.items()}, "rows": rows,
             "seconds": round(time.perf_counter() - started, 1)}
+
+
+def _weights(target) -> str:
+    """The target's weight format, for the report: "gguf-native (210× Q4_1, 1× Q8_0)" or "dense"."""
+    from dart_core.quant import Int4Linear
+
+    kinds = [m.gguf_type for m in target.model.modules() if isinstance(m, Int4Linear)]
+    if not kinds:
+        return "dense"
+    return "gguf-native (" + ", ".join(f"{kinds.count(k)}× {k}" for k in sorted(set(kinds))) + ")"
 
 
 def _encoded_prompts(bench: _Bench, name: str, limit: int) -> list[list[int]]:
@@ -314,7 +408,7 @@ def _aggregate(runs, prompts, methods, cfg: DecodingConfig, grpc_fallbacks: int)
                    "speedup": round(statistics.median(t / a for t, a in zip(tps, ar_tps)), 3),
                    "speedup_per_pass": [round(t / a, 3) for t, a in zip(tps, ar_tps)],
                    "tau": None, "ms_per_step": None, "lossless": None}
-            if not m.startswith("hf-"):
+            if not m.startswith(("hf-", "llama-cpp")):
                 steps = sum(r.sequence_steps for r in flat)
                 fwd = sum(r.target_forwards for r in flat)
                 row["tau"] = round(sum(r.emitted_after_prefill for r in flat) / max(steps, 1), 3)
@@ -360,11 +454,14 @@ def _fmt(x, spec: str = "") -> str:
 def markdown_table(result: dict) -> str:
     """The results as a Markdown table (one row per dataset and method)."""
     cfg = result["config"]
+    weights = result.get("weights", "dense")
     lines = [f"T = {cfg['temperature']}, {cfg['max_new_tokens']} new tokens, batch 1, budget {cfg['budget']}, "
-             f"{result['device']} {result['dtype']}, median of {cfg['repeats']} passes",
-             "",
-             "| dataset | method | τ | tokens/s | speedup | draft ms | tree ms | verify ms | step ms | lossless |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+             f"{result['device']} {result['dtype']}" + ("" if weights == "dense" else f", weights {weights}")
+             + f", median of {cfg['repeats']} passes", ""]
+    skipped = [f"Skipped {m}: {why}." for m, why in result.get("skipped", {}).items()]
+    lines += skipped + ([""] if skipped else [])
+    lines += ["| dataset | method | τ | tokens/s | speedup | draft ms | tree ms | verify ms | step ms | lossless |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|:---:|"]
     for r in result["rows"]:
         ms = r["ms_per_step"] or {}
         lossless = "n/a (T > 0)" if r["lossless"] is None else ("yes" if r["lossless"] else "**NO**")

@@ -59,6 +59,7 @@ class StepProfileConfig:
     budget: str = "auto"
     modes: list[str] = field(default_factory=lambda: list(MODES))
     dtype: str | None = None  # default: bfloat16 on CUDA, float32 on CPU
+    weights: str = "auto"  # the target's weights: "auto", "dense" or "gguf-native"
     device: str | None = None
     threads: int | None = None
     cuda_graphs: bool = False  # CUDA: verification and draft replayed as CUDA graphs over static KV caches
@@ -91,11 +92,12 @@ def measure_bandwidth(device, mib: int = 1024, repeats: int = 5) -> float:
 
 def weight_bytes(module) -> int:
     """Bytes of weights one forward of ``module`` (a Hugging Face causal LM) reads: its parameters,
-    shared ones once, plus the weights of packed CPU linears (:class:`~dart_core.target.PackedLinear`,
-    which are not parameters), less the input embedding, which a forward only gathers rows of,
+    shared ones once, plus the weights of packed CPU linears (:class:`~dart_core.target.PackedLinear`
+    and :class:`~dart_core.quant.Int4Linear`, which are not parameters), less the input embedding, which a forward only gathers rows of,
     unless that same tensor is the output projection (tied and not packed)."""
     import torch
 
+    from dart_core.quant import Int4Linear
     from dart_core.target import PackedLinear
 
     seen, total = set(), 0
@@ -104,6 +106,8 @@ def weight_bytes(module) -> int:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
     total += sum(m.in_features * m.out_features * 4 for m in module.modules() if isinstance(m, PackedLinear))
+    total += sum(b.numel() * b.element_size() for m in module.modules() if isinstance(m, Int4Linear)
+                 for b in m.buffers(recurse=False))  # 4-bit codes, scales and zeros
     if hasattr(module, "get_input_embeddings"):
         emb = module.get_input_embeddings().weight
         out = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
@@ -257,8 +261,7 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
     budget = cfg.budget if cfg.budget == "auto" else int(cfg.budget)
     model = DartModel.from_pretrained(cfg.model, head=cfg.head, trie=trie, budget=budget, dtype=dtype,
-                                      device=cfg.device,
-                                      cuda_graphs=cfg.cuda_graphs)
+                                      weights=cfg.weights, device=cfg.device, cuda_graphs=cfg.cuda_graphs)
     device = model.engine.target.device
     weights = weight_bytes(model.engine.target.model)
     bandwidth = measure_bandwidth(device, cfg.copy_mib)

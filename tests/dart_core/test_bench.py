@@ -33,7 +33,7 @@ def test_decoding_benchmark_runs_every_method_losslessly(tiny_model_dir, default
                                   num_prompts=3, max_new_tokens=12, repeats=2, budget="6")
     result = decoding.run_decoding(cfg, progress=False)
     rows = {r["method"]: r for r in result["rows"]}
-    assert set(rows) == set(decoding.METHODS)
+    assert set(rows) == set(decoding.DEFAULT_METHODS) and not result["skipped"]
     assert all(r["lossless"] is True for r in rows.values())  # HF baselines and all DART variants
     assert all(r["agreement"] == {"prompts_equal": 3, "prompts": 3, "prefix": 1.0} for r in rows.values())
     assert rows["autoregressive"]["speedup"] == 1.0 and rows["autoregressive"]["tau"] == 1.0
@@ -46,6 +46,35 @@ def test_decoding_benchmark_runs_every_method_losslessly(tiny_model_dir, default
     assert "| dart-grpc |" in table and "**NO**" not in table
     assert json.loads(paths["json"].read_text())["rows"] == result["rows"]
     assert paths["png"].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_comparison_methods_are_skipped_with_a_reason_where_they_do_not_apply(tiny_model_dir, prompts_file):
+    cfg = decoding.DecodingConfig(model=tiny_model_dir, head=None, trie="none", datasets=[prompts_file],
+                                  num_prompts=1, max_new_tokens=4, repeats=1,
+                                  methods=["autoregressive", "dense-autoregressive", "llama-cpp", "llama-cpp-lookup"])
+    result = decoding.run_decoding(cfg, progress=False)
+    assert [r["method"] for r in result["rows"]] == ["autoregressive"] and result["weights"] == "dense"
+    assert result["skipped"]["dense-autoregressive"] == "the run's target is already dense"
+    assert "no .gguf file" in result["skipped"]["llama-cpp"] or "pip install" in result["skipped"]["llama-cpp"]
+    assert "Skipped llama-cpp-lookup: " in decoding.markdown_table(result)
+
+
+@pytest.mark.slow
+def test_the_4bit_target_is_compared_with_its_float32_weights_and_llama_cpp(prompts_file):
+    """SmolLM2's GGUF: the run's target is GGUF-native; the float32 model and llama.cpp (where
+    llama-cpp-python is installed; skipped with the install command otherwise) decode the same prompts."""
+    import importlib.util
+
+    cfg = decoding.DecodingConfig(head=None, trie="none", datasets=[prompts_file], num_prompts=1, max_new_tokens=6,
+                                  repeats=1, methods=["autoregressive", "dense-autoregressive", "llama-cpp"])
+    result = decoding.run_decoding(cfg, progress=False)
+    rows = {r["method"]: r for r in result["rows"]}
+    assert result["weights"] == "gguf-native (210× Q4_1, 1× Q8_0)"
+    assert rows["dense-autoregressive"]["tokens"] > 0 and rows["dense-autoregressive"]["agreement"]["prompts"] == 1
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert "pip install llama-cpp-python" in result["skipped"]["llama-cpp"]
+    else:
+        assert rows["llama-cpp"]["tokens"] > 0 and rows["llama-cpp"]["tau"] is None
 
 
 def test_agreement_counts_equal_outputs_and_the_prefix_before_a_difference():
@@ -329,6 +358,40 @@ def test_the_gpu_section_is_rendered_from_the_results_files(tmp_path):
     assert "**fp32-graphs, CUDA graphs**:" in gpu_report.render_gpu_section(graphs, page)
     with pytest.raises(FileNotFoundError, match="decoding"):
         gpu_report.render_gpu_section(tmp_path, page)
+
+
+def test_the_gguf_native_section_gives_each_method_against_llama_cpp(tmp_path):
+    from dart_core.bench import cpu_report
+
+    def row(method, tps, per_pass, tau=None):
+        return {"dataset": "mt-bench", "method": method, "prompts": 8, "tokens": 1024, "tokens_per_s": tps,
+                "speedup": per_pass[1], "speedup_per_pass": per_pass, "tau": tau, "ms_per_step": None,
+                "lossless": True, "agreement": {"prompts_equal": 8, "prompts": 8, "prefix": 1.0}}
+
+    result = {"config": {"datasets": ["mt-bench"], "num_prompts": 8, "max_new_tokens": 128, "repeats": 3,
+                         "budget": "auto", "temperature": 0.0},
+              "hardware": {"cpu": "AMD EPYC", "cpu_count": 2, "python": "3.11", "torch": "2.13.0", "threads": 2},
+              "device": "cpu", "dtype": "float32", "weights": "gguf-native (210× Q4_1, 1× Q8_0)", "seconds": 60.0,
+              "skipped": {}, "rows": [row("autoregressive", 16.0, [1.0, 1.0, 1.0], 1.0),
+                                      row("llama-cpp", 50.0, [3.0, 3.2, 3.4]),
+                                      row("dart-context", 24.0, [1.5, 1.6, 1.4], 1.9)]}
+    folder = tmp_path / "results"
+    folder.mkdir()
+    (folder / "decoding-avx2.json").write_text(json.dumps(result))
+    (folder / "commands.md").write_text("python -m dart_core.bench ...")
+    page = tmp_path / "BENCHMARKS.md"
+    page.write_text("# Benchmarks\n\nhand-written\n")
+    cpu_report.write_cpu_section(folder, page)
+    text = page.read_text()
+    assert "hand-written" in text and "## GGUF-native target (CPU)" in text and text.count(cpu_report.START) == 1
+    assert decoding.markdown_table(result) in text and "python -m dart_core.bench ..." in text
+    # per pass 1/3, 1/3.2, 1/3.4 and 1.5/3, 1.6/3.2, 1.4/3.4: medians 0.31 and 0.50
+    assert "| mt-bench (8) | autoregressive | 16.0 | 0.31× |" in text
+    assert "| mt-bench (8) | dart-context | 24.0 | 0.50× |" in text
+    cpu_report.write_cpu_section(folder, page)
+    assert page.read_text() == text  # re-rendered in place
+    with pytest.raises(FileNotFoundError, match="decoding"):
+        cpu_report.render_cpu_section(tmp_path, page)
 
 
 def test_the_gpu_section_gives_the_median_of_repeated_runs_and_the_attention_probe(tmp_path):

@@ -13,6 +13,7 @@ import torch
 from dart_core.draft_head import DartDraftHead, DraftHeadConfig
 from dart_core.engine import DartEngine
 from dart_core.sampling import SamplingParams
+from dart_core.target import TargetModel
 from ngram_service.client import InProcessTreeSearch
 from ngram_service.build import build_trie_from_texts
 from ngram_service.corpus import cpython_stdlib_sources
@@ -114,3 +115,26 @@ def test_gguf_special_tokens_come_from_the_file():
     assert gguf_special_tokens(tok, source.folder / source.gguf_file) == {"eos": 2}
     assert tok.eos_token_id == 2
     assert gguf_special_tokens(tok, source.folder / source.gguf_file) == {}
+
+
+def test_greedy_dart_is_exact_on_the_gguf_native_4bit_target():
+    """The served default on a CPU: the GGUF's own Q4_1 / Q8_0 blocks (bfloat16 activations). A batch of
+    3 with a random head and the requests' own context, then the repeated span alone (trees of up to
+    60 nodes accepted deeply): every token equals the 4-bit target's autoregressive output."""
+    from dart_core.quant import Int4Linear
+
+    target = TargetModel.from_pretrained(weights="gguf-native")
+    kinds = [m.gguf_type for m in target.model.modules() if isinstance(m, Int4Linear)]
+    assert kinds.count("Q4_1") == 7 * target.config.num_hidden_layers and kinds.count("Q8_0") == 1
+    assert target.row_exact and target.packed
+    head = DartDraftHead(DraftHeadConfig.for_target(target.config))
+    head.reset_parameters(0)
+    span = chat(target, "Repeat the following text exactly, with nothing before or after it:\n\n" + SPAN)
+    prompts = [chat(target, p) for p in PROMPTS[:2]] + [span]
+    sp = SamplingParams(max_new_tokens=32)
+    ar = DartEngine(target).generate(prompts, sp, speculative=False)
+    for budget, batch in ((16, prompts), (60, [span])):
+        dart = DartEngine(target, head.eval(), InProcessTreeSearch(None),
+                          SearchParams(budget=budget, context_weight=1.0)).generate(batch, sp)
+        assert dart.token_ids == ar.token_ids[-len(batch):]
+        assert dart.tau > (1.1 if len(batch) > 1 else 5.0)  # the span's context chain was accepted

@@ -373,9 +373,14 @@ def test_api_key_and_full_queue(app):
         serve.delete("guarded")
 
 
-def test_smollm2_app_serves_the_targets_greedy_text(app, smollm2):
+def test_smollm2_app_serves_the_targets_greedy_text(app):
     """The embedded default model behind the same app (second application on the
-    cluster, random head so every step drafts and verifies a tree)."""
+    cluster, random head so every step drafts and verifies a tree): on a CPU it serves
+    the GGUF's own 4-bit weights (``weights: auto``), and the text equals that target's
+    autoregressive greedy text."""
+    from dart_core.engine import DartEngine
+    from dart_core.sampling import SamplingParams
+    from dart_core.target import TargetModel
     from deployments.app import build_app
 
     serve.run(build_app({"head": "random", "budget": 4, "ngram": {"enabled": False}}), name="smol",
@@ -385,10 +390,12 @@ def test_smollm2_app_serves_the_targets_greedy_text(app, smollm2):
 
         c = OpenAI(base_url=f"{HTTP}/smol/v1", api_key="unused", max_retries=0)
         msgs = [{"role": "user", "content": "Give me three tips for writing clear technical documentation."}]
-        ids = smollm2.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt",
-                                                    return_dict=True)
-        ref = smollm2.model.generate(**ids, max_new_tokens=48, do_sample=False)
-        want = smollm2.tokenizer.decode(ref[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+        target = TargetModel.from_pretrained(weights="gguf-native")
+        ids = list(target.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=True)["input_ids"])
+        sp = SamplingParams.stopping_at(target.tokenizer.eos_token_id, max_new_tokens=48)
+        ref = DartEngine(target).generate([ids], sp, speculative=False)
+        want = target.tokenizer.decode(ref.token_ids[0], skip_special_tokens=True)
         out = c.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=48, temperature=0)
         assert out.choices[0].message.content == want
         streamed = c.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=48,

@@ -1,0 +1,331 @@
+"""GGUF-native low-bit weights for the target model on a CPU.
+
+A GGUF such as the embedded SmolLM2-135M-Instruct (Q4_1 layers, a Q8_0
+token embedding tied to the output layer) is loaded by transformers as
+de-quantised float32 weights, so every forward streams 4 bytes per weight.
+Here each linear layer is rebuilt from the GGUF's own blocks as PyTorch's
+CPU int4 weight-only layout (``torch.ops.aten._convert_weight_to_int4pack_for_cpu``
+and ``_weight_int4pack_mm_for_cpu``, group size 32): about 0.6 bytes per weight.
+
+How the GGUF block types map onto that kernel, whose weight for 4-bit code
+``q`` of group ``g`` is ``(q - 8) · scale[g] + zero[g]``:
+
+- Q4_0 (``w = d · (q - 8)``): scale ``d``, zero 0.
+- Q4_1 (``w = d · q + m``): scale ``d``, zero ``m + 8d``.
+- Q8_0 (``w = d · q``, q an int8): two 4-bit parts, the high and the low
+  nibble of ``q + 128``: scale ``16d``, zero ``8d`` (high) plus scale
+  ``d``, zero 0 (low). The output layer of a tied GGUF is Q8_0.
+
+The codes are the GGUF's, never re-quantised. The kernel takes its scales
+and zeros in the activation dtype: with float32 activations the weights
+equal the GGUF's de-quantised values (to float32 rounding of ``m + 8d``);
+with bfloat16 activations scales and zeros are rounded to bfloat16, and
+every linear layer's input and output too. The activation dtype is
+bfloat16 by default, the one the kernel is fast with
+(:func:`default_compute_dtype`); figures in BENCHMARKS.md, "GGUF-native
+target (CPU)".
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dart_core.target import _REAL_ROWS
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GGUFWeightsError", "Int4Linear", "int4_parts", "quantize_from_gguf", "can_int4", "default_compute_dtype",
+           "GROUP_SIZE"]
+
+GROUP_SIZE = 32  # the GGUF block length of Q4_0, Q4_1 and Q8_0, and the kernel's group size
+
+
+class GGUFWeightsError(ValueError):
+    """A GGUF tensor that cannot become GGUF-native weights: an unsupported block type, a corrupt or
+    truncated block array, or blocks whose de-quantised values are not the loaded model's weights."""
+
+
+def can_int4() -> bool:
+    """True where PyTorch has the CPU int4 weight-only pair of operators used by :class:`Int4Linear`."""
+    return hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu") and \
+        hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def default_compute_dtype() -> torch.dtype:
+    """bfloat16. On the AVX2-only CPU measured (torch 2.13, SmolLM2's layer shapes, one input row)
+    PyTorch's CPU int4 kernel took about 10x longer with float32 activations and longer still
+    with float16 ones; bfloat16 is the dtype it is built around on AVX-512 CPUs too."""
+    return torch.bfloat16
+
+
+def _f16(raw: np.ndarray, at: int) -> np.ndarray:
+    return np.ascontiguousarray(raw[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def int4_parts(raw: np.ndarray, type_name: str, shape: tuple[int, int]
+               ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """GGUF blocks of one [N, K] weight -> the kernel's 4-bit parts (their weights sum to the tensor).
+
+    Args:
+        raw: uint8, the tensor's bytes (any shape with N · K/32 · block-bytes elements).
+        type_name: "Q4_0", "Q4_1" or "Q8_0" (ggml block layouts: fp16 scale ``d``, Q4_1's fp16
+            minimum ``m``, then 16 bytes of two 4-bit codes each, low nibbles the first 16 weights,
+            or 32 int8 codes).
+        shape: (N, K) = (out_features, in_features), K a multiple of 32.
+
+    Returns:
+        A list of (codes int32 [N, K] in 0..15, scale float32 [N, K/32], zero float32 [N, K/32]).
+
+    Raises:
+        GGUFWeightsError: another type, K not a multiple of 32, or a byte count that does not match.
+    """
+    n, k = shape
+    sizes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+    if type_name not in sizes:
+        raise GGUFWeightsError(f"block type {type_name} has no 4-bit layout here (supported: {', '.join(sizes)})")
+    if k % GROUP_SIZE:
+        raise GGUFWeightsError(f"in_features {k} is not a multiple of the block length {GROUP_SIZE}")
+    size = sizes[type_name]
+    if raw.dtype != np.uint8 or raw.size != n * (k // GROUP_SIZE) * size:
+        raise GGUFWeightsError(f"a {type_name} [{n}, {k}] tensor needs {n * (k // GROUP_SIZE) * size} bytes, "
+                               f"the file holds {raw.size} ({raw.dtype})")
+    blocks = raw.reshape(n, k // GROUP_SIZE, size)
+    d = _f16(blocks, 0)  # [N, K/32]
+    if type_name == "Q8_0":
+        u = blocks[..., 2:].view(np.int8).astype(np.int32) + 128  # [N, K/32, 32] in 0..255
+        high, low = (u >> 4).reshape(n, k), (u & 15).reshape(n, k)
+        return [(high, 16 * d, 8 * d), (low, d, np.zeros_like(d))]
+    qs = blocks[..., size - 16:]
+    codes = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int32).reshape(n, k)
+    if type_name == "Q4_0":
+        return [(codes, d, np.zeros_like(d))]
+    return [(codes, d, _f16(blocks, 2) + 8 * d)]
+
+
+class Int4Linear(torch.nn.Module):
+    """A bias-free linear layer whose weight is one or more 4-bit parts in PyTorch's CPU int4
+    layout, applied by ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (group size 32).
+
+    Shapes: x [..., in_features] (any float dtype; cast to ``compute_dtype`` for the kernel and
+    back) → [..., out_features]. A row's result does not depend on the other rows of the call,
+    so a verification forward computes each position as a one-token forward does. Honours
+    :func:`dart_core.target.real_rows` like :class:`~dart_core.target.PackedLinear`.
+    ``weight`` gives the de-quantised weight (float32 [out, in]) for code that reads it; the
+    packed tensors are buffers, not parameters: for inference only.
+
+    Raises:
+        GGUFWeightsError: parts of different shapes, or sizes the kernel refuses.
+    """
+
+    honours_real_rows = True
+    row_exact = True  # a row's result does not depend on the other rows (TargetModel.row_exact)
+
+    def __init__(self, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+                 compute_dtype: torch.dtype = torch.bfloat16, gguf_type: str | None = None) -> None:
+        super().__init__()
+        self.gguf_type = gguf_type  # the GGUF block type the parts came from (for reports)
+        self.out_features, self.in_features = parts[0][0].shape
+        self.compute_dtype = compute_dtype
+        self.n_parts = len(parts)
+        for i, (codes, scale, zero) in enumerate(parts):
+            if codes.shape != (self.out_features, self.in_features):
+                raise GGUFWeightsError(f"part {i} is {codes.shape}, part 0 {parts[0][0].shape}")
+            try:
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(codes), 2)
+            except RuntimeError as e:
+                raise GGUFWeightsError(f"the int4 kernel refuses a [{self.out_features}, {self.in_features}] "
+                                       f"weight: {e}") from e
+            sz = torch.from_numpy(np.stack([scale, zero], axis=-1)).transpose(0, 1).contiguous()  # [K/32, N, 2]
+            self.register_buffer(f"packed_{i}", packed, persistent=False)
+            self.register_buffer(f"scales_zeros_{i}", sz.to(compute_dtype), persistent=False)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, gguf_type={self.gguf_type}, "
+                f"parts={self.n_parts}, compute_dtype={self.compute_dtype}")
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        y = None
+        for i in range(self.n_parts):
+            part = torch.ops.aten._weight_int4pack_mm_for_cpu(x, getattr(self, f"packed_{i}"), GROUP_SIZE,
+                                                               getattr(self, f"scales_zeros_{i}"))
+            y = part if y is None else y.add_(part)
+        return y
+
+    @property
+    def weight(self) -> torch.Tensor:
+        eye = torch.eye(self.in_features, dtype=self.compute_dtype)
+        return self._mm(eye).t().float().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        real = _REAL_ROWS.get()
+        sel = real[0] if real is not None and real[1] == rows.shape[0] else None  # only these rows (real_rows)
+        y = self._mm((rows if sel is None else rows.index_select(0, sel)).to(self.compute_dtype)).to(x.dtype)
+        if sel is not None:
+            y = y.new_zeros(rows.shape[0], self.out_features).index_copy_(0, sel, y)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def _row_order(weight: np.ndarray, values: np.ndarray, name: str) -> np.ndarray | None:
+    """The row permutation p with weight[i] == values[p[i]] (None: identity), e.g. the rotary
+    re-ordering of q/k rows that llama.cpp's converter applies and transformers undoes.
+
+    Raises:
+        GGUFWeightsError: some row of ``weight`` is no row of ``values``."""
+    if weight.shape != values.shape:
+        raise GGUFWeightsError(f"{name}: the GGUF tensor is {values.shape}, the model's weight {weight.shape}")
+    if np.array_equal(weight, values):
+        return None
+    index = {row.tobytes(): j for j, row in enumerate(values)}
+    try:
+        return np.array([index[row.tobytes()] for row in weight], dtype=np.int64)
+    except KeyError:
+        raise GGUFWeightsError(f"{name}: the GGUF blocks do not de-quantise to the loaded model's weights "
+                               "(another file, or a corrupt one)") from None
+
+
+def quantize_from_gguf(model: torch.nn.Module, gguf_path: str | Path, compute_dtype: torch.dtype | None = None,
+                       cache: Path | None = None) -> dict[str, str]:
+    """Replaces (in place) each ``nn.Linear`` of a GGUF-loaded Hugging Face model whose GGUF tensor is
+    Q4_0, Q4_1 or Q8_0 by an :class:`Int4Linear` built from that tensor's blocks.
+
+    The model must hold the GGUF's de-quantised weights (as transformers loads them); each layer's
+    blocks are checked to de-quantise to exactly its weight (rows matched, so a converter's row
+    re-ordering is followed). An output layer tied to the input embeddings takes the embedding
+    tensor's blocks; the embedding itself keeps its de-quantised table (a lookup streams one row).
+    Layers of other types (F16, F32, K-quants) stay as they are.
+
+    Args:
+        model: e.g. ``LlamaForCausalLM`` on the CPU, float32 weights.
+        gguf_path: the file the model was loaded from.
+        compute_dtype: the kernel's activation dtype; None: :func:`default_compute_dtype`.
+        cache: a folder for the checked 4-bit parts (``int4.safetensors``): read when present
+            (reading the GGUF's metadata and checking every layer takes seconds), else written
+            after the check. A cache that cannot be read is logged and rebuilt.
+
+    Returns:
+        {module name: GGUF block type} of the layers replaced.
+
+    Raises:
+        GGUFWeightsError: the file is unreadable or corrupt, or its blocks do not match the model.
+        RuntimeError: this PyTorch lacks the CPU int4 operators (:func:`can_int4`).
+    """
+    if not can_int4():
+        raise RuntimeError("this PyTorch has no CPU int4 weight-only kernel (_weight_int4pack_mm_for_cpu)")
+    compute_dtype = compute_dtype or default_compute_dtype()
+    layers = _load_parts(cache / _CACHE_FILE) if cache is not None and (cache / _CACHE_FILE).is_file() else None
+    if layers is None:
+        layers = _gguf_parts(model, gguf_path)
+        if cache is not None:
+            from ngram_service.cache import save_converted
+
+            save_converted(lambda folder: _save_parts(layers, folder / _CACHE_FILE), cache)
+    for full, (kind, parts) in layers.items():
+        module_name, _, child_name = full.rpartition(".")
+        parent = model.get_submodule(module_name) if module_name else model
+        child = getattr(parent, child_name, None)
+        if type(child) is not torch.nn.Linear or tuple(child.weight.shape) != parts[0][0].shape:
+            raise GGUFWeightsError(f"{full}: the model has no linear layer of shape {parts[0][0].shape} there")
+        setattr(parent, child_name, Int4Linear(parts, compute_dtype, kind))
+    logger.info("GGUF-native weights: %d linear layers (%s), activations %s", len(layers),
+                ", ".join(f"{n}× {t}" for t, n in _counts(k for k, _ in layers.values())), compute_dtype)
+    return {name: kind for name, (kind, _) in layers.items()}
+
+
+_CACHE_FILE = "int4.safetensors"
+_Parts = "list[tuple[np.ndarray, np.ndarray, np.ndarray]]"
+
+
+def _gguf_parts(model: torch.nn.Module, gguf_path: str | Path) -> dict[str, tuple[str, _Parts]]:
+    """{module name: (GGUF type, 4-bit parts in the model's row order)} of the linear layers that have
+    Q4_0 / Q4_1 / Q8_0 blocks in the file, each checked against the model's weight."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+    except (ValueError, OSError, IndexError, KeyError) as e:
+        raise GGUFWeightsError(f"{gguf_path}: not a readable GGUF file ({e})") from e
+    tensors = {t.name: t for t in reader.tensors}
+    arch_field = reader.fields.get("general.architecture")
+    arch_name = bytes(arch_field.parts[-1]).decode() if arch_field is not None else "llama"
+    arch = next((a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name), None)
+    if arch is None:
+        raise GGUFWeightsError(f"{gguf_path}: unknown architecture {arch_name!r}")
+    names = gguf.get_tensor_name_map(arch, model.config.num_hidden_layers)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    out: dict[str, tuple[str, _Parts]] = {}
+    for full, child in model.named_modules():
+        if type(child) is not torch.nn.Linear or child.bias is not None:
+            continue
+        base = names.get_name(full)
+        tensor = tensors.get(f"{base}.weight") if base else None
+        if tensor is None and tied and child is model.get_output_embeddings():
+            tensor = tensors.get(f"{names.get_name('model.embed_tokens') or 'token_embd'}.weight")
+        if tensor is None or tensor.tensor_type.name not in ("Q4_0", "Q4_1", "Q8_0"):
+            continue
+        weight = child.weight.detach().float().numpy()
+        raw = np.asarray(tensor.data)
+        parts = int4_parts(raw, tensor.tensor_type.name, tuple(weight.shape))
+        values = sum(((c - 8) * np.repeat(s, GROUP_SIZE, 1) + np.repeat(z, GROUP_SIZE, 1)
+                      for c, s, z in parts), np.zeros(weight.shape, np.float32))
+        expected = gguf.quants.dequantize(raw, tensor.tensor_type).reshape(weight.shape)
+        # the parts' values reproduce the GGUF's de-quantisation (to float32 rounding of the zero)
+        if not np.allclose(values, expected, rtol=1e-6, atol=1e-6):
+            raise GGUFWeightsError(f"{tensor.name}: the 4-bit parts do not reproduce its values")
+        order = _row_order(weight, expected, tensor.name)
+        if order is not None:
+            parts = [(c[order], s[order], z[order]) for c, s, z in parts]
+        out[full] = (tensor.tensor_type.name, parts)
+    return out
+
+
+def _save_parts(layers: dict[str, tuple[str, _Parts]], path: Path) -> None:
+    """The parts as safetensors: codes two per byte (low nibble first), scales and zeros float32."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    tensors, kinds = {}, {}
+    for name, (kind, parts) in layers.items():
+        kinds[name] = [kind, len(parts)]
+        for i, (codes, scale, zero) in enumerate(parts):
+            tensors[f"{name}.{i}.codes"] = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+            tensors[f"{name}.{i}.scale"], tensors[f"{name}.{i}.zero"] = scale, zero
+    save_file(tensors, str(path), metadata={"format": "dart-serve-int4-v1", "layers": json.dumps(kinds)})
+
+
+def _load_parts(path: Path) -> dict[str, tuple[str, _Parts]] | None:
+    """What :func:`_save_parts` wrote; None (logged) for a file that cannot be read as that."""
+    import json
+
+    from safetensors import safe_open
+
+    try:
+        out = {}
+        with safe_open(str(path), framework="numpy") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != "dart-serve-int4-v1":
+                raise ValueError(f"format {meta.get('format')!r}")
+            for name, (kind, n) in json.loads(meta["layers"]).items():
+                parts = []
+                for i in range(n):
+                    packed = f.get_tensor(f"{name}.{i}.codes")
+                    codes = np.empty((packed.shape[0], packed.shape[1] * 2), np.int32)
+                    codes[:, 0::2], codes[:, 1::2] = packed & 15, packed >> 4
+                    parts.append((codes, f.get_tensor(f"{name}.{i}.scale"), f.get_tensor(f"{name}.{i}.zero")))
+                out[name] = (kind, parts)
+        return out
+    except Exception as e:  # noqa: BLE001 - a damaged cache is rebuilt from the GGUF
+        logger.warning("ignoring the 4-bit cache %s (%s); converting the GGUF again", path, e)
+        return None
+
+
+def _counts(items) -> list[tuple[str, int]]:
+    out: dict[str, int] = {}
+    for x in items:
+        out[x] = out.get(x, 0) + 1
+    return sorted(out.items())

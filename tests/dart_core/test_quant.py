@@ -1,0 +1,214 @@
+"""GGUF-native 4-bit weights: GGUF blocks -> PyTorch's CPU int4 layout -> the same de-quantised values,
+on a tiny GGUF written here; a verification forward computes each row as a one-row forward does, so
+greedy DART on the 4-bit target equals its autoregressive output."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dart_core.engine import DartEngine
+from dart_core.sampling import SamplingParams
+from dart_core.target import TargetModel
+
+from .conftest import VOCAB, OracleTreeSearch, tiny_config
+from .test_engine import prompts_of, random_head
+
+gguf = pytest.importorskip("gguf")
+from dart_core.quant import GGUFWeightsError, Int4Linear, can_int4, int4_parts, quantize_from_gguf  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not can_int4(), reason="this PyTorch has no CPU int4 kernel")
+
+Q = gguf.GGMLQuantizationType
+
+
+def _blocks(values: np.ndarray, qtype) -> np.ndarray:
+    return gguf.quants.quantize(values.astype(np.float32), qtype)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_parts_reproduce_the_gguf_values(qtype):
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(48, 96)).astype(np.float32) * rng.uniform(0.01, 3, size=(48, 1)).astype(np.float32)
+    raw = _blocks(w, Q[qtype])
+    expected = gguf.quants.dequantize(raw, Q[qtype])
+    parts = int4_parts(raw, qtype, w.shape)
+    assert len(parts) == (2 if qtype == "Q8_0" else 1)
+    assert all(c.min() >= 0 and c.max() <= 15 for c, _, _ in parts)
+    values = sum((c - 8) * np.repeat(s, 32, 1) + np.repeat(z, 32, 1) for c, s, z in parts)
+    np.testing.assert_allclose(values, expected, rtol=1e-6, atol=1e-7)
+    # through the kernel: float32 activations see the GGUF's values, bfloat16 ones their rounding
+    exact = Int4Linear(parts, torch.float32, qtype)
+    np.testing.assert_allclose(exact.weight.numpy(), expected, rtol=1e-5, atol=1e-6)
+    x = torch.from_numpy(rng.normal(size=(5, 96)).astype(np.float32))
+    np.testing.assert_allclose(exact(x).numpy(), x.numpy() @ expected.T, rtol=1e-4, atol=1e-4)
+    fast = Int4Linear(parts, torch.bfloat16, qtype)
+    assert fast(x).dtype == torch.float32
+    rel = (fast.weight - torch.from_numpy(expected)).abs().max() / np.abs(expected).max()
+    assert rel < 2 ** -6  # scales and zeros rounded to bfloat16
+
+
+def test_a_row_does_not_depend_on_the_other_rows():
+    """What makes tree verification exact on the 4-bit target: the kernel computes each input row alike
+    whatever the number of rows in the call (1 for an autoregressive step, n for a tree)."""
+    rng = np.random.default_rng(1)
+    raw = _blocks(rng.normal(size=(160, 128)), Q.Q4_1)
+    layer = Int4Linear(int4_parts(raw, "Q4_1", (160, 128)))
+    x = torch.from_numpy(rng.normal(size=(19, 128)).astype(np.float32))
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(19)])
+    for m in (2, 3, 4, 5, 8, 16, 19):
+        assert torch.equal(layer(x[:m]), alone[:m]), m
+
+
+def test_bad_blocks_raise_named_errors():
+    raw = _blocks(np.ones((4, 64)), Q.Q4_1)
+    with pytest.raises(GGUFWeightsError, match="needs 160 bytes"):
+        int4_parts(raw[:, :-1], "Q4_1", (4, 64))
+    with pytest.raises(GGUFWeightsError, match="no 4-bit layout"):
+        int4_parts(raw, "Q5_K", (4, 64))
+    with pytest.raises(GGUFWeightsError, match="multiple of the block length"):
+        int4_parts(raw, "Q4_1", (5, 48))
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter's q/k row order (transformers undoes it on load)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def tiny_gguf_model(path, tied: bool = True, seed: int = 0, **config_overrides):
+    """A tiny Llama written as a GGUF (Q4_1 linear layers, a Q8_0 token embedding tied to the output, or
+    a Q4_0 output), and the model holding the file's de-quantised weights, as transformers loads it."""
+    config = tiny_config("llama")
+    config.tie_word_embeddings = tied
+    for k, v in config_overrides.items():
+        setattr(config, k, v)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+
+    def put(name: str, param: torch.Tensor, qtype, scale: float = 1.0) -> None:
+        w = param.detach().numpy() * scale
+        head = next((n for k, n in heads.items() if name.endswith(k)), None)
+        stored = _permute(w, head) if head else w
+        raw = _blocks(stored, qtype)
+        writer.add_tensor(f"{names.get_name(name)}.weight", raw, raw_dtype=qtype)
+        values = gguf.quants.dequantize(raw, qtype)
+        with torch.no_grad():
+            param.copy_(torch.from_numpy(_unpermute(values, head) if head else values))
+
+    put("model.embed_tokens", model.model.embed_tokens.weight, Q.Q8_0, scale=8.0)
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            put(name, module.weight, Q.Q4_1)
+    if not tied:
+        put("lm_head", model.lm_head.weight, Q.Q4_0, scale=8.0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_conversion_from_a_gguf_file_keeps_every_layer_value(tmp_path, tied):
+    model = tiny_gguf_model(tmp_path / "tiny.gguf", tied=tied)
+    before = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    replaced = quantize_from_gguf(model, tmp_path / "tiny.gguf", compute_dtype=torch.float32)
+    layers = model.config.num_hidden_layers
+    assert len(replaced) == 7 * layers + 1 and replaced["lm_head"] == ("Q8_0" if tied else "Q4_0")
+    assert sum(v == "Q4_1" for v in replaced.values()) == 7 * layers
+    for name, weight in before.items():
+        layer = model.get_submodule(name)
+        assert isinstance(layer, Int4Linear)
+        torch.testing.assert_close(layer.weight, weight, rtol=1e-5, atol=1e-6)  # q/k rows in the model's order
+
+
+def test_blocks_of_another_model_are_refused(tmp_path):
+    tiny_gguf_model(tmp_path / "a.gguf", seed=0)
+    other = tiny_gguf_model(tmp_path / "b.gguf", seed=1)
+    with pytest.raises(GGUFWeightsError, match="do not de-quantise to the loaded model's weights"):
+        quantize_from_gguf(other, tmp_path / "a.gguf")
+    (tmp_path / "c.gguf").write_bytes(b"GGUF\x03\x00\x00\x00garbage")
+    with pytest.raises(GGUFWeightsError, match="not a readable GGUF"):
+        quantize_from_gguf(other, tmp_path / "c.gguf")
+
+
+def test_greedy_dart_on_the_4bit_target_equals_its_autoregressive_output(tmp_path):
+    model = tiny_gguf_model(tmp_path / "tiny.gguf")
+    quantize_from_gguf(model, tmp_path / "tiny.gguf")  # bfloat16 activations, as served
+    target = TargetModel(model)
+    assert target.packed  # verification computes only the real rows
+    rng = np.random.default_rng(3)
+    prompts = prompts_of(rng, [5, 9, 2])
+    sp = SamplingParams(max_new_tokens=32)
+    ar = DartEngine(target).generate(prompts, sp, speculative=False)
+    truth = [p + o for p, o in zip(prompts, ar.token_ids)]
+    dart = DartEngine(target, random_head(target), OracleTreeSearch(truth, depth=6, seed=1)).generate(prompts, sp)
+    assert dart.token_ids == ar.token_ids
+    assert dart.tau > 1.5  # the oracle's drafts were accepted, so trees of several rows were verified
+    assert all(0 <= t < VOCAB for out in ar.token_ids for t in out)
+
+
+def test_gguf_native_needs_a_gguf(tiny_model_dir):
+    with pytest.raises(ValueError, match="needs a .gguf model"):
+        TargetModel.from_pretrained(tiny_model_dir, weights="gguf-native")
+    with pytest.raises(ValueError, match="'dense' or 'gguf-native'"):
+        TargetModel.from_pretrained(tiny_model_dir, weights="int4")
+
+
+def test_a_verification_forward_computes_each_position_as_one_token_steps_do(tmp_path):
+    """Bit for bit: the 4-bit layers round activations to bfloat16, so attention must be row-exact as
+    well (TargetModel.row_exact), or last-bit differences grow into different logits."""
+    from dart_core.kv_cache import cache_mask
+    from dart_core.target import TargetCache
+
+    # SmolLM2's head size (64): float32 attention then differs in the last bits between row counts
+    model = tiny_gguf_model(tmp_path / "tiny.gguf", seed=2, hidden_size=256, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=64)
+    quantize_from_gguf(model, tmp_path / "tiny.gguf")
+    target = TargetModel(model)
+    assert target.row_exact
+    rng = np.random.default_rng(5)
+    prompt, new = prompts_of(rng, [90])[0], prompts_of(rng, [12])[0]
+
+    def logits(chunks):
+        cache = TargetCache(1, "cpu")
+        target.prefill([prompt], cache)
+        pos, out = len(prompt), []
+        for chunk in chunks:
+            causal = torch.tril(torch.ones(len(chunk), len(chunk), dtype=torch.bool))[None]
+            mask = cache_mask(cache.lengths, cache.padded_length, causal, target.dtype)
+            res = target.forward(torch.tensor([chunk]), torch.arange(pos, pos + len(chunk))[None], mask, cache)
+            cache.lengths += len(chunk)
+            pos += len(chunk)
+            out.append(torch.cat([res.logits[0], res.taps[0]], dim=-1))
+        return torch.cat(out)
+
+    steps = logits([[t] for t in new])
+    assert torch.equal(logits([new]), steps)
+    assert torch.equal(logits([new[:5], new[5:]]), steps)
+
+
+def test_checked_parts_are_cached_and_a_damaged_cache_is_rebuilt(tmp_path, caplog):
+    path, cache = tmp_path / "tiny.gguf", tmp_path / "cache" / "int4"
+    first = tiny_gguf_model(path)
+    kinds = quantize_from_gguf(first, path, cache=cache)
+    assert (cache / "int4.safetensors").is_file()
+    path.write_bytes(b"not read again")  # the second load reads the cache only
+    second = tiny_gguf_model(tmp_path / "again.gguf")
+    assert quantize_from_gguf(second, path, cache=cache) == kinds
+    for name in kinds:
+        x = torch.randn(3, first.get_submodule(name).in_features)
+        assert torch.equal(second.get_submodule(name)(x), first.get_submodule(name)(x))
+    (cache / "int4.safetensors").write_bytes(b"damaged")
+    third = tiny_gguf_model(tmp_path / "third.gguf")
+    assert quantize_from_gguf(third, tmp_path / "third.gguf", cache=cache) == kinds
+    assert "ignoring the 4-bit cache" in caplog.text
