@@ -170,7 +170,7 @@ class DartModel:
                 :func:`dart_core.quant.quantize_from_gguf`) or ``"auto"``: :func:`default_weights`.
             draft_dtype: the draft head's; default the target's, except bfloat16
                 beside a float32 target on a CPU with native bf16 matrix
-                multiplication (AVX512-BF16 / AMX; figures in the README).  Output is
+                multiplication (AVX512-BF16 / AMX; figures in docs/engine.md).  Output is
                 exact either way: the target verifies.
             device: default CUDA when available; ignored with ``device_map``.
             device_map: forwarded to transformers/accelerate for targets larger than one device.

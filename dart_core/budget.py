@@ -31,7 +31,7 @@ so a chain of n tokens is expected to yield 1 + Σ_{j ≤ n} r_m^j tokens
 for ``t_verify(n + 1)`` plus the measured lookup-step overhead.  The engine
 takes a lookup step when that rate, at its best n ≥ 1, reaches
 ``lookup_preference`` × the tokens/ms that its tree steps have measured at the
-same batch size (README, "Context in the tree").
+same batch size (docs/engine.md, "Context in the tree").
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ class VerifyCostCurve:
 
 def node_acceptance_estimates(tree: DraftTree) -> np.ndarray:
     """[N] product of the acceptance estimates along each node's path (root 1), from ``tree.probs``:
-    the head's probability, or on a context chain the chain's evidence q when higher (README,
+    the head's probability, or on a context chain the chain's evidence q when higher (docs/engine.md,
     "Context in the tree"), so every node is priced the same way."""
     est = np.ones(tree.num_nodes)
     probs = tree.probs.astype(np.float64)

@@ -162,7 +162,7 @@ class DartEngine:
         lookup_length: with the context in use and an adaptive budget, a step may verify each
             sequence's context chain alone (up to this many tokens), skipping the draft head and
             the tree search, where the budget expects that to be faster
-            (:meth:`AdaptiveBudget.select_lookup`; README, "Context in the tree"); 0 never does.
+            (:meth:`AdaptiveBudget.select_lookup`; docs/engine.md, "Context in the tree"); 0 never does.
         max_prefill_tokens: sequences that join together are prefilled in groups of at most this
             many padded tokens (rows x longest prompt of the group; a longer prompt goes alone):
             a prefill returns [rows, length, vocabulary] logits and every layer's hidden states,

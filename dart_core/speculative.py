@@ -19,12 +19,12 @@ from ngram_service.tree_search import SearchParams
 
 __all__ = ["SpeculativeConfig", "LOOKUP_PREFERENCE"]
 
-LOOKUP_PREFERENCE = 1.0  # a lookup step when its expected rate reaches the tree steps' measured one (tuning split, README)
+LOOKUP_PREFERENCE = 1.0  # a lookup step when its expected rate reaches the tree steps' measured one (tuning split, docs/engine.md)
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """How the engine speculates (docs/design.md §2; README, "Context in the tree").
+    """How the engine speculates (docs/design.md §2; docs/engine.md, "Context in the tree").
 
     Raises:
         ValueError: a field out of range (the field is named); tree-search fields are checked by

@@ -95,7 +95,7 @@ def _grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     2. For 2 to ``_SMALL_QUERY`` query tokens (a verification step) PyTorch's
        CPU flash-attention kernel is slow at batch > 1; the plain
        softmax(q·kᵀ)·v in two batched matmuls used here is faster for so few
-       queries (the README gives the measured figures) and equal to float32
+       queries (BENCHMARKS.md has the measured figures) and equal to float32
        rounding.  Each query head group shares its key/value head without a
        copy, as ``enable_gqa`` does.
 
@@ -197,7 +197,7 @@ class PackedLinear(torch.nn.Module):
     row but a GEMM that costs about twice as much for 2 to 16 rows, which is
     exactly the range of a verification forward (a draft tree of a few nodes,
     a batch of a few sequences).  Packed, a forward costs about the same for
-    1 to 8 query tokens (figures in the README, "Packed CPU target").
+    1 to 8 query tokens (figures in docs/engine.md, "Packed CPU target").
     Results agree with the dense layer to float32 rounding (SmolLM2 logits
     within 1e-4, same argmax), and a row's result does not depend on the
     other rows of the call.
@@ -293,7 +293,7 @@ class TargetModel:
         pack: replace the model's linear layers (in place) by
             :class:`PackedLinear`; None (default) packs a float32 model on a
             CPU with oneDNN (:func:`can_pack`), where it makes a forward cheaper,
-            most for 2 to 16 query tokens (README, "Packed CPU target").  The model then serves
+            most for 2 to 16 query tokens (docs/engine.md, "Packed CPU target").  The model then serves
             inference only (no gradients through the packed layers).
 
     Raises:

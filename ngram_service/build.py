@@ -135,7 +135,7 @@ def build_trie(
             ``reduce``, each kept n-gram's count also loses the counts of the pruned n-grams
             under it, down to 0 or less (:func:`ngram_service.reference_format.reduce_levels`;
             the file is written through the reference format and the converter, whose rule
-            for such counts is in the README).
+            for such counts is in docs/ngram.md).
         memory_mb: buffer for windows before a sorted run is spilled to disk.
         tmp_dir: where runs and level files go (default: next to ``output``).
         tokenizer_name, vocab_hash: tokenizer identity stored in the header.

@@ -57,7 +57,7 @@ class ContextIndex:
     def probability(self, token: int, extra: Sequence[int] = ()) -> float:
         """q(token | the sequence followed by ``extra``) = (|s| / max_context) · count(s·token) / count(s)
         for the longest suffix s (≤ max_context tokens) with count(s·token) > 0; 0 when none predicts it.
-        The factor |s| / max_context discounts short matches (README, "Context in the tree")."""
+        The factor |s| / max_context discounts short matches (docs/engine.md, "Context in the tree")."""
         return float(self._native.probability(np.asarray(extra, dtype=np.int64).reshape(-1), int(token)))
 
     def continuation(self, max_len: int) -> ContextChain:

@@ -61,7 +61,7 @@ class SearchParams:
     ngram_at_level0: bool = False  # the paper leaves level 0 to the draft head
     use_ngram: bool = True  # False: logits-only search (the fallback)
     num_threads: int = 1  # sequences searched in parallel by one batched call
-    context_weight: float = 0.5  # κ: trust in a context continuation (ContextChain; tuned, README); 0: the paper's search
+    context_weight: float = 0.5  # κ: trust in a context continuation (ContextChain; tuned, docs/engine.md); 0: the paper's search
     _native: object = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

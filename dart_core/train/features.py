@@ -10,7 +10,7 @@ Per sequence position t (all sequences concatenated, ``offsets`` delimits them):
   position quantised symmetrically to int8 with its own scale (absmax / 127).
   1,734 bytes per position instead of 6,912 in float32: on held-out SmolLM2
   sequences the shipped head's top-1 accuracy is the same with these taps as
-  with float32 ones (the README gives the measurement);
+  with float32 ones (docs/training.md gives the measurement);
 - ``teacher_ids.npy`` [N, K] int16 (int32 for draft vocabularies over 32,767)
   and ``teacher_probs.npy`` [N, K] float16: the K most likely tokens of the
   target's distribution at t (the distribution of x_{t+1}), as

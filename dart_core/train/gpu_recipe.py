@@ -26,7 +26,7 @@ through one output folder in files of at most 16 MiB.  So the recipe has four st
 
 ``D`` lives only as long as the machine: the commands of steps 2 and 3 must follow each other
 within the machine's idle time, and when the machine is gone a new one starts from step 2.
-README ("Training the draft head on a GPU") gives the command sequence and what fits in 30 minutes.
+docs/training.md ("Training the draft head on a GPU") gives the command sequence and what fits in 30 minutes.
 """
 
 from __future__ import annotations

@@ -1,0 +1,79 @@
+"""The docs stay true: every relative link in README.md, BENCHMARKS.md and docs/ resolves, every
+``python -m …`` command they name exists and answers ``--help``, and the README's headline table is
+what ``python -m dart_core.bench.headline`` makes from the result files."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", REPO / "BENCHMARKS.md", *sorted((REPO / "docs").glob("*.md"))]
+_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+_COMMAND = re.compile(r"python3? -m ([A-Za-z_][A-Za-z0-9_.]*)")
+_NOT_OURS = {"pytest", "pip"}  # third-party tools named in the commands
+
+
+def _outside_fences(text: str) -> str:
+    return re.sub(r"```.*?```", "", text, flags=re.S)
+
+
+def test_every_relative_link_resolves():
+    broken = []
+    for page in PAGES:
+        for target in _LINK.findall(_outside_fences(page.read_text())):
+            if re.match(r"^(https?:|mailto:|#)", target):
+                continue
+            path = (page.parent / target.split("#", 1)[0]).resolve()
+            if not path.exists():
+                broken.append(f"{page.relative_to(REPO)}: {target}")
+    assert not broken, broken
+
+
+def test_the_readme_is_short_and_links_every_docs_page():
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    for page in (REPO / "docs").glob("*.md"):
+        assert f"(docs/{page.name})" in readme, page.name
+
+
+def _commands() -> list[str]:
+    found = set()
+    for page in PAGES:
+        found |= set(_COMMAND.findall(page.read_text()))
+    return sorted(m.rstrip(".") for m in found if m.split(".")[0] not in _NOT_OURS)
+
+
+def test_every_python_m_command_in_the_docs_answers_help():
+    modules = _commands()
+    assert "dart_core.bench" in modules and "ngram_service.build" in modules
+
+    def help_of(module: str) -> tuple[str, int, str]:
+        res = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,
+                             timeout=300)
+        return module, res.returncode, res.stdout + res.stderr
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        failed = [(m, rc, out[-300:]) for m, rc, out in pool.map(help_of, modules)
+                  if rc != 0 or "usage:" not in out.lower()]
+    assert not failed, failed
+
+
+def test_the_headline_table_is_generated_from_the_result_files(tmp_path):
+    from dart_core.bench import headline
+
+    assert headline.main(["--check"]) == 0
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{headline.START}\n| stale | 9.99× |\n{headline.END}\n\ntail\n")
+    assert headline.main(["--check", "--readme", str(readme)]) == 1
+    assert headline.write_headline(readme) is True
+    text = readme.read_text()
+    assert "9.99" not in text and text.endswith("tail\n") and headline.render_headline() in text
+    with pytest.raises(ValueError, match="no <!-- headline:start -->"):
+        (tmp_path / "bare.md").write_text("# x\n")
+        headline.write_headline(tmp_path / "bare.md")
