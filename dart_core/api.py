@@ -86,7 +86,7 @@ def native_bf16_cpu() -> bool:
 
 def default_draft_dtype(target: TargetModel) -> torch.dtype:
     """The draft head's dtype: the target's, or bfloat16 beside a float32 target on a CPU that
-    multiplies bf16 matrices natively (where a float32 head costs about 2x more per draft)."""
+    multiplies bf16 matrices natively, where a float32 head costs more per draft (docs/engine.md, "Draft dtype")."""
     if target.device.type == "cpu" and target.dtype == torch.float32 and native_bf16_cpu():
         return torch.bfloat16
     return target.dtype
@@ -188,8 +188,9 @@ class DartModel:
                 (:class:`~dart_core.cuda_graphs.StaticVerifier`; the verification cost curve
                 is then measured with the graphs), and draft likewise over a static head KV cache
                 (:class:`~dart_core.cuda_graphs.StaticDrafter`; the environment variable
-                ``DART_DRAFT_GRAPHS=0`` keeps the draft eager, for comparisons).  Off by default
-                until measured on a GPU.
+                ``DART_DRAFT_GRAPHS=0`` keeps the draft eager, for comparisons).  Off by default,
+                since it is refused off CUDA; on a GPU turn it on (BENCHMARKS.md, "GPU", measures
+                both).
             speculative_config: every speculation setting in one object
                 (:class:`~dart_core.speculative.SpeculativeConfig`: budget, tree search, context,
                 lookup steps, gate, prefill grouping, CUDA graphs); instead of ``search_params``,

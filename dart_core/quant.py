@@ -56,9 +56,9 @@ def can_int4() -> bool:
 
 
 def default_compute_dtype() -> torch.dtype:
-    """bfloat16. On the AVX2-only CPU measured (torch 2.13, SmolLM2's layer shapes, one input row)
-    PyTorch's CPU int4 kernel took about 10x longer with float32 activations and longer still
-    with float16 ones; bfloat16 is the dtype it is built around on AVX-512 CPUs too."""
+    """bfloat16: on the AVX2-only CPU measured (torch 2.13, SmolLM2's layer shapes) PyTorch's CPU
+    int4 kernel was many times slower with float32 or float16 activations, and bfloat16 is the
+    dtype it is built around on AVX-512 CPUs too."""
     return torch.bfloat16
 
 
