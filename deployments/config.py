@@ -78,7 +78,7 @@ class AppConfig(BaseModel):
                             description="beam width of the tree search")
     context_weight: float = Field(_DEFAULTS.context_weight, ge=0,
                                   description="κ: how far the draft tree trusts a continuation copied from the "
-                                              "request's own prompt and output (docs/engine.md, "Context in the tree"); "
+                                              "request's own prompt and output (docs/engine.md, 'Context in the tree'); "
                                               "0 = the paper's search, without the request's context")
     speculative: bool = Field(True, description="false = plain autoregressive serving (the baseline)")
     max_batch_size: int = Field(16, ge=1, le=_LIMITS.max_batch,
