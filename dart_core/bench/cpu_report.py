@@ -5,17 +5,15 @@ The folder holds ``decoding-<label>.json`` files of the decoding benchmark
 (:mod:`dart_core.bench.decoding`: the 4-bit target's autoregressive decoding
 and DART, the same model's float32 weights, llama.cpp on the same GGUF),
 optionally ``serving-<label>.json`` files of the serving benchmark against
-``serve run deployments/dart.yaml``, and ``commands.md``, the commands that
-made them. The block between :data:`START` and :data:`END` is replaced (text
+``serve run deployments/dart.yaml``, ``verify_curve.json`` (verification
+cost against query tokens, :mod:`dart_core.bench.verify_curve`) and
+``commands.md``, the commands that made them. The block between :data:`START` and :data:`END` is replaced (text
 outside the markers is kept; appended under its heading when absent).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import sys
 from pathlib import Path
 
 __all__ = ["render_cpu_section", "write_cpu_section", "main", "START", "END"]
@@ -23,10 +21,6 @@ __all__ = ["render_cpu_section", "write_cpu_section", "main", "START", "END"]
 START = "<!-- gguf-native-results:start -->"
 END = "<!-- gguf-native-results:end -->"
 HEADING = "## GGUF-native target (CPU)\n\n"
-
-
-def _load(folder: Path, prefix: str) -> list[tuple[str, dict]]:
-    return [(p.stem.split("-", 1)[1], json.loads(p.read_text())) for p in sorted(folder.glob(f"{prefix}-*.json"))]
 
 
 def ratio_table(result: dict, baseline: str = "llama-cpp") -> str:
@@ -57,13 +51,10 @@ def render_cpu_section(folder: str | Path, page: str | Path) -> str:
         FileNotFoundError: ``folder`` holds no ``decoding-*.json``.
     """
     from dart_core.bench import decoding, serving
+    from dart_core.bench.gpu_report import _load, section_start
 
-    folder, page = Path(folder), Path(page)
-    dec = _load(folder, "decoding")
-    if not dec:
-        raise FileNotFoundError(f"no decoding-*.json in {folder}: nothing to report")
-    rel = os.path.relpath(folder, page.parent)
-    lines = [START, "", f"_Rendered by `python -m dart_core.bench.cpu_report {rel}` from the files in `{rel}/`._", ""]
+    folder = Path(folder)
+    dec, rel, lines = section_start(folder, page, "dart_core.bench.cpu_report", START)
     for label, d in dec:
         c = d["config"]
         lines += [f"### Decoding, {label} (batch 1)", "",
@@ -74,6 +65,17 @@ def render_cpu_section(folder: str | Path, page: str | Path) -> str:
         if any(r["method"] == "llama-cpp" for r in d["rows"]):
             lines += ["Against llama.cpp's plain decoding of the same GGUF in the same passes:", "",
                       ratio_table(d), ""]
+    curve = folder / "verify_curve.json"
+    if curve.is_file():
+        from dart_core.bench import verify_curve
+
+        c = json.loads(curve.read_text())
+        lines += ["### Verification cost against query tokens", "",
+                  f"**CPU**: {decoding.hardware_line(c['hardware'])}. One target forward of n query tokens after a "
+                  "256-token prefix, batch 1, median of "
+                  f"{c['config']['repeats']} passes (`python -m dart_core.bench.verify_curve`): the curve the "
+                  "adaptive budget measures at start-up and prices trees with.", "",
+                  verify_curve.markdown_table(c), ""]
     for label, r in _load(folder, "serving"):
         lines += [f"### Serving, {label} (`serve run deployments/dart.yaml`)", "",
                   f"**CPU**: {decoding.hardware_line(r['hardware'])} ({r['seconds']:.0f} s).", "",
@@ -96,16 +98,9 @@ def write_cpu_section(folder: str | Path, page: str | Path) -> Path:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dart_core.bench.cpu_report", description=__doc__.split("\n\n")[0])
-    ap.add_argument("folder", help="results folder (decoding-*.json, serving-*.json, commands.md)")
-    ap.add_argument("--page", default="BENCHMARKS.md")
-    args = ap.parse_args(argv)
-    try:
-        print(write_cpu_section(args.folder, args.page))
-    except (FileNotFoundError, ValueError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    from dart_core.bench.report import section_main
+
+    return section_main(argv, "python -m dart_core.bench.cpu_report", __doc__.split("\n\n")[0], write_cpu_section)
 
 
 if __name__ == "__main__":

@@ -26,12 +26,10 @@ over them of every method's tokens/s and speed-up.)
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import statistics
-import sys
 from pathlib import Path
 
 __all__ = ["render_gpu_section", "write_gpu_section", "main", "START", "END"]
@@ -91,6 +89,19 @@ def probe_table(probe: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def section_start(folder: Path, page: str | Path, module: str, start: str) -> tuple[list, str, list[str]]:
+    """What a section rendered from a results folder begins with: the folder's decoding runs
+    [(label, result)], the folder's path relative to the page, and the block's first lines.
+
+    Raises:
+        FileNotFoundError: ``folder`` holds no ``decoding-*.json``."""
+    dec = _load(folder, "decoding")
+    if not dec:
+        raise FileNotFoundError(f"no decoding-*.json in {folder}: nothing to report")
+    rel = os.path.relpath(folder, Path(page).parent)
+    return dec, rel, [start, "", f"_Rendered by `python -m {module} {rel}` from the files in `{rel}/`._", ""]
+
+
 def render_gpu_section(folder: str | Path, page: str | Path) -> str:
     """The block between the markers for ``page``, from the files in ``folder``.
 
@@ -99,14 +110,10 @@ def render_gpu_section(folder: str | Path, page: str | Path) -> str:
     """
     from dart_core.bench import decoding, serving, step_profile
 
-    folder, page = Path(folder), Path(page)
-    dec = _load(folder, "decoding")
-    if not dec:
-        raise FileNotFoundError(f"no decoding-*.json in {folder}: nothing to report")
-    rel = os.path.relpath(folder, page.parent)
+    folder = Path(folder)
+    dec, rel, lines = section_start(folder, page, "dart_core.bench.gpu_report", START)
     hw = dec[0][1]["hardware"]
-    lines = [START, "", f"_Rendered by `python -m dart_core.bench.gpu_report {rel}` from the files in `{rel}/`._", "",
-             f"**GPU**: {hw.get('gpu', '?')}. **Host**: {decoding.hardware_line(hw)}.", ""]
+    lines += [f"**GPU**: {hw.get('gpu', '?')}. **Host**: {decoding.hardware_line(hw)}.", ""]
     log = folder / "pytest-gpu.log"
     if log.is_file():
         lines += ["### Correctness", "", "`pytest -m gpu` there (greedy DART equals autoregressive decoding on a "
@@ -170,16 +177,9 @@ def write_gpu_section(folder: str | Path, page: str | Path) -> Path:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dart_core.bench.gpu_report", description=__doc__.split("\n\n")[0])
-    ap.add_argument("folder", help="results folder from the GPU machine")
-    ap.add_argument("--page", default="BENCHMARKS.md")
-    args = ap.parse_args(argv)
-    try:
-        print(write_gpu_section(args.folder, args.page))
-    except (FileNotFoundError, ValueError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    from dart_core.bench.report import section_main
+
+    return section_main(argv, "python -m dart_core.bench.gpu_report", __doc__.split("\n\n")[0], write_gpu_section)
 
 
 if __name__ == "__main__":

@@ -148,6 +148,22 @@ def _write_page(page: Path, block: str, start: str = START, end: str = END, head
     page.write_text(text)
 
 
+def section_main(argv, prog: str, description: str, write) -> int:
+    """The CLI of a page section rendered from a results folder (``gpu_report``, ``cpu_report``):
+    ``FOLDER [--page BENCHMARKS.md]``; ``write(folder, page)`` renders it; 2 with a one-line error
+    for a folder without the files it needs."""
+    ap = argparse.ArgumentParser(prog=prog, description=description)
+    ap.add_argument("folder", help="results folder")
+    ap.add_argument("--page", default="BENCHMARKS.md")
+    args = ap.parse_args(argv)
+    try:
+        print(write(args.folder, args.page))
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dart_core.bench.report", description=__doc__.split("\n\n")[0])
     ap.add_argument("--head", default=None, help="draft head folder [the head shipped for the model]")
