@@ -1,21 +1,26 @@
 """The DART decoding engine: one generator loop, batch-first.
 
-A step for a batch of active sequences (docs/design.md §2):
+A step for a batch of active sequences (docs/design.md §2) has four phases:
 
-1. **draft** — one forward of the draft head over each sequence's newly
-   accepted positions plus d-1 mask slots → top-k per level;
-2. **tree search** — one call to the :class:`TreeSearchClient` for the whole
-   batch → one prefix-closed tree per sequence, rooted at its bonus token;
+1. **propose** — the engine's :class:`~dart_core.drafters.Drafter` gives one
+   tree per sequence: by default one forward of the draft head over each
+   sequence's newly accepted positions (top-k per level) and one call to the
+   :class:`TreeSearchClient` for the whole batch, or a lookup step's context
+   chains (:mod:`dart_core.drafters`);
+2. **select** — the adaptive budget keeps the nodes worth verifying, and no
+   tree reaches past its sequence's token limit; the trees are packed into
+   one :class:`~dart_core.drafters.DraftBatch`;
 3. **verify** — one target forward over all trees (padded to a common node
    count) with tree attention over each sequence's cached prefix;
 4. **accept** — greedy or stochastic acceptance per sequence, then the
    accepted KV entries are compacted and the rest dropped.
 
 Plain autoregressive decoding is the same loop with trees of only the root
-(no draft, no search): the baseline of every benchmark runs the same code.
-:meth:`DartEngine.generate_stream` yields each step's new tokens with its
-statistics; :meth:`DartEngine.generate` drains it.  Sequences have their own
-lengths, trees, acceptance and stop conditions, and leave the batch when done.
+(:class:`~dart_core.drafters.NoDraft`): the baseline of every benchmark runs
+the same code.  :meth:`DartEngine.generate_stream` yields each step's new
+tokens with its statistics; :meth:`DartEngine.generate` drains it.  Sequences
+have their own lengths, trees, acceptance and stop conditions, and leave the
+batch when done.
 """
 
 from __future__ import annotations
@@ -31,13 +36,14 @@ import torch
 from dart_core.budget import AdaptiveBudget, SpeculationGate
 from dart_core.cuda_graphs import StaticDrafter
 from dart_core.draft_head import DartDraftHead
+from dart_core.drafters import DartDrafter, DraftBatch, Drafter, NoDraft, Proposal
 from dart_core.kv_cache import HeadKVCache, cache_mask, compaction_plan_host
 from dart_core.sampling import SamplingParams, target_probs
 from dart_core.target import TargetCache, TargetModel
 from dart_core.verify import Acceptance, accept_greedy, accept_greedy_batch, accept_sampling
 from ngram_service.client import InProcessTreeSearch, TreeSearchClient
 from ngram_service.context import ContextIndex
-from ngram_service.tree_search import ContextChain, DraftTree, SearchParams
+from ngram_service.tree_search import DraftTree, SearchParams
 
 logger = logging.getLogger(__name__)
 
@@ -133,10 +139,6 @@ def _prefill_groups(lengths: list[int], max_tokens: int) -> list[tuple[int, int]
     return groups
 
 
-def _root_only(tokens: list[list[int]]) -> list[DraftTree]:
-    return [DraftTree.from_parents([t[-1]], [-1], [0], [0.0], [1.0]) for t in tokens]
-
-
 class DartEngine:
     """Target model + DART draft head + tree search.
 
@@ -163,6 +165,9 @@ class DartEngine:
             sequence's context chain alone (up to this many tokens), skipping the draft head and
             the tree search, where the budget expects that to be faster
             (:meth:`AdaptiveBudget.select_lookup`; docs/engine.md, "Context in the tree"); 0 never does.
+        drafter: what proposes each step's draft trees (:class:`~dart_core.drafters.Drafter`);
+            None: :class:`~dart_core.drafters.DartDrafter` with a head (lookup steps, or the head
+            plus the tree search), no speculation without one.
         max_prefill_tokens: sequences that join together are prefilled in groups of at most this
             many padded tokens (rows x longest prompt of the group; a longer prompt goes alone):
             a prefill returns [rows, length, vocabulary] logits and every layer's hidden states,
@@ -178,9 +183,11 @@ class DartEngine:
                  tree_search: TreeSearchClient | None = None, search_params: SearchParams | None = None,
                  budget: AdaptiveBudget | None = None, gate: SpeculationGate | None = None,
                  context_window: int = 1 << 16, context_order: int = 4, lookup_length: int = 24,
-                 max_prefill_tokens: int = 8192) -> None:
+                 max_prefill_tokens: int = 8192, drafter: Drafter | None = None) -> None:
         self.target = target
         self.head = head
+        # what proposes each step's trees (dart_core.drafters); None: autoregressive decoding only
+        self.drafter = drafter if drafter is not None else (DartDrafter() if head is not None else None)
         self.tree_search = tree_search or InProcessTreeSearch(None)
         self.search_params = search_params or SearchParams()
         self.budget = budget
@@ -255,7 +262,7 @@ class DartEngine:
             ValueError: empty prompt, token id outside the vocabulary, or a prompt
                 that leaves no room in the target's context.
         """
-        speculative = speculative and self.head is not None
+        speculative = speculative and self.drafter is not None
         prompts = [list(map(int, p)) for p in prompts]
         if isinstance(sampling, (list, tuple)):
             samplings = list(sampling)
@@ -266,7 +273,8 @@ class DartEngine:
         if len(samplings) != len(prompts):
             raise ValueError(f"{len(samplings)} sampling parameters for {len(prompts)} prompts")
         self._check_prompts(prompts)
-        state = _BatchState.empty(speculative)
+        # the draft head's inputs (taps of accepted positions, its KV cache) are kept for drafters that read them
+        state = _BatchState.empty(speculative and self.drafter.uses_taps and self.head is not None)
         next_id = 0
         pending = [NewSequence(p, s) for p, s in zip(prompts, samplings)]
         while True:
@@ -352,24 +360,6 @@ class DartEngine:
         """Whether sequences keep a context index (the head drafts and the search weighs its chains)."""
         return self.head is not None and self.search_params.context_weight > 0
 
-    def _lookup_trees(self, state: "_BatchState") -> tuple[list[DraftTree], list[ContextChain]] | None:
-        """A lookup step's trees (each sequence's context chain, its first n tokens, as one path from
-        its root) and chains, when the budget expects it to beat a tree step; None otherwise
-        (no context in use, no adaptive budget, or the budget prefers a tree)."""
-        if not (self.uses_context and self.budget is not None and self.lookup_length > 0):
-            return None
-        chains = [c.continuation(min(self.lookup_length, self.search_params.budget)) for c in state.context]
-        n = self.budget.select_lookup(chains)
-        if n == 0:
-            return None
-        trees = []
-        for seq, chain in zip(state.tokens, chains):
-            k = min(n, len(chain.tokens))
-            trees.append(DraftTree.from_parents(np.concatenate([[seq[-1]], chain.tokens[:k]]),
-                                                np.arange(-1, k), np.arange(k + 1), np.zeros(k + 1),
-                                                np.concatenate([[1.0], chain.probs[:k]])))
-        return trees, chains
-
     def _new_context(self, prompt: list[int]) -> ContextIndex | None:
         if not self.uses_context:
             return None
@@ -378,52 +368,44 @@ class DartEngine:
         return index
 
     def _step(self, state: "_BatchState", speculative: bool) -> StepOutput:
-        """One draft → tree search → verify → accept step for every running sequence."""
-        target, device = self.target, self.target.device
-        b_size = len(state.seq_ids)
+        """One step for every running sequence: propose → select → verify → accept."""
         t_step = time.perf_counter()
-        draft_ms = search_ms = 0.0
-        catch_up = False
-        lookup = self._lookup_trees(state) if speculative else None
-        if lookup is not None:
-            trees, chains = lookup
-            search_ms = 1e3 * (time.perf_counter() - t_step)
-        elif speculative:
-            t0 = time.perf_counter()
-            width = max(len(x) for x in state.pend_next)  # pending positions per row, known on the host
-            catch_up = width > self.head.config.draft_length + 2  # StepOutput.catch_up
-            topk_ids, topk_probs = self._draft(state.pend_taps[:, :width], state.pend_next, state.pend_pos[:, :width],
-                                               state.pend_count - 1, state.head_cache, self._draft_levels(),
-                                               max(len(t) for t in state.tokens))
-            state.clear_pending()
-            _sync(device)
-            draft_ms = 1e3 * (time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            levels = topk_ids.shape[1]
-            chains = [c.continuation(levels) if c is not None else None for c in state.context] \
-                if self.uses_context else None
-            trees = self.tree_search.search(topk_ids, topk_probs, [np.asarray(t, dtype=np.int64) for t in state.tokens],
-                                            self.search_params, chains)
-            search_ms = 1e3 * (time.perf_counter() - t0)
-            if self.budget is not None:
-                trees, predicted = self.budget.select_batch(trees, packed=self.packed_verification)
-        else:
-            trees = _root_only(state.tokens)
+        proposal = (self.drafter.propose(self, state) if speculative else None) or NoDraft().propose(self, state)
+        draft, predicted = self._select(state, proposal)
+        t_verify = time.perf_counter()
+        cached = state.cache.padded_length  # before the forward appends the trees' entries
+        out = self._verify(state, draft)
+        return self._accept_step(state, proposal, draft, predicted, out, cached, t_step, t_verify)
+
+    def _select(self, state: "_BatchState", proposal: Proposal) -> tuple[DraftBatch, list | None]:
+        """The budget's choice of nodes (a ``"tree"`` proposal with an adaptive budget; ``predicted``:
+        its expected accepted tokens per tree), every tree cut to the sequence's remaining tokens and
+        context, packed for the device."""
+        trees, predicted = proposal.trees, None
+        if proposal.kind == "tree" and self.budget is not None:
+            trees, predicted = self.budget.select_batch(trees, packed=self.packed_verification)
         # never draft past max_new_tokens or the context window
         trees = [tr.clip_depth(min(state.samplings[i].max_new_tokens - state.produced[i] - 1,
-                                   target.max_context - len(state.tokens[i])))
+                                   self.target.max_context - len(state.tokens[i])))
                  for i, tr in enumerate(trees)]
+        return DraftBatch.pack(trees, self.target.device), predicted
 
-        # verify ------------------------------------------------------------
-        t0 = time.perf_counter()
+    def _verify(self, state: "_BatchState", draft: DraftBatch):
+        """One target forward over every sequence's tree, with tree attention over its cached prefix."""
         cache = state.cache
-        batch = _TreeBatch.pack(trees, device)
-        n = batch.num_nodes
-        padded_len = cache.padded_length
-        mask = cache_mask(cache.lengths, padded_len, batch.tree_mask, target.dtype)
-        out = target.forward(batch.tokens, cache.lengths[:, None] + batch.depths, mask, cache,
-                             rows=self._real_rows(trees, n))
-        accepted, path = self._accept(trees, batch, out.logits, state.samplings, state.generators)
+        mask = cache_mask(cache.lengths, cache.padded_length, draft.tree_mask, self.target.dtype)
+        return self.target.forward(draft.tokens, cache.lengths[:, None] + draft.depths, mask, cache,
+                                   rows=self._real_rows(draft.trees, draft.num_nodes))
+
+    def _accept_step(self, state: "_BatchState", proposal: Proposal, draft: DraftBatch, predicted: list | None,
+                     out, padded_len: int, t_step: float, t_verify: float) -> StepOutput:
+        """Acceptance, KV compaction (``padded_len``: the cache's padded length before the
+        verification forward), the emitted tokens, the budget's observations and the step's figures."""
+        device = self.target.device
+        trees, n, b_size = draft.trees, draft.num_nodes, len(state.seq_ids)
+        speculative, lookup = proposal.kind != "none", proposal.kind == "lookup"
+        cache = state.cache
+        accepted, path = self._accept(trees, draft, out.logits, state.samplings, state.generators)
         counts_host = [len(acc.path) for acc in accepted]
         a_max = max(counts_host)
         path = path[:, :a_max]  # [B, A] accepted node indices (0 past each row's count)
@@ -435,11 +417,11 @@ class DartEngine:
         new_tokens, acc_lens, nexts, logprobs = [], [], [], []
         for i, (tr, acc) in enumerate(zip(trees, accepted)):
             drafted = [int(tr.tokens[j]) for j in acc.path[1:]]
-            if lookup is not None:
+            if lookup:
                 if tr.num_nodes > 1:
-                    self.budget.observe_lookup(chains[i].match_length, tr.num_nodes - 1, len(drafted))
-            elif speculative and self.budget is not None:
-                self.budget.observe(predicted[i], len(drafted), draft_ms + search_ms)
+                    self.budget.observe_lookup(proposal.chains[i].match_length, tr.num_nodes - 1, len(drafted))
+            elif predicted is not None:
+                self.budget.observe(predicted[i], len(drafted), proposal.draft_ms + proposal.search_ms)
             nexts.append(drafted + [acc.bonus])
             emitted, state.reasons[i] = self._emit(state, i, drafted + [acc.bonus])
             new_tokens.append(emitted)
@@ -451,13 +433,13 @@ class DartEngine:
             state.add_pending(out.taps.gather(1, path[..., None].expand(-1, -1, out.taps.shape[-1])),
                               old_lengths[:, None] + torch.arange(a_max, device=device)[None, :], counts, nexts)
         _sync(device)
-        verify_ms = 1e3 * (time.perf_counter() - t0)
+        verify_ms = 1e3 * (time.perf_counter() - t_verify)
         step_ms = 1e3 * (time.perf_counter() - t_step)
-        if speculative and self.budget is not None and not catch_up:
-            self.budget.observe_step(b_size, lookup is not None, sum(acc_lens), step_ms, b_size * n)
+        if speculative and self.budget is not None and not proposal.catch_up:
+            self.budget.observe_step(b_size, lookup, sum(acc_lens), step_ms, b_size * n)
         return StepOutput(list(state.seq_ids), new_tokens, list(state.reasons), acc_lens,
-                          [tr.num_nodes - 1 for tr in trees], n, draft_ms, search_ms, verify_ms,
-                          step_ms, logprobs, lookup is not None, catch_up)
+                          [tr.num_nodes - 1 for tr in trees], n, proposal.draft_ms, proposal.search_ms, verify_ms,
+                          step_ms, logprobs, lookup, proposal.catch_up)
 
     @property
     def packed_verification(self) -> bool:
@@ -579,7 +561,7 @@ class DartEngine:
         host = torch.stack([ids.to(torch.int32), probs.contiguous().view(torch.int32)]).cpu().numpy()
         return host[0].astype(np.int64), host[1].view(np.float32)
 
-    def _accept(self, trees: list[DraftTree], batch: "_TreeBatch", logits: torch.Tensor,
+    def _accept(self, trees: list[DraftTree], batch: DraftBatch, logits: torch.Tensor,
                 samplings: list[SamplingParams], generators: list[torch.Generator]
                 ) -> tuple[list[Acceptance], torch.Tensor]:
         """Each sequence's accepted path and bonus token, and the paths [B, N] on the device.
@@ -601,37 +583,6 @@ class DartEngine:
         for i, acc in enumerate(accepted):
             path[i, : len(acc.path)] = acc.path
         return accepted, torch.from_numpy(path).to(device)
-
-
-@dataclass(frozen=True)
-class _TreeBatch:
-    """A step's draft trees padded to one node count N and moved to the device together.
-
-    Padding nodes are token 0 at depth 0 with the root as parent and see only themselves.
-    """
-
-    tokens: torch.Tensor  # [B, N] int64
-    parents: torch.Tensor  # [B, N] int64 (the root's parent given as 0)
-    depths: torch.Tensor  # [B, N] int64
-    counts: torch.Tensor  # [B] int64 real nodes per tree
-    tree_mask: torch.Tensor  # [B, N, N] bool, [b, i, j] = j is i or an ancestor of i
-    num_nodes: int  # N
-    max_depth: int  # the deepest node of any tree
-
-    @classmethod
-    def pack(cls, trees: list[DraftTree], device: torch.device) -> "_TreeBatch":
-        b, n = len(trees), max(tr.num_nodes for tr in trees)
-        ints = np.zeros((3, b, n), dtype=np.int64)  # tokens, parents, depths
-        mask = np.broadcast_to(np.eye(n, dtype=bool), (b, n, n)).copy()
-        for i, tr in enumerate(trees):
-            m = tr.num_nodes
-            ints[0, i, :m] = tr.tokens
-            ints[1, i, 1:m] = tr.parents[1:]
-            ints[2, i, :m] = tr.depths
-            mask[i, :m, :m] = tr.tree_mask
-        ints_d = torch.from_numpy(ints).to(device)
-        return cls(ints_d[0], ints_d[1], ints_d[2], torch.tensor([tr.num_nodes for tr in trees], device=device),
-                   torch.from_numpy(mask).to(device), n, max(int(tr.depths[-1]) for tr in trees))
 
 
 @dataclass(frozen=True)

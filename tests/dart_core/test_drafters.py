@@ -1,0 +1,86 @@
+"""The drafter interface: a drafter the engine has never seen plugs in with DartEngine(drafter=...)
+and decodes losslessly through the same select, verify and accept phases; DraftBatch's fields."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dart_core.budget import AdaptiveBudget, VerifyCostCurve, node_acceptance_estimates
+from dart_core.drafters import DraftBatch, Drafter, NoDraft, Proposal
+from dart_core.engine import DartEngine
+from dart_core.sampling import SamplingParams
+from ngram_service.tree_search import DraftTree
+
+from .conftest import make_tree, tiny_target
+from .test_engine import prompts_of
+
+
+class ChainOracle(Drafter):
+    """A one-pass drafter of whole chains (as a DFlash-style block drafter would propose): the true
+    continuation, wrong from a random depth on, with a wrong sibling at the first level. Reads no
+    hidden states, so the engine keeps none for it."""
+
+    def __init__(self, truth: list[list[int]], depth: int = 6, seed: int = 0) -> None:
+        self.truth, self.depth, self.rng = truth, depth, np.random.default_rng(seed)
+        self.proposed = []
+
+    def propose(self, engine, state):
+        trees = []
+        for seq in state.tokens:
+            full = next((t for t in self.truth if t[: len(seq)] == seq), seq)
+            chain = list(full[len(seq): len(seq) + self.depth])
+            cut = int(self.rng.integers(0, len(chain) + 1))
+            chain = chain[:cut] + [(x + 1) % 96 for x in chain[cut:]]
+            tokens = [seq[-1]] + chain + [(chain[0] + 7) % 96 if chain else 5]
+            parents = [-1] + list(range(len(chain))) + [0]
+            depths = [0] + list(range(1, len(chain) + 1)) + [1]
+            order = np.argsort(depths, kind="stable")  # depth order, as trees are stored
+            remap = {int(o): i for i, o in enumerate(order)}
+            tokens = [tokens[o] for o in order]
+            parents = [-1 if parents[o] < 0 else remap[parents[o]] for o in order]
+            depths = [depths[o] for o in order]
+            probs = [1.0] + [0.9 if tok in chain else 0.1 for tok in tokens[1:]]
+            trees.append(DraftTree.from_parents(tokens, parents, depths, np.zeros(len(tokens)), probs))
+        self.proposed.append(len(trees))
+        return Proposal(trees, kind="tree")
+
+
+def test_a_new_drafter_plugs_in_without_engine_changes_and_stays_lossless():
+    target = tiny_target("llama", seed=3)
+    rng = np.random.default_rng(2)
+    prompts = prompts_of(rng, [5, 8, 3])
+    sp = SamplingParams(max_new_tokens=40)
+    ar = DartEngine(target).generate(prompts, sp, speculative=False)
+    truth = [p + o for p, o in zip(prompts, ar.token_ids)]
+    drafter = ChainOracle(truth)
+    engine = DartEngine(target, drafter=drafter)  # no draft head at all
+    out = engine.generate(prompts, sp)
+    assert out.token_ids == ar.token_ids and out.tau > 2.0 and drafter.proposed
+    # the select phase applies to it too: an adaptive budget cuts its trees to what it prices
+    budget = AdaptiveBudget(VerifyCostCurve((1, 64), (10.0, 74.0)))
+    engine = DartEngine(target, drafter=ChainOracle(truth, seed=1), budget=budget)
+    steps = list(engine.generate_stream(prompts, sp))
+    assert [t for s in steps for t in s.new_tokens] and engine.generate(prompts, sp).token_ids == ar.token_ids
+    # speculative=False and a drafter that proposes nothing both step autoregressively
+    assert DartEngine(target, drafter=drafter).generate(prompts, sp, speculative=False).tau == 1.0
+
+    class Silent(Drafter):
+        def propose(self, engine, state):
+            return None
+
+    assert DartEngine(target, drafter=Silent()).generate(prompts, sp).token_ids == ar.token_ids
+
+
+def test_draft_batch_fields():
+    trees = [make_tree([5, 6, 7, 8], [-1, 0, 0, 1], [1.0, 0.5, 0.25, 0.5]), make_tree([9], [-1])]
+    batch = DraftBatch.pack(trees, torch.device("cpu"))
+    assert batch.num_nodes == 4 and batch.max_depth == 2 and batch.counts.tolist() == [4, 1]
+    assert batch.tokens.tolist() == [[5, 6, 7, 8], [9, 0, 0, 0]]
+    assert batch.parents.tolist() == [[0, 0, 0, 1], [0, 0, 0, 0]] and batch.depths[0].tolist() == [0, 1, 1, 2]
+    assert np.allclose(batch.estimates[0].numpy(), node_acceptance_estimates(trees[0]))  # 1, .5, .25, .25
+    assert batch.estimates[1].tolist() == [1.0, 0.0, 0.0, 0.0]  # padding is worth nothing
+    assert batch.tree_mask[0, 3].tolist() == [True, True, False, True]
+    assert batch.tree_mask[1].equal(torch.eye(4, dtype=torch.bool))  # padding sees only itself
+    roots = NoDraft().propose(None, type("S", (), {"tokens": [[1, 2], [3]]})())
+    assert roots.kind == "none" and [t.tokens.tolist() for t in roots.trees] == [[2], [3]]
