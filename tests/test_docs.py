@@ -4,6 +4,7 @@ what ``python -m dart_core.bench.headline`` makes from the result files."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -77,3 +78,18 @@ def test_the_headline_table_is_generated_from_the_result_files(tmp_path):
     with pytest.raises(ValueError, match="no <!-- headline:start -->"):
         (tmp_path / "bare.md").write_text("# x\n")
         headline.write_headline(tmp_path / "bare.md")
+
+
+def test_a_serving_headline_is_the_median_of_its_runs(tmp_path):
+    from dart_core.bench import headline
+
+    def run(spec, plain):
+        return {"rows": [{"concurrency": c, "mode": m, "tokens_per_s": t}
+                         for c in (1, 16) for m, t in (("dart", spec[c]), ("no-speculation", plain))]}
+
+    for i, (one, sixteen) in enumerate([(150, 90), (200, 100), (120, 130)]):
+        (tmp_path / f"s{i}.json").write_text(json.dumps(run({1: one, 16: sixteen}, 100)))
+    (tmp_path / "m.json").write_text(json.dumps({"rows": [{
+        "label": "served", "kind": "serving", "files": ["s0.json", "s1.json", "s2.json"], "concurrency": [1, 16],
+        "machine": "box", "head": "h", "date": "d", "command": "c"}]}))
+    assert "| served | 1.50× at 1 client(s), 1.00× at 16 client(s) | box |" in headline.render_headline(tmp_path / "m.json")

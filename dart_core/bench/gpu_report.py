@@ -108,7 +108,7 @@ def render_gpu_section(folder: str | Path, page: str | Path) -> str:
     Raises:
         FileNotFoundError: ``folder`` holds no ``decoding-*.json``.
     """
-    from dart_core.bench import decoding, serving, step_profile
+    from dart_core.bench import batching, decoding, serving, step_profile
 
     folder = Path(folder)
     dec, rel, lines = section_start(folder, page, "dart_core.bench.gpu_report", START)
@@ -149,8 +149,12 @@ def render_gpu_section(folder: str | Path, page: str | Path) -> str:
                       step_profile.markdown_table(p), ""]
     for dtype, b in _load(folder, "batching"):
         b = {**b, "server": b.get("server") or {"model": "SmolLM2-135M-Instruct", "url": "in process"}}
+        c = b.get("config", {})
         lines += [f"### Continuous batching ({_label(dtype, b)}, `python -m dart_core.bench.batching`)", "",
-                  serving.markdown_table(b), ""]
+                  f"Speculation allowed up to {c.get('max_speculative_batch')} running sequences, the speculation "
+                  f"gate {'on' if c.get('gate', True) else 'off'}.", "", serving.markdown_table(b), ""]
+        if any("steps" in r for r in b["rows"]):
+            lines += [batching.step_table(b), ""]
     served = _load(folder, "serving")
     if served:
         lines += ["### Ray Serve on the GPU machine (`serve run deployments/dart.yaml`)", "",

@@ -53,10 +53,16 @@ def _cell(row: dict, folder: Path) -> tuple[str, dict]:
             ratios = [x for r in results for x in _decoding_ratios(r, dataset, row["method"], row["baseline"])]
             parts.append(f"{statistics.median(ratios):.2f}× {dataset}")
         return ", ".join(parts), results[0]
-    if row["kind"] == "serving":
-        tps = {(r["concurrency"], r["mode"]): r["tokens_per_s"] for r in results[0]["rows"]}
-        c = row["concurrency"]
-        return f"{tps[(c, 'dart')] / tps[(c, 'no-speculation')]:.2f}× at {c} client(s)", results[0]
+    if row["kind"] == "serving":  # the median over the files of each run's DART ÷ no-speculation ratio
+        levels = row["concurrency"] if isinstance(row["concurrency"], list) else [row["concurrency"]]
+        parts = []
+        for c in levels:
+            ratios = []
+            for r in results:
+                tps = {(x["concurrency"], x["mode"]): x["tokens_per_s"] for x in r["rows"]}
+                ratios.append(tps[(c, "dart")] / tps[(c, "no-speculation")])
+            parts.append(f"{statistics.median(ratios):.2f}× at {c} client(s)")
+        return ", ".join(parts), results[0]
     raise ValueError(f"unknown kind {row['kind']!r}")
 
 

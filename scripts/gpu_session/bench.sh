@@ -1,7 +1,9 @@
 # usage: bash scripts/gpu_session/bench.sh JOB[:VARIANT] ...  -> JSON under $R/rep (named as gpu_report reads
 # them), logs in $R/rep/logs.  VARIANT sdpa-default runs under PyTorch's own SDPA backend choice
 # (DART_SDPA_BACKENDS=default), draft-eager keeps the draft head eager beside graph-captured
-# verification (DART_DRAFT_GRAPHS=0); the variant is appended to the result's label.
+# verification (DART_DRAFT_GRAPHS=0); for the batching job, nocap lets every batch up to 64 speculate
+# (--max-speculative-batch 64, the gate still deciding) and nogate speculates at every step of those
+# (--no-gate as well); the variant is appended to the result's label.
 source scripts/gpu_session/env.sh
 mkdir -p $R/rep/logs $R/b
 MT=$D/files/extra/mt-bench.jsonl
@@ -9,9 +11,11 @@ DS="--datasets $MT $D/files/extra/humaneval.jsonl --num-prompts ${BENCH_PROMPTS:
 for spec in "$@"; do
   t0=$(date +%s); echo "[$(date +%T)] $spec"
   job=${spec%%:*}; variant=; [[ $spec == *:* ]] && variant=${spec#*:}
-  envs=()
+  envs=(); extra=
   case $variant in
     "") ;;
+    nocap) extra="--max-speculative-batch 64" ;;
+    nogate) extra="--max-speculative-batch 64 --no-gate" ;;
     sdpa-default) envs=(DART_SDPA_BACKENDS=default) ;;
     draft-eager) envs=(DART_DRAFT_GRAPHS=0) ;;
     *) echo "unknown variant $variant"; continue ;;
@@ -28,7 +32,7 @@ for spec in "$@"; do
     *) echo "unknown job $job"; continue ;;
   esac
   name=$job${variant:+-$variant}
-  env "${envs[@]}" timeout ${JOB_TIMEOUT:-600} python3 -m $cmd $graphs --out $R/b/$name > $R/rep/logs/$name.log 2>&1
+  env "${envs[@]}" timeout ${JOB_TIMEOUT:-600} python3 -m $cmd $graphs $extra --out $R/b/$name > $R/rep/logs/$name.log 2>&1
   rc=$?
   label=${job#*-}${variant:+-$variant}; kind=${job%%-*}
   case $kind in dec) f=decoding;; prof) f=step_profile;; ops) f=step_profile; label=ops-$label;; batch) f=batching;; esac

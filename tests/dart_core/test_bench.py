@@ -358,6 +358,11 @@ def test_the_gpu_section_is_rendered_from_the_results_files(tmp_path):
     assert "**fp32-graphs, CUDA graphs**:" in gpu_report.render_gpu_section(graphs, page)
     with pytest.raises(FileNotFoundError, match="decoding"):
         gpu_report.render_gpu_section(tmp_path, page)
+    # batching sweeps say their speculation settings and where the tokens came from
+    fifth = gpu_report.render_gpu_section(folder.parent / "gpu-h200-5", page)
+    assert "Speculation allowed up to 64 running sequences, the speculation gate off." in fifth
+    assert "Speculation allowed up to 8 running sequences, the speculation gate on." in fifth
+    assert fifth.count("Speculative steps:") == 3
 
 
 def test_the_gguf_native_section_gives_each_method_against_llama_cpp(tmp_path):
