@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from dart_core.target import sync_device
 from ngram_service.tree_search import ContextChain, DraftTree
 
 if TYPE_CHECKING:
@@ -126,8 +127,7 @@ class HeadTreeDrafter(Drafter):
                                              state.pend_count - 1, state.head_cache, engine._draft_levels(),
                                              max(len(t) for t in state.tokens))
         state.clear_pending()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync_device(device)
         draft_ms = 1e3 * (time.perf_counter() - t0)
         t0 = time.perf_counter()
         levels = topk_ids.shape[1]

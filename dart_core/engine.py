@@ -40,6 +40,7 @@ from dart_core.drafters import DartDrafter, DraftBatch, Drafter, NoDraft, Propos
 from dart_core.kv_cache import HeadKVCache, cache_mask, compaction_plan_host
 from dart_core.sampling import SamplingParams, target_probs
 from dart_core.target import TargetCache, TargetModel
+from dart_core.target import sync_device as _sync
 from dart_core.verify import Acceptance, accept_greedy, accept_greedy_batch, accept_sampling
 from ngram_service.client import InProcessTreeSearch, TreeSearchClient
 from ngram_service.context import ContextIndex
@@ -118,11 +119,6 @@ class GenerationResult:
     def tau(self) -> float:
         """Mean acceptance length: tokens per target forward per sequence, bonus included."""
         return self.emitted_after_prefill / max(self.sequence_steps, 1)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _prefill_groups(lengths: list[int], max_tokens: int) -> list[tuple[int, int]]:

@@ -29,12 +29,13 @@ target (CPU)".
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from dart_core.target import _REAL_ROWS
+from dart_core.target import over_real_rows
 
 logger = logging.getLogger(__name__)
 
@@ -161,13 +162,7 @@ class Int4Linear(torch.nn.Module):
         return self._mm(eye).t().float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        real = _REAL_ROWS.get()
-        sel = real[0] if real is not None and real[1] == rows.shape[0] else None  # only these rows (real_rows)
-        y = self._mm((rows if sel is None else rows.index_select(0, sel)).to(self.compute_dtype)).to(x.dtype)
-        if sel is not None:
-            y = y.new_zeros(rows.shape[0], self.out_features).index_copy_(0, sel, y)
-        return y.view(*x.shape[:-1], self.out_features)
+        return over_real_rows(x, self.out_features, lambda rows: self._mm(rows.to(self.compute_dtype)).to(x.dtype))
 
 
 def _row_order(weight: np.ndarray, values: np.ndarray, name: str) -> np.ndarray | None:
@@ -232,7 +227,7 @@ def quantize_from_gguf(model: torch.nn.Module, gguf_path: str | Path, compute_dt
             raise GGUFWeightsError(f"{full}: the model has no linear layer of shape {parts[0][0].shape} there")
         setattr(parent, child_name, Int4Linear(parts, compute_dtype, kind))
     logger.info("GGUF-native weights: %d linear layers (%s), activations %s", len(layers),
-                ", ".join(f"{n}× {t}" for t, n in _counts(k for k, _ in layers.values())), compute_dtype)
+                ", ".join(f"{n}× {t}" for t, n in sorted(Counter(k for k, _ in layers.values()).items())), compute_dtype)
     return {name: kind for name, (kind, _) in layers.items()}
 
 
@@ -322,10 +317,3 @@ def _load_parts(path: Path) -> dict[str, tuple[str, _Parts]] | None:
     except Exception as e:  # noqa: BLE001 - a damaged cache is rebuilt from the GGUF
         logger.warning("ignoring the 4-bit cache %s (%s); converting the GGUF again", path, e)
         return None
-
-
-def _counts(items) -> list[tuple[str, int]]:
-    out: dict[str, int] = {}
-    for x in items:
-        out[x] = out.get(x, 0) + 1
-    return sorted(out.items())

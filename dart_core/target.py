@@ -117,15 +117,7 @@ def _grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
                                                                scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
         return out.transpose(1, 2).contiguous(), None
-    b, h, q, d = query.shape
-    h_kv, t = key.shape[1], key.shape[2]
-    groups = h // h_kv
-    scale = d ** -0.5 if scaling is None else scaling
-    scores = torch.matmul(query.reshape(b, h_kv, groups * q, d), key.transpose(-1, -2)) * scale
-    scores = scores.view(b, h_kv, groups, q, t) + attention_mask[:, :, None]
-    probs = scores.softmax(-1).view(b, h_kv, groups * q, t)
-    out = torch.matmul(probs, value).view(b, h, q, d)
-    return out.transpose(1, 2).contiguous(), None
+    return _matmul_attention(query, key, value, attention_mask, scaling, query.dtype), None
 
 
 _ROW_EXACT_QUERY = 256  # row-exact attention up to this many query tokens per call (prefill above: SDPA)
@@ -139,7 +131,15 @@ def _row_exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     practically never change the rounded value.  Used where the target's other layers are
     row-exact too (:class:`~dart_core.quant.Int4Linear`), which round activations to bfloat16:
     there a float32 attention's last-bit differences between a one-token step and a tree
-    verification grow into different tokens.  Grouped key/value heads are shared without a copy.
+    verification grow into different tokens.  Shapes as :func:`_matmul_attention`."""
+    return _matmul_attention(query, key, value, attention_mask, scaling, torch.float64)
+
+
+def _matmul_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, scaling: float | None,
+                      accumulate: torch.dtype) -> torch.Tensor:
+    """softmax(q·kᵀ · scale + mask)·v in two batched matmuls computed in ``accumulate`` and returned in
+    the query's dtype; each query head group shares its key/value head without a copy.
 
     Shapes: query [B, H, Q, D], key/value [B, H_kv, T, D], attention_mask [B, 1, Q, ≥T] additive or
     boolean (True = attend), or None; returns [B, Q, H, D]."""
@@ -147,16 +147,23 @@ def _row_exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     h_kv, t = key.shape[1], key.shape[2]
     groups = h // h_kv
     scale = d ** -0.5 if scaling is None else scaling
-    scores = torch.matmul(query.double().reshape(b, h_kv, groups * q, d), key.double().transpose(-1, -2)) * scale
+    scores = torch.matmul(query.to(accumulate).reshape(b, h_kv, groups * q, d),
+                          key.to(accumulate).transpose(-1, -2)) * scale
     scores = scores.view(b, h_kv, groups, q, t)
     if attention_mask is not None:
         mask = attention_mask[:, :, :, :t]
         if not mask.is_floating_point():
-            mask = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device).masked_fill_(~mask, float("-inf"))
-        scores = scores + mask.double()[:, :, None]
+            mask = torch.zeros(mask.shape, dtype=accumulate, device=mask.device).masked_fill_(~mask, float("-inf"))
+        scores = scores + mask.to(accumulate)[:, :, None]
     probs = scores.softmax(-1).view(b, h_kv, groups * q, t)
-    out = torch.matmul(probs, value.double()).view(b, h, q, d).to(query.dtype)
+    out = torch.matmul(probs, value.to(accumulate)).view(b, h, q, d).to(query.dtype)
     return out.transpose(1, 2).contiguous()
+
+
+def sync_device(device: torch.device) -> None:
+    """Waits for the device's queued work (CUDA); a no-op elsewhere. For host-side timings."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 GROUPED_SDPA = "dart_grouped_sdpa"
@@ -185,6 +192,19 @@ def real_rows(rows: torch.Tensor | None, total: int):
         _REAL_ROWS.reset(token)
 
 
+def over_real_rows(x: torch.Tensor, out_features: int, linear) -> torch.Tensor:
+    """``linear`` (rows [N, in] -> [N, out_features]) applied to ``x`` [..., in]; inside
+    :func:`real_rows` for x's row count, to the selected rows only, the others left zero.
+    The forward of the linear layers that honour :func:`real_rows` (``honours_real_rows``)."""
+    rows = x.reshape(-1, x.shape[-1])
+    real = _REAL_ROWS.get()
+    sel = real[0] if real is not None and real[1] == rows.shape[0] else None
+    y = linear(rows if sel is None else rows.index_select(0, sel))
+    if sel is not None:
+        y = y.new_zeros(rows.shape[0], out_features).index_copy_(0, sel, y)
+    return y.view(*x.shape[:-1], out_features)
+
+
 class PackedLinear(torch.nn.Module):
     """``nn.Linear`` for float32 inference on a CPU, its weight reordered once
     into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``)
@@ -208,6 +228,8 @@ class PackedLinear(torch.nn.Module):
     not a parameter and not in ``state_dict``: pack a model only for inference.
     """
 
+    honours_real_rows = True  # forward computes only the rows of real_rows
+
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -230,14 +252,8 @@ class PackedLinear(torch.nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        real = _REAL_ROWS.get()
-        sel = real[0] if real is not None and real[1] == rows.shape[0] else None  # only these rows (real_rows)
-        y = torch.ops.mkldnn._linear_pointwise(rows if sel is None else rows.index_select(0, sel),
-                                               self.packed_weight, self.bias, "none", [], "")
-        if sel is not None:
-            y = y.new_zeros(rows.shape[0], self.out_features).index_copy_(0, sel, y)
-        return y.view(*x.shape[:-1], self.out_features)
+        return over_real_rows(x, self.out_features, lambda rows: torch.ops.mkldnn._linear_pointwise(
+            rows, self.packed_weight, self.bias, "none", [], ""))
 
 
 def can_pack(model) -> bool:
@@ -309,8 +325,8 @@ class TargetModel:
             raise ValueError("pack=True needs float32 weights on a CPU and a PyTorch built with oneDNN")
         if pack:
             logger.info("packed %d linear layers for oneDNN", pack_linears(self.model))
-        # forward(rows=...) skips padding rows in the linear layers (PackedLinear, Int4Linear)
-        self.packed = bool(pack) or any(getattr(m, "honours_real_rows", False) for m in self.model.modules())
+        # forward(rows=...) skips padding rows in the linear layers that honour real_rows (PackedLinear, Int4Linear)
+        self.packed = any(getattr(m, "honours_real_rows", False) for m in self.model.modules())
         if getattr(self.model.config, "_attn_implementation", None) == "sdpa":
             self.model.set_attn_implementation(GROUPED_SDPA)
         # 4-bit layers round activations to bfloat16: attention must then be row-exact too
@@ -395,8 +411,6 @@ class TargetModel:
             from dart_core.quant import quantize_from_gguf
 
             quantize_from_gguf(model, source.folder / source.gguf_file, cache=converted_cache(source, "int4"))
-            if pack is None:
-                pack = can_pack(model)  # the layers left dense (none in a Q4 GGUF's linear layers)
         return cls(model, load_tokenizer(spec), pack=pack if device_map is None else False)
 
     @property

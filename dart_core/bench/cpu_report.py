@@ -28,6 +28,8 @@ def ratio_table(result: dict, baseline: str = "llama-cpp") -> str:
     (the acceptance figures of the 4-bit target: autoregressive and DART against llama.cpp)."""
     import statistics
 
+    from dart_core.bench.decoding import pass_ratios
+
     rows = result["rows"]
     by = {(r["dataset"], r["method"]): r for r in rows}
     lines = [f"| dataset | method | tokens/s (median) | ÷ {baseline} (median of per-pass ratios) |",
@@ -36,9 +38,7 @@ def ratio_table(result: dict, baseline: str = "llama-cpp") -> str:
         base = by.get((r["dataset"], baseline))
         if base is None or r["method"] == baseline:
             continue
-        # per pass: tokens/s = speedup × the pass's autoregressive tokens/s, so the ratio of two methods
-        # in one pass is the ratio of their speed-ups in that pass
-        ratios = [a / b for a, b in zip(r["speedup_per_pass"], base["speedup_per_pass"])]
+        ratios = pass_ratios(result, r["dataset"], r["method"], baseline)
         lines.append(f"| {r['dataset']} ({r['prompts']}) | {r['method']} | {r['tokens_per_s']:.1f} | "
                      f"{statistics.median(ratios):.2f}× |")
     return "\n".join(lines) + "\n"

@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["METHODS", "DEFAULT_METHODS", "LLAMA_CPP_METHODS", "DART_METHODS", "DecodingConfig", "run_decoding", "hardware", "hardware_line", "markdown_table", "plot_speedup",
+__all__ = ["pass_ratios", "METHODS", "DEFAULT_METHODS", "LLAMA_CPP_METHODS", "DART_METHODS", "DecodingConfig", "run_decoding", "hardware", "hardware_line", "markdown_table", "plot_speedup",
            "agreement"]
 
 METHODS = ("autoregressive", "hf-generate", "hf-prompt-lookup", "dart-no-ngram", "dart", "dart-context", "dart-grpc",
@@ -101,6 +101,18 @@ class _Run:
 
 
 _CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # the ones that decide which kernels are fast
+
+
+def pass_ratios(result: dict, dataset: str, method: str, baseline: str) -> list[float]:
+    """Per timed pass of a decoding result, ``method``'s tokens/s ÷ ``baseline``'s in that pass (each
+    pass's speed-ups share its autoregressive tokens/s, so their ratio is the methods' ratio).
+
+    Raises:
+        KeyError: ``result`` has no ``method`` or ``baseline`` row for ``dataset``."""
+    rows = {r["method"]: r for r in result["rows"] if r["dataset"] == dataset}
+    if method not in rows or baseline not in rows:
+        raise KeyError(f"no {method} / {baseline} row for {dataset}")
+    return [m / b for m, b in zip(rows[method]["speedup_per_pass"], rows[baseline]["speedup_per_pass"])]
 
 
 def hardware(device: torch.device | str) -> dict:

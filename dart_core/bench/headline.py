@@ -37,20 +37,14 @@ def _machine(result: dict, row: dict) -> str:
     return f"{hw.get('cpu', '?')} ({hw.get('cpu_count', '?')} cores{flags})"
 
 
-def _decoding_ratios(result: dict, dataset: str, method: str, baseline: str) -> list[float]:
-    rows = {r["method"]: r for r in result["rows"] if r["dataset"] == dataset}
-    if method not in rows or baseline not in rows:
-        raise KeyError(f"no {method} / {baseline} row for {dataset}")
-    # speedup_per_pass is each pass's tokens/s over that pass's autoregressive tokens/s
-    return [m / b for m, b in zip(rows[method]["speedup_per_pass"], rows[baseline]["speedup_per_pass"])]
-
-
 def _cell(row: dict, folder: Path) -> tuple[str, dict]:
+    from dart_core.bench.decoding import pass_ratios
+
     results = [json.loads((folder / f).read_text()) for f in row["files"]]
     if row["kind"] == "decoding":
         parts = []
         for dataset in row["datasets"]:
-            ratios = [x for r in results for x in _decoding_ratios(r, dataset, row["method"], row["baseline"])]
+            ratios = [x for r in results for x in pass_ratios(r, dataset, row["method"], row["baseline"])]
             parts.append(f"{statistics.median(ratios):.2f}× {dataset}")
         return ", ".join(parts), results[0]
     if row["kind"] == "serving":  # the median over the files of each run's DART ÷ no-speculation ratio
