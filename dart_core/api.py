@@ -25,7 +25,7 @@ from typing import Iterator, Sequence, Union
 
 import torch
 
-from dart_core.budget import AdaptiveBudget, SpeculationGate, VerifyCostCurve
+from dart_core.budget import AdaptiveBudget, SpeculationGate, VerifyCostCurve, curve_shapes
 from dart_core.detokenizer import IncrementalDetokenizer
 from dart_core.draft_head import DartDraftHead, DraftHeadConfig, load_draft_head
 from dart_core.engine import DartEngine, GenerationResult
@@ -240,8 +240,8 @@ class DartModel:
             tree_search = InProcessTreeSearch(cls._load_trie(trie, name, target.tokenizer, small=is_small_ngram))
         policy = gate = None
         if budget == "auto" and draft is not None:
-            sizes = tuple(sorted({1, 2, 4, 8, 16, 32, 48, params.budget + 1}))
-            policy = AdaptiveBudget(VerifyCostCurve.measure(target, node_counts=sizes),
+            sizes, batches = curve_shapes(target.device, params.budget)
+            policy = AdaptiveBudget(VerifyCostCurve.measure(target, node_counts=sizes, batch_sizes=batches),
                                     lookup_preference=spec.lookup_preference)
             gate = SpeculationGate(probe_every=spec.gate_probe_every)
         engine = DartEngine(target, draft, tree_search, params, budget=policy, gate=gate, **spec.engine_kwargs())

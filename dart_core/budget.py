@@ -13,12 +13,15 @@ the node's path (the draft head's own belief, or on a context chain the
 chain's evidence q where higher: ``DraftTree.probs``); ``c`` calibrates it online as
 an exponential moving average of accepted / predicted.  Nodes are taken in
 the search's own rank order (min-score along the path, then depth), so every
-truncation is prefix-closed.  ``t_verify(n)`` is a :class:`VerifyCostCurve`
-measured once at start-up (or configured) at batch 1.  A batch verifies in
+truncation is prefix-closed.  ``t_verify`` is a :class:`VerifyCostCurve`
+measured once at start-up (or configured): at batch 1 on a CPU, at batches
+1, 4 and 16 on an accelerator (:func:`curve_shapes`).  A batch verifies in
 one forward with every tree padded to the largest, so
 :meth:`AdaptiveBudget.select_batch` gives all its trees one node count n and
-prices it at ``t_verify(B · (n + 1))``: an approximation (the linear layers
-see all B · (n + 1) query tokens; attention sees each sequence's own context).
+prices it at ``t_verify(B, n + 1)`` (:meth:`VerifyCostCurve.cost`): the
+measured batch sizes interpolated, or with the batch-1 curve alone
+``t_verify(B · (n + 1))``, an approximation (the linear layers see all
+B · (n + 1) query tokens; attention sees each sequence's own context).
 
 **Lookup steps** (:meth:`AdaptiveBudget.select_lookup`): where the request's
 own context proposes a continuation (a :class:`~ngram_service.tree_search.ContextChain`),
@@ -52,7 +55,7 @@ from ngram_service.tree_search import ContextChain, DraftTree
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["VerifyCostCurve", "AdaptiveBudget", "SpeculationGate", "node_acceptance_estimates", "LOOKUP_PREFERENCE"]
+__all__ = ["VerifyCostCurve", "curve_shapes", "AdaptiveBudget", "SpeculationGate", "node_acceptance_estimates", "LOOKUP_PREFERENCE"]
 
 
 _CHAIN_PRIOR = (2.0, 3.0)  # r_m before evidence: 2/3
@@ -67,68 +70,136 @@ def _ema(old: float | None, new: float, weight: float) -> float:
 
 @dataclass(frozen=True)
 class VerifyCostCurve:
-    """Verification latency (ms) against tree size (nodes, root included), linearly interpolated."""
+    """Verification latency (ms) against query tokens, linearly interpolated; optionally also against
+    the batch size.
+
+    ``nodes`` / ``ms`` are the batch-1 curve (one sequence verifying that many query tokens, root
+    included).  ``batches`` / ``batch_ms`` (optional) hold the same measurement at larger batch sizes:
+    ``batch_ms[j][i]`` is the latency of ``batches[j]`` sequences verifying ``nodes[i]`` query tokens
+    each (the padded layout of :meth:`AdaptiveBudget.select_batch`).  :meth:`cost` prices a batch
+    with them; without them it prices B sequences of n tokens as one of B · n (the linear layers
+    see B · n rows), which on a GPU, where the batch-1 curve is flat up to its last size, priced
+    a 16-sequence step of about 700 tokens like one token (BENCHMARKS.md "GPU", fifth run).
+    """
 
     nodes: tuple[int, ...]
     ms: tuple[float, ...]
+    batches: tuple[int, ...] = ()
+    batch_ms: tuple[tuple[float, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.batches) != len(self.batch_ms) or any(len(r) != len(self.nodes) for r in self.batch_ms):
+            raise ValueError("batch_ms needs one row per batch size, each as long as nodes")
+        if list(self.batches) != sorted(set(self.batches)) or any(b < 2 for b in self.batches):
+            raise ValueError("batches must be ascending sizes >= 2 (batch 1 is nodes / ms)")
 
     def __call__(self, num_nodes: int | np.ndarray) -> np.ndarray:
-        """ms for ``num_nodes`` query tokens; beyond the last measured size, the last segment's slope."""
+        """ms for ``num_nodes`` query tokens at batch 1; beyond the last measured size, the last segment's slope."""
+        return self._interp(num_nodes, self.ms)
+
+    def _interp(self, num_nodes, ms) -> np.ndarray:
         n = np.asarray(num_nodes, dtype=np.float64)
-        ms = np.interp(n, self.nodes, self.ms)
+        out = np.interp(n, self.nodes, ms)
         if len(self.nodes) >= 2:
-            slope = max(0.0, (self.ms[-1] - self.ms[-2]) / (self.nodes[-1] - self.nodes[-2]))
-            ms = np.where(n > self.nodes[-1], self.ms[-1] + slope * (n - self.nodes[-1]), ms)
-        return ms
+            slope = max(0.0, (ms[-1] - ms[-2]) / (self.nodes[-1] - self.nodes[-2]))
+            out = np.where(n > self.nodes[-1], ms[-1] + slope * (n - self.nodes[-1]), out)
+        return out
+
+    def cost(self, batch: int, per_sequence: int | np.ndarray) -> np.ndarray:
+        """ms for ``batch`` sequences verifying ``per_sequence`` query tokens each (root included).
+
+        With batch rows, linear in the batch size between the two measured sizes around ``batch``
+        (batch 1 is the first), and beyond the largest along the last two sizes' slope; without
+        them, ``self(batch · per_sequence)``."""
+        if not self.batches or batch <= 1:
+            return self(np.asarray(per_sequence) * max(batch, 1))
+        sizes = (1,) + self.batches
+        rows = (self.ms,) + self.batch_ms
+        j = min(int(np.searchsorted(sizes, batch)), len(sizes) - 1)  # first measured size >= batch, or the last
+        lo, hi = sizes[j - 1], sizes[j]
+        c_lo, c_hi = self._interp(per_sequence, rows[j - 1]), self._interp(per_sequence, rows[j])
+        return c_lo + (batch - lo) / (hi - lo) * np.maximum(c_hi - c_lo, 0.0)
 
     @classmethod
     @torch.inference_mode()
     def measure(cls, target: TargetModel, node_counts: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64),
-                context_len: int = 256, repeats: int = 5) -> "VerifyCostCurve":
-        """Times one verification forward per tree size after a ``context_len``-token prefix.
+                context_len: int = 256, repeats: int = 5, batch_sizes: tuple[int, ...] = (1,)) -> "VerifyCostCurve":
+        """Times one verification forward per tree size (and batch size) after a ``context_len``-token
+        prefix in every sequence.
 
-        One untimed pass over every size first (kernels, allocator, first-touch pages: the first
-        forwards of a process can take twice as long), then ``repeats`` passes, each over every
-        size in turn, so a slow moment of the machine falls on all sizes alike; each size gets the
-        median of its passes, and the curve is made non-decreasing (a bigger tree never costs
-        less: a dip is noise, and the budget would chase it).
+        One untimed pass over every shape first (kernels, allocator, first-touch pages, CUDA graph
+        captures: the first forwards of a process can take twice as long), then ``repeats`` passes,
+        each over every shape in turn, so a slow moment of the machine falls on all shapes alike;
+        each shape gets the median of its passes, and each batch size's curve is made
+        non-decreasing in tokens (a bigger tree never costs less: a dip is noise, and the budget
+        would chase it), each batch size's curve at least the smaller one's.
+
+        Args:
+            batch_sizes: the batch sizes measured (1 is always measured); more than 1 fills
+                ``batches`` / ``batch_ms``.
+
+        Raises:
+            ValueError: a batch size below 1.
         """
         node_counts = tuple(sorted(set(node_counts)))
+        batch_sizes = tuple(sorted(set(batch_sizes) | {1}))
+        if batch_sizes[0] < 1:
+            raise ValueError(f"batch sizes must be >= 1, got {batch_sizes}")
         gen = torch.Generator().manual_seed(0)
-        prompt = torch.randint(0, target.config.vocab_size, (context_len,), generator=gen).tolist()
-        cache = TargetCache(1, target.device)
-        target.prefill([prompt], cache)
-        inputs = {}
-        for n in node_counts:
-            ids = torch.randint(0, target.config.vocab_size, (1, n), generator=gen).to(target.device)
-            chain = torch.tril(torch.ones(n, n, dtype=torch.bool, device=target.device))[None]
-            inputs[n] = (ids, cache.lengths[:, None] + torch.arange(n, device=target.device)[None], chain)
-        nothing = (torch.zeros(1, 0, dtype=torch.long, device=target.device),
-                   torch.zeros(1, dtype=torch.long, device=target.device))
+        device = target.device
+        caches, inputs = {}, {}
+        for b in batch_sizes:
+            prompts = torch.randint(0, target.config.vocab_size, (b, context_len), generator=gen).tolist()
+            caches[b] = TargetCache(b, device)
+            target.prefill(prompts, caches[b])
+            for n in node_counts:
+                ids = torch.randint(0, target.config.vocab_size, (b, n), generator=gen).to(device)
+                chain = torch.tril(torch.ones(n, n, dtype=torch.bool, device=device))[None].expand(b, n, n)
+                inputs[b, n] = (ids, caches[b].lengths[:, None] + torch.arange(n, device=device)[None], chain)
 
-        def timed(n: int) -> float:
-            ids, pos, chain = inputs[n]
+        def timed(b: int, n: int) -> float:
+            cache = caches[b]
+            ids, pos, chain = inputs[b, n]
             mask = cache_mask(cache.lengths, cache.padded_length, chain, target.dtype)
-            if target.device.type == "cuda":
-                torch.cuda.synchronize(target.device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             t0 = time.perf_counter()
             target.forward(ids, pos, mask, cache)
-            if target.device.type == "cuda":
-                torch.cuda.synchronize(target.device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             ms = 1e3 * (time.perf_counter() - t0)
-            cache.compact(*nothing)  # drop the tree again
+            cache.compact(torch.zeros(b, 0, dtype=torch.long, device=device),
+                          torch.zeros(b, dtype=torch.long, device=device))  # drop the tree again
             return ms
 
-        for n in node_counts:  # warm-up, untimed
-            timed(n)
-        times: dict[int, list[float]] = {n: [] for n in node_counts}
+        shapes = [(b, n) for b in batch_sizes for n in node_counts]
+        for b, n in shapes:  # warm-up, untimed
+            timed(b, n)
+        times: dict[tuple[int, int], list[float]] = {s: [] for s in shapes}
         for _ in range(repeats):
-            for n in node_counts:
-                times[n].append(timed(n))
-        medians = np.maximum.accumulate([statistics.median(times[n]) for n in node_counts])
-        curve = cls(tuple(node_counts), tuple(round(float(m), 3) for m in medians))
+            for s in shapes:
+                times[s].append(timed(*s))
+        rows, floor = [], np.zeros(len(node_counts))
+        for b in batch_sizes:
+            floor = np.maximum(floor, np.maximum.accumulate([statistics.median(times[b, n]) for n in node_counts]))
+            rows.append(tuple(round(float(m), 3) for m in floor))
+        curve = cls(node_counts, rows[0], batch_sizes[1:], tuple(rows[1:]))
         logger.info("verify cost (nodes -> ms): %s", dict(zip(curve.nodes, curve.ms)))
+        for b, r in zip(curve.batches, curve.batch_ms):
+            logger.info("verify cost at batch %d (nodes per sequence -> ms): %s", b, dict(zip(curve.nodes, r)))
         return curve
+
+
+def curve_shapes(device: torch.device | str, tree_budget: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The (query tokens per sequence, batch sizes) that :meth:`VerifyCostCurve.measure` times for
+    an engine whose trees hold at most ``tree_budget`` draft nodes.
+
+    On a CPU, batch 1 only: a forward there costs in proportion to its tokens, so B sequences of
+    n tokens are priced as one of B · n, and a larger batch would add seconds to start-up.  On an
+    accelerator, batches of 4 and 16 as well: a graph-captured forward is flat in its tokens up to
+    some size and the batch-1 curve cannot say where that ends."""
+    sizes = tuple(sorted({1, 2, 4, 8, 16, 32, 48, tree_budget + 1}))
+    return sizes, ((1,) if torch.device(device).type == "cpu" else (1, 4, 16))
 
 
 def node_acceptance_estimates(tree: DraftTree) -> np.ndarray:
@@ -199,13 +270,13 @@ class AdaptiveBudget:
         """Sizes the trees of a whole batch together (one verification forward for all of them).
 
         **Padded** (``packed=False``): the batch is verified with every tree padded
-        to the largest, so a node count n costs ``curve(B · (n + 1))`` query
-        tokens whichever sequences use it: one sequence's seventh node makes all B
+        to the largest, so a node count n costs ``curve.cost(B, n + 1)``
+        (:meth:`VerifyCostCurve.cost`) whichever sequences use it: one sequence's seventh node makes all B
         sequences pay for seven.  Every tree therefore gets the same n (its n
         best nodes in its own rank order, so it stays prefix-closed; fewer if it
         has fewer), and n ≥ ``min_budget`` maximises
 
-            (B + Σ_sequences Σ_{n best nodes} P(node accepted)) / (overhead + curve(B · (n + 1)))
+            (B + Σ_sequences Σ_{n best nodes} P(node accepted)) / (overhead + cost(B, n + 1))
 
         **Packed** (``packed=True``: the target computes only the real nodes,
         :meth:`dart_core.target.TargetModel.forward` ``rows``): every node of every
@@ -245,7 +316,7 @@ class AdaptiveBudget:
         counts = np.arange(min(self.min_budget, max_n), max_n + 1)
         expected = b + cum[:, counts].sum(axis=0)
         padded = 1 + np.minimum(sizes[:, None], counts[None, :]).max(axis=0)  # nodes per tree, root included
-        rate = expected / (self.overhead_ms + self.curve(b * padded))
+        rate = expected / (self.overhead_ms + self.curve.cost(b, padded))
         n = int(counts[int(np.argmax(rate))])  # ties: the smallest tree
         return self._keep_best(trees, orders, probs, [min(n, len(o)) for o in orders])
 
@@ -316,9 +387,10 @@ class AdaptiveBudget:
         Returns:
             n ≥ 1, the chain tokens each sequence verifies (its first n, fewer where its chain is
             shorter), when the expected rate (B + Σ_sequences Σ_{j ≤ n} r_m^j) / (overhead +
-            t_verify(B · (n + 1))) at its best n reaches ``lookup_preference`` × the measured
-            tokens/ms of tree steps at this batch size; 0 when it does not, when no chain has a
-            token, or before any tree step was measured (so the comparison has a reference).
+            t_verify(B, n + 1)) at its best n (:meth:`VerifyCostCurve.cost`) reaches
+            ``lookup_preference`` × the measured tokens/ms of tree steps at this batch size; 0 when
+            it does not, when no chain has a token, or before any tree step was measured (so the
+            comparison has a reference).
         """
         b = len(chains)
         reference = self._tree_rate.get(SpeculationGate.bucket(b))
@@ -332,7 +404,7 @@ class AdaptiveBudget:
                 cum[i, 1:len(est) + 1] = np.cumsum(est)
                 cum[i, len(est) + 1:] = cum[i, len(est)]
         counts = np.arange(1, longest + 1)
-        rate = (b + cum[:, counts].sum(axis=0)) / (self.lookup_overhead_ms + self.curve(b * (counts + 1)))
+        rate = (b + cum[:, counts].sum(axis=0)) / (self.lookup_overhead_ms + self.curve.cost(b, counts + 1))
         best = int(np.argmax(rate))
         return int(counts[best]) if rate[best] >= self.lookup_preference * reference else 0
 

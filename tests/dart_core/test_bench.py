@@ -435,3 +435,14 @@ def test_the_gpu_section_shows_serve_run_on_the_gpu_machine(tmp_path):
     assert serving.markdown_table(served) in text
     (tmp_path / "serving-bf16-graphs-budget60.json").unlink()
     assert "Ray Serve" not in gpu_report.render_gpu_section(tmp_path, tmp_path / "BENCHMARKS.md")
+
+
+def test_the_verify_curve_table_prices_a_batch_by_the_batch1_curve_beside_its_measurement():
+    from dart_core.bench import verify_curve
+
+    result = {"curves": {"dense": {"nodes": [1, 2, 4], "ms": [10.0, 12.0, 16.0], "batches": [2],
+                                   "batch_ms": [[13.0, 20.0, 30.0]]}}}
+    table = verify_curve.markdown_table(result)
+    assert "| query tokens per sequence | dense ms | dense ms, batch 2 | dense ms, batch-1 curve at 2·n |" in table
+    # batch-1 curve at 2, 4 and 8 tokens: 12, 16 and 16 + 2 ms per token beyond 4 = 24
+    assert "| 1 | 10.0 | 13.0 | 12.0 |" in table and "| 4 | 16.0 | 30.0 | 24.0 |" in table

@@ -10,7 +10,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dart_core.budget import AdaptiveBudget, SpeculationGate, VerifyCostCurve, node_acceptance_estimates
+from dart_core.budget import AdaptiveBudget, SpeculationGate, VerifyCostCurve, curve_shapes, node_acceptance_estimates
 from dart_core.engine import DartEngine
 from dart_core.sampling import SamplingParams
 from ngram_service.tree_search import ContextChain
@@ -127,6 +127,33 @@ def test_cost_curve_extrapolates_its_last_slope():
     np.testing.assert_allclose(curve(np.array([1, 6, 8, 12])), [10.0, 20.0, 24.0, 32.0])
 
 
+def test_cost_by_batch_interpolates_the_measured_batch_sizes():
+    flat = VerifyCostCurve((1, 64), (10.0, 10.0))  # batch 1 only: B sequences of n tokens cost as B * n tokens
+    np.testing.assert_allclose(flat.cost(16, np.array([1, 44])), [10.0, 10.0])
+    curve = VerifyCostCurve((1, 64), (10.0, 10.0), batches=(4, 16), batch_ms=((10.0, 12.0), (11.0, 20.0)))
+    np.testing.assert_allclose(curve.cost(1, np.array([1, 64])), [10.0, 10.0])
+    np.testing.assert_allclose(curve.cost(4, np.array([1, 64])), [10.0, 12.0])
+    np.testing.assert_allclose(curve.cost(10, np.array([1, 64])), [10.5, 16.0])  # halfway between 4 and 16
+    np.testing.assert_allclose(curve.cost(28, np.array([64])), [28.0])  # beyond 16: the slope from 4 to 16
+    np.testing.assert_allclose(curve.cost(2, np.array([64])), [32 / 3])  # between batch 1 and 4
+    with pytest.raises(ValueError, match="one row per batch size"):
+        VerifyCostCurve((1, 64), (10.0, 10.0), batches=(4,), batch_ms=((10.0,),))
+    with pytest.raises(ValueError, match="ascending"):
+        VerifyCostCurve((1, 64), (10.0, 10.0), batches=(1,), batch_ms=((10.0, 10.0),))
+
+
+def test_a_batch_costlier_than_the_batch1_curve_shrinks_the_trees():
+    """A GPU-like flat batch-1 curve lets 16 sequences verify their whole trees; the same budget with
+    a measured batch of 16 whose cost grows with the tokens per sequence keeps fewer nodes."""
+    chain = make_tree(list(range(9)), [-1] + list(range(8)), [1.0] + [0.7] * 8)  # P(k-th node) = 0.7^k
+    trees = [chain] * 16
+    flat = AdaptiveBudget(VerifyCostCurve((1, 9), (10.0, 10.0)))
+    batched = AdaptiveBudget(VerifyCostCurve((1, 9), (10.0, 10.0), batches=(16,), batch_ms=((10.0, 26.0),)))
+    assert all(t.num_nodes == 9 for t in flat.select_batch(trees)[0])
+    # 16 (1 + Σ_{k ≤ n} 0.7^k) / (10 + 2 n) is largest at n = 3
+    assert {t.num_nodes for t in batched.select_batch(trees)[0]} == {4}
+
+
 def test_calibration_follows_observations():
     policy = AdaptiveBudget(VerifyCostCurve((1, 64), (10.0, 10.0)), ema=0.5)
     for _ in range(10):
@@ -137,7 +164,12 @@ def test_calibration_follows_observations():
 def test_measured_curve_and_lossless_with_adaptive_budget():
     target = tiny_target("llama", seed=4)
     curve = VerifyCostCurve.measure(target, node_counts=(1, 8, 32), context_len=32, repeats=2)
-    assert curve.nodes == (1, 8, 32) and all(ms > 0 for ms in curve.ms)
+    assert curve.nodes == (1, 8, 32) and all(ms > 0 for ms in curve.ms) and curve.batches == ()
+    both = VerifyCostCurve.measure(target, node_counts=(1, 8), context_len=16, repeats=1, batch_sizes=(3,))
+    assert both.batches == (3,) and len(both.batch_ms[0]) == 2
+    assert all(b >= a > 0 for a, b in zip(both.ms, both.batch_ms[0]))  # a batch never costs less than one sequence
+    assert curve_shapes("cpu", 60) == ((1, 2, 4, 8, 16, 32, 48, 61), (1,))
+    assert curve_shapes("cuda", 60)[1] == (1, 4, 16)
     rng = np.random.default_rng(4)
     prompts = prompts_of(rng, [6, 3])
     sp = SamplingParams(max_new_tokens=30)
