@@ -108,6 +108,10 @@ def _grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     """
     if getattr(module, "dart_row_exact", False) and query.device.type == "cpu" and not dropout \
             and query.shape[2] <= _ROW_EXACT_QUERY:
+        q, t = query.shape[2], key.shape[2]
+        if attention_mask is None and q > 1 and (getattr(module, "is_causal", True) if is_causal is None else is_causal):
+            # no mask means causal (transformers' own forwards, e.g. generate's prefill): the last q of t positions
+            attention_mask = torch.ones(q, t, dtype=torch.bool, device=query.device).tril(t - q)[None, None]
         return _row_exact_attention(query, key, value, attention_mask, scaling), None
     if query.device.type != "cpu" or attention_mask is None or query.shape[2] == 1 or dropout:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

@@ -197,6 +197,24 @@ def test_a_verification_forward_computes_each_position_as_one_token_steps_do(tmp
     assert torch.equal(logits([new[:5], new[5:]]), steps)
 
 
+def test_transformers_own_forward_of_the_4bit_target_stays_causal(tmp_path):
+    """transformers' forwards (``generate``) may pass no mask and mean a causal one; the row-exact
+    attention of a 4-bit target must then mask the future as SDPA does (it once attended to every
+    position, and generate's output was garbage)."""
+    model = tiny_gguf_model(tmp_path / "tiny.gguf", seed=4)
+    quantize_from_gguf(model, tmp_path / "tiny.gguf")
+    ids = torch.tensor([prompts_of(np.random.default_rng(2), [9])[0]])
+    before = model(ids).logits
+    target = TargetModel(model)  # turns on the row-exact attention
+    assert target.row_exact
+    after = model(ids).logits  # transformers' own forward, no explicit mask
+    torch.testing.assert_close(after, before, rtol=1e-3, atol=1e-3)
+    # the last position alone, after the others: the same logits as in the full forward
+    prefix = model(ids[:, :-1], use_cache=True)
+    last = model(ids[:, -1:], past_key_values=prefix.past_key_values).logits[:, -1]
+    torch.testing.assert_close(last, after[:, -1], rtol=1e-3, atol=1e-3)
+
+
 def test_checked_parts_are_cached_and_a_damaged_cache_is_rebuilt(tmp_path, caplog):
     path, cache = tmp_path / "tiny.gguf", tmp_path / "cache" / "int4"
     first = tiny_gguf_model(path)
