@@ -1,9 +1,8 @@
 """Verification forwards replayed as CUDA graphs over a static KV cache.
 
-On a GPU a step of a small target is bound by the host: the first GPU run
-(BENCHMARKS.md, "GPU") measured SmolLM2 steps of 30-40 ms of which the
-kernels took 3-4 ms, about 1,300 kernel launches issued one by one from
-Python.  A CUDA graph records those launches once and replays them in one
+On a GPU a step of a small target is bound by the host: in the first GPU run
+(BENCHMARKS.md, "GPU") the kernels of a SmolLM2 step took a small part of
+it, over a thousand kernel launches issued one by one from Python.  A CUDA graph records those launches once and replays them in one
 call.  A graph replays fixed shapes at fixed addresses, so this module gives
 the target's forward (tree verification and the plain one-token step, which
 is a tree of one node) exactly that:

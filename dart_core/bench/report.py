@@ -174,6 +174,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reuse-decoding", action="store_true",
                     help="take the decoding results from <out>/decoding.json (an earlier run, e.g. one whose "
                          "serving sweep failed) instead of running the decoding benchmark again")
+    ap.add_argument("--reuse-serving", action="store_true",
+                    help="take the serving sweep from <out>/serving.json (an earlier run) instead of serving again")
     ap.add_argument("--out", default=None, help="results folder [bench/results, or bench/results/quick]")
     ap.add_argument("--page", default=None, help="results page [BENCHMARKS.md, or <out>/BENCHMARKS.md with --quick]")
     ap.add_argument("--device", default=None)
@@ -202,7 +204,13 @@ def main(argv=None) -> int:
         decoding.save(dec, out)
     print(decoding.markdown_table(dec))
     srv = None
-    if not args.no_serving:
+    if args.reuse_serving:
+        try:
+            srv = json.loads((out / "serving.json").read_text())
+        except (OSError, ValueError) as e:
+            print(f"error: --reuse-serving needs {out / 'serving.json'} from an earlier run: {e}", file=sys.stderr)
+            return 2
+    elif not args.no_serving:
         srv_cfg = serving.ServingConfig(concurrency=list(preset.concurrency),
                                         requests_per_client=preset.requests_per_client,
                                         max_tokens=preset.serve_max_tokens)

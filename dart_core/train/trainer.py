@@ -89,7 +89,7 @@ class TrainConfig:
     max_minutes: float | None = None  # stop (checkpointed, resumable) after this long: for time-limited machines
     autocast: str = "auto"  # "auto": bf16 on CUDA and on CPUs with native bf16 matmul; "bf16" or "off"
     teacher_dtype: str = "auto"  # the target's dtype for answers and teacher features: "auto" (bf16 on CUDA, fp32 on
-    # a CPU), "float32" or "bfloat16" (about 1.7x faster teacher forwards on a CPU with native bf16 matmul)
+    # a CPU), "float32" or "bfloat16" (faster teacher forwards on a CPU with native bf16 matmul)
     final_norm_twice: bool = False  # train for the reference's lm_head(norm(norm(h))) path instead of lm_head(norm(h))
     init_from: str | None = None  # warm start: a head folder to continue from (same target; its draft vocabulary is kept)
     sequences_per_forward: int | None = None  # sequences padded into one head forward (None: 8 on CUDA, 1 elsewhere)
