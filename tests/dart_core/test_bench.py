@@ -446,3 +446,32 @@ def test_the_verify_curve_table_prices_a_batch_by_the_batch1_curve_beside_its_me
     assert "| query tokens per sequence | dense ms | dense ms, batch 2 | dense ms, batch-1 curve at 2·n |" in table
     # batch-1 curve at 2, 4 and 8 tokens: 12, 16 and 16 + 2 ms per token beyond 4 = 24
     assert "| 1 | 10.0 | 13.0 | 12.0 |" in table and "| 4 | 16.0 | 30.0 | 24.0 |" in table
+
+
+def test_the_schema_set_holds_valid_examples_and_the_grammar_table_reports_every_engine(tmp_path):
+    """Every example instance of the JSON-schema set validates against its schema (jsonschema), and
+    the grammar-engine table has one row per engine, whether measured, missing or failed."""
+    import jsonschema
+
+    from dart_core.bench import grammar_engines
+
+    rows = [json.loads(x) for x in grammar_engines.DEFAULT_SCHEMAS.read_text().splitlines() if x.strip()]
+    assert len(rows) == 20 and len({r["name"] for r in rows}) == 20
+    for r in rows:
+        jsonschema.validate(r["example"], r["schema"])
+        assert r["prompt"]
+    measured = {"installed": True, "version": "1.0", "tokenizer_setup_ms": 12.0, "schemas": 20, "compiled": 20,
+                "examples_accepted": 19, "compile_ms_median": 3.5, "compile_ms_max": 40.0, "mask_us_median": 25.0,
+                "mask_us_p90": 60.0, "masks": 400, "fork_us_median": 2.0, "errors": [],
+                "offers": {"fork": "fork()", "rollback": "rollback(n)", "forced": "ff()"}}
+    table = grammar_engines.markdown_table({"engines": {
+        "xgrammar": measured, "llguidance": {"installed": False},
+        "outlines-core": {"installed": True, "version": "0.2", "error": "TypeError: bad vocabulary"}}})
+    assert "| xgrammar | 1.0 | 12 | 3.5 / 40.0 | 25.0 / 60.0 | 2.0 | 19 of 20 | `fork()` |" in table
+    assert "| llguidance | not installed |" in table and "| outlines-core | 0.2 | failed: TypeError" in table
+    with pytest.raises(ValueError, match="unknown engine"):
+        grammar_engines.measure_engines(engines=("nope",))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"name": "x", "schema": {}}) + "\n")
+    with pytest.raises(ValueError, match="'schema' and 'example'"):
+        grammar_engines.measure_engines(bad, engines=())
