@@ -303,11 +303,9 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "grammar_engines.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "grammar_engines.md").write_text(markdown_table(result))
-    print(markdown_table(result))
+    from dart_core.bench.report import save_table
+
+    save_table(args.out, "grammar_engines", result, markdown_table(result))
     if args.page:
         from dart_core.bench.report import _write_page
 

@@ -148,6 +148,26 @@ def _write_page(page: Path, block: str, start: str = START, end: str = END, head
     page.write_text(text)
 
 
+def _reused(path: Path, flag: str) -> dict | None:
+    """The results of an earlier run that ``flag`` reuses, or None after printing why they cannot be read."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        print(f"error: {flag} needs {path} from an earlier run: {e}", file=sys.stderr)
+        return None
+
+
+def save_table(out: str | Path, name: str, result: dict, table: str) -> Path:
+    """Writes ``<out>/<name>.json`` (the result) and ``<out>/<name>.md`` (``table``), prints the table;
+    returns the folder."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{name}.md").write_text(table)
+    print(table)
+    return out
+
+
 def section_main(argv, prog: str, description: str, write) -> int:
     """The CLI of a page section rendered from a results folder (``gpu_report``, ``cpu_report``):
     ``FOLDER [--page BENCHMARKS.md]``; ``write(folder, page)`` renders it; 2 with a one-line error
@@ -190,10 +210,8 @@ def main(argv=None) -> int:
                                       max_new_tokens=preset.max_new_tokens, repeats=preset.repeats,
                                       device=args.device, dtype=args.dtype)
     if args.reuse_decoding:
-        try:
-            dec = json.loads((out / "decoding.json").read_text())
-        except (OSError, ValueError) as e:
-            print(f"error: --reuse-decoding needs {out / 'decoding.json'} from an earlier run: {e}", file=sys.stderr)
+        dec = _reused(out / "decoding.json", "--reuse-decoding")
+        if dec is None:
             return 2
     else:
         try:
@@ -205,10 +223,8 @@ def main(argv=None) -> int:
     print(decoding.markdown_table(dec))
     srv = None
     if args.reuse_serving:
-        try:
-            srv = json.loads((out / "serving.json").read_text())
-        except (OSError, ValueError) as e:
-            print(f"error: --reuse-serving needs {out / 'serving.json'} from an earlier run: {e}", file=sys.stderr)
+        srv = _reused(out / "serving.json", "--reuse-serving")
+        if srv is None:
             return 2
     elif not args.no_serving:
         srv_cfg = serving.ServingConfig(concurrency=list(preset.concurrency),

@@ -14,10 +14,8 @@ the budget uses where only batch 1 is measured (on a CPU). Writes ``verify_curve
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 __all__ = ["measure_curves", "markdown_table", "main"]
 
@@ -88,11 +86,9 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "verify_curve.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "verify_curve.md").write_text(markdown_table(result))
-    print(markdown_table(result))
+    from dart_core.bench.report import save_table
+
+    save_table(args.out, "verify_curve", result, markdown_table(result))
     return 0
 
 
