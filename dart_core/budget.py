@@ -50,7 +50,7 @@ import torch
 
 from dart_core.kv_cache import cache_mask
 from dart_core.speculative import LOOKUP_PREFERENCE
-from dart_core.target import TargetCache, TargetModel
+from dart_core.target import TargetCache, TargetModel, sync_device
 from ngram_service.tree_search import ContextChain, DraftTree
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class VerifyCostCurve:
     each (the padded layout of :meth:`AdaptiveBudget.select_batch`).  :meth:`cost` prices a batch
     with them; without them it prices B sequences of n tokens as one of B · n (the linear layers
     see B · n rows), which on a GPU, where the batch-1 curve is flat up to its last size, priced
-    a 16-sequence step of about 700 tokens like one token (BENCHMARKS.md "GPU", fifth run).
+    a 16-sequence step of several hundred tokens like one token (BENCHMARKS.md "GPU", fifth run).
     """
 
     nodes: tuple[int, ...]
@@ -161,12 +161,10 @@ class VerifyCostCurve:
             cache = caches[b]
             ids, pos, chain = inputs[b, n]
             mask = cache_mask(cache.lengths, cache.padded_length, chain, target.dtype)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            sync_device(device)
             t0 = time.perf_counter()
             target.forward(ids, pos, mask, cache)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            sync_device(device)
             ms = 1e3 * (time.perf_counter() - t0)
             cache.compact(torch.zeros(b, 0, dtype=torch.long, device=device),
                           torch.zeros(b, dtype=torch.long, device=device))  # drop the tree again

@@ -327,11 +327,12 @@ class _Bench:
             kwargs |= dict(do_sample=False, temperature=None, top_p=None, top_k=None)
         if method == "hf-prompt-lookup":
             kwargs["prompt_lookup_num_tokens"] = cfg.prompt_lookup_num_tokens
+        from dart_core.target import sync_device
+
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = self.hf.generate(x, **kwargs)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync_device(device)
         seconds = time.perf_counter() - t0
         return _Run(out[0, len(ids):].tolist(), seconds)
 
