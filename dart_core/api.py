@@ -29,6 +29,7 @@ from dart_core.budget import AdaptiveBudget, SpeculationGate, VerifyCostCurve, c
 from dart_core.detokenizer import IncrementalDetokenizer
 from dart_core.draft_head import DartDraftHead, DraftHeadConfig, load_draft_head
 from dart_core.engine import DartEngine, GenerationResult
+from dart_core.grammar import Grammar, GrammarCompiler, GrammarSpec
 from dart_core.sampling import SamplingParams
 from dart_core.speculative import SpeculativeConfig
 from dart_core.target import TargetModel, can_pack, pack_linears
@@ -123,6 +124,7 @@ class DartModel:
     def __init__(self, engine: DartEngine, tokenizer) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        self._grammars: GrammarCompiler | None = None  # made at the first compile_grammar
 
     @classmethod
     def from_pretrained(
@@ -301,17 +303,34 @@ class DartModel:
 
     def sampling_params(self, *, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                         top_k: int = 0, seed: int | None = None, stop_token_ids: Sequence[int] | None = None,
-                        logprobs: int | None = None) -> SamplingParams:
+                        logprobs: int | None = None, grammar: "Grammar | GrammarSpec | None" = None
+                        ) -> SamplingParams:
         """:class:`SamplingParams` for this model: generation stops at its EOS token unless
-        ``stop_token_ids`` says otherwise.
+        ``stop_token_ids`` says otherwise; ``grammar`` (structured output) is compiled here when
+        given as a :class:`~dart_core.grammar.GrammarSpec` (see :meth:`compile_grammar`).
 
         Raises:
-            ValueError: a value out of range.
+            ValueError: a value out of range; GrammarError (a ValueError) for a grammar that
+                does not compile.
         """
+        if isinstance(grammar, GrammarSpec):
+            grammar = self.compile_grammar(grammar)
         return SamplingParams.stopping_at(
             self.tokenizer.eos_token_id, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-            top_k=top_k, seed=seed, logprobs=logprobs,
+            top_k=top_k, seed=seed, logprobs=logprobs, grammar=grammar,
             stop_token_ids=None if stop_token_ids is None else tuple(stop_token_ids))
+
+    def compile_grammar(self, spec: GrammarSpec) -> Grammar:
+        """Compiles a structured-output constraint for this model's tokenizer (cached by spec):
+        ``model.sampling_params(grammar=model.compile_grammar(GrammarSpec.json_schema(schema)))``.
+
+        Raises:
+            GrammarError: as :meth:`~dart_core.grammar.GrammarCompiler.compile`.
+            ImportError: llguidance is not installed.
+        """
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.engine.target.config.vocab_size)
+        return self._grammars.compile(spec)
 
     def generate(self, inputs: Prompt | Sequence[Prompt], *, max_new_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,

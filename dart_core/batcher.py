@@ -35,11 +35,12 @@ import queue
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable, Iterator
 
 from dart_core.detokenizer import IncrementalDetokenizer
 from dart_core.engine import DartEngine, NewSequence, StepOutput, TokenLogprobs
+from dart_core.grammar import Grammar, GrammarCompiler, GrammarError
 from dart_core.request import GenerationChunk, GenerationRequest, InvalidRequest, TokenLogprob
 from dart_core.sampling import SamplingParams
 
@@ -57,12 +58,16 @@ class BatcherConfig:
     speculative: bool = True  # False: every step autoregressive (the baseline)
     default_max_tokens: int = 256  # when a request gives none
     max_tokens_limit: int = 2048  # the largest a request may ask for
+    grammar_timeout_s: float = 10.0  # structured output: a grammar that takes longer to compile is refused
+    max_grammar_chars: int = 65536  # structured output: longer schemas / regexes / choice lists are refused
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.default_max_tokens < 1 or self.max_tokens_limit < 1:
             raise ValueError("max_batch_size, default_max_tokens and max_tokens_limit must be >= 1")
         if self.max_speculative_batch is not None and self.max_speculative_batch < 1:
             raise ValueError("max_speculative_batch must be None or >= 1")
+        if not self.grammar_timeout_s > 0 or self.max_grammar_chars < 1:
+            raise ValueError("grammar_timeout_s must be > 0 and max_grammar_chars >= 1")
 
 
 class BatcherObserver:
@@ -79,12 +84,20 @@ class BatcherObserver:
 
 
 def encode_prompt(tokenizer, request: GenerationRequest) -> list[int]:
-    """Token ids of a request: a text prompt as is, messages through the chat template.
+    """Token ids of a request: token ids as they are, a text prompt as is, messages through the
+    chat template.
 
     Raises:
-        InvalidRequest: the chat template refuses the messages, or the prompt encodes to nothing.
+        InvalidRequest: the chat template refuses the messages, the prompt encodes to nothing,
+            or a prompt token id is outside the vocabulary.
     """
-    if request.messages is not None:
+    if request.prompt_token_ids is not None:
+        ids = list(request.prompt_token_ids)
+        vocab = len(tokenizer)
+        bad = [t for t in ids if t >= vocab]
+        if bad:
+            raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary of {vocab}")
+    elif request.messages is not None:
         try:
             ids = list(tokenizer.apply_chat_template(request.chat(), add_generation_prompt=True, tokenize=True,
                                                      return_dict=True)["input_ids"])
@@ -193,6 +206,8 @@ class ContinuousBatcher:
         self._incoming: queue.Queue[_Request] = queue.Queue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -237,6 +252,8 @@ class ContinuousBatcher:
         max_tokens = request.max_tokens or min(cfg.default_max_tokens, cfg.max_tokens_limit)
         if max_tokens > cfg.max_tokens_limit:
             raise InvalidRequest(f"max_tokens {max_tokens} is above this server's limit of {cfg.max_tokens_limit}")
+        if request.min_tokens > max_tokens:
+            raise InvalidRequest(f"min_tokens {request.min_tokens} is above max_tokens ({max_tokens})")
         try:
             eos = self.tokenizer.eos_token_id
             stop_ids = tuple(dict.fromkeys(([] if eos is None or request.ignore_eos else [int(eos)])
@@ -245,6 +262,29 @@ class ContinuousBatcher:
                                   top_p=request.top_p, top_k=request.top_k, seed=request.seed,
                                   logprobs=request.logprobs, stop_token_ids=stop_ids)
         except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+
+    def grammar(self, request: GenerationRequest) -> Grammar | None:
+        """The request's compiled grammar (structured output; cached by spec), None without one.
+
+        Raises:
+            InvalidRequest: the grammar does not compile, is over ``max_grammar_chars`` or took
+                over ``grammar_timeout_s`` to compile, or llguidance is not installed.
+        """
+        if request.grammar is None:
+            return None
+        with self._grammars_lock:
+            if self._grammars is None:
+                try:
+                    self._grammars = GrammarCompiler(self.tokenizer, self.engine.target.config.vocab_size,
+                                                     timeout_s=self.config.grammar_timeout_s,
+                                                     max_spec_chars=self.config.max_grammar_chars)
+                except ImportError:
+                    raise InvalidRequest("structured output needs llguidance on the server "
+                                         "(pip install llguidance)") from None
+        try:
+            return self._grammars.compile(request.grammar)
+        except GrammarError as e:
             raise InvalidRequest(str(e)) from None
 
     def submit(self, request: GenerationRequest, sink: Sink) -> RequestHandle:
@@ -257,7 +297,7 @@ class ContinuousBatcher:
         if not self.alive or self._stop.is_set():
             raise RuntimeError("the batcher is not running (call start())")
         ids = encode_prompt(self.tokenizer, request)
-        sampling = self.sampling_params(request, len(ids))
+        sampling = replace(self.sampling_params(request, len(ids)), grammar=self.grammar(request))
         detok = IncrementalDetokenizer(self.tokenizer, request.stop, skip_special_tokens=request.skip_special_tokens,
                                        include_stop=request.include_stop_str_in_output)
         req = _Request(ids, sampling, request.speculative, detok, sink)
@@ -284,6 +324,8 @@ class ContinuousBatcher:
         """:meth:`generate` for asyncio: the chunks arrive on the running event loop; a
         consumer that stops early (or is cancelled) cancels the request."""
         loop = asyncio.get_running_loop()
+        if request.grammar is not None:  # compiled off the event loop (then cached for submit)
+            await asyncio.to_thread(self.grammar, request)
         box: asyncio.Queue = asyncio.Queue()
         with _cancel_unless_done(self.submit(request, lambda item: loop.call_soon_threadsafe(box.put_nowait, item))):
             while True:

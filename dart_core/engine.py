@@ -41,7 +41,7 @@ from dart_core.kv_cache import HeadKVCache, cache_mask, compaction_plan_host
 from dart_core.sampling import SamplingParams, target_probs
 from dart_core.target import TargetCache, TargetModel
 from dart_core.target import sync_device as _sync
-from dart_core.verify import Acceptance, accept_greedy, accept_greedy_batch, accept_sampling
+from dart_core.verify import Acceptance, accept_constrained, accept_greedy, accept_greedy_batch, accept_sampling
 from ngram_service.client import InProcessTreeSearch, TreeSearchClient
 from ngram_service.context import ContextIndex
 from ngram_service.tree_search import DraftTree, SearchParams
@@ -112,6 +112,7 @@ class GenerationResult:
     target_forwards: int = 0  # decoding steps after prefill
     emitted_after_prefill: int = 0  # tokens emitted by those steps, summed over sequences
     sequence_steps: int = 0  # (sequence, step) pairs after prefill
+    verified_nodes: int = 0  # tree nodes the target verified after prefill, roots included, over sequences
     phase_ms: dict[str, float] = field(default_factory=lambda: {"draft": 0.0, "tree_search": 0.0, "verify": 0.0,
                                                                  "total": 0.0})
 
@@ -191,6 +192,9 @@ class DartEngine:
         # one verification budget pooled across the batch, verified without computing padding
         # (packed_verification); off by default: not measured faster yet (bench/results/pooled_budget)
         self.pooled_budget = False
+        # structured output: draft trees cut to what the grammar allows, with the tokens it forces added
+        # (GrammarState.draft_tree); False leaves the trees as drafted (verification masks either way)
+        self.grammar_drafting = True
         self.context_window = context_window
         self.context_order = context_order
         if lookup_length < 0:
@@ -226,6 +230,7 @@ class DartEngine:
                     result.sequence_steps += 1
             if any(step.accepted_lengths):
                 result.target_forwards += 1
+                result.verified_nodes += sum(step.draft_nodes) + len(step.seq_ids)
             for name, ms in (("draft", step.draft_ms), ("tree_search", step.tree_search_ms),
                              ("verify", step.verify_ms), ("total", step.step_ms)):
                 result.phase_ms[name] += ms
@@ -323,7 +328,8 @@ class DartEngine:
         rows = torch.arange(len(prompts), device=device)
         gens = [torch.Generator().manual_seed(x.sampling.seed if x.sampling.seed is not None
                                               else int(torch.seed() % (1 << 63))) for x in joining]
-        first = self._sample_rows(out.logits[rows, last], [x.sampling for x in joining], gens)
+        grammars = [x.sampling.grammar.start() if x.sampling.grammar is not None else None for x in joining]
+        first = self._sample_rows(out.logits[rows, last], [x.sampling for x in joining], gens, grammars)
         new = _BatchState(seq_ids=ids, tokens=[list(p) for p in prompts], produced=[0] * len(prompts),
                           samplings=[x.sampling for x in joining], generators=gens, cache=cache,
                           pend_taps=out.taps[:, :0], pend_next=[[] for _ in prompts],
@@ -331,7 +337,7 @@ class DartEngine:
                           pend_count=torch.zeros(len(prompts), dtype=torch.long, device=device),
                           head_cache=None, reasons=[None] * len(prompts),
                           spec_ok=[x.speculative for x in joining],
-                          context=[self._new_context(p) for p in prompts])
+                          context=[self._new_context(p) for p in prompts], grammars=grammars)
         # the prompt's positions feed the first draft (rows that opted out keep none)
         new.add_pending(out.taps, torch.arange(out.taps.shape[1], device=device)[None, :].expand(len(prompts), -1),
                         cache.lengths, [p[1:] + [f] for p, f in zip(prompts, first)])
@@ -380,6 +386,10 @@ class DartEngine:
         trees, predicted = proposal.trees, None
         if proposal.kind == "tree" and self.budget is not None:
             trees, predicted = self.budget.select_batch(trees, packed=self.packed_verification)
+        if self.grammar_drafting and proposal.kind != "none" and any(g is not None for g in state.grammars):
+            # grammar-aware drafting: forbidden nodes out, forced tokens in (the plain step stays plain)
+            trees = [tr if g is None else g.draft_tree(tr, self.search_params.budget)
+                     for tr, g in zip(trees, state.grammars)]
         # never draft past max_new_tokens or the context window
         trees = [tr.clip_depth(min(state.samplings[i].max_new_tokens - state.produced[i] - 1,
                                    self.target.max_context - len(state.tokens[i])))
@@ -401,7 +411,7 @@ class DartEngine:
         trees, n, b_size = draft.trees, draft.num_nodes, len(state.seq_ids)
         speculative, lookup = proposal.kind != "none", proposal.kind == "lookup"
         cache = state.cache
-        accepted, path = self._accept(trees, draft, out.logits, state.samplings, state.generators)
+        accepted, path = self._accept(trees, draft, out.logits, state.samplings, state.generators, state.grammars)
         counts_host = [len(acc.path) for acc in accepted]
         a_max = max(counts_host)
         path = path[:, :a_max]  # [B, A] accepted node indices (0 past each row's count)
@@ -416,7 +426,7 @@ class DartEngine:
             if lookup:
                 if tr.num_nodes > 1:
                     self.budget.observe_lookup(proposal.chains[i].match_length, tr.num_nodes - 1, len(drafted))
-            elif predicted is not None:
+            elif predicted is not None and state.grammars[i] is None:  # a grammar reshaped the tree
                 self.budget.observe(predicted[i], len(drafted), proposal.draft_ms + proposal.search_ms)
             nexts.append(drafted + [acc.bonus])
             emitted, state.reasons[i] = self._emit(state, i, drafted + [acc.bonus])
@@ -485,16 +495,22 @@ class DartEngine:
             if state.produced[i] >= sampling.max_new_tokens or len(seq) >= self.target.max_context:
                 reason = "length"
                 break
+        if reason is None and state.grammars[i] is not None and state.grammars[i].stopped:
+            reason = "stop"  # the grammar is complete (its EOS consumed, even with ignore_eos)
         if state.context[i] is not None:
             state.context[i].append(out)  # one call per step: the index sees what the sequence kept
         return out, reason
 
     def _sample_rows(self, logits: torch.Tensor, samplings: list[SamplingParams],
-                     generators: list[torch.Generator]) -> list[int]:
-        """[B, V] logits -> one token per row (argmax at temperature 0), each row with its own parameters."""
+                     generators: list[torch.Generator], grammars: list) -> list[int]:
+        """[B, V] logits -> one token per row (argmax at temperature 0), each row with its own parameters
+        (and its grammar state, which the token advances)."""
         out = logits.argmax(-1).tolist()
         for i, s in enumerate(samplings):
-            if not s.greedy:
+            if grammars[i] is not None:
+                out[i] = accept_constrained(np.zeros(1, dtype=np.int64), np.array([-1]), logits[i][None], s,
+                                            generators[i], grammars[i]).bonus
+            elif not s.greedy:
                 probs = target_probs(logits[i], s).double().cpu()
                 out[i] = int(torch.multinomial(probs, 1, generator=generators[i])[0])
         return out
@@ -558,21 +574,25 @@ class DartEngine:
         return host[0].astype(np.int64), host[1].view(np.float32)
 
     def _accept(self, trees: list[DraftTree], batch: DraftBatch, logits: torch.Tensor,
-                samplings: list[SamplingParams], generators: list[torch.Generator]
+                samplings: list[SamplingParams], generators: list[torch.Generator], grammars: list
                 ) -> tuple[list[Acceptance], torch.Tensor]:
         """Each sequence's accepted path and bonus token, and the paths [B, N] on the device.
 
-        An all-greedy batch is accepted on the device (:func:`~dart_core.verify.accept_greedy_batch`)
-        and read back in one copy; a batch with sampling rows goes through the host, row by row."""
+        An all-greedy, unconstrained batch is accepted on the device
+        (:func:`~dart_core.verify.accept_greedy_batch`) and read back in one copy; a batch with
+        sampling or grammar rows goes through the host, row by row (a grammar row masks the nodes
+        its walk visits: :func:`~dart_core.verify.accept_constrained`)."""
         device = logits.device
-        if all(s.greedy for s in samplings):
+        if all(s.greedy for s in samplings) and all(g is None for g in grammars):
             path, counts, bonus = accept_greedy_batch(batch.tokens, batch.parents, batch.depths, batch.counts,
                                                       batch.tree_mask, logits.argmax(-1))
             width = batch.max_depth + 1
             host = torch.cat([counts[:, None], bonus[:, None], path[:, :width]], dim=1).cpu().numpy()  # one read
             return [Acceptance(row[2: 2 + row[0]].tolist(), int(row[1])) for row in host], path
         argmax = logits.argmax(-1).cpu().numpy()  # [B, N]
-        accepted = [accept_greedy(tr.tokens, tr.parents, argmax[i]) if samplings[i].greedy else
+        accepted = [accept_constrained(tr.tokens, tr.parents, logits[i, : tr.num_nodes], samplings[i],
+                                       generators[i], grammars[i]) if grammars[i] is not None else
+                    accept_greedy(tr.tokens, tr.parents, argmax[i]) if samplings[i].greedy else
                     accept_sampling(tr.tokens, tr.parents, logits[i, : tr.num_nodes], samplings[i], generators[i])
                     for i, tr in enumerate(trees)]
         path = np.zeros((len(trees), batch.num_nodes), dtype=np.int64)
@@ -643,6 +663,7 @@ class _BatchState:
     spec_ok: list[bool]  # per row: may this sequence's steps speculate (NewSequence.speculative)
     context: list[ContextIndex | None]  # per row: its prompt + accepted tokens indexed (None: not used)
     speculative: bool = False
+    grammars: list = field(default_factory=list)  # per row: its GrammarState (structured output) or None
 
     @classmethod
     def empty(cls, speculative: bool) -> "_BatchState":
@@ -662,6 +683,7 @@ class _BatchState:
         self.reasons += new.reasons
         self.spec_ok += new.spec_ok
         self.context += new.context
+        self.grammars += new.grammars
         self.pend_next += new.pend_next
         old, nc = self.cache, new.cache
         for lo, ln in zip(old.cache.layers, nc.cache.layers):
@@ -680,7 +702,7 @@ class _BatchState:
         if len(rows) == len(self.seq_ids):
             return
         for name in ("seq_ids", "tokens", "produced", "samplings", "generators", "reasons", "spec_ok", "pend_next",
-                     "context"):
+                     "context", "grammars"):
             setattr(self, name, [getattr(self, name)[i] for i in rows])
         if not rows:
             self.cache = self.head_cache = self.pend_taps = self.pend_pos = self.pend_count = None

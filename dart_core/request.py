@@ -19,11 +19,14 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
+from dart_core.grammar import GrammarSpec
+
 __all__ = ["InvalidRequest", "ChatMessage", "GenerationRequest", "TokenLogprob", "GenerationChunk",
-           "MAX_STOP_STRINGS", "MAX_TOP_LOGPROBS"]
+           "MAX_STOP_STRINGS", "MAX_TOP_LOGPROBS", "SEED_MIN", "SEED_MAX"]
 
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # a 64-bit signed seed, as vLLM takes
 FINISH_REASONS = ("stop", "length")
 
 
@@ -57,12 +60,13 @@ class GenerationRequest:
     Fields are validated on construction.
 
     Raises:
-        InvalidRequest: neither or both of ``prompt`` and ``messages``; an
+        InvalidRequest: not exactly one of ``prompt``, ``messages`` and ``prompt_token_ids``; an
             empty prompt; a field of the wrong type or out of range.
     """
 
     prompt: str | None = None  # plain text, tokenised as is (no chat template)
     messages: tuple[ChatMessage, ...] | None = None  # rendered with the model's chat template
+    prompt_token_ids: tuple[int, ...] | None = None  # token ids, used as they are
     max_tokens: int | None = None  # None: the server's default
     temperature: float = 0.0  # 0 = greedy: exactly the target's greedy output
     top_p: float = 1.0
@@ -77,10 +81,18 @@ class GenerationRequest:
     skip_special_tokens: bool = True  # leave special tokens out of the text
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text
     min_tokens: int = 0  # honoured only where nothing can stop earlier (see __post_init__)
+    grammar: GrammarSpec | None = None  # structured output: what every generated token must follow
 
     def __post_init__(self) -> None:
-        _require((self.prompt is None) != (self.messages is None), "give either a prompt or messages, not both")
-        if self.prompt is not None:
+        given = sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids))
+        _require(given == 1, "give exactly one of a prompt, messages or prompt token ids"
+                 if given else "give either a prompt or messages")
+        if self.prompt_token_ids is not None:
+            ids = tuple(self.prompt_token_ids)
+            _require(len(ids) > 0, "the prompt is empty")
+            _require(all(_is_int(t) and t >= 0 for t in ids), "prompt token ids must be integers >= 0")
+            object.__setattr__(self, "prompt_token_ids", ids)
+        elif self.prompt is not None:
             _require(isinstance(self.prompt, str), "prompt must be text")
             _require(len(self.prompt) > 0, "the prompt is empty")
         else:
@@ -94,7 +106,8 @@ class GenerationRequest:
         _require(_is_number(self.temperature) and self.temperature >= 0, "temperature must be >= 0")
         _require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]")
         _require(_is_int(self.top_k) and self.top_k >= 0, "top_k must be an integer >= 0")
-        _require(self.seed is None or _is_int(self.seed), "seed must be an integer")
+        _require(self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
+                 f"seed must be an integer in {SEED_MIN}..{SEED_MAX} (64-bit)")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         _require(all(isinstance(s, str) for s in stop), "stop must be strings")
         stop = tuple(s for s in stop if s)
@@ -114,6 +127,7 @@ class GenerationRequest:
         _require(self.min_tokens == 0 or (self.ignore_eos and not ids and not stop),
                  "min_tokens > 0 is supported only with ignore_eos: true and no stop strings or stop_token_ids")
         _require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens")
+        _require(self.grammar is None or isinstance(self.grammar, GrammarSpec), "grammar must be a GrammarSpec")
 
     def chat(self) -> list[dict] | None:
         """The messages as the chat template takes them (None for a text prompt)."""

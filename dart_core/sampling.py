@@ -25,6 +25,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # EOS and the like; included in the output
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: each emitted token's log-probability and the k most likely
+    # structured output: a compiled dart_core.grammar.Grammar every emitted token follows (None: unconstrained)
+    grammar: object | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:

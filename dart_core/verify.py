@@ -26,7 +26,8 @@ import torch
 
 from dart_core.sampling import SamplingParams, target_probs
 
-__all__ = ["Acceptance", "children_lists", "accept_greedy", "accept_greedy_batch", "accept_sampling"]
+__all__ = ["Acceptance", "children_lists", "accept_greedy", "accept_greedy_batch", "accept_sampling",
+           "accept_constrained"]
 
 
 @dataclass(frozen=True)
@@ -43,17 +44,27 @@ def children_lists(parents: np.ndarray) -> list[list[int]]:
     return kids
 
 
-def accept_greedy(tokens: np.ndarray, parents: np.ndarray, argmax: np.ndarray) -> Acceptance:
-    """tokens/parents/argmax: [N]; argmax[i] is the target's greedy token after node i."""
+def _walk(tokens: np.ndarray, parents: np.ndarray, choose) -> Acceptance:
+    """The acceptance walk from the root: ``choose(node, children)`` returns the accepted child
+    (a node index) or ``(None, bonus token)``; every rule below is one ``choose``."""
     kids = children_lists(parents)
     path = [0]
     cur = 0
     while True:
-        nxt = next((c for c in kids[cur] if tokens[c] == argmax[cur]), None)
-        if nxt is None:
-            return Acceptance(path, int(argmax[cur]))
-        path.append(nxt)
-        cur = nxt
+        accepted, bonus = choose(cur, kids[cur])
+        if accepted is None:
+            return Acceptance(path, int(bonus))
+        path.append(accepted)
+        cur = accepted
+
+
+def accept_greedy(tokens: np.ndarray, parents: np.ndarray, argmax: np.ndarray) -> Acceptance:
+    """tokens/parents/argmax: [N]; argmax[i] is the target's greedy token after node i."""
+    def choose(cur, kids):
+        nxt = next((c for c in kids if tokens[c] == argmax[cur]), None)
+        return (nxt, None) if nxt is not None else (None, argmax[cur])
+
+    return _walk(tokens, parents, choose)
 
 
 def accept_greedy_batch(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, num_nodes: torch.Tensor,
@@ -89,27 +100,60 @@ def accept_greedy_batch(tokens: torch.Tensor, parents: torch.Tensor, depths: tor
     return path[:, :n], counts, argmax.gather(1, leaf[:, None])[:, 0]
 
 
+def _sample_children(p: torch.Tensor, kids: list[int], tokens: np.ndarray, generator: torch.Generator):
+    """Multi-candidate rejection sampling at one node (module docstring): ``p`` [V] float64 on the
+    CPU, the target's distribution there (modified in place).  Returns (accepted child, None) or
+    (None, the bonus token drawn from the residual)."""
+    for c in kids:
+        x = int(tokens[c])
+        if torch.rand((), generator=generator, dtype=torch.float64).item() < p[x].item():
+            return c, None
+        p[x] = 0.0
+        total = p.sum()
+        if total <= 0:  # x held all the mass but rounding rejected it: it is the target's token
+            return c, None
+        p /= total
+    return None, int(torch.multinomial(p, 1, generator=generator).item())
+
+
 def accept_sampling(tokens: np.ndarray, parents: np.ndarray, logits: torch.Tensor, params: SamplingParams,
                     generator: torch.Generator) -> Acceptance:
     """logits: [N, V] target logits at every node (any device); draws use ``generator`` (CPU)."""
-    kids = children_lists(parents)
-    path = [0]
-    cur = 0
-    while True:
-        p = target_probs(logits[cur], params).double().cpu()  # [V]
-        accepted = None
-        for c in kids[cur]:
-            x = int(tokens[c])
-            if torch.rand((), generator=generator, dtype=torch.float64).item() < p[x].item():
-                accepted = c
-                break
-            p[x] = 0.0
-            total = p.sum()
-            if total <= 0:  # x held all the mass but rounding rejected it: it is the target's token
-                accepted = c
-                break
-            p /= total
-        if accepted is None:
-            return Acceptance(path, int(torch.multinomial(p, 1, generator=generator).item()))
-        path.append(accepted)
-        cur = accepted
+    return _walk(tokens, parents, lambda cur, kids: _sample_children(
+        target_probs(logits[cur], params).double().cpu(), kids, tokens, generator))
+
+
+def accept_constrained(tokens: np.ndarray, parents: np.ndarray, logits: torch.Tensor, params: SamplingParams,
+                       generator: torch.Generator, grammar) -> Acceptance:
+    """Acceptance under a grammar (structured output): at every node the walk visits, the target's
+    logits are masked by the grammar state after that node's path before the rule of
+    ``params`` applies — greedy argmax, or rejection sampling on the masked, renormalised
+    distribution (the grammar masks before temperature, top-k and top-p, as a logits processor
+    does in Hugging Face's ``generate``).  The output is then that of constrained plain decoding:
+    equal at temperature 0, equally distributed otherwise.
+
+    ``grammar`` (a :class:`~dart_core.grammar.GrammarState`) advances over every accepted token
+    and the bonus token.  An accepted node whose token ends the grammar (its EOS) ends the walk:
+    that token becomes the bonus token, since nothing may follow it.
+
+    Args:
+        tokens, parents: [N] the tree; logits: [N, V] target logits at every node (any device).
+
+    Returns:
+        the :class:`Acceptance`; only the nodes visited are masked (at most the path's length + 1
+        masks per step, not one per node).
+    """
+    def choose(cur, kids):
+        row = grammar.mask_logits(logits[cur])
+        if params.greedy:
+            x = int(row.argmax())
+            nxt = next((c for c in kids if tokens[c] == x), None)
+        else:
+            nxt, x = _sample_children(target_probs(row, params).double().cpu(), kids, tokens, generator)
+            x = int(tokens[nxt]) if nxt is not None else x
+        grammar.consume(x)
+        if nxt is not None and grammar.stopped:  # the grammar's end: the node's token is the last one
+            return None, x
+        return (nxt, None) if nxt is not None else (None, x)
+
+    return _walk(tokens, parents, choose)

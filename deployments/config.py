@@ -87,6 +87,10 @@ class AppConfig(BaseModel):
                                                                    "autoregressive (speculation stops paying)")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
     max_tokens_limit: int = Field(2048, ge=1, description="largest max_tokens a request may ask for")
+    grammar_timeout_s: float = Field(10.0, gt=0, description="structured output: a schema, regex or choice list "
+                                                            "that takes longer to compile is refused (400)")
+    max_grammar_chars: int = Field(65536, ge=1, description="structured output: longer schemas, regexes or "
+                                                           "choice lists are refused (400)")
     api_key_env: str = Field("DART_API_KEY", description="environment variable with an optional API key; when set, "
                                                          "requests need `Authorization: Bearer <key>`")
     # the rest of dart_core.speculative.SpeculativeConfig: null keeps its default; validated there (below)

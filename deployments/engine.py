@@ -132,7 +132,8 @@ class DartEngineDeployment:
         self.batcher = ContinuousBatcher(self.model.engine, self.model.tokenizer, BatcherConfig(
             max_batch_size=cfg.max_batch_size, max_speculative_batch=cfg.max_speculative_batch,
             speculative=cfg.speculative, default_max_tokens=cfg.default_max_tokens,
-            max_tokens_limit=cfg.max_tokens_limit), observer=_Metrics(self.tree_search)).start()
+            max_tokens_limit=cfg.max_tokens_limit, grammar_timeout_s=cfg.grammar_timeout_s,
+            max_grammar_chars=cfg.max_grammar_chars), observer=_Metrics(self.tree_search)).start()
         logger.info("DART engine ready: %s, head %s, speculative %s, max batch %d", self.name,
                     "none" if self.model.engine.head is None else "loaded", cfg.speculative, cfg.max_batch_size)
 

@@ -13,8 +13,11 @@ log-probabilities.  ``GET /`` and ``GET /compare`` serve the compare page
 package).  Every request becomes a validated
 :class:`dart_core.request.GenerationRequest` before it reaches the engine,
 and every field the server would not honour is refused: an OpenAI field it
-does not implement (penalties, logit bias, tools, response formats other than
-text, n > 1, ...) unless it has its neutral value, and any unknown field.
+does not implement (penalties, logit bias, tools, n > 1, ...) unless it has
+its neutral value, and any unknown field.  Structured output:
+``response_format`` (``json_object``, ``json_schema``) and vLLM's
+``guided_json`` / ``guided_regex`` / ``guided_choice`` become a
+:class:`dart_core.grammar.GrammarSpec`, compiled on the engine replica.
 Errors use the OpenAI error body ``{"error": {"message", "type", "param",
 "code"}}``, for whatever fails — a body that is not JSON or not UTF-8, an
 unknown route, invalid parameters → 400/404/405, unknown model → 404,
@@ -38,7 +41,7 @@ import os
 import time
 import uuid
 from importlib import resources
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -48,7 +51,9 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dart_core.request import MAX_TOP_LOGPROBS, ChatMessage, GenerationChunk, GenerationRequest, InvalidRequest
+from dart_core.grammar import GrammarError, GrammarSpec
+from dart_core.request import (MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN, ChatMessage, GenerationChunk, GenerationRequest,
+                               InvalidRequest)
 from deployments.config import AppConfig
 from deployments.engine import DartEngineDeployment
 
@@ -60,19 +65,107 @@ app = FastAPI(title="dart-serve", description="DART speculative decoding, OpenAI
 # -- OpenAI request schemas ---------------------------------------------------------
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict] = Field(description="text, or OpenAI content parts of type text")
+    type: Literal["text"] = Field(description="only text parts are supported")
+    text: str
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    content: str | list[TextPart] = Field(description="text, or OpenAI content parts of type text")
     name: str | None = Field(None, description="accepted; not passed to the chat template")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data):
+        return _without_nulls(cls, data)
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class SystemMessage(_Message):
+    role: Literal["system"]
+
+
+class DeveloperMessage(_Message):
+    role: Literal["developer"]
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+
+
+class AssistantMessage(_Message):
+    role: Literal["assistant"]
+    content: str | list[TextPart] = Field(description="the assistant's text (tool calls are not supported, so "
+                                                      "it is required)")
+    refusal: str | None = Field(None, description="accepted; not passed to the chat template")
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    tool_call_id: str = Field(description="the tool call this message answers")
+
+
+#: OpenAI's message types, told apart by ``role``; each has its own required fields
+Message = Annotated[SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage,
+                    Field(discriminator="role")]
+
+
+def _without_nulls(model: type[BaseModel], data):
+    """A request body with explicit nulls of known fields dropped, so they read as "not set" (what
+    OpenAI's API does with null for an optional field); unknown fields are kept, and refused."""
+    if not isinstance(data, dict):
+        return data
+    known = set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+    known |= set(getattr(model, "_NEUTRAL_ONLY", ()))
+    return {k: v for k, v in data.items() if not (v is None and k in known)}
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = Field(False, description="a last chunk with the usage (and the dart statistics)")
     continuous_usage_stats: bool = Field(False, description="vLLM extension: every chunk carries the usage so far")
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$", description="the schema's name (OpenAI's rule: "
+                                                                      "letters, digits, _ and -, up to 64)")
+    description: str | None = Field(None, description="accepted; not given to the model")
+    json_schema: dict | None = Field(None, alias="schema", description="the JSON schema the output follows "
+                                                                       "(absent: any JSON object)")
+    strict: bool | None = Field(None, description="true: a schema with keywords the grammar cannot enforce is "
+                                                  "refused (400); otherwise they are left out and every other "
+                                                  "keyword is enforced")
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is required with type "json_schema" and only with it')
+        return self
+
+    def grammar(self) -> GrammarSpec | None:
+        if self.type == "json_object":
+            return GrammarSpec("json_object")
+        if self.type == "json_schema":
+            schema = self.json_schema.json_schema
+            return GrammarSpec("json_object") if schema is None else GrammarSpec.json_schema(
+                schema, strict=bool(self.json_schema.strict))
+        return None
 
 
 #: OpenAI fields dart-serve does not implement: accepted only with their neutral value.
@@ -82,12 +175,15 @@ _NEUTRAL: dict[str, Any] = {
     "parallel_tool_calls": (None,), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
     "store": (None, False), "service_tier": (None, "auto", "default"), "audio": (None,), "prediction": (None,),
     "reasoning_effort": (None,), "web_search_options": (None,), "modalities": (None, ["text"]),
-    "response_format": (None, {"type": "text"}), "repetition_penalty": (None, 1, 1.0),
+    "repetition_penalty": (None, 1, 1.0),
 }
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Fields are typed strictly (no "0.5" for a number, no 1 for a boolean) and an explicit null
+    reads as "not set"."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str = Field(description="the served model name (GET /v1/models)")
     max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most")
@@ -95,7 +191,7 @@ class _Common(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy: exactly the target's greedy output")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 = off (an extension of the OpenAI API, as in vLLM)")
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, description="a 64-bit signed integer")
     stop: str | list[str] | None = Field(None, description="up to 4 stop strings, not included in the text")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -112,6 +208,10 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = Field(None, description="vLLM extension: more token ids that end the output")
     skip_special_tokens: bool = Field(True, description="vLLM extension: leave special tokens out of the text")
     include_stop_str_in_output: bool = Field(False, description="vLLM extension: keep the matched stop string")
+    # vLLM's structured-output extensions (chat completions also take OpenAI's response_format)
+    guided_json: dict | str | None = Field(None, description="vLLM extension: a JSON schema the output follows")
+    guided_regex: str | None = Field(None, description="vLLM extension: a regular expression the output matches")
+    guided_choice: list[str] | None = Field(None, description="vLLM extension: the output is one of these strings")
     _NEUTRAL_ONLY: ClassVar[tuple[str, ...]] = ("frequency_penalty", "presence_penalty", "logit_bias", "best_of",
                                                 "store", "service_tier", "repetition_penalty")
 
@@ -122,6 +222,7 @@ class _Common(BaseModel):
         value, and refuses them otherwise (any other unknown field is refused by ``extra``)."""
         if not isinstance(data, dict):
             return data
+        data = _without_nulls(cls, data)
         for name in cls._NEUTRAL_ONLY:
             if name in data and data[name] not in _NEUTRAL[name]:
                 raise ValueError(f"{name} is not supported by this server (only its default is accepted)")
@@ -130,14 +231,40 @@ class _Common(BaseModel):
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
+    def grammar(self) -> GrammarSpec | None:
+        """What the output is constrained to (structured output), None for free text.
+
+        Raises:
+            APIError: 400 for more than one constraint or a malformed one.
+        """
+        specs = []
+        fmt = getattr(self, "response_format", None)
+        try:
+            if fmt is not None and fmt.grammar() is not None:
+                specs.append(("response_format", fmt.grammar()))
+            if self.guided_json is not None:
+                schema = json.loads(self.guided_json) if isinstance(self.guided_json, str) else self.guided_json
+                specs.append(("guided_json", GrammarSpec.json_schema(schema, strict=False)))
+            if self.guided_regex is not None:
+                specs.append(("guided_regex", GrammarSpec("regex", self.guided_regex)))
+            if self.guided_choice is not None:
+                specs.append(("guided_choice", GrammarSpec.choice(self.guided_choice)))
+        except (ValueError, GrammarError) as e:  # json.JSONDecodeError is a ValueError
+            raise APIError(400, f"invalid structured-output constraint: {e}") from None
+        if len(specs) > 1:
+            raise APIError(400, f"give at most one of {', '.join(n for n, _ in specs)}", param=specs[1][0])
+        return specs[0][1] if specs else None
+
 
 class ChatCompletionRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     logprobs: bool = Field(False, description="return the log-probability of each output token")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
                                      description="with logprobs: this many most likely tokens per position")
+    response_format: ResponseFormat | None = Field(None, description="text, json_object or json_schema "
+                                                                     "(structured output)")
     _NEUTRAL_ONLY = _Common._NEUTRAL_ONLY + ("tools", "tool_choice", "functions", "function_call",
-                                             "parallel_tool_calls", "response_format", "modalities", "audio",
+                                             "parallel_tool_calls", "modalities", "audio",
                                              "prediction", "reasoning_effort", "web_search_options")
 
     @model_validator(mode="after")
@@ -151,13 +278,31 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="text, or token ids; OpenAI's lists of several prompts are refused (one prompt per request)")
     logprobs: int | None = Field(None, ge=0, le=5, description="return each output token's log-probability and "
                                                                "this many most likely tokens")
     _NEUTRAL_ONLY = _Common._NEUTRAL_ONLY + ("echo", "suffix")
 
     def logprobs_k(self) -> int | None:
         return self.logprobs
+
+    def prompt_fields(self) -> dict:
+        """The GenerationRequest fields of the prompt: ``prompt`` (text) or ``prompt_token_ids``.
+
+        Raises:
+            APIError: 400 for a list of several prompts, or an empty one."""
+        p = self.prompt
+        if isinstance(p, str):
+            return {"prompt": p}
+        if not p:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if all(isinstance(x, int) for x in p):
+            return {"prompt_token_ids": tuple(p)}
+        if len(p) != 1:
+            raise APIError(400, f"one prompt per request is supported; got a list of {len(p)} prompts",
+                           param="prompt")
+        return {"prompt": p[0]} if isinstance(p[0], str) else {"prompt_token_ids": tuple(p[0])}
 
 
 class APIError(Exception):
@@ -177,11 +322,28 @@ async def _api_error(_: Request, e: APIError):
     return _error(e.status, e.message, e.type, e.param, e.headers)
 
 
+#: how pydantic names the alternatives of a union field in an error's location
+_UNION_BRANCHES = {"str", "list[str]", "list[int]", "list[list[int]]", "list[TextPart]", "dict[any,any]",
+                   "dict[str,str]"}
+_UNION_FIELDS = {
+    "prompt": "text, a list of one string, a list of token ids or a list of one list of token ids",
+    "content": 'text or a list of content parts {"type": "text", "text": ...} (only text parts are supported)',
+    "stop": "a string or a list of strings",
+    "guided_json": "a JSON schema, as an object or as JSON text",
+}
+
+
 @app.exception_handler(RequestValidationError)
 async def _validation_error(_: Request, e: RequestValidationError):
     errs = e.errors()
     first = errs[0] if errs else {}
-    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+    raw = [x for x in first.get("loc", ()) if x != "body"]
+    branch = next((x for x in raw if isinstance(x, str) and x in _UNION_BRANCHES), None)
+    loc = ".".join(str(x) for x in (raw[: raw.index(branch)] if branch else raw))
+    if branch is not None:  # a union field (text or a list): one message for it, not one per alternative
+        field = loc.rsplit(".", 1)[-1]
+        return _error(400, f"invalid request: {loc}: must be {_UNION_FIELDS.get(field, 'one of its documented forms')}",
+                      "invalid_request_error", loc)
     kind = first.get("type")
     if kind == "json_invalid":
         return _error(400, f"malformed JSON body: {first.get('msg')}", "invalid_request_error")
@@ -204,17 +366,6 @@ async def _http_error(_: Request, e: StarletteHTTPException):
     return _error(e.status_code, detail, kind, headers=getattr(e, "headers", None))
 
 
-def _text_of(content) -> str:
-    if isinstance(content, str):
-        return content
-    parts = []
-    for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise APIError(400, "only text content parts are supported", param="messages")
-        parts.append(part["text"])
-    return "".join(parts)
-
-
 def _generation_request(body: _Common, **prompt) -> GenerationRequest:
     """The typed request the engine takes (400 for anything it refuses)."""
     try:
@@ -224,9 +375,35 @@ def _generation_request(body: _Common, **prompt) -> GenerationRequest:
                                  ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
                                  stop_token_ids=tuple(body.stop_token_ids or ()),
                                  skip_special_tokens=body.skip_special_tokens,
-                                 include_stop_str_in_output=body.include_stop_str_in_output)
+                                 include_stop_str_in_output=body.include_stop_str_in_output,
+                                 grammar=body.grammar())
     except InvalidRequest as e:
         raise APIError(400, str(e)) from None
+
+
+def _grpc_grammar(request) -> GrammarSpec | None:
+    """The structured-output constraint of a gRPC GenerateRequest (fields json_schema, json_object,
+    regex, choice).
+
+    Raises:
+        GrammarError: more than one is set, or the schema is not JSON text.
+    """
+    specs = []
+    if request.json_schema:
+        try:
+            schema = json.loads(request.json_schema)
+        except ValueError as e:
+            raise GrammarError(f"json_schema is not JSON: {e}") from None
+        specs.append(GrammarSpec.json_schema(schema, strict=request.strict))
+    if request.json_object:
+        specs.append(GrammarSpec("json_object"))
+    if request.regex:
+        specs.append(GrammarSpec("regex", request.regex))
+    if request.choice:
+        specs.append(GrammarSpec.choice(list(request.choice)))
+    if len(specs) > 1:
+        raise GrammarError("set at most one of json_schema, json_object, regex and choice")
+    return specs[0] if specs else None
 
 
 def _grpc_response(pb, text: str, chunk: GenerationChunk | None, token_ids=None, *, per_step: bool = True):
@@ -388,13 +565,13 @@ class OpenAIIngress:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._check_key(request.headers.get("authorization"))
-        messages = tuple(ChatMessage(m.role, _text_of(m.content)) for m in body.messages)
+        messages = tuple(ChatMessage(m.role, m.text()) for m in body.messages)
         return await self._complete(body, _generation_request(body, messages=messages), chat=True, request=request)
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
         self._check_key(request.headers.get("authorization"))
-        return await self._complete(body, _generation_request(body, prompt=body.prompt), chat=False,
+        return await self._complete(body, _generation_request(body, **body.prompt_fields()), chat=False,
                                     request=request)
 
     async def _start(self, gen: GenerationRequest):
@@ -476,11 +653,14 @@ class OpenAIIngress:
                 speculative=request.speculative if request.HasField("speculative") else True,
                 ignore_eos=request.ignore_eos, stop_token_ids=tuple(request.stop_token_ids),
                 skip_special_tokens=request.skip_special_tokens if request.HasField("skip_special_tokens") else True,
-                include_stop_str_in_output=request.include_stop_str_in_output, min_tokens=request.min_tokens)
+                include_stop_str_in_output=request.include_stop_str_in_output, min_tokens=request.min_tokens,
+                grammar=_grpc_grammar(request))
             stream, first = await self._start(gen)
-        except (InvalidRequest, APIError) as e:  # the code set on the context is what the client gets
+        except (InvalidRequest, APIError, GrammarError) as e:  # the code set on the context is what the client gets
             busy = isinstance(e, APIError) and e.status == 503
             message = e.message if isinstance(e, APIError) else str(e)
+            if isinstance(e, GrammarError):
+                message = f"invalid structured-output constraint: {message}"
             if context is not None:
                 context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED if busy else grpc.StatusCode.INVALID_ARGUMENT)
                 context.set_details(message)

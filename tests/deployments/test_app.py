@@ -97,7 +97,16 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(app, body, status,
     ({"presence_penalty": 0.5}, 400, "presence_penalty is not supported"),
     ({"logit_bias": {"42": 5}}, 400, "logit_bias is not supported"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools is not supported"),
-    ({"response_format": {"type": "json_object"}}, 400, "response_format is not supported"),
+    ({"response_format": {"type": "grammar", "grammar": "x"}}, 400, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, 400, "json_schema is required"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "strang"}}}},
+     400, "does not compile"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "bad name!", "schema": {}}}},
+     400, "response_format.json_schema.name"),
+    ({"guided_regex": "(unclosed"}, 400, "does not compile"),
+    ({"guided_json": "{not json"}, 400, "invalid structured-output constraint"),
+    ({"guided_choice": ["a"], "guided_regex": "a"}, 400, "at most one of"),
+    ({"response_format": {"type": "text"}}, 200, ""),
     ({"top_logprobs": 2}, 400, "top_logprobs needs logprobs"),
     ({"repetition_penalty": 1.2}, 400, "repetition_penalty is not supported"),
     ({"min_tokens": 2}, 400, "min_tokens > 0 is supported only"),
@@ -111,6 +120,73 @@ def test_openai_fields_work_or_are_refused(app, extra, status, needle):
     assert r.status_code == status, r.text
     if status != 200:
         assert needle in r.json()["error"]["message"] and r.json()["error"]["code"] == status
+
+
+CHAT = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize("route, extra, status, needle", [
+    # explicit nulls of optional fields read as "not set"
+    ("chat", {"temperature": None, "top_p": None, "n": None, "stream": None, "seed": None, "stop": None,
+              "presence_penalty": None, "logprobs": None, "top_logprobs": None, "response_format": None,
+              "messages": [{"role": "user", "content": "hi", "name": None}]}, 200, ""),
+    # types are strict: no coercion
+    ("chat", {"temperature": "0.5"}, 400, "temperature: Input should be a valid number"),
+    ("chat", {"stream": 1}, 400, "stream"),
+    ("chat", {"max_tokens": 2.0}, 400, "max_tokens"),
+    ("chat", {"speculative": "false"}, 400, "speculative"),
+    ("chat", {"stop": 5}, 400, "stop: must be a string or a list of strings"),
+    # integers outside their range
+    ("chat", {"seed": 2 ** 70}, 400, "seed"),
+    ("chat", {"seed": -(2 ** 64)}, 400, "seed"),
+    ("chat", {"max_tokens": 10 ** 30}, 400, "limit"),
+    ("chat", {"top_k": -1}, 400, "top_k"),
+    ("chat", {"ignore_eos": True, "min_tokens": 10 ** 6}, 400, "min_tokens"),
+    # every prompt form of /v1/completions
+    ("completions", {"prompt": [1, 2, 3]}, 200, ""),
+    ("completions", {"prompt": [[1, 2, 3]]}, 200, ""),
+    ("completions", {"prompt": ["one string"]}, 200, ""),
+    ("completions", {"prompt": ["a", "b"]}, 400, "one prompt per request"),
+    ("completions", {"prompt": [[1], [2]]}, 400, "one prompt per request"),
+    ("completions", {"prompt": []}, 400, "empty"),
+    ("completions", {"prompt": 5}, 400, "prompt: must be text"),
+    ("completions", {"prompt": [10 ** 9]}, 400, "outside the vocabulary"),
+    ("completions", {"prompt": [-1]}, 400, "token ids must be integers >= 0"),
+    # role-specific required fields
+    ("chat", {"messages": [{"role": "tool", "content": "x"}]}, 400, "tool_call_id"),
+    ("chat", {"messages": [{"role": "user"}]}, 400, "content"),
+    ("chat", {"messages": [{"role": "assistant", "content": None}]}, 400, "content"),
+    ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "only text parts"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                           {"role": "assistant", "content": "hello"},
+                           {"role": "tool", "content": "42", "tool_call_id": "c1"},
+                           {"role": "user", "content": "and?"}]}, 200, ""),
+])
+def test_requests_follow_openais_rules(app, route, extra, status, needle):
+    body = (CHAT if route == "chat" else {"model": NAME, "max_tokens": 2}) | extra
+    r = httpx.post(f"{HTTP}/v1/{'chat/completions' if route == 'chat' else 'completions'}", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    if status != 200:
+        assert needle in r.json()["error"]["message"], r.text
+
+
+def test_no_malformed_body_gets_a_5xx(app):
+    """Every field of a chat and a completions request replaced by values of the wrong type or out of
+    range: each answer is a 200 or a 4xx in the OpenAI error shape."""
+    odd = [None, "x", -1, 2 ** 70, -(2 ** 70), 1.5, float("1e308"), [], {}, True, [None], {"a": None}]
+    chat = CHAT | {"temperature": 0, "seed": 1, "stop": ["x"], "stream": False, "logprobs": True, "top_logprobs": 1,
+                   "top_k": 5, "top_p": 0.9, "response_format": {"type": "json_object"}, "ignore_eos": False,
+                   "stream_options": None, "guided_choice": None}
+    completion = {"model": NAME, "prompt": "hi", "max_tokens": 2, "logprobs": 1, "stop_token_ids": [1]}
+    for route, body in (("chat/completions", chat), ("completions", completion)):
+        for field in body:
+            for value in odd:
+                r = httpx.post(f"{HTTP}/v1/{route}", json=body | {field: value}, timeout=60)
+                assert r.status_code < 500, (route, field, value, r.text)
+                if r.status_code != 200:
+                    assert r.json()["error"]["code"] == r.status_code
 
 
 def test_errors_before_the_apps_own_validation_are_openai_shaped(app):
@@ -241,7 +317,7 @@ def test_grpc_generate_and_stream(app, reference):
         both = dart_pb2.GenerateRequest(prompt="hi", messages=[dart_pb2.ChatMessage(role="user", content="hi")])
         with pytest.raises(grpc.RpcError) as e:  # the proto says: exactly one of them
             stub.Generate(both, metadata=meta, timeout=60)
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not both" in e.value.details()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "exactly one" in e.value.details()
         # vLLM's extensions, as over HTTP
         fixed = stub.Generate(dart_pb2.GenerateRequest(prompt="hi", max_tokens=4, ignore_eos=True, min_tokens=4),
                               metadata=meta, timeout=60)
@@ -249,6 +325,66 @@ def test_grpc_generate_and_stream(app, reference):
         with pytest.raises(grpc.RpcError) as e:
             stub.Generate(dart_pb2.GenerateRequest(prompt="hi", max_tokens=4, min_tokens=2), metadata=meta, timeout=60)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_tokens" in e.value.details()
+
+
+STRUCTURED = {"type": "object", "additionalProperties": False, "required": ["colour", "count"],
+              "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                             "count": {"type": "integer", "minimum": 0, "maximum": 99}}}
+
+
+def test_structured_output_is_valid_lossless_and_shares_the_batch(app, reference):
+    """response_format json_schema through the openai client: the text validates, DART's equals the
+    request without speculation, and unconstrained requests running beside it keep their text."""
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "colour", "schema": STRUCTURED, "strict": True}}
+    msgs = [{"role": "user", "content": "Pick a colour."}]
+    free_msgs = [{"role": "user", "content": "Count to 5 in words."}]
+    want_free = reference(free_msgs, 20)
+
+    def constrained(speculative: bool) -> str:
+        r = client().chat.completions.create(model=NAME, messages=msgs, max_tokens=64, temperature=0,
+                                             response_format=fmt, extra_body={"speculative": speculative})
+        assert r.choices[0].finish_reason == "stop"
+        return r.choices[0].message.content
+
+    def free(_) -> str:
+        r = client().chat.completions.create(model=NAME, messages=free_msgs, max_tokens=20, temperature=0)
+        return r.choices[0].message.content
+
+    with cf.ThreadPoolExecutor(4) as pool:
+        frees = pool.map(free, range(3))
+        dart = constrained(True)
+        assert list(frees) == [want_free] * 3
+    jsonschema.validate(json.loads(dart), STRUCTURED)
+    assert dart == constrained(False)
+    obj = client().chat.completions.create(model=NAME, messages=msgs, max_tokens=64, temperature=0.8,
+                                          response_format={"type": "json_object"})
+    assert obj.choices[0].finish_reason == "length" or isinstance(json.loads(obj.choices[0].message.content), dict)
+    r = httpx.post(f"{HTTP}/v1/completions", json={"model": NAME, "prompt": "Answer:", "max_tokens": 8,
+                                                     "guided_choice": ["yes", "no"]}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no")
+    too_big = {"type": "json_schema", "json_schema": {"name": "big", "schema": {"enum": ["x" * 1000] * 70}}}
+    r = httpx.post(f"{HTTP}/v1/chat/completions", json={"model": NAME, "messages": msgs,
+                                                         "response_format": too_big}, timeout=60)
+    assert r.status_code == 400 and "at most 65536" in r.json()["error"]["message"]
+
+
+def test_grpc_structured_output(app):
+    from deployments._proto import dart_pb2, dart_pb2_grpc
+
+    with grpc.insecure_channel("127.0.0.1:9000") as channel:
+        stub = dart_pb2_grpc.DartGenerationStub(channel)
+        meta = (("application", "dart"),)
+        resp = stub.Generate(dart_pb2.GenerateRequest(prompt="JSON:", max_tokens=64, json_schema=json.dumps(STRUCTURED)),
+                             metadata=meta, timeout=60)
+        assert resp.finish_reason == "stop" and set(json.loads(resp.text)) == {"colour", "count"}
+        for bad, needle in ((dart_pb2.GenerateRequest(prompt="x", json_schema="{nope"), "not JSON"),
+                            (dart_pb2.GenerateRequest(prompt="x", regex="a", choice=["a"]), "at most one"),
+                            (dart_pb2.GenerateRequest(prompt="x", regex="(a"), "does not compile")):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Generate(bad, metadata=meta, timeout=60)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in e.value.details()
 
 
 def test_concurrent_streams_are_batched_and_exact(app, reference):

@@ -1,0 +1,309 @@
+"""Structured output: grammars compiled by llguidance, and each sequence's grammar state.
+
+A request may constrain its output to a JSON schema, any JSON object, a regular
+expression or a list of choices (:class:`GrammarSpec`; OpenAI's
+``response_format`` and vLLM's ``guided_*`` fields map onto it).  The engine
+replica compiles the spec once per distinct spec (:class:`GrammarCompiler`,
+an LRU cache, each compile under a time limit and llguidance's own resource
+limits) into a :class:`Grammar`; every sequence that uses it decodes with its
+own :class:`GrammarState`, a copy of the compiled matcher.
+
+How the engine uses the state (docs/engine.md, "Structured output"):
+
+- **Verification** masks the target's logits at every tree node the acceptance
+  walk visits by the grammar state after that node's path
+  (:func:`~dart_core.verify.accept_constrained`), so constrained DART output is
+  constrained plain decoding's output: equal at temperature 0, equally
+  distributed above it.  The bonus token is constrained too.
+- **Drafting** (:meth:`GrammarState.draft_tree`) drops every draft node whose
+  path the grammar forbids, and adds the tokens the grammar forces (a schema's
+  fixed keys, punctuation, closing brackets) as a chain with acceptance
+  estimate 1, after the root and after the most probable surviving path.
+
+JSON is written compactly with ``", "`` and ``": "`` separators (no free
+whitespace, which a small model can otherwise repeat until ``max_tokens``).
+The grammar engine is llguidance (chosen by measurement: BENCHMARKS.md,
+"Grammar engines"); no grammar code is our own.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ngram_service.tree_search import DraftTree
+
+__all__ = ["GrammarError", "GrammarSpec", "GrammarCompiler", "Grammar", "GrammarState", "JSON_OPTIONS",
+           "GRAMMAR_KINDS"]
+
+#: how JSON is laid out under a schema (llguidance's JSON compile options)
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "choice")
+
+
+class GrammarError(ValueError):
+    """A grammar the server refuses: it does not compile, is too large, or took too long to
+    compile (HTTP 400, gRPC INVALID_ARGUMENT)."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request constrains its output to (hashable: the compile cache's key).
+
+    Attributes:
+        kind: ``"json_object"`` (any JSON object), ``"json_schema"``, ``"regex"`` or ``"choice"``.
+        value: the schema as compact JSON text, its keys in the given order (``json_schema``), the regular expression
+            (``regex``, Rust regex syntax, matched in full), the choices as a JSON list of
+            strings (``choice``), ``""`` for ``json_object``.
+        strict: for ``json_schema``: True refuses a schema with keywords the grammar cannot
+            enforce (``uniqueItems``, for one); False compiles it without them, so the output
+            follows every other keyword (OpenAI's ``strict``: without it, conformance is best effort).
+
+    Raises:
+        GrammarError: an unknown kind, or a value of the wrong form.
+    """
+
+    kind: str
+    value: str = ""
+    strict: bool = True  # json_schema: False ignores keywords llguidance cannot enforce (they may not hold)
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise GrammarError(f"unknown grammar kind {self.kind!r}; one of {', '.join(GRAMMAR_KINDS)}")
+        if not isinstance(self.value, str):
+            raise GrammarError("a grammar's value must be text")
+
+    @classmethod
+    def json_schema(cls, schema: dict | bool, strict: bool = True) -> "GrammarSpec":
+        """Raises: GrammarError: the schema is not a JSON object (or boolean)."""
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarError("a JSON schema must be a JSON object")
+        # keys keep their order: the output writes an object's properties in the schema's order
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")), bool(strict))
+
+    @classmethod
+    def choice(cls, choices: list[str]) -> "GrammarSpec":
+        """Raises: GrammarError: no choices, or one that is not a non-empty string."""
+        if not choices or not all(isinstance(c, str) and c for c in choices):
+            raise GrammarError("choices must be a non-empty list of non-empty strings")
+        return cls("choice", json.dumps(list(choices)))
+
+    @property
+    def size(self) -> int:
+        """The spec's length in characters (the compiler refuses specs over its limit)."""
+        return len(self.value)
+
+    def grammar(self) -> str:
+        """The llguidance grammar (its JSON grammar text).
+
+        Raises:
+            GrammarError: the schema is not valid JSON or llguidance refuses it.
+        """
+        from llguidance import LLMatcher
+
+        try:
+            if self.kind == "json_object":
+                return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+            if self.kind == "json_schema":
+                options = JSON_OPTIONS | {"lenient": not self.strict}
+                return LLMatcher.grammar_from_json_schema(self.value, defaults=options)
+            if self.kind == "regex":
+                return LLMatcher.grammar_from_regex(self.value)
+            alternatives = " | ".join(json.dumps(c) for c in json.loads(self.value))
+            return LLMatcher.grammar_from_lark(f"start: {alternatives}")
+        except (ValueError, TypeError) as e:
+            raise GrammarError(f"the {self.kind.replace('_', ' ')} does not compile: {e}") from None
+
+
+class Grammar:
+    """A compiled grammar: :meth:`start` gives each sequence its own state.
+
+    Args:
+        spec: what was compiled; matcher: an llguidance ``LLMatcher`` in its initial state
+            (copied per sequence, never advanced itself); vocab_size: the target's vocabulary V.
+    """
+
+    def __init__(self, spec: GrammarSpec, matcher, vocab_size: int, compile_ms: float) -> None:
+        self.spec, self._matcher, self.vocab_size, self.compile_ms = spec, matcher, vocab_size, compile_ms
+
+    def start(self) -> "GrammarState":
+        return GrammarState(self._matcher.deep_copy(), self.vocab_size)
+
+
+class GrammarState:
+    """One sequence's position in its grammar (an llguidance ``LLMatcher``).
+
+    Attributes:
+        masks, mask_ms: token masks computed so far and the milliseconds they took (the cost per
+            verified node that BENCHMARKS.md reports).
+    """
+
+    def __init__(self, matcher, vocab_size: int) -> None:
+        self._m, self.vocab_size = matcher, vocab_size
+        self.masks, self.mask_ms = 0, 0.0
+        self._bits = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
+
+    @property
+    def stopped(self) -> bool:
+        """The grammar is done (its EOS was consumed, or nothing can follow); only EOS is allowed."""
+        return self._m.is_stopped()
+
+    def allowed(self) -> torch.Tensor:
+        """[V] bool: the tokens the grammar allows next (EOS alone once :attr:`stopped`)."""
+        t0 = time.perf_counter()
+        self._m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.vocab_size].astype(bool)
+        self.masks += 1
+        self.mask_ms += 1e3 * (time.perf_counter() - t0)
+        return torch.from_numpy(allowed)
+
+    def mask_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """[V] logits (any device) → a copy with the tokens the grammar forbids at -inf."""
+        return logits.masked_fill(~self.allowed().to(logits.device), float("-inf"))
+
+    def consume(self, token: int) -> None:
+        """Advances over one token.
+
+        Raises:
+            RuntimeError: the grammar forbids the token (a bug: only masked choices are consumed).
+        """
+        if not self._m.consume_token(int(token)):
+            raise RuntimeError(f"the grammar refused token {token}: {self._m.get_error()}")
+
+    def valid_prefix(self, tokens) -> int:
+        """How many of ``tokens`` the grammar accepts in a row from here (nothing is consumed)."""
+        return int(self._m.validate_tokens([int(t) for t in tokens]))
+
+    def forced(self, limit: int) -> list[int]:
+        """Up to ``limit`` tokens the grammar forces next (none where it allows a choice)."""
+        return [int(t) for t in self._m.compute_ff_tokens()[:limit]] if limit > 0 else []
+
+    def draft_tree(self, tree: DraftTree, max_forced: int) -> DraftTree:
+        """Grammar-aware drafting: ``tree`` without the nodes whose path the grammar forbids, with
+        the tokens it forces after the root and after the most probable kept path (up to
+        ``max_forced`` each) added as chains of acceptance estimate 1.  Lossless whatever it
+        returns (verification masks by the grammar); the root stays node 0.
+
+        Args:
+            tree: a draft tree rooted at the sequence's last token, which this state has consumed.
+        """
+        keep = np.zeros(tree.num_nodes, dtype=bool)
+        keep[0] = True
+        for path in tree.retrieve_indices:
+            path = path[path >= 0]
+            ok = self.valid_prefix(tree.tokens[path[1:]])
+            keep[path[: ok + 1]] = True
+        tree = tree.select(keep)
+        tokens, parents, probs = tree.tokens.tolist(), tree.parents.tolist(), tree.probs.astype(np.float64).tolist()
+        scores = tree.scores.tolist()
+        kids: dict[int, dict[int, int]] = {}
+        for i in range(1, len(tokens)):
+            kids.setdefault(parents[i], {})[tokens[i]] = i
+
+        def graft(at: int, chain: list[int]) -> None:
+            for tok in chain:
+                nxt = kids.setdefault(at, {}).get(tok)
+                if nxt is None:
+                    nxt = len(tokens)
+                    tokens.append(tok), parents.append(at), probs.append(1.0), scores.append(0.0)
+                    kids[at][tok] = nxt
+                probs[nxt] = 1.0
+                at = nxt
+
+        graft(0, self.forced(max_forced))
+        # the most probable kept path (path product of the estimates), extended by what it forces
+        cum = [1.0] * len(tokens)
+        for i in range(1, len(tokens)):
+            cum[i] = cum[parents[i]] * probs[i]
+        leaf = max((i for i in range(1, len(tokens)) if i not in kids), key=cum.__getitem__, default=None)
+        if leaf is not None:
+            path, j = [], leaf
+            while j > 0:
+                path.append(tokens[j])
+                j = parents[j]
+            fork = GrammarState(self._m.deep_copy(), self.vocab_size)
+            if fork.valid_prefix(path[::-1]) == len(path):
+                fork._m.consume_tokens(path[::-1])
+                graft(leaf, fork.forced(max_forced))
+        if len(tokens) == tree.num_nodes:
+            return tree if probs == tree.probs.astype(np.float64).tolist() else _rebuild(tokens, parents, probs, scores)
+        return _rebuild(tokens, parents, probs, scores)
+
+
+def _rebuild(tokens: list[int], parents: list[int], probs: list[float], scores: list[float]) -> DraftTree:
+    """A :class:`DraftTree` from nodes whose parents precede them, reordered by depth."""
+    depth = [0] * len(tokens)
+    for i in range(1, len(tokens)):
+        depth[i] = depth[parents[i]] + 1
+    order = sorted(range(len(tokens)), key=lambda i: (depth[i], i))
+    new_of = {old: new for new, old in enumerate(order)}
+    return DraftTree.from_parents([tokens[i] for i in order], [new_of[parents[i]] if i else -1 for i in order],
+                                  [depth[i] for i in order], [scores[i] for i in order], [probs[i] for i in order])
+
+
+class GrammarCompiler:
+    """Compiles :class:`GrammarSpec` s for one tokenizer, with an LRU cache keyed by spec.
+
+    Args:
+        tokenizer: the target's (fast) Hugging Face tokenizer; vocab_size: the target's V.
+        timeout_s: a compile that takes longer is refused (:class:`GrammarError`); it runs in a
+            worker thread without the GIL, so a slow schema never stalls the decoding loop.
+        max_spec_chars: longer specs are refused before compiling.
+        cache_size: compiled grammars kept.
+
+    Raises:
+        ImportError: llguidance is not installed (``pip install dart-serve[structured]``).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, *, timeout_s: float = 10.0, max_spec_chars: int = 65536,
+                 cache_size: int = 256) -> None:
+        import llguidance
+        import llguidance.hf
+
+        self._llg = llguidance
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        self.vocab_size, self.timeout_s, self.max_spec_chars = vocab_size, timeout_s, max_spec_chars
+        self.cache_size = cache_size
+        self._cache: OrderedDict[GrammarSpec, Grammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
+
+    def compile(self, spec: GrammarSpec) -> Grammar:
+        """The compiled grammar of ``spec`` (cached).
+
+        Raises:
+            GrammarError: the spec is over ``max_spec_chars``, does not compile (llguidance's
+                message), or did not compile within ``timeout_s``.
+        """
+        with self._lock:
+            if spec in self._cache:
+                self._cache.move_to_end(spec)
+                return self._cache[spec]
+        if spec.size > self.max_spec_chars:
+            raise GrammarError(f"the {spec.kind.replace('_', ' ')} has {spec.size} characters; "
+                               f"this server takes at most {self.max_spec_chars}")
+        future = self._pool.submit(self._build, spec)
+        try:
+            grammar = future.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise GrammarError(f"the {spec.kind.replace('_', ' ')} did not compile within "
+                               f"{self.timeout_s:g} s") from None
+        with self._lock:
+            self._cache[spec] = grammar
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def _build(self, spec: GrammarSpec) -> Grammar:
+        t0 = time.perf_counter()
+        matcher = self._llg.LLMatcher(self._tokenizer, spec.grammar(), log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"the {spec.kind.replace('_', ' ')} does not compile: {matcher.get_error()}")
+        return Grammar(spec, matcher, self.vocab_size, 1e3 * (time.perf_counter() - t0))
