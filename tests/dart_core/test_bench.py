@@ -475,3 +475,57 @@ def test_the_schema_set_holds_valid_examples_and_the_grammar_table_reports_every
     bad.write_text(json.dumps({"name": "x", "schema": {}}) + "\n")
     with pytest.raises(ValueError, match="'schema' and 'example'"):
         grammar_engines.measure_engines(bad, engines=())
+
+
+def test_structured_output_benchmark_on_a_tiny_model(tiny_model_dir, tmp_path):
+    """Every mode runs on the same schemas, DART equals constrained autoregressive decoding, the mask
+    cost is counted, and the page block is written around hand-written text."""
+    from dart_core.bench import structured
+
+    schemas = tmp_path / "s.jsonl"
+    rows = [{"name": "flag", "prompt": "Is it on?", "schema": {"type": "object", "properties": {"on": {"type": "boolean"}},
+                                                              "required": ["on"], "additionalProperties": False}},
+            {"name": "pick", "prompt": "Pick.", "schema": {"enum": ["red", "green", "blue"]}}]
+    schemas.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    result = structured.measure_in_process(schemas, model=tiny_model_dir, head="random", max_tokens=24, runs=1,
+                                           progress=False)
+    assert set(result["modes"]) == set(structured.MODES) and result["schemas"] == 2
+    for mode, r in result["modes"].items():
+        assert r["equal_to_autoregressive"] == 2 and r["valid"] == 2, (mode, r)
+        assert r["masks_per_token"] > 0 and r["mask_us"] > 0 and r["tokens_per_s"] > 0
+    assert result["modes"]["dart"]["tau"] > 1.0  # the forced keys and brackets are drafted
+    assert all(p["equal"] for p in result["per_schema"])
+    page = tmp_path / "B.md"
+    page.write_text("# Benchmarks\n\nkept text\n")
+    path = tmp_path / "out"
+    assert structured.main(["--schemas", str(schemas), "--model", tiny_model_dir, "--head", "random", "--runs", "1",
+                            "--max-tokens", "24", "--out", str(path), "--page", str(page)]) == 0
+    text = page.read_text()
+    assert "kept text" in text and structured.START in text and "| dart |" in text
+    assert json.loads((path / "structured.json").read_text())["schemas"] == 2
+
+
+def test_guidellm_report_keeps_the_figures_that_matter(tmp_path):
+    from dart_core.bench import guidellm_report
+
+    def metric(median, count=8):
+        return {"successful": {"median": median, "count": count, "total_sum": median * count}}
+
+    bench = {"config": {"strategy": {"type_": "concurrent", "streams": 4},
+                        "backend": {"target": "http://h:8000", "model": "m", "request_format": "/v1/chat/completions"}},
+             "metrics": {"request_totals": {"successful": 8, "errored": 0, "incomplete": 1},
+                         "output_token_count": metric(64), "time_to_first_token_ms": metric(250.0),
+                         "inter_token_latency_ms": metric(80.0), "request_latency": metric(5.5)},
+             "duration": 51.2}
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps({"metadata": {"guidellm_version": "0.8.1"}, "benchmarks": [bench]}))
+    page = tmp_path / "B.md"
+    page.write_text("# B\n")
+    assert guidellm_report.main([str(path), "--out", str(tmp_path / "o"), "--page", str(page)]) == 0
+    row = json.loads((tmp_path / "o" / "guidellm.json").read_text())["rows"][0]
+    assert row == {"strategy": "concurrent", "streams": 4, "completed": 8, "errored": 0, "incomplete": 1,
+                   "duration_s": 51.2, "output_tokens_per_s": 10.0, "ttft_ms_median": 250.0, "itl_ms_median": 80.0,
+                   "latency_s_median": 5.5}
+    assert "| 4 | 8 | 0 | 1 | 10.0 |" in page.read_text()
+    (tmp_path / "bad.json").write_text("{}")
+    assert guidellm_report.main([str(tmp_path / "bad.json"), "--out", str(tmp_path / "o")]) == 2

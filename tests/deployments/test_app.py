@@ -237,9 +237,15 @@ def test_usage_chunk_only_when_asked_for(app):
 
 def test_what_load_generators_send_is_served(app):
     """guidellm's requests (vLLM's ignore_eos and continuous usage statistics): every chunk carries
-    the usage so far, and the output runs to max_tokens."""
+    the usage so far, and the output runs to max_tokens.
+
+    The body is the one guidellm 0.8.1 builds for a chat request with a fixed output length
+    (``guidellm/backends/openai/request_handlers.py``).  guidellm itself is not run by the suite: it
+    needs datasets, sanic and an unpinned torch, more than the test environment should carry; a
+    guidellm run against ``serve run deployments/dart.yaml`` is in BENCHMARKS.md instead."""
     body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+            "stop": None, "ignore_eos": True, "tool_choice": "none",
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     chunks = []
     with httpx.stream("POST", f"{HTTP}/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
