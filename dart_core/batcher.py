@@ -260,7 +260,7 @@ class ContinuousBatcher:
                                            + list(request.stop_token_ids)))
             return SamplingParams(max_new_tokens=min(max_tokens, room), temperature=request.temperature,
                                   top_p=request.top_p, top_k=request.top_k, seed=request.seed,
-                                  logprobs=request.logprobs, stop_token_ids=stop_ids)
+                                  logprobs=request.logprobs, stop_token_ids=stop_ids, min_tokens=request.min_tokens)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
 

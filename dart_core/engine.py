@@ -37,6 +37,7 @@ from dart_core.budget import AdaptiveBudget, SpeculationGate
 from dart_core.cuda_graphs import StaticDrafter
 from dart_core.draft_head import DartDraftHead
 from dart_core.drafters import DartDrafter, DraftBatch, Drafter, NoDraft, Proposal
+from dart_core.grammar import row_constraint
 from dart_core.kv_cache import HeadKVCache, cache_mask, compaction_plan_host
 from dart_core.sampling import SamplingParams, target_probs
 from dart_core.target import TargetCache, TargetModel
@@ -328,8 +329,8 @@ class DartEngine:
         rows = torch.arange(len(prompts), device=device)
         gens = [torch.Generator().manual_seed(x.sampling.seed if x.sampling.seed is not None
                                               else int(torch.seed() % (1 << 63))) for x in joining]
-        grammars = [x.sampling.grammar.start() if x.sampling.grammar is not None else None for x in joining]
-        first = self._sample_rows(out.logits[rows, last], [x.sampling for x in joining], gens, grammars)
+        constraints = [row_constraint(x.sampling) for x in joining]
+        first = self._sample_rows(out.logits[rows, last], [x.sampling for x in joining], gens, constraints)
         new = _BatchState(seq_ids=ids, tokens=[list(p) for p in prompts], produced=[0] * len(prompts),
                           samplings=[x.sampling for x in joining], generators=gens, cache=cache,
                           pend_taps=out.taps[:, :0], pend_next=[[] for _ in prompts],
@@ -337,7 +338,7 @@ class DartEngine:
                           pend_count=torch.zeros(len(prompts), dtype=torch.long, device=device),
                           head_cache=None, reasons=[None] * len(prompts),
                           spec_ok=[x.speculative for x in joining],
-                          context=[self._new_context(p) for p in prompts], grammars=grammars)
+                          context=[self._new_context(p) for p in prompts], constraints=constraints)
         # the prompt's positions feed the first draft (rows that opted out keep none)
         new.add_pending(out.taps, torch.arange(out.taps.shape[1], device=device)[None, :].expand(len(prompts), -1),
                         cache.lengths, [p[1:] + [f] for p, f in zip(prompts, first)])
@@ -386,10 +387,10 @@ class DartEngine:
         trees, predicted = proposal.trees, None
         if proposal.kind == "tree" and self.budget is not None:
             trees, predicted = self.budget.select_batch(trees, packed=self.packed_verification)
-        if self.grammar_drafting and proposal.kind != "none" and any(g is not None for g in state.grammars):
+        if self.grammar_drafting and proposal.kind != "none" and any(g is not None for g in state.constraints):
             # grammar-aware drafting: forbidden nodes out, forced tokens in (the plain step stays plain)
             trees = [tr if g is None else g.draft_tree(tr, self.search_params.budget)
-                     for tr, g in zip(trees, state.grammars)]
+                     for tr, g in zip(trees, state.constraints)]
         # never draft past max_new_tokens or the context window
         trees = [tr.clip_depth(min(state.samplings[i].max_new_tokens - state.produced[i] - 1,
                                    self.target.max_context - len(state.tokens[i])))
@@ -411,7 +412,7 @@ class DartEngine:
         trees, n, b_size = draft.trees, draft.num_nodes, len(state.seq_ids)
         speculative, lookup = proposal.kind != "none", proposal.kind == "lookup"
         cache = state.cache
-        accepted, path = self._accept(trees, draft, out.logits, state.samplings, state.generators, state.grammars)
+        accepted, path = self._accept(trees, draft, out.logits, state.samplings, state.generators, state.constraints)
         counts_host = [len(acc.path) for acc in accepted]
         a_max = max(counts_host)
         path = path[:, :a_max]  # [B, A] accepted node indices (0 past each row's count)
@@ -426,7 +427,7 @@ class DartEngine:
             if lookup:
                 if tr.num_nodes > 1:
                     self.budget.observe_lookup(proposal.chains[i].match_length, tr.num_nodes - 1, len(drafted))
-            elif predicted is not None and state.grammars[i] is None:  # a grammar reshaped the tree
+            elif predicted is not None and state.constraints[i] is None:  # a constraint may have reshaped the tree
                 self.budget.observe(predicted[i], len(drafted), proposal.draft_ms + proposal.search_ms)
             nexts.append(drafted + [acc.bonus])
             emitted, state.reasons[i] = self._emit(state, i, drafted + [acc.bonus])
@@ -495,21 +496,21 @@ class DartEngine:
             if state.produced[i] >= sampling.max_new_tokens or len(seq) >= self.target.max_context:
                 reason = "length"
                 break
-        if reason is None and state.grammars[i] is not None and state.grammars[i].stopped:
+        if reason is None and state.constraints[i] is not None and state.constraints[i].stopped:
             reason = "stop"  # the grammar is complete (its EOS consumed, even with ignore_eos)
         if state.context[i] is not None:
             state.context[i].append(out)  # one call per step: the index sees what the sequence kept
         return out, reason
 
     def _sample_rows(self, logits: torch.Tensor, samplings: list[SamplingParams],
-                     generators: list[torch.Generator], grammars: list) -> list[int]:
+                     generators: list[torch.Generator], constraints: list) -> list[int]:
         """[B, V] logits -> one token per row (argmax at temperature 0), each row with its own parameters
-        (and its grammar state, which the token advances)."""
+        (and its constraint: a grammar or min_tokens, which the token advances)."""
         out = logits.argmax(-1).tolist()
         for i, s in enumerate(samplings):
-            if grammars[i] is not None:
+            if constraints[i] is not None:
                 out[i] = accept_constrained(np.zeros(1, dtype=np.int64), np.array([-1]), logits[i][None], s,
-                                            generators[i], grammars[i]).bonus
+                                            generators[i], constraints[i]).bonus
             elif not s.greedy:
                 probs = target_probs(logits[i], s).double().cpu()
                 out[i] = int(torch.multinomial(probs, 1, generator=generators[i])[0])
@@ -574,16 +575,16 @@ class DartEngine:
         return host[0].astype(np.int64), host[1].view(np.float32)
 
     def _accept(self, trees: list[DraftTree], batch: DraftBatch, logits: torch.Tensor,
-                samplings: list[SamplingParams], generators: list[torch.Generator], grammars: list
+                samplings: list[SamplingParams], generators: list[torch.Generator], constraints: list
                 ) -> tuple[list[Acceptance], torch.Tensor]:
         """Each sequence's accepted path and bonus token, and the paths [B, N] on the device.
 
         An all-greedy, unconstrained batch is accepted on the device
         (:func:`~dart_core.verify.accept_greedy_batch`) and read back in one copy; a batch with
-        sampling or grammar rows goes through the host, row by row (a grammar row masks the nodes
-        its walk visits: :func:`~dart_core.verify.accept_constrained`)."""
+        sampling or constrained rows (a grammar, min_tokens) goes through the host, row by row (a
+        constrained row masks the nodes its walk visits: :func:`~dart_core.verify.accept_constrained`)."""
         device = logits.device
-        if all(s.greedy for s in samplings) and all(g is None for g in grammars):
+        if all(s.greedy for s in samplings) and all(g is None for g in constraints):
             path, counts, bonus = accept_greedy_batch(batch.tokens, batch.parents, batch.depths, batch.counts,
                                                       batch.tree_mask, logits.argmax(-1))
             width = batch.max_depth + 1
@@ -591,7 +592,7 @@ class DartEngine:
             return [Acceptance(row[2: 2 + row[0]].tolist(), int(row[1])) for row in host], path
         argmax = logits.argmax(-1).cpu().numpy()  # [B, N]
         accepted = [accept_constrained(tr.tokens, tr.parents, logits[i, : tr.num_nodes], samplings[i],
-                                       generators[i], grammars[i]) if grammars[i] is not None else
+                                       generators[i], constraints[i]) if constraints[i] is not None else
                     accept_greedy(tr.tokens, tr.parents, argmax[i]) if samplings[i].greedy else
                     accept_sampling(tr.tokens, tr.parents, logits[i, : tr.num_nodes], samplings[i], generators[i])
                     for i, tr in enumerate(trees)]
@@ -663,7 +664,8 @@ class _BatchState:
     spec_ok: list[bool]  # per row: may this sequence's steps speculate (NewSequence.speculative)
     context: list[ContextIndex | None]  # per row: its prompt + accepted tokens indexed (None: not used)
     speculative: bool = False
-    grammars: list = field(default_factory=list)  # per row: its GrammarState (structured output) or None
+    # per row: what masks its logits (dart_core.grammar.row_constraint: a grammar's state, min_tokens) or None
+    constraints: list = field(default_factory=list)
 
     @classmethod
     def empty(cls, speculative: bool) -> "_BatchState":
@@ -683,7 +685,7 @@ class _BatchState:
         self.reasons += new.reasons
         self.spec_ok += new.spec_ok
         self.context += new.context
-        self.grammars += new.grammars
+        self.constraints += new.constraints
         self.pend_next += new.pend_next
         old, nc = self.cache, new.cache
         for lo, ln in zip(old.cache.layers, nc.cache.layers):
@@ -702,7 +704,7 @@ class _BatchState:
         if len(rows) == len(self.seq_ids):
             return
         for name in ("seq_ids", "tokens", "produced", "samplings", "generators", "reasons", "spec_ok", "pend_next",
-                     "context", "grammars"):
+                     "context", "constraints"):
             setattr(self, name, [getattr(self, name)[i] for i in rows])
         if not rows:
             self.cache = self.head_cache = self.pend_taps = self.pend_pos = self.pend_count = None

@@ -40,8 +40,8 @@ import torch
 
 from ngram_service.tree_search import DraftTree
 
-__all__ = ["GrammarError", "GrammarSpec", "GrammarCompiler", "Grammar", "GrammarState", "JSON_OPTIONS",
-           "GRAMMAR_KINDS"]
+__all__ = ["GrammarError", "GrammarSpec", "GrammarCompiler", "Grammar", "GrammarState", "MinTokens", "row_constraint",
+           "JSON_OPTIONS", "GRAMMAR_KINDS"]
 
 #: how JSON is laid out under a schema (llguidance's JSON compile options)
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -235,6 +235,51 @@ class GrammarState:
         if len(tokens) == tree.num_nodes:
             return tree if probs == tree.probs.astype(np.float64).tolist() else _rebuild(tokens, parents, probs, scores)
         return _rebuild(tokens, parents, probs, scores)
+
+
+class MinTokens:
+    """vLLM's ``min_tokens``: the sequence's stop tokens (EOS, ``stop_token_ids``) are masked until it
+    has ``min_tokens`` tokens, around an optional grammar state (the same interface as
+    :class:`GrammarState`, so verification stays lossless: :func:`~dart_core.verify.accept_constrained`).
+    Where the grammar allows nothing but a stop token, the grammar wins.
+
+    Args:
+        inner: a :class:`GrammarState` or None; stop_ids: the stop token ids; min_tokens: ≥ 1.
+    """
+
+    def __init__(self, inner: GrammarState | None, stop_ids, min_tokens: int) -> None:
+        self.inner, self.min_tokens, self.produced = inner, min_tokens, 0
+        self.stop_ids = torch.tensor(sorted(set(int(t) for t in stop_ids)), dtype=torch.long)
+
+    @property
+    def stopped(self) -> bool:
+        return self.inner is not None and self.inner.stopped
+
+    def mask_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = self.inner.mask_logits(logits) if self.inner is not None else logits
+        if self.produced >= self.min_tokens:
+            return logits
+        masked = logits.index_fill(-1, self.stop_ids.to(logits.device), float("-inf"))
+        return logits if bool(torch.isneginf(masked).all()) else masked
+
+    def consume(self, token: int) -> None:
+        if self.inner is not None:
+            self.inner.consume(token)
+        self.produced += 1
+
+    def draft_tree(self, tree: DraftTree, max_forced: int) -> DraftTree:
+        return self.inner.draft_tree(tree, max_forced) if self.inner is not None else tree
+
+
+def row_constraint(sampling) -> "GrammarState | MinTokens | None":
+    """What masks a new sequence's logits, from its :class:`~dart_core.sampling.SamplingParams`: its
+    grammar's state, wrapped in :class:`MinTokens` when ``min_tokens`` holds back stop tokens;
+    None for an unconstrained sequence."""
+    inner = sampling.grammar.start() if sampling.grammar is not None else None
+    stops = () if sampling.ignore_eos else sampling.stop_token_ids
+    if sampling.min_tokens > 0 and stops:
+        return MinTokens(inner, stops, sampling.min_tokens)
+    return inner
 
 
 def _rebuild(tokens: list[int], parents: list[int], probs: list[float], scores: list[float]) -> DraftTree:

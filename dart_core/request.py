@@ -80,7 +80,7 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()  # more token ids that end the sequence (the token stays in the output)
     skip_special_tokens: bool = True  # leave special tokens out of the text
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text
-    min_tokens: int = 0  # honoured only where nothing can stop earlier (see __post_init__)
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens (not with stop strings)
     grammar: GrammarSpec | None = None  # structured output: what every generated token must follow
 
     def __post_init__(self) -> None:
@@ -122,10 +122,9 @@ class GenerationRequest:
         _require(all(_is_int(t) and t >= 0 for t in ids), "stop_token_ids must be token ids (integers >= 0)")
         object.__setattr__(self, "stop_token_ids", ids)
         _require(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens must be an integer >= 0")
-        # min_tokens suppresses EOS and stop tokens until that many are generated (vLLM); dart-serve does
-        # not mask logits, so it takes min_tokens only where nothing could end the sequence earlier
-        _require(self.min_tokens == 0 or (self.ignore_eos and not ids and not stop),
-                 "min_tokens > 0 is supported only with ignore_eos: true and no stop strings or stop_token_ids")
+        # min_tokens masks EOS and the stop token ids until that many tokens are generated (vLLM); stop
+        # strings are matched on text as it comes, so the two are not taken together
+        _require(self.min_tokens == 0 or not stop, "min_tokens > 0 is not supported together with stop strings")
         _require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens")
         _require(self.grammar is None or isinstance(self.grammar, GrammarSpec), "grammar must be a GrammarSpec")
 

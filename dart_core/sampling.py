@@ -24,6 +24,7 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # EOS and the like; included in the output
     ignore_eos: bool = False
+    min_tokens: int = 0  # vLLM's: stop tokens are masked until this many tokens are generated
     logprobs: int | None = None  # None: none; k >= 0: each emitted token's log-probability and the k most likely
     # structured output: a compiled dart_core.grammar.Grammar every emitted token follows (None: unconstrained)
     grammar: object | None = field(default=None, compare=False)
@@ -37,6 +38,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be None or >= 0, got {self.logprobs}")
 

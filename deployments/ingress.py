@@ -203,8 +203,8 @@ class _Common(BaseModel):
                                                 "steps autoregressively")
     # vLLM's sampling extensions, as vLLM means them (load generators such as guidellm send them)
     ignore_eos: bool = Field(False, description="vLLM extension: keep generating past the EOS token")
-    min_tokens: int = Field(0, ge=0, description="vLLM extension: taken only with ignore_eos and no stop strings "
-                                                 "or stop_token_ids, where nothing can end the output earlier")
+    min_tokens: int = Field(0, ge=0, description="vLLM extension: EOS and stop_token_ids are held back until this "
+                                                 "many tokens are generated (not with stop strings)")
     stop_token_ids: list[int] | None = Field(None, description="vLLM extension: more token ids that end the output")
     skip_special_tokens: bool = Field(True, description="vLLM extension: leave special tokens out of the text")
     include_stop_str_in_output: bool = Field(False, description="vLLM extension: keep the matched stop string")

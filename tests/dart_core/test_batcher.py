@@ -307,7 +307,7 @@ def test_bonus_characters_are_the_last_tokens_text(default_tokenizer, per_step):
 
 def test_vllm_sampling_extensions(model):
     """ignore_eos, stop_token_ids, include_stop_str_in_output and skip_special_tokens with vLLM's
-    meaning; min_tokens only where nothing can end the output before it."""
+    meaning; min_tokens holds the stop token back (not taken with stop strings)."""
     ids = engine_output(model, PROMPTS[2], 12)
     want = model.tokenizer.decode(ids, skip_special_tokens=True)
     eos = model.tokenizer.eos_token_id
@@ -328,7 +328,12 @@ def test_vllm_sampling_extensions(model):
         assert eos in plain.stop_token_ids and ignoring.stop_token_ids == (3,)
         fixed = list(b.generate(GenerationRequest(prompt=PROMPTS[2], max_tokens=10, min_tokens=10, ignore_eos=True)))
         assert fixed[-1].completion_tokens == 10 and fixed[-1].finish_reason == "length"
-    for bad, needle in (({"min_tokens": 3}, "min_tokens > 0 is supported only"),
+        # min_tokens past the stop token id: the output runs on beyond where it stopped above
+        held = list(b.generate(GenerationRequest(prompt=PROMPTS[2], max_tokens=12, stop_token_ids=(ids[cut],),
+                                                 min_tokens=cut + 2)))
+        out = [t for c in held for t in c.token_ids]
+        assert len(out) >= cut + 2 and ids[cut] not in out[:cut + 1]
+    for bad, needle in (({"min_tokens": 3, "stop": ("x",)}, "not supported together with stop strings"),
                         ({"min_tokens": 5, "ignore_eos": True, "max_tokens": 4}, "min_tokens must be <="),
                         ({"stop_token_ids": (-1,)}, "stop_token_ids"),
                         ({"ignore_eos": "yes"}, "ignore_eos")):

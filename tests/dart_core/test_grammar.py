@@ -7,6 +7,7 @@ refused with a clear error (compile failures, size and time limits)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import jsonschema
 import numpy as np
@@ -145,6 +146,26 @@ def test_constrained_sampling_in_the_engine_matches_plain_decoding(model, compil
     table = np.array([[texts[s].count(c) for c in cells] for s in (True, False)])
     table = table[:, table.sum(0) >= 5]
     assert stats.chi2_contingency(table).pvalue > 1e-3
+
+
+def test_min_tokens_holds_stop_tokens_back_losslessly(model):
+    """vLLM's min_tokens: the token that ended the output is masked until min_tokens tokens are out;
+    DART's greedy output equals autoregressive decoding's under the same mask, and sampling at 0.8
+    keeps the mask too."""
+    prompts = [model.encode("Once upon a time"), model.encode("def f(x):")]
+    free = model.engine.generate(prompts, _params(model, max_new_tokens=16), speculative=False).token_ids
+    at = next(i for i in range(12) if free[0][i] not in free[0][:i])
+    stop = free[0][at]  # a token the first sequence emits early (a tiny random model repeats its first one)
+    for temperature in (0.0, 0.8):
+        sp = _params(model, max_new_tokens=16, stop_token_ids=(stop,), temperature=temperature, seed=3)
+        ar = model.engine.generate(prompts, replace(sp, min_tokens=10), speculative=False)
+        dart = model.engine.generate(prompts, replace(sp, min_tokens=10))
+        if temperature == 0:
+            assert dart.token_ids == ar.token_ids
+        for out in ar.token_ids + dart.token_ids:
+            assert stop not in out[:9] and len(out) >= 10
+    plain = model.engine.generate(prompts, _params(model, max_new_tokens=16, stop_token_ids=(stop,)))
+    assert plain.token_ids[0][-1] == stop and len(plain.token_ids[0]) == at + 1  # without it, the stop ends it
 
 
 def test_the_first_token_is_constrained_too(model, compiler):

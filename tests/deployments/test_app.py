@@ -109,7 +109,7 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(app, body, status,
     ({"response_format": {"type": "text"}}, 200, ""),
     ({"top_logprobs": 2}, 400, "top_logprobs needs logprobs"),
     ({"repetition_penalty": 1.2}, 400, "repetition_penalty is not supported"),
-    ({"min_tokens": 2}, 400, "min_tokens > 0 is supported only"),
+    ({"min_tokens": 2, "stop": ["x"]}, 400, "not supported together with stop strings"),
     ({"presence_penalty": 0, "frequency_penalty": 0.0, "user": "u1", "logit_bias": {}, "store": False}, 200, ""),
     ({"repetition_penalty": 1.0, "ignore_eos": True, "min_tokens": 2, "skip_special_tokens": True,
       "stop_token_ids": [], "include_stop_str_in_output": False}, 200, ""),
@@ -329,7 +329,8 @@ def test_grpc_generate_and_stream(app, reference):
                               metadata=meta, timeout=60)
         assert fixed.completion_tokens == 4 and fixed.finish_reason == "length"
         with pytest.raises(grpc.RpcError) as e:
-            stub.Generate(dart_pb2.GenerateRequest(prompt="hi", max_tokens=4, min_tokens=2), metadata=meta, timeout=60)
+            stub.Generate(dart_pb2.GenerateRequest(prompt="hi", max_tokens=4, min_tokens=2, stop=["x"]), metadata=meta,
+                          timeout=60)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_tokens" in e.value.details()
 
 
