@@ -425,7 +425,7 @@ class DartEngine:
         for i, (tr, acc) in enumerate(zip(trees, accepted)):
             drafted = [int(tr.tokens[j]) for j in acc.path[1:]]
             if lookup:
-                if tr.num_nodes > 1:
+                if tr.num_nodes > 1 and state.constraints[i] is None:  # a grammar reshapes the chain
                     self.budget.observe_lookup(proposal.chains[i].match_length, tr.num_nodes - 1, len(drafted))
             elif predicted is not None and state.constraints[i] is None:  # a constraint may have reshaped the tree
                 self.budget.observe(predicted[i], len(drafted), proposal.draft_ms + proposal.search_ms)
