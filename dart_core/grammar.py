@@ -50,7 +50,11 @@ GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "choice")
 
 class GrammarError(ValueError):
     """A grammar the server refuses: it does not compile, is too large, or took too long to
-    compile (HTTP 400, gRPC INVALID_ARGUMENT)."""
+    compile (HTTP 400, gRPC INVALID_ARGUMENT); ``param``: the request field at fault, where known."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -81,8 +85,15 @@ class GrammarSpec:
             raise GrammarError("a grammar's value must be text")
 
     @classmethod
-    def json_schema(cls, schema: dict | bool, strict: bool = True) -> "GrammarSpec":
-        """Raises: GrammarError: the schema is not a JSON object (or boolean)."""
+    def json_schema(cls, schema: dict | bool | str, strict: bool = True) -> "GrammarSpec":
+        """``schema``: the schema, or its JSON text.
+
+        Raises: GrammarError: the text is not JSON, or the schema is not a JSON object (or boolean)."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise GrammarError(f"the JSON schema is not JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("a JSON schema must be a JSON object")
         # keys keep their order: the output writes an object's properties in the schema's order
@@ -94,6 +105,18 @@ class GrammarSpec:
         if not choices or not all(isinstance(c, str) and c for c in choices):
             raise GrammarError("choices must be a non-empty list of non-empty strings")
         return cls("choice", json.dumps(list(choices)))
+
+    @staticmethod
+    def at_most_one(named: list[tuple[str, "GrammarSpec | None"]]) -> "GrammarSpec | None":
+        """The one constraint a request gives among its fields (``(field, spec or None)`` pairs), or None.
+
+        Raises:
+            GrammarError: more than one is given (``param``: the second).
+        """
+        given = [(name, spec) for name, spec in named if spec is not None]
+        if len(given) > 1:
+            raise GrammarError(f"give at most one of {', '.join(n for n, _ in given)}", param=given[1][0])
+        return given[0][1] if given else None
 
     @property
     def size(self) -> int:
@@ -206,15 +229,18 @@ class GrammarState:
         kids: dict[int, dict[int, int]] = {}
         for i in range(1, len(tokens)):
             kids.setdefault(parents[i], {})[tokens[i]] = i
+        changed = False  # a node added, or an estimate raised to 1
 
         def graft(at: int, chain: list[int]) -> None:
+            nonlocal changed
             for tok in chain:
                 nxt = kids.setdefault(at, {}).get(tok)
                 if nxt is None:
                     nxt = len(tokens)
-                    tokens.append(tok), parents.append(at), probs.append(1.0), scores.append(0.0)
+                    tokens.append(tok), parents.append(at), probs.append(0.0), scores.append(0.0)
                     kids[at][tok] = nxt
-                probs[nxt] = 1.0
+                if probs[nxt] != 1.0:
+                    probs[nxt], changed = 1.0, True
                 at = nxt
 
         graft(0, self.forced(max_forced))
@@ -232,9 +258,7 @@ class GrammarState:
             if fork.valid_prefix(path[::-1]) == len(path):
                 fork._m.consume_tokens(path[::-1])
                 graft(leaf, fork.forced(max_forced))
-        if len(tokens) == tree.num_nodes:
-            return tree if probs == tree.probs.astype(np.float64).tolist() else _rebuild(tokens, parents, probs, scores)
-        return _rebuild(tokens, parents, probs, scores)
+        return _rebuild(tokens, parents, probs, scores) if changed else tree
 
 
 class MinTokens:
@@ -304,7 +328,7 @@ class GrammarCompiler:
         cache_size: compiled grammars kept.
 
     Raises:
-        ImportError: llguidance is not installed (``pip install dart-serve[structured]``).
+        ImportError: llguidance (a dependency of dart-serve) is not installed.
     """
 
     def __init__(self, tokenizer, vocab_size: int, *, timeout_s: float = 10.0, max_spec_chars: int = 65536,

@@ -85,8 +85,7 @@ class GenerationRequest:
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids))
-        _require(given == 1, "give exactly one of a prompt, messages or prompt token ids"
-                 if given else "give either a prompt or messages")
+        _require(given == 1, "give exactly one of a prompt, messages or prompt token ids")
         if self.prompt_token_ids is not None:
             ids = tuple(self.prompt_token_ids)
             _require(len(ids) > 0, "the prompt is empty")

@@ -58,10 +58,15 @@ def _walk(tokens: np.ndarray, parents: np.ndarray, choose) -> Acceptance:
         cur = accepted
 
 
+def _child_with(kids: list[int], tokens: np.ndarray, token: int) -> int | None:
+    """The child among ``kids`` whose token is ``token`` (None: none)."""
+    return next((c for c in kids if tokens[c] == token), None)
+
+
 def accept_greedy(tokens: np.ndarray, parents: np.ndarray, argmax: np.ndarray) -> Acceptance:
     """tokens/parents/argmax: [N]; argmax[i] is the target's greedy token after node i."""
     def choose(cur, kids):
-        nxt = next((c for c in kids if tokens[c] == argmax[cur]), None)
+        nxt = _child_with(kids, tokens, argmax[cur])
         return (nxt, None) if nxt is not None else (None, argmax[cur])
 
     return _walk(tokens, parents, choose)
@@ -147,13 +152,12 @@ def accept_constrained(tokens: np.ndarray, parents: np.ndarray, logits: torch.Te
         row = grammar.mask_logits(logits[cur])
         if params.greedy:
             x = int(row.argmax())
-            nxt = next((c for c in kids if tokens[c] == x), None)
+            nxt = _child_with(kids, tokens, x)
         else:
             nxt, x = _sample_children(target_probs(row, params).double().cpu(), kids, tokens, generator)
             x = int(tokens[nxt]) if nxt is not None else x
         grammar.consume(x)
-        if nxt is not None and grammar.stopped:  # the grammar's end: the node's token is the last one
-            return None, x
-        return (nxt, None) if nxt is not None else (None, x)
+        # no child taken, or the grammar's end (the node's token is the last one): x is the bonus token
+        return (None, x) if nxt is None or grammar.stopped else (nxt, None)
 
     return _walk(tokens, parents, choose)

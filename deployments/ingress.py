@@ -237,23 +237,16 @@ class _Common(BaseModel):
         Raises:
             APIError: 400 for more than one constraint or a malformed one.
         """
-        specs = []
         fmt = getattr(self, "response_format", None)
         try:
-            if fmt is not None and fmt.grammar() is not None:
-                specs.append(("response_format", fmt.grammar()))
-            if self.guided_json is not None:
-                schema = json.loads(self.guided_json) if isinstance(self.guided_json, str) else self.guided_json
-                specs.append(("guided_json", GrammarSpec.json_schema(schema, strict=False)))
-            if self.guided_regex is not None:
-                specs.append(("guided_regex", GrammarSpec("regex", self.guided_regex)))
-            if self.guided_choice is not None:
-                specs.append(("guided_choice", GrammarSpec.choice(self.guided_choice)))
-        except (ValueError, GrammarError) as e:  # json.JSONDecodeError is a ValueError
-            raise APIError(400, f"invalid structured-output constraint: {e}") from None
-        if len(specs) > 1:
-            raise APIError(400, f"give at most one of {', '.join(n for n, _ in specs)}", param=specs[1][0])
-        return specs[0][1] if specs else None
+            return GrammarSpec.at_most_one([
+                ("response_format", fmt.grammar() if fmt is not None else None),
+                ("guided_json", None if self.guided_json is None
+                 else GrammarSpec.json_schema(self.guided_json, strict=False)),
+                ("guided_regex", None if self.guided_regex is None else GrammarSpec("regex", self.guided_regex)),
+                ("guided_choice", None if self.guided_choice is None else GrammarSpec.choice(self.guided_choice))])
+        except GrammarError as e:
+            raise APIError(400, f"invalid structured-output constraint: {e}", param=e.param) from None
 
 
 class ChatCompletionRequest(_Common):
@@ -388,22 +381,12 @@ def _grpc_grammar(request) -> GrammarSpec | None:
     Raises:
         GrammarError: more than one is set, or the schema is not JSON text.
     """
-    specs = []
-    if request.json_schema:
-        try:
-            schema = json.loads(request.json_schema)
-        except ValueError as e:
-            raise GrammarError(f"json_schema is not JSON: {e}") from None
-        specs.append(GrammarSpec.json_schema(schema, strict=request.strict))
-    if request.json_object:
-        specs.append(GrammarSpec("json_object"))
-    if request.regex:
-        specs.append(GrammarSpec("regex", request.regex))
-    if request.choice:
-        specs.append(GrammarSpec.choice(list(request.choice)))
-    if len(specs) > 1:
-        raise GrammarError("set at most one of json_schema, json_object, regex and choice")
-    return specs[0] if specs else None
+    return GrammarSpec.at_most_one([
+        ("json_schema", GrammarSpec.json_schema(request.json_schema, strict=request.strict)
+         if request.json_schema else None),
+        ("json_object", GrammarSpec("json_object") if request.json_object else None),
+        ("regex", GrammarSpec("regex", request.regex) if request.regex else None),
+        ("choice", GrammarSpec.choice(list(request.choice)) if request.choice else None)])
 
 
 def _grpc_response(pb, text: str, chunk: GenerationChunk | None, token_ids=None, *, per_step: bool = True):
