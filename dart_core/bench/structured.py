@@ -89,13 +89,15 @@ class _Recording:
 
 
 def measure_in_process(schemas_path: str | Path = DEFAULT_SCHEMAS, *, model: str | None = None,
-                       head: str | None = None, max_tokens: int = 256, runs: int = 3, progress: bool = True) -> dict:
+                       head: str | None = None, max_tokens: int = 256, runs: int = 3, progress: bool = True,
+                       device: str | None = None, dtype: str | None = None, cuda_graphs: bool = False) -> dict:
     """{"config", "hardware", "modes": {mode: {...}}, "sampled": {...}, "per_schema": [...]}
     (see the module docstring).
 
     Raises:
         FileNotFoundError, ValueError: as :func:`load_schemas`; GrammarError for a schema that
             does not compile."""
+    import torch
     from tqdm import tqdm
 
     from dart_core.api import DartModel
@@ -103,7 +105,8 @@ def measure_in_process(schemas_path: str | Path = DEFAULT_SCHEMAS, *, model: str
     from dart_core.grammar import GrammarSpec
 
     rows = load_schemas(schemas_path)
-    m = DartModel.from_pretrained(model, head=head)
+    m = DartModel.from_pretrained(model, head=head, device=device, cuda_graphs=cuda_graphs,
+                                  dtype=getattr(torch, dtype) if dtype else None)
     engine = m.engine
     prompts = [m.tokenizer.apply_chat_template([{"role": "user", "content": user_message(r)}],
                                                add_generation_prompt=True, tokenize=True, return_dict=True)
@@ -169,6 +172,7 @@ def measure_in_process(schemas_path: str | Path = DEFAULT_SCHEMAS, *, model: str
                         "finish_reason": res.finish_reasons[0]})
     return {"config": {"schemas": str(Path(schemas_path).name), "model": model, "head": head,
                        "max_tokens": max_tokens, "runs": runs, "weights": _weights(engine.target),
+                       "cuda_graphs": cuda_graphs,
                        "dtype": str(engine.target.dtype).removeprefix("torch.")},
             "hardware": hardware(engine.target.device), "schemas": len(rows), "modes": modes,
             "sampled": {"temperature": 0.8, "valid": sum(s["valid"] for s in sampled), "rows": sampled},
@@ -305,6 +309,10 @@ def main(argv=None) -> int:
     ap.add_argument("--url", default=None, help="a running app's /v1 URL: measure through its HTTP API instead")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--runs", type=int, default=3, help="timed passes per mode (the median is reported)")
+    ap.add_argument("--device", default=None, help="in process: the target's device [cuda if available, else cpu]")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="in process: the target's dtype [bfloat16 on CUDA, float32 on the CPU]")
+    ap.add_argument("--cuda-graphs", action="store_true", help="in process, CUDA only: graph-captured verification")
     ap.add_argument("--out", default="bench/results/structured", help="folder for structured[_served].json/.md")
     ap.add_argument("--page", default=None, help="also write the tables into this page's block (BENCHMARKS.md)")
     args = ap.parse_args(argv)
@@ -315,7 +323,8 @@ def main(argv=None) -> int:
             result = measure_served(args.url, args.schemas, max_tokens=args.max_tokens, runs=args.runs)
         else:
             result = measure_in_process(args.schemas, model=args.model, head=args.head, max_tokens=args.max_tokens,
-                                        runs=args.runs)
+                                        runs=args.runs, device=args.device, dtype=args.dtype,
+                                        cuda_graphs=args.cuda_graphs)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -3,7 +3,9 @@
 # (DART_SDPA_BACKENDS=default), draft-eager keeps the draft head eager beside graph-captured
 # verification (DART_DRAFT_GRAPHS=0); for the batching job, nocap lets every batch up to 64 speculate
 # (--max-speculative-batch 64, the gate still deciding) and nogate speculates at every step of those
-# (--no-gate as well); the variant is appended to the result's label.
+# (--no-gate as well); the variant is appended to the result's label.  prof16-bf16 profiles a batch of 16
+# (step_profile-b16-*.json); struct-bf16 runs the structured-output benchmark (structured-*.json; needs
+# llguidance's wheel unzipped into /tmp/site, STRUCT_TOKENS / STRUCT_RUNS size it).
 source scripts/gpu_session/env.sh
 mkdir -p $R/rep/logs $R/b
 MT=$D/files/extra/mt-bench.jsonl
@@ -28,6 +30,10 @@ for spec in "$@"; do
     # the operators of DART steps that always draft (a fixed budget: the adaptive one may not speculate)
     ops-bf16)   cmd="dart_core.bench.step_profile --dataset $MT --num-prompts 1 --max-new-tokens 32 --device cuda --dtype bfloat16 --modes dart --budget 60 --top-ops 12 --no-progress" ;;
     ops-fp32)   cmd="dart_core.bench.step_profile --dataset $MT --num-prompts 1 --max-new-tokens 32 --device cuda --dtype float32 --modes dart --budget 60 --top-ops 12 --no-progress" ;;
+    # a batch of 16 prompts stepped together, autoregressive and DART at a fixed budget (which always drafts)
+    prof16-bf16) cmd="dart_core.bench.step_profile --dataset $MT --num-prompts 16 --batch-size 16 --max-new-tokens 32 --device cuda --dtype bfloat16 --budget 16 --no-progress" ;;
+    # structured output (needs llguidance: its wheel unzipped into /tmp/site)
+    struct-bf16) cmd="dart_core.bench.structured --device cuda --dtype bfloat16 --max-tokens ${STRUCT_TOKENS:-128} --runs ${STRUCT_RUNS:-1}" ;;
     batch-bf16) cmd="dart_core.bench.batching --concurrency 1 4 16 64 --requests-per-client 1 --max-tokens 64 --dataset $MT --device cuda --dtype bfloat16 --no-progress" ;;
     *) echo "unknown job $job"; continue ;;
   esac
@@ -35,7 +41,14 @@ for spec in "$@"; do
   env "${envs[@]}" timeout ${JOB_TIMEOUT:-600} python3 -m $cmd $graphs $extra --out $R/b/$name > $R/rep/logs/$name.log 2>&1
   rc=$?
   label=${job#*-}${variant:+-$variant}; kind=${job%%-*}
-  case $kind in dec) f=decoding;; prof) f=step_profile;; ops) f=step_profile; label=ops-$label;; batch) f=batching;; esac
-  [ -f $R/b/$name/$f.json ] && cp $R/b/$name/$f.json $R/rep/$f-$label.json
+  case $kind in
+    dec) f=decoding;; prof) f=step_profile;; ops) f=step_profile; label=ops-$label;; batch) f=batching;;
+    prof16) f=step_profile; label=b16-$label;; struct) f=structured;;
+  esac
+  dest=$R/rep/$f-$label  # a repeated job: its runs are named -run1, -run2, ... (gpu_report takes their median)
+  if [ -f $dest.json ]; then mv $dest.json $dest-run1.json; fi
+  if [ -f $dest-run1.json ]; then n=$(ls $dest-run*.json | wc -l); dest=$dest-run$((n + 1)); fi
+  [ -f $R/b/$name/$f.json ] && cp $R/b/$name/$f.json $dest.json
+  tar -czf $RET/rep.tgz -C $R rep  # what has come so far travels back even if a later job runs past the limit
   echo "[$(date +%T)] $name rc=$rc $(( $(date +%s) - t0 )) s"; tail -4 $R/rep/logs/$name.log | cut -c1-300
 done
