@@ -282,6 +282,8 @@ class ContinuousBatcher:
                 except ImportError:
                     raise InvalidRequest("structured output needs llguidance on the server "
                                          "(pip install llguidance)") from None
+                except GrammarError as e:
+                    raise InvalidRequest(str(e)) from None
         try:
             return self._grammars.compile(request.grammar)
         except GrammarError as e:

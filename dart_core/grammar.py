@@ -40,7 +40,7 @@ import torch
 
 from ngram_service.tree_search import DraftTree
 
-__all__ = ["GrammarError", "GrammarSpec", "GrammarCompiler", "Grammar", "GrammarState", "MinTokens", "row_constraint",
+__all__ = ["GrammarError", "GrammarSpec", "GrammarCompiler", "grammar_tokenizer", "Grammar", "GrammarState", "MinTokens", "row_constraint",
            "JSON_OPTIONS", "GRAMMAR_KINDS"]
 
 #: how JSON is laid out under a schema (llguidance's JSON compile options)
@@ -317,6 +317,64 @@ def _rebuild(tokens: list[int], parents: list[int], probs: list[float], scores: 
                                   [depth[i] for i in order], [scores[i] for i in order], [probs[i] for i in order])
 
 
+#: text whose tokens :func:`grammar_tokenizer` checks: JSON punctuation, spaces, a newline, a tab,
+#: accents and characters of several UTF-8 lengths
+_TOKEN_PROBE = '{"name": "Zoë", "id": [1, 2.5e-3], "ok": true}\n\t- naïve café 日本語 😀 ĠÄ'
+
+
+def _byte_level(part) -> bool:
+    """Whether a tokenizer.json pre-tokenizer is (or, in a sequence, holds) ByteLevel."""
+    if not isinstance(part, dict):
+        return False
+    return part.get("type") == "ByteLevel" or any(_byte_level(p) for p in part.get("pretokenizers") or ())
+
+
+def grammar_tokenizer(tokenizer, vocab_size: int):
+    """The llguidance tokenizer of a Hugging Face fast tokenizer, checked to read each token as
+    the same bytes that the tokenizer decodes it to.
+
+    llguidance learns a token's bytes from the tokenizer's JSON, mainly from its decoder. A
+    byte-level BPE tokenizer (GPT-2's scheme: a ByteLevel pre-tokenizer, so every token is
+    spelled in the 256-character byte alphabet) is sometimes saved with a decoder that begins
+    with ByteFallback, as transformers 5.17 converts SmolLM2's GGUF file; llguidance then reads
+    ``Ġ"`` as the bytes of ``Ġ"`` rather than ``␠"``, and every mask is wrong. For such a
+    tokenizer the decoder is set to ByteLevel (the byte alphabet is then the only reading).
+
+    Args:
+        tokenizer: a ``PreTrainedTokenizerFast`` (or transformers 5's ``TokenizersBackend``);
+        vocab_size: the target's V (the masks' width).
+
+    Returns:
+        an ``llguidance.LLTokenizer``.
+
+    Raises:
+        GrammarError: the tokenizer is not a fast one, or llguidance reads the probe text's
+            tokens as other bytes than the tokenizer decodes them to.
+    """
+    import copy
+
+    import llguidance
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise GrammarError("structured output needs a fast (Rust-backed) Hugging Face tokenizer")
+    backend = copy.copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    spec = json.loads(backend.to_str())
+    if _byte_level(spec.get("pre_tokenizer")) and (spec.get("decoder") or {}).get("type") != "ByteLevel":
+        spec["decoder"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+        spec["model"]["byte_fallback"] = False
+    lltok = llguidance.LLTokenizer(json.dumps(spec), n_vocab=vocab_size, eos_token=tokenizer.eos_token_id)
+    ids = tokenizer.encode(_TOKEN_PROBE, add_special_tokens=False)
+    want = tokenizer.decode(ids, clean_up_tokenization_spaces=False).encode("utf-8")
+    got = lltok.decode_bytes(ids)
+    if got != want:
+        raise GrammarError("structured output is unavailable with this tokenizer: llguidance reads its tokens "
+                           f"as other bytes than it decodes them to ({got[:40]!r} for {want[:40]!r})")
+    return lltok
+
+
 class GrammarCompiler:
     """Compiles :class:`GrammarSpec` s for one tokenizer, with an LRU cache keyed by spec.
 
@@ -329,6 +387,7 @@ class GrammarCompiler:
 
     Raises:
         ImportError: llguidance (a dependency of dart-serve) is not installed.
+        GrammarError: llguidance cannot read this tokenizer's tokens (:func:`grammar_tokenizer`).
     """
 
     def __init__(self, tokenizer, vocab_size: int, *, timeout_s: float = 10.0, max_spec_chars: int = 65536,
@@ -337,7 +396,7 @@ class GrammarCompiler:
         import llguidance.hf
 
         self._llg = llguidance
-        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        self._tokenizer = grammar_tokenizer(tokenizer, vocab_size)
         self.vocab_size, self.timeout_s, self.max_spec_chars = vocab_size, timeout_s, max_spec_chars
         self.cache_size = cache_size
         self._cache: OrderedDict[GrammarSpec, Grammar] = OrderedDict()

@@ -207,3 +207,60 @@ def test_the_batcher_refuses_a_slow_compile_and_keeps_serving(model):
         jsonschema.validate(json.loads(text), SCHEMA)
         assert b.grammar(GenerationRequest(prompt="x", grammar=spec)) is b.grammar(
             GenerationRequest(prompt="y", grammar=spec))
+
+
+def _reshaped(tokenizer, change):
+    """``tokenizer`` rebuilt from its tokenizer.json after ``change(spec)``."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    change(spec)
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+                                   eos_token=tokenizer.eos_token)
+
+
+def _byte_fallback_decoder(spec):
+    """How transformers 5.17 saves SmolLM2's GGUF tokenizer: a byte-level BPE whose decoder starts
+    with ByteFallback (decoding is unchanged: the sequence ends with ByteLevel)."""
+    spec["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+        {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}]}
+    spec["model"]["byte_fallback"] = True
+
+
+def test_a_byte_level_tokenizer_saved_with_a_byte_fallback_decoder_is_read_as_byte_level(model, compiler):
+    """Found on a GPU machine with transformers 5.17: llguidance read ``Ġ"`` literally and the
+    grammar refused the target's own tokens. Constrained decoding through such a tokenizer now
+    equals decoding through the original one."""
+    import llguidance.hf
+
+    odd = _reshaped(model.tokenizer, _byte_fallback_decoder)
+    ids = model.tokenizer.encode(' "x"', add_special_tokens=False)
+    assert odd.decode(ids) == ' "x"'
+    V = model.engine.target.config.vocab_size
+    assert llguidance.hf.from_tokenizer(odd, n_vocab=V).decode_bytes(ids) != b' "x"'  # what went wrong
+    spec = GrammarSpec.json_schema(SCHEMA)
+    prompts = [model.encode(p) for p in ("Give me JSON:", "{")]
+    want = model.engine.generate(prompts, _params(model, compiler.compile(spec)))
+    got = model.engine.generate(prompts, _params(model, GrammarCompiler(odd, V).compile(spec)))
+    assert got.token_ids == want.token_ids
+    for ids in got.token_ids:
+        jsonschema.validate(json.loads(_text(model, ids)), SCHEMA)
+
+
+def test_a_tokenizer_llguidance_cannot_read_is_refused_by_name(model):
+    """A tokenizer whose token spellings llguidance would misread (here the byte alphabet without a
+    ByteLevel pre-tokenizer to say so) is refused when the compiler is made, and the batcher turns
+    that into a 400-class error instead of wrong masks mid-generation."""
+    def metaspace(spec):
+        _byte_fallback_decoder(spec)
+        spec["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "never", "split": True}
+
+    odd = _reshaped(model.tokenizer, metaspace)
+    with pytest.raises(GrammarError, match="llguidance reads its tokens"):
+        GrammarCompiler(odd, model.engine.target.config.vocab_size)
+    with ContinuousBatcher(model.engine, odd) as b:
+        with pytest.raises(InvalidRequest, match="unavailable with this tokenizer"):
+            list(b.generate(GenerationRequest(prompt="x", max_tokens=4, grammar=GrammarSpec.json_schema(SCHEMA))))
+        assert len(list(b.generate(GenerationRequest(prompt="x", max_tokens=4)))) >= 1
