@@ -93,3 +93,15 @@ def test_a_serving_headline_is_the_median_of_its_runs(tmp_path):
         "label": "served", "kind": "serving", "files": ["s0.json", "s1.json", "s2.json"], "concurrency": [1, 16],
         "machine": "box", "head": "h", "date": "d", "command": "c"}]}))
     assert "| served | 1.50× at 1 client(s), 1.00× at 16 client(s) | box |" in headline.render_headline(tmp_path / "m.json")
+
+
+def test_a_structured_output_headline_is_the_median_of_its_runs(tmp_path):
+    from dart_core.bench import headline
+
+    for i, (dart, ar) in enumerate([(30, 20), (40, 20), (21, 20)]):
+        (tmp_path / f"s{i}.json").write_text(json.dumps({"schemas": 20, "modes": {
+            "dart": {"tokens_per_s": dart}, "autoregressive": {"tokens_per_s": ar}}}))
+    (tmp_path / "m.json").write_text(json.dumps({"rows": [{
+        "label": "json", "kind": "structured", "files": ["s0.json", "s1.json", "s2.json"],
+        "machine": "box", "head": "h", "date": "d", "command": "c"}]}))
+    assert "| json | 1.50× (20 JSON schemas) | box |" in headline.render_headline(tmp_path / "m.json")

@@ -14,6 +14,8 @@ optional except one decoding run:
 - ``serving-<label>.json``: :mod:`dart_core.bench.serving` sweeps over HTTP against ``serve run
   deployments/dart.yaml`` on that machine (``scripts/gpu_session/serve.sh``; the label says how the
   config differed from the shipped one, ``commands.md`` says it in full);
+- ``structured-<label>.json``: :mod:`dart_core.bench.structured` in process (constrained
+  decoding: validity, equality with constrained autoregressive decoding, τ, tokens/s);
 - ``sdpa_probe.json``: ``scripts/gpu_session/sdpa_probe.py`` (milliseconds of one masked
   attention call per SDPA backend, at a new shape every call and at a fixed one);
 
@@ -108,7 +110,7 @@ def render_gpu_section(folder: str | Path, page: str | Path) -> str:
     Raises:
         FileNotFoundError: ``folder`` holds no ``decoding-*.json``.
     """
-    from dart_core.bench import batching, decoding, serving, step_profile
+    from dart_core.bench import batching, decoding, serving, step_profile, structured
 
     folder = Path(folder)
     dec, rel, lines = section_start(folder, page, "dart_core.bench.gpu_report", START)
@@ -144,8 +146,10 @@ def render_gpu_section(folder: str | Path, page: str | Path) -> str:
                   "the step during which no kernel runs.", ""]
         for dtype, p in prof:
             c = p["config"]
-            lines += [f"**{_label(dtype, p)}** ({c['num_prompts']} MT-Bench prompt(s), {c['max_new_tokens']} new "
-                      "tokens):", "",
+            batch = f", stepped {c['batch_size']} at a time" if c.get("batch_size", 1) > 1 else ""
+            budget = f", a fixed budget of {c['budget']} draft nodes" if c.get("budget", "auto") != "auto" else ""
+            lines += [f"**{_label(dtype, p)}** ({c['num_prompts']} MT-Bench prompt(s){batch}, {c['max_new_tokens']} "
+                      f"new tokens{budget}):", "",
                       step_profile.markdown_table(p), ""]
     for dtype, b in _load(folder, "batching"):
         b = {**b, "server": b.get("server") or {"model": "SmolLM2-135M-Instruct", "url": "in process"}}
@@ -155,6 +159,12 @@ def render_gpu_section(folder: str | Path, page: str | Path) -> str:
                   f"gate {'on' if c.get('gate', True) else 'off'}.", "", serving.markdown_table(b), ""]
         if any("steps" in r for r in b["rows"]):
             lines += [batching.step_table(b), ""]
+    for label, r in _load(folder, "structured"):
+        c = r["config"]
+        lines += [f"### Structured output ({_label(label, r)}, `python -m dart_core.bench.structured`)", "",
+                  f"{r['schemas']} JSON schemas of `bench/schemas/{c['schemas']}`, greedy, at most {c['max_tokens']} "
+                  f"tokens, {c['runs']} timed pass(es) per mode, one request at a time.", "",
+                  structured.markdown_table(r), ""]
     served = _load(folder, "serving")
     if served:
         lines += ["### Ray Serve on the GPU machine (`serve run deployments/dart.yaml`)", "",

@@ -363,6 +363,12 @@ def test_the_gpu_section_is_rendered_from_the_results_files(tmp_path):
     assert "Speculation allowed up to 64 running sequences, the speculation gate off." in fifth
     assert "Speculation allowed up to 8 running sequences, the speculation gate on." in fifth
     assert fifth.count("Speculative steps:") == 3
+    # the sixth: a batch of 16 profiled at a fixed budget, and structured output
+    sixth = gpu_report.render_gpu_section(folder.parent / "gpu-h100-6", page)
+    assert "stepped 16 at a time, 32 new tokens, a fixed budget of 16 draft nodes" in sixth
+    from dart_core.bench import structured
+    st = json.loads((folder.parent / "gpu-h100-6" / "structured-bf16-graphs.json").read_text())
+    assert "### Structured output (bf16-graphs, CUDA graphs" in sixth and structured.markdown_table(st) in sixth
 
 
 def test_the_gguf_native_section_gives_each_method_against_llama_cpp(tmp_path):
