@@ -18,9 +18,11 @@ tests inject fakes.  This module needs neither torch nor the engine.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from abc import ABC, abstractmethod
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import grpc
@@ -58,14 +60,41 @@ class TreeSearchClient(ABC):
         """Releases resources (channels, threads)."""
 
 
+def _usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 class InProcessTreeSearch(TreeSearchClient):
     """The C++ search in this process, with the trie memory-mapped here
-    (``trie=None``: logits-only search, the service's fallback)."""
+    (``trie=None``: logits-only search, the service's fallback).
 
-    def __init__(self, trie: NgramTrie | None = None) -> None:
+    Args:
+        trie: the n-gram trie, or None.
+        threads: search threads: a batch's sequences are searched on up to this many
+            threads at once (``SearchParams.num_threads``; the output does not depend on
+            it). None: the CPUs this process may use, as the gRPC service does. The search
+            runs between the target's forwards, so its threads do not compete with them.
+
+    Raises:
+        ValueError: ``threads`` < 1.
+    """
+
+    def __init__(self, trie: NgramTrie | None = None, *, threads: int | None = None) -> None:
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
         self.trie = trie
+        self.threads = threads or _usable_cpus()
+        self._threaded: dict[tuple[SearchParams, int], SearchParams] = {}
 
     def search(self, topk_ids, topk_probs, contexts, params, chains=None):
+        n = max(1, min(self.threads, len(contexts)))
+        if params.num_threads != n:  # the same search on n threads (converted to C++ once per params)
+            key = (params, n)
+            if key not in self._threaded:
+                if len(self._threaded) > 64:
+                    self._threaded.clear()
+                self._threaded[key] = replace(params, num_threads=n)
+            params = self._threaded[key]
         return search_trees(topk_ids, topk_probs, contexts, trie=self.trie, params=params, chains=chains)
 
 _CHANNEL_OPTIONS = [

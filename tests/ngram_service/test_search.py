@@ -302,6 +302,34 @@ def test_batched_and_threaded_equal_single(tmp_path):
         search_trees(ids[:2], probs[:2], [[1], []], trie=trie, params=SearchParams(num_threads=2))
 
 
+def test_the_in_process_client_searches_a_batch_on_its_threads(tmp_path, monkeypatch):
+    """InProcessTreeSearch runs a batch on up to ``threads`` C++ threads (default: the usable
+    CPUs, as the gRPC service), whatever num_threads the caller's params hold, with the same
+    trees as one thread; a bad thread count is refused."""
+    from ngram_service import client as client_mod
+
+    rng = np.random.default_rng(4)
+    trie = make_trie(tmp_path, random_docs(rng, 30, num_docs=50, max_len=60), 3, 30)
+    ids = rng.integers(0, 30, size=(6, 8, 25))
+    probs = rng.dirichlet(np.ones(25), size=(6, 8)).astype(np.float32)
+    contexts = [list(rng.integers(0, 30, size=rng.integers(1, 20))) for _ in range(6)]
+    seen = []
+    real = client_mod.search_trees
+    monkeypatch.setattr(client_mod, "search_trees", lambda *a, params, **kw: seen.append(params.num_threads)
+                        or real(*a, params=params, **kw))
+    one = client_mod.InProcessTreeSearch(trie, threads=1).search(ids, probs, contexts, SearchParams(num_threads=3))
+    four = client_mod.InProcessTreeSearch(trie, threads=4)
+    for batch in (6, 2):
+        trees = four.search(ids[:batch], probs[:batch], contexts[:batch], SearchParams())
+        for a, b in zip(trees, one[:batch]):
+            for name in FIELDS:
+                np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+    assert seen == [1, 4, 2]  # never more threads than sequences
+    assert client_mod.InProcessTreeSearch(trie).threads >= 1
+    with pytest.raises(ValueError, match="threads"):
+        client_mod.InProcessTreeSearch(trie, threads=0)
+
+
 def test_selecting_a_subtree_keeps_every_field_consistent():
     rng = np.random.default_rng(11)
     for _ in range(30):
