@@ -105,3 +105,21 @@ def test_a_structured_output_headline_is_the_median_of_its_runs(tmp_path):
         "label": "json", "kind": "structured", "files": ["s0.json", "s1.json", "s2.json"],
         "machine": "box", "head": "h", "date": "d", "command": "c"}]}))
     assert "| json | 1.50× (20 JSON schemas) | box |" in headline.render_headline(tmp_path / "m.json")
+
+
+def test_the_one_off_sections_of_benchmarks_md_are_rendered_from_their_result_files(tmp_path):
+    """BENCHMARKS.md's batching-on-CPU, reference-import and billion-token-trie blocks are what
+    ``python -m dart_core.bench.sections`` makes from the files; a stale block is caught and rewritten."""
+    from dart_core.bench import sections
+
+    assert sections.main(["--check"]) == 0
+    page = tmp_path / "B.md"
+    page.write_text("".join(f"## {n}\n\n<!-- {n}:start -->\n| stale | 9.99 |\n<!-- {n}:end -->\n\nafter {n}\n"
+                            for n, _ in sections.SECTIONS))
+    assert sections.main(["--check", "--page", str(page)]) == 1
+    assert sections.write_sections(page) is True and sections.write_sections(page) is False
+    text = page.read_text()
+    assert "9.99" not in text and "after billion-trie" in text
+    assert sections.render_billion_trie() in text and sections.render_reference_import() in text
+    (tmp_path / "bare.md").write_text("# x\n")
+    assert sections.main(["--page", str(tmp_path / "bare.md")]) == 2

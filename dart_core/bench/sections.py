@@ -1,0 +1,266 @@
+"""BENCHMARKS.md's sections that come from one-off measurements, rendered from their result files:
+``python -m dart_core.bench.sections`` (``--check`` exits 1 where the page is not what the files give).
+
+Three sections of the page hold results that are not re-measured by the report itself:
+
+- "Continuous batching without Ray": ``bench/results/batching_cpu/batching.json``
+  (:mod:`dart_core.bench.batching`);
+- "Importing the reference n-gram model": ``bench/results/convert_reference_*.json``
+  (``python -m ngram_service.convert_bench``);
+- "The trie at a billion tokens": ``bench/results/billion_trie.json`` (the build's summary,
+  ``python -m ngram_service.bench`` and ``python -m ngram_service.load_bench`` on that trie and on
+  the default one, and τ with each).
+
+Each is written between its own markers; the page's text around them (what the figures mean)
+cites the tables and copies none of their numbers. Derived rows (per-core capacity, the
+extrapolations) are computed here from the measured figures, with the formula beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+__all__ = ["render_batching", "render_reference_import", "render_billion_trie", "SECTIONS", "write_sections",
+           "main"]
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "bench" / "results"
+
+
+def _n(x: float, digits: int = 0) -> str:
+    return f"{x:,.{digits}f}"
+
+
+def render_batching(results: Path = RESULTS) -> str:
+    """The CPU batching sweep's tables (:func:`dart_core.bench.serving.markdown_table` and the
+    speculative-steps table).
+
+    Raises:
+        FileNotFoundError: no ``batching_cpu/batching.json``.
+    """
+    from dart_core.bench import batching, decoding, serving
+
+    r = json.loads((results / "batching_cpu" / "batching.json").read_text())
+    c = r["config"]
+    lines = [f"Measured on {decoding.hardware_line(r['hardware'])}; `{r.get('command', 'python -m dart_core.bench.batching')}` "
+             f"(speculation allowed up to {c['max_speculative_batch']} running sequences, the gate "
+             f"{'on' if c.get('gate', True) else 'off'}, budget `{c['budget']}`, weights `{c['weights']}`), "
+             f"{r['seconds']:.0f} s.", "", serving.markdown_table(r)]
+    if any("steps" in x for x in r["rows"]):
+        lines += ["", batching.step_table(r)]
+    return "\n".join(lines)
+
+
+_ORDER = {"dfs": "ids depth-first (as a reference merge writes them)",
+          "level": "ids level by level, shuffled in each level (a fresh build's insertion order)"}
+
+
+def render_reference_import(results: Path = RESULTS) -> str:
+    """One row per ``convert_reference_*.json``: the source's id order, the memory limit, the
+    median conversion, and the extrapolation to the published full trie each file records.
+
+    Raises:
+        FileNotFoundError: no ``convert_reference_*.json``.
+    """
+    files = sorted(results.glob("convert_reference_*.json"))
+    if not files:
+        raise FileNotFoundError(f"no convert_reference_*.json in {results}")
+    rows, extra = [], []
+    first = json.loads(files[0].read_text())
+    for f in files:
+        d = json.loads(f.read_text())
+        c, runs = d["convert"], d["runs"]
+        sec = statistics.median(x["seconds"] for x in runs)
+        limit = "unlimited" if d["memory_limit_mb"] is None else \
+            f"cgroup {d['memory_limit_mb']} MiB ({d['limit_vs_source']:.2f}× the file)"
+        rss = _n(statistics.median(x["peak_rss_mb"] for x in runs))
+        if c.get("cgroup_peak_mb"):
+            rss += f" (cgroup peak {c['cgroup_peak_mb']:.0f})"
+        rows.append(f"| {_ORDER.get(d['source']['id_order'], d['source']['id_order'])} | {limit} | {len(runs)} | "
+                    f"{sec:.2f} | {c['source_bytes'] / 2**20 / sec:.0f} | {c['source_nodes'] / 1e6 / sec:.2f} | {rss} | "
+                    f"{'identical' if d['levels_identical_to_source'] else '**differs**'} |")
+        x = d["extrapolated_to_full_reference"]
+        extra.append(f"| {_ORDER.get(d['source']['id_order'], d['source']['id_order']).split(' (')[0]}, {limit} | "
+                     f"{x['seconds']:.0f} | {x['output_bytes'] / 1e9:.1f} | {x['temp_index_bytes'] / 1e9:.1f} | "
+                     f"{x['visited_bits_bytes'] / 1e6:.0f} |")
+    c = first["convert"]
+    src_nodes, nodes = c["source_nodes"], c["nodes"]
+    return "\n".join([
+        f"Source: the default corpus counted at order {c['order']} ({_n(c['total_tokens'])} tokens, "
+        f"{_n(src_nodes)} nodes with the root), written in the reference's format "
+        f"({_n(c['source_bytes'])} B).", "",
+        "| reference file | memory | runs | convert s (median) | source MiB/s | M nodes/s | peak RSS MB | result |",
+        "|---|---|---:|---:|---:|---:|---:|---|", *rows, "",
+        f"The converted file: {_n(nodes)} nodes in {_n(c['file_bytes'])} B, {c['bytes_ratio']:.3f}× the reference's "
+        f"bytes ({c['file_bytes'] / nodes:.1f} B per node against {c['source_bytes'] / src_nodes:.1f}); it opens in "
+        f"{statistics.median(x['open_ms'] for x in first['runs']):.2f} ms (median).", "",
+        "Extrapolated to the published full trie (43.5 GB, about 1.3 B nodes; linear in nodes at these speeds):", "",
+        "| conversion | seconds | result GB | temporary index GB | visited bits MB |",
+        "|---|---:|---:|---:|---:|", *extra])
+
+
+def render_billion_trie(results: Path = RESULTS) -> str:
+    """The billion-token trie's build, lookups and searches against the default trie's, τ with
+    each, the n-gram host's capacity, and the sizes and times they extrapolate to.
+
+    Raises:
+        FileNotFoundError: no ``billion_trie.json``.
+    """
+    d = json.loads((results / "billion_trie.json").read_text())
+    b, m = d["build"], d["machine"]
+    bd, bb = d["bench"]["default"], d["bench"]["billion"]
+    ld, lb = d["load"]["default"], d["load"]["billion"]
+    tok_cpu_s = b["total_tokens"] / (b["user_s"] + b["sys_s"])
+    lines = [f"Machine: {m['cpu']}, {m['ram_gib']} GiB, {m['disk']} disk. Corpus: {_n(b['total_tokens'])} tokens, "
+             f"{_n(b['num_documents'])} documents ({_n(d['corpus']['binary_files_skipped'])} binary files skipped).",
+             "", "**Build** (one run):", "",
+             "| stage | seconds | rate |", "|---|---:|---|",
+             f"| reading and tokenising (not overlapped with counting) | {_n(b['tokenize_seconds'])} | "
+             f"{b['total_tokens'] / b['tokenize_seconds'] / 1e6:.2f} M tokens/s; {tok_cpu_s / 1e6:.2f} M tokens per "
+             f"CPU-second |",
+             f"| counting ({b['num_runs']} sorted runs) | {_n(b['count_seconds'])} | "
+             f"{b['count_tokens_per_s'] / 1e6:.1f} M tokens/s, one thread |",
+             f"| merging the runs, writing the file | {_n(b['merge_seconds'])} | |",
+             f"| total, `--verify` included | {_n(b['total_seconds'])} | |", "",
+             f"Peak RSS {_n(b['peak_rss_mb'])} MB (the counting process); memory in use on the machine at most "
+             f"{_n(b['peak_used_ram_mb_machine'])} MB; disk at the peak {b['peak_disk_bytes_out_dir'] / 1e9:.2f} GB "
+             f"({b['peak_disk_bytes_out_dir'] / b['file_bytes']:.1f}× the result).", "",
+             "| trie | corpus tokens | nodes (order 1 / 2 / 3) | file bytes | B per node |",
+             "|---|---:|---|---:|---:|"]
+    for name, t in (("default", bd["trie"]), ("billion-token", bb["trie"])):
+        lines.append(f"| {name} | {_n(t['total_tokens'])} | {' / '.join(_n(x) for x in t['nodes_per_level'])} | "
+                     f"{_n(t['file_bytes'])} | {t['bytes_per_node']:.2f} |")
+    growth = math.log(bb["trie"]["num_nodes"] / bd["trie"]["num_nodes"]) / \
+        math.log(bb["trie"]["total_tokens"] / bd["trie"]["total_tokens"])
+    lines += ["", f"Nodes grow as tokens^{growth:.2f} between the two (log of the node ratio over log of the token "
+              "ratio).", "", "**Lookups and searches** (`python -m ngram_service.bench`; warm: the file in the page "
+              "cache; cold: the page cache dropped before each of 3 repeats):", "",
+              "| | default trie | billion-token trie |", "|---|---:|---:|"]
+
+    def row(label, f):
+        lines.append(f"| {label} | {f(bd)} | {f(bb)} |")
+
+    row("open warm / cold, ms", lambda x: f"{x['open_ms']:.2f} / {x['cold_one_by_one']['open_ms']:.2f}")
+    row("full `verify` (payload CRC), s", lambda x: f"{x['verify_s']:.2f}")
+    row("back-off lookup, batched, ns per (context, token)", lambda x: f"{x['lookup_ns']:.0f}")
+    row("lookup hit rate", lambda x: f"{x['lookup_hit_rate']:.2f}")
+    for kind in ("lookup", "search"):
+        row(f"{'lookup, one call (25 tokens)' if kind == 'lookup' else 'tree search, one sequence'} p50 / p90 ms, "
+            "warm", lambda x, k=kind: f"{x['warm_one_by_one'][k]['p50_ms']:.3f} / {x['warm_one_by_one'][k]['p90_ms']:.3f}")
+        row("the same, cold (max)", lambda x, k=kind: f"{x['cold_one_by_one'][k]['p50_ms']:.3f} / "
+            f"{x['cold_one_by_one'][k]['p90_ms']:.3f} ({x['cold_one_by_one'][k]['max_ms']:.2f})")
+    row("tree search, batch of 16, µs per sequence, 1 / 2 threads",
+        lambda x: f"{x['search_us_per_sequence']['batch16_threads1']:.0f} / "
+                  f"{x['search_us_per_sequence']['batch16_threads2']:.0f}")
+    tau = d["tau"]
+    lines += ["", "**τ with each trie** (the previous shipped head, budget 60, κ = 0, T = 0, first 8 prompts, 256 "
+              "new tokens, one deterministic run):", "", "| trie | corpus tokens | MT-Bench τ | HumanEval τ |",
+              "|---|---:|---:|---:|"]
+    for name, key in (("default", "default-kappa0.0"), ("billion-token", "billion-kappa0.0")):
+        lines.append(f"| {name} | {_n(tau[key]['corpus_tokens'])} | {tau[key]['mt-bench']:.3f} | "
+                     f"{tau[key]['humaneval']:.3f} |")
+    cores = m["cores"]
+    lines += ["", f"**The n-gram host's capacity** (`python -m ngram_service.load_bench`: the server with {cores} "
+              f"threads, 4 gRPC clients on the same {cores} cores, median of {ld['runs']} runs):", "",
+              "| trie | batch 1: sequences/s | p50 / p99 ms | batch 16: sequences/s | p50 / p99 ms | failed calls | "
+              "batch-16 sequences/s per core |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, x in (("default", ld), ("billion-token", lb)):
+        one, six = x["batch1"], x["batch16"]
+        lines.append(f"| {name} | {one['service_sequences_per_s']:.0f} | {one['latency_p50_ms']:.1f} / "
+                     f"{one['latency_p99_ms']:.1f} | {six['service_sequences_per_s']:.0f} | "
+                     f"{six['latency_p50_ms']:.1f} / {six['latency_p99_ms']:.1f} | "
+                     f"{one['failed_calls'] + six['failed_calls']} | {six['service_sequences_per_s'] / cores:.0f} |")
+    per_core = lb["batch16"]["service_sequences_per_s"] / cores
+    lines += ["", "Replicas one 16-core n-gram host serves with the billion-token trie, at that per-core rate "
+              "(16 × rate ÷ the replica's searches per second; the step rates are assumed, not measured):", "",
+              "| assumed per-replica demand | searches/s | replicas |", "|---|---:|---:|"]
+    for batch, steps in ((16, 25), (16, 50), (64, 25)):
+        lines.append(f"| batch {batch} at {steps} steps/s | {batch * steps} | {16 * per_core / (batch * steps):.0f} |")
+    # a 100 GB trie, extrapolated from the rates above (order 5 bytes per node from the reference import)
+    order5 = sorted(results.glob("convert_reference_*.json"))
+    b5 = json.loads(order5[0].read_text())["convert"] if order5 else None
+    target = 100e9
+    lines += ["", "**Extrapolated to a 100 GB trie** (linear in the measured rates):", "",
+              "| quantity | value | from |", "|---|---:|---|",
+              f"| nodes at order 3 | {target / bb['trie']['bytes_per_node'] / 1e9:.1f} B | 100 GB ÷ the "
+              "billion-token trie's bytes per node |"]
+    if b5:
+        per_node5 = b5["file_bytes"] / b5["nodes"]
+        nodes5 = target / per_node5
+        tokens5 = nodes5 / (b5["nodes"] / b5["total_tokens"])
+        lines += [f"| nodes at order 5 | {nodes5 / 1e9:.1f} B | 100 GB ÷ the order-5 default trie's bytes per "
+                  "node |",
+                  f"| corpus tokens for order 5, at least | {tokens5 / 1e9:.1f} B | nodes ÷ the order-5 default "
+                  "trie's nodes per token (more as growth bends) |",
+                  f"| tokenising them on 63 cores, min | {tokens5 / tok_cpu_s / 63 / 60:.0f} | ÷ tokens per "
+                  "CPU-second above |",
+                  f"| counting them (one thread), min | {tokens5 / b['count_tokens_per_s'] / 60:.0f} | ÷ this "
+                  "build's count rate (order 3) |"]
+    lines += [f"| merging and writing 100 GB, min | {target / b['file_bytes'] * b['merge_seconds'] / 60:.0f} | "
+              "scaled from this build's merge |",
+              f"| disk at the peak, GB | {target * b['peak_disk_bytes_out_dir'] / b['file_bytes'] / 1e9:.0f} | "
+              "this build's peak ÷ result |",
+              f"| full `verify`, s | {target / bb['trie']['file_bytes'] * bb['verify_s']:.0f} | scaled from the "
+              "billion-token trie's |"]
+    return "\n".join(lines)
+
+
+#: (marker name, renderer) of every section this module writes
+SECTIONS = (("batching-cpu", render_batching), ("reference-import", render_reference_import),
+            ("billion-trie", render_billion_trie))
+
+
+def _block(name: str, body: str) -> str:
+    return (f"<!-- {name}:start -->\n\n_Rendered by `python -m dart_core.bench.sections` from the files in "
+            f"`bench/results/`._\n\n{body}\n\n<!-- {name}:end -->")
+
+
+def write_sections(page: str | Path = REPO / "BENCHMARKS.md", results: Path = RESULTS, *, check: bool = False) -> bool:
+    """Replaces each section's block in ``page``; with ``check``, only says whether any differs.
+
+    Returns:
+        True when the page changed (or, with ``check``, would change).
+
+    Raises:
+        ValueError: the page lacks a section's markers (they are placed by hand, under the
+            section's heading); FileNotFoundError: as the renderers.
+    """
+    page = Path(page)
+    text = page.read_text()
+    new = text
+    for name, render in SECTIONS:
+        start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+        if start not in new or end not in new:
+            raise ValueError(f"{page} has no {start} ... {end} block")
+        head, rest = new.split(start, 1)
+        new = head + _block(name, render(results)) + rest.split(end, 1)[1]
+    if new != text and not check:
+        page.write_text(new)
+    return new != text
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dart_core.bench.sections", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--page", default=str(REPO / "BENCHMARKS.md"))
+    ap.add_argument("--check", action="store_true", help="exit 1 where the page is not what the files give")
+    args = ap.parse_args(argv)
+    try:
+        changed = write_sections(args.page, check=args.check)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.check and changed:
+        print(f"{args.page}: a section differs from its result files; run python -m dart_core.bench.sections",
+              file=sys.stderr)
+        return 1
+    print(f"{'updated' if changed else 'unchanged'} {args.page}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
