@@ -40,8 +40,8 @@ import torch
 
 from ngram_service.tree_search import DraftTree
 
-__all__ = ["GrammarError", "GrammarSpec", "GrammarCompiler", "grammar_tokenizer", "Grammar", "GrammarState", "MinTokens", "row_constraint",
-           "JSON_OPTIONS", "GRAMMAR_KINDS"]
+__all__ = ["GrammarError", "GrammarSpec", "GrammarCompiler", "grammar_tokenizer", "Grammar", "GrammarState",
+           "MinTokens", "row_constraint", "JSON_OPTIONS", "GRAMMAR_KINDS"]
 
 #: how JSON is laid out under a schema (llguidance's JSON compile options)
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -340,6 +340,11 @@ def grammar_tokenizer(tokenizer, vocab_size: int):
     ``Ġ"`` as the bytes of ``Ġ"`` rather than ``␠"``, and every mask is wrong. For such a
     tokenizer the decoder is set to ByteLevel (the byte alphabet is then the only reading).
 
+    The check tokenizes a probe text: for a byte-level tokenizer every token must read as its
+    spelling in GPT-2's byte alphabet; for any other (SentencePiece-style, whose decoder may
+    drop the first leading space) the probe must read as the tokenizer decodes it, up to
+    leading spaces.
+
     Args:
         tokenizer: a ``PreTrainedTokenizerFast`` (or transformers 5's ``TokenizersBackend``);
         vocab_size: the target's V (the masks' width).
@@ -367,12 +372,35 @@ def grammar_tokenizer(tokenizer, vocab_size: int):
         spec["model"]["byte_fallback"] = False
     lltok = llguidance.LLTokenizer(json.dumps(spec), n_vocab=vocab_size, eos_token=tokenizer.eos_token_id)
     ids = tokenizer.encode(_TOKEN_PROBE, add_special_tokens=False)
-    want = tokenizer.decode(ids, clean_up_tokenization_spaces=False).encode("utf-8")
-    got = lltok.decode_bytes(ids)
-    if got != want:
-        raise GrammarError("structured output is unavailable with this tokenizer: llguidance reads its tokens "
-                           f"as other bytes than it decodes them to ({got[:40]!r} for {want[:40]!r})")
-    return lltok
+    if _byte_level(spec.get("pre_tokenizer")):  # each token's bytes are its spelling in the byte alphabet
+        byte_of = {c: b for b, c in _byte_alphabet().items()}
+        for t, piece in zip(ids, tokenizer.convert_ids_to_tokens(ids)):
+            want, got = bytes(byte_of.get(c, 0) for c in piece), lltok.decode_bytes([t])
+            if got != want:
+                break
+        else:
+            return lltok
+    else:  # SentencePiece-style decoders may drop the first token's leading space
+        want = tokenizer.decode(ids, clean_up_tokenization_spaces=False).encode("utf-8")
+        got = lltok.decode_bytes(ids)
+        if got.lstrip(b" ") == want.lstrip(b" "):
+            return lltok
+    raise GrammarError("structured output is unavailable with this tokenizer: llguidance reads its tokens "
+                       f"as other bytes than it decodes them to ({got[:40]!r} for {want[:40]!r})")
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: byte -> the printable character that spells it in a byte-level
+    BPE vocabulary (printable Latin-1 bytes stand for themselves, the others are shifted past 255)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, shifted = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + shifted)
+            shifted += 1
+    return out
 
 
 class GrammarCompiler:

@@ -5,8 +5,8 @@ The file format (``csrc/trie_format.hpp``) stores the counts of every m-gram
 size opens with ``mmap`` in O(1) and is shared by every process on the host
 through the page cache.  This module owns the two CRC-32 checksums of the
 format (``zlib.crc32``): the header checksum is checked at every open, the
-payload checksum by :meth:`NgramTrie.verify` (O(size); its speed: BENCHMARKS.md, "The trie at a billion tokens"), which also
-runs a full structural check.
+payload checksum by :meth:`NgramTrie.verify` (O(size); its speed: BENCHMARKS.md, "The trie
+at a billion tokens"), which also runs a full structural check.
 
 Probabilities follow DART's back-off rule (docs/design.md §2; reference
 ``ACANgram::get_probability``): for each token, p = count(s·tok) / count(s)

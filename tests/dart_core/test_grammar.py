@@ -264,3 +264,30 @@ def test_a_tokenizer_llguidance_cannot_read_is_refused_by_name(model):
         with pytest.raises(InvalidRequest, match="unavailable with this tokenizer"):
             list(b.generate(GenerationRequest(prompt="x", max_tokens=4, grammar=GrammarSpec.json_schema(SCHEMA))))
         assert len(list(b.generate(GenerationRequest(prompt="x", max_tokens=4)))) >= 1
+
+
+def test_a_sentencepiece_style_tokenizer_is_read_with_its_byte_fallback_tokens():
+    """The check of grammar_tokenizer does not refuse a SentencePiece-style tokenizer (Metaspace,
+    <0xNN> byte tokens in the vocabulary, Llama's decoder, which drops the first leading space):
+    a JSON text spelled with byte-fallback tokens is accepted token by token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    text = ['{"name": "alpha", "ok": true, "n": 12, "tags": ["x", "y"]}', "hello world, a test of names"] * 20
+    tok.train_from_iterator(text, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]))
+    spec = json.loads(tok.to_str())  # the byte tokens are plain vocabulary, as in Llama's tokenizer
+    spec["added_tokens"] = [a for a in spec["added_tokens"] if not a["content"].startswith("<0x")]
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), eos_token="</s>",
+                                 unk_token="<unk>")
+    ids = hf.encode('{"name": "é ok"}', add_special_tokens=False)
+    assert any(hf.convert_ids_to_tokens(i).startswith("<0x") for i in ids)  # é is spelled in bytes
+    state = GrammarCompiler(hf, len(hf)).compile(GrammarSpec.json_schema(
+        {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"],
+         "additionalProperties": False})).start()
+    for t in ids:
+        state.consume(t)  # raises if the grammar reads any of them as other bytes
