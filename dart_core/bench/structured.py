@@ -23,12 +23,15 @@ in masks.  A last
 pass samples at T = 0.8 (seeded) and reports validity.
 
 With ``--url`` (a running app, e.g. ``serve run deployments/dart.yaml``), the same requests go
-through the OpenAI-compatible HTTP API one at a time with ``response_format`` json_schema: DART
-against ``"speculative": false`` on the same server (alternating which goes first), the text
-compared, validity checked, tokens/s per mode from wall time and ``usage``, and validity at T = 0.8.
+through the OpenAI-compatible HTTP API with ``response_format`` json_schema, one at a time or
+``--concurrency N`` in flight (the requests then share the engine's batch): DART against
+``"speculative": false`` on the same server (alternating which goes first), the text compared,
+validity checked, tokens/s per mode (a pass's tokens from ``usage`` over its wall time), and
+validity at T = 0.8.
 
-Writes ``structured.json`` and ``structured.md`` under ``--out``; ``--page BENCHMARKS.md`` also puts
-the table into that page's "Structured output" block.
+Writes ``structured.json`` (served: ``structured_served.json``, ``structured_served_cN.json`` for N
+in flight) and its ``.md`` under ``--out``; ``--page BENCHMARKS.md`` also puts the tables of that
+folder into the page's "Structured output" block.
 """
 
 from __future__ import annotations
@@ -180,21 +183,28 @@ def measure_in_process(schemas_path: str | Path = DEFAULT_SCHEMAS, *, model: str
 
 
 def measure_served(url: str, schemas_path: str | Path = DEFAULT_SCHEMAS, *, max_tokens: int = 256, runs: int = 3,
-                   api_key: str | None = None, model: str | None = None, progress: bool = True) -> dict:
-    """The same requests through a running app's HTTP API, one at a time (module docstring).
+                   api_key: str | None = None, model: str | None = None, progress: bool = True,
+                   concurrency: int = 1) -> dict:
+    """The same requests through a running app's HTTP API (module docstring), ``concurrency`` at a
+    time: a mode's tokens/s is its tokens over the wall time of its pass over the schemas.
 
     Raises:
-        httpx.HTTPError: the server cannot be reached."""
+        httpx.HTTPError: the server cannot be reached; ValueError: ``concurrency`` < 1."""
     import os
+    from concurrent.futures import ThreadPoolExecutor
 
     import httpx
     from tqdm import tqdm
 
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     rows = load_schemas(schemas_path)
     key = api_key or os.environ.get("DART_API_KEY") or "none"
     headers = {"authorization": f"Bearer {key}"}
     base = url.rstrip("/")
-    with httpx.Client(base_url=base, headers=headers, timeout=900) as http:
+    limits = httpx.Limits(max_connections=concurrency + 1)
+    with httpx.Client(base_url=base, headers=headers, timeout=900, limits=limits) as http, \
+            ThreadPoolExecutor(concurrency) as pool:
         name = model or http.get("/models").raise_for_status().json()["data"][0]["id"]
 
         def ask(row: dict, speculative: bool, temperature: float = 0.0, seed: int | None = None) -> dict:
@@ -211,29 +221,28 @@ def measure_served(url: str, schemas_path: str | Path = DEFAULT_SCHEMAS, *, max_
             return {"text": out["choices"][0]["message"]["content"], "tokens": out["usage"]["completion_tokens"],
                     "seconds": seconds, "tau": out["usage"]["dart"]["tau"]}
 
-        runs_of = {"dart": [], "no-speculation": []}
+        def one(args):
+            out = ask(*args)
+            bar.update()
+            return out
+
+        runs_of: dict[str, list] = {"dart": [], "no-speculation": []}  # (outputs, wall seconds) per pass
         last: dict[str, list] = {}
         bar = tqdm(total=2 * runs * len(rows) + len(rows), desc="structured (served)", disable=not progress)
         for run in range(runs):
             order = (True, False) if run % 2 == 0 else (False, True)
             for speculative in order:
-                outs = []
-                for row in rows:
-                    outs.append(ask(row, speculative))
-                    bar.update()
+                t0 = time.perf_counter()
+                outs = list(pool.map(one, [(row, speculative) for row in rows]))
                 mode = "dart" if speculative else "no-speculation"
                 last[mode] = outs
-                runs_of[mode].append(outs)
-        sampled = []
-        for i, row in enumerate(rows):
-            sampled.append(ask(row, True, 0.8, seed=i))
-            bar.update()
+                runs_of[mode].append((outs, time.perf_counter() - t0))
+        sampled = list(pool.map(one, [(row, True, 0.8, i) for i, row in enumerate(rows)]))
         bar.close()
     modes = {}
-    ar_tps = statistics.median(sum(o["tokens"] for o in rs) / sum(o["seconds"] for o in rs)
-                               for rs in runs_of["no-speculation"])
+    ar_tps = statistics.median(sum(o["tokens"] for o in rs) / wall for rs, wall in runs_of["no-speculation"])
     for mode, rs_all in runs_of.items():
-        tps = statistics.median(sum(o["tokens"] for o in rs) / sum(o["seconds"] for o in rs) for rs in rs_all)
+        tps = statistics.median(sum(o["tokens"] for o in rs) / wall for rs, wall in rs_all)
         outs = last[mode]
         taus = [o["tau"] for o in outs if o.get("tau")]
         modes[mode] = {"tokens_per_s": round(tps, 2), "ratio": round(tps / ar_tps, 3),
@@ -244,7 +253,7 @@ def measure_served(url: str, schemas_path: str | Path = DEFAULT_SCHEMAS, *, max_
     from dart_core.bench.decoding import hardware
 
     return {"config": {"url": url, "schemas": str(Path(schemas_path).name), "max_tokens": max_tokens,
-                       "runs": runs, "model": name},
+                       "runs": runs, "model": name, "concurrency": concurrency},
             "hardware": hardware("cpu"),  # the client's machine (the server's too when it is local)
             "schemas": len(rows), "modes": modes, "equal": equal,
             "sampled": {"temperature": 0.8, "valid": sum(valid(o["text"], r["schema"]) for o, r in zip(sampled, rows)),
@@ -256,7 +265,9 @@ def markdown_table(result: dict) -> str:
     n = result["schemas"]
     served = "url" in result["config"]
     if served:
-        lines = ["| mode (served, 1 client) | valid JSON | tokens/s | ÷ no speculation | τ |",
+        clients = result["config"].get("concurrency", 1)
+        lines = [f"| mode (served, {clients} client{'s' if clients > 1 else ''}) | valid JSON | tokens/s | "
+                 "÷ no speculation | τ |",
                  "|---|---:|---:|---:|---:|"]
         for mode, r in result["modes"].items():
             lines.append(f"| {mode} | {r['valid']} of {n} | {r['tokens_per_s']:.1f} | {r['ratio']:.2f}× | "
@@ -291,8 +302,9 @@ def render_section(results: list[tuple[dict, str]]) -> str:
     parts = [START, ""]
     for result, command in results:
         c = result["config"]
-        where = (f"Served by the app at {c['url']} (`serve run deployments/dart.yaml`, shipped defaults), one "
-                 f"request at a time; client machine: {hardware_line(result['hardware']) if 'hardware' in result else '?'}"
+        at_once = c.get("concurrency", 1)
+        where = (f"Served by the app at {c['url']} (`serve run deployments/dart.yaml`, shipped defaults), "
+                 f"{'one request' if at_once == 1 else f'{at_once} requests'} at a time; client machine: {hardware_line(result['hardware']) if 'hardware' in result else '?'}"
                  if "url" in c else f"{hardware_line(result['hardware'])}; target {c['model'] or 'SmolLM2-135M-Instruct'}"
                  f" ({c.get('weights', '?')}, {c.get('dtype', '?')}), head {c['head'] or 'shipped'}")
         parts += [f"_Generated by `{command}`._", "",
@@ -313,14 +325,17 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="in process: the target's dtype [bfloat16 on CUDA, float32 on the CPU]")
     ap.add_argument("--cuda-graphs", action="store_true", help="in process, CUDA only: graph-captured verification")
-    ap.add_argument("--out", default="bench/results/structured", help="folder for structured[_served].json/.md")
+    ap.add_argument("--concurrency", type=int, default=1, help="with --url: requests in flight at once")
+    ap.add_argument("--out", default="bench/results/structured",
+                    help="folder for structured[_served[_cN]].json/.md (N: the concurrency, when above 1)")
     ap.add_argument("--page", default=None, help="also write the tables into this page's block (BENCHMARKS.md)")
     args = ap.parse_args(argv)
     from dart_core.bench.report import _reused, _write_page, save_table
 
     try:
         if args.url:
-            result = measure_served(args.url, args.schemas, max_tokens=args.max_tokens, runs=args.runs)
+            result = measure_served(args.url, args.schemas, max_tokens=args.max_tokens, runs=args.runs,
+                                    concurrency=args.concurrency)
         else:
             result = measure_in_process(args.schemas, model=args.model, head=args.head, max_tokens=args.max_tokens,
                                         runs=args.runs, device=args.device, dtype=args.dtype,
@@ -330,12 +345,15 @@ def main(argv=None) -> int:
         return 2
     command = "python -m dart_core.bench.structured " + " ".join(argv if argv is not None else sys.argv[1:])
     result["command"] = command.strip()
-    name = "structured_served" if args.url else "structured"
+    name = "structured" if not args.url else \
+        "structured_served" if args.concurrency == 1 else f"structured_served_c{args.concurrency}"
     save_table(args.out, name, result, markdown_table(result))
     if args.page:
         results = []
-        for stem in ("structured", "structured_served"):  # both tables, whichever this run made
-            path = Path(args.out) / f"{stem}.json"
+        out = Path(args.out)  # every table of the folder, whichever this run made
+        paths = [out / "structured.json", out / "structured_served.json",
+                 *sorted(out.glob("structured_served_c*.json"), key=lambda p: int(p.stem.rsplit("_c", 1)[1]))]
+        for path in paths:
             if path.exists():
                 r = _reused(path, "--page")
                 if r is not None:

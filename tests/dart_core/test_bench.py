@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import pytest
 
@@ -509,6 +510,47 @@ def test_structured_output_benchmark_on_a_tiny_model(tiny_model_dir, tmp_path):
     text = page.read_text()
     assert "kept text" in text and structured.START in text and "| dart |" in text
     assert json.loads((path / "structured.json").read_text())["schemas"] == 2
+
+
+def test_the_served_structured_benchmark_keeps_several_requests_in_flight(tmp_path, monkeypatch):
+    """measure_served against a stand-in server (httpx.MockTransport): with --concurrency 3 up to
+    three requests are in flight at once, every schema is asked in both modes and at T = 0.8, the
+    results say their concurrency, and the file is named after it."""
+    import threading
+
+    import httpx
+
+    from dart_core.bench import structured
+
+    schemas = tmp_path / "s.jsonl"
+    rows = [{"name": f"s{i}", "prompt": "x", "schema": {"type": "object", "properties": {"n": {"type": "integer"}},
+                                                       "required": ["n"]}} for i in range(6)]
+    schemas.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    lock, live, peak, asked = threading.Lock(), [0], [0], []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/models"):
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        body = json.loads(request.content)
+        with lock:
+            live[0] += 1
+            peak[0] = max(peak[0], live[0])
+            asked.append((body["speculative"], body["temperature"]))
+        time.sleep(0.05)
+        with lock:
+            live[0] -= 1
+        return httpx.Response(200, json={"choices": [{"message": {"content": '{"n": 1}'}}],
+                                         "usage": {"completion_tokens": 4, "dart": {"tau": 2.0}}})
+
+    real = httpx.Client
+    monkeypatch.setattr(httpx, "Client", lambda **kw: real(transport=httpx.MockTransport(handler), **kw))
+    result = structured.measure_served("http://stand-in/v1", schemas, runs=1, progress=False, concurrency=3)
+    assert peak[0] == 3 and len(asked) == 3 * len(rows)
+    assert result["config"]["concurrency"] == 3 and result["equal"] == len(rows)
+    assert result["modes"]["dart"]["valid"] == len(rows) and result["sampled"]["valid"] == len(rows)
+    assert "(served, 3 clients)" in structured.markdown_table(result)
+    with pytest.raises(ValueError, match="concurrency"):
+        structured.measure_served("http://stand-in/v1", schemas, concurrency=0)
 
 
 def test_guidellm_report_keeps_the_figures_that_matter(tmp_path):
