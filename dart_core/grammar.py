@@ -367,12 +367,13 @@ def grammar_tokenizer(tokenizer, vocab_size: int):
     backend.no_padding()
     backend.no_truncation()
     spec = json.loads(backend.to_str())
-    if _byte_level(spec.get("pre_tokenizer")) and (spec.get("decoder") or {}).get("type") != "ByteLevel":
+    byte_level = _byte_level(spec.get("pre_tokenizer"))
+    if byte_level and (spec.get("decoder") or {}).get("type") != "ByteLevel":
         spec["decoder"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
         spec["model"]["byte_fallback"] = False
     lltok = llguidance.LLTokenizer(json.dumps(spec), n_vocab=vocab_size, eos_token=tokenizer.eos_token_id)
     ids = tokenizer.encode(_TOKEN_PROBE, add_special_tokens=False)
-    if _byte_level(spec.get("pre_tokenizer")):  # each token's bytes are its spelling in the byte alphabet
+    if byte_level:  # each token's bytes are its spelling in the byte alphabet
         byte_of = {c: b for b, c in _byte_alphabet().items()}
         for t, piece in zip(ids, tokenizer.convert_ids_to_tokens(ids)):
             want, got = bytes(byte_of.get(c, 0) for c in piece), lltok.decode_bytes([t])

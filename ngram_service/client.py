@@ -34,7 +34,7 @@ from ngram_service.trie import NgramTrie
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TreeSearchClient", "InProcessTreeSearch", "GrpcTreeSearch", "MAX_CONTEXT_TAIL"]
+__all__ = ["TreeSearchClient", "InProcessTreeSearch", "GrpcTreeSearch", "MAX_CONTEXT_TAIL", "usable_cpus"]
 
 #: Context tokens sent per sequence before the service's trie order is known (orders go up to 6).
 MAX_CONTEXT_TAIL = 8
@@ -60,7 +60,8 @@ class TreeSearchClient(ABC):
         """Releases resources (channels, threads)."""
 
 
-def _usable_cpus() -> int:
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask), the default search thread count."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -72,8 +73,10 @@ class InProcessTreeSearch(TreeSearchClient):
         trie: the n-gram trie, or None.
         threads: search threads: a batch's sequences are searched on up to this many
             threads at once (``SearchParams.num_threads``; the output does not depend on
-            it). None: the CPUs this process may use, as the gRPC service does. The search
-            runs between the target's forwards, so its threads do not compete with them.
+            it). None: the CPUs this process may use (:func:`usable_cpus`), as the gRPC
+            service does. The search runs between the target's forwards; on a CPU target,
+            PyTorch's OpenMP workers may still be spinning on the cores right after a
+            forward, and the extra threads then gain little.
 
     Raises:
         ValueError: ``threads`` < 1.
@@ -83,7 +86,7 @@ class InProcessTreeSearch(TreeSearchClient):
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.trie = trie
-        self.threads = threads or _usable_cpus()
+        self.threads = threads or usable_cpus()
         self._threaded: dict[tuple[SearchParams, int], SearchParams] = {}
 
     def search(self, topk_ids, topk_probs, contexts, params, chains=None):

@@ -35,7 +35,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ngram_service._proto import ngram_pb2, ngram_pb2_grpc
-from ngram_service.client import OVERRIDE_FIELDS
+from ngram_service.client import OVERRIDE_FIELDS, usable_cpus
 from ngram_service.tree_search import ContextChain, SearchParams, search_trees
 from ngram_service.trie import NgramTrie
 
@@ -246,7 +246,7 @@ class NgramServer:
         self.trie = NgramTrie(trie_path) if trie_path else None
         self.host = host
         self.requested_port = port
-        self.threads = threads or len(os.sched_getaffinity(0))
+        self.threads = threads or usable_cpus()
         self.params = replace(params or SearchParams(), num_threads=self.threads)
         self.limits = limits or ServerLimits()
         self.auth_token = auth_token

@@ -89,12 +89,11 @@ def write_headline(readme: str | Path = REPO / "README.md", manifest: str | Path
 
     Raises:
         ValueError: the README has no markers (the table's place is chosen by hand once)."""
+    from dart_core.bench.report import replace_marked
+
     readme = Path(readme)
     text = readme.read_text()
-    if START not in text or END not in text:
-        raise ValueError(f"{readme} has no {START} ... {END} block")
-    head, rest = text.split(START, 1)
-    new = head + render_headline(manifest) + rest.split(END, 1)[1]
+    new = replace_marked(text, render_headline(manifest), START, END, readme)
     if new != text:
         readme.write_text(new)
     return new != text

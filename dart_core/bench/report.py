@@ -135,14 +135,25 @@ def render_page(dec: dict, srv: dict | None, command: str, out_dir: Path, page: 
     return "\n".join(lines)
 
 
+def replace_marked(text: str, block: str, start: str, end: str, where: str | Path = "the page") -> str:
+    """``text`` with its block from ``start`` to ``end`` (markers included) replaced by ``block``
+    (which carries the markers itself), the text around it kept.
+
+    Raises:
+        ValueError: ``text`` lacks one of the markers (``where`` names it in the message)."""
+    if start not in text or end not in text:
+        raise ValueError(f"{where} has no {start} ... {end} block")
+    head, rest = text.split(start, 1)
+    return head + block + rest.split(end, 1)[1]
+
+
 def _write_page(page: Path, block: str, start: str = START, end: str = END, heading: str = "") -> None:
     """Puts ``block`` (which begins with ``start`` and ends with ``end``) in place of the page's
-    block between those markers, keeping the text around it; a page without them gets the block
+    block between those markers (:func:`replace_marked`); a page without them gets the block
     appended (under ``heading`` when given), a missing page is created."""
     text = page.read_text() if page.is_file() else "# Benchmarks\n"
     if start in text and end in text:
-        head, rest = text.split(start, 1)
-        text = head + block + rest.split(end, 1)[1]
+        text = replace_marked(text, block, start, end, page)
     else:
         text = text.rstrip() + "\n\n" + heading + block + "\n"
     page.write_text(text)

@@ -71,9 +71,9 @@ def render_reference_import(results: Path = RESULTS) -> str:
     if not files:
         raise FileNotFoundError(f"no convert_reference_*.json in {results}")
     rows, extra = [], []
-    first = json.loads(files[0].read_text())
-    for f in files:
-        d = json.loads(f.read_text())
+    runs_of = [json.loads(f.read_text()) for f in files]
+    first = runs_of[0]
+    for d in runs_of:
         c, runs = d["convert"], d["runs"]
         sec = statistics.median(x["seconds"] for x in runs)
         limit = "unlimited" if d["memory_limit_mb"] is None else \
@@ -230,15 +230,14 @@ def write_sections(page: str | Path = REPO / "BENCHMARKS.md", results: Path = RE
         ValueError: the page lacks a section's markers (they are placed by hand, under the
             section's heading); FileNotFoundError: as the renderers.
     """
+    from dart_core.bench.report import replace_marked
+
     page = Path(page)
     text = page.read_text()
     new = text
     for name, render in SECTIONS:
-        start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-        if start not in new or end not in new:
-            raise ValueError(f"{page} has no {start} ... {end} block")
-        head, rest = new.split(start, 1)
-        new = head + _block(name, render(results)) + rest.split(end, 1)[1]
+        new = replace_marked(new, _block(name, render(results)), f"<!-- {name}:start -->", f"<!-- {name}:end -->",
+                             page)
     if new != text and not check:
         page.write_text(new)
     return new != text

@@ -212,14 +212,12 @@ def measure_served(url: str, schemas_path: str | Path = DEFAULT_SCHEMAS, *, max_
             body = {"model": name, "messages": [{"role": "user", "content": user_message(row)}],
                     "max_tokens": max_tokens, "temperature": temperature, "response_format": fmt,
                     "speculative": speculative, "seed": seed}
-            t0 = time.perf_counter()
             r = http.post("/chat/completions", json=body)
-            seconds = time.perf_counter() - t0
             if r.status_code != 200:
-                return {"error": f"{r.status_code}: {r.text[:200]}", "seconds": seconds, "tokens": 0, "text": ""}
+                return {"error": f"{r.status_code}: {r.text[:200]}", "tokens": 0, "text": ""}
             out = r.json()
             return {"text": out["choices"][0]["message"]["content"], "tokens": out["usage"]["completion_tokens"],
-                    "seconds": seconds, "tau": out["usage"]["dart"]["tau"]}
+                    "tau": out["usage"]["dart"]["tau"]}
 
         def one(args):
             out = ask(*args)
@@ -227,22 +225,21 @@ def measure_served(url: str, schemas_path: str | Path = DEFAULT_SCHEMAS, *, max_
             return out
 
         runs_of: dict[str, list] = {"dart": [], "no-speculation": []}  # (outputs, wall seconds) per pass
-        last: dict[str, list] = {}
         bar = tqdm(total=2 * runs * len(rows) + len(rows), desc="structured (served)", disable=not progress)
         for run in range(runs):
             order = (True, False) if run % 2 == 0 else (False, True)
             for speculative in order:
                 t0 = time.perf_counter()
                 outs = list(pool.map(one, [(row, speculative) for row in rows]))
-                mode = "dart" if speculative else "no-speculation"
-                last[mode] = outs
-                runs_of[mode].append((outs, time.perf_counter() - t0))
+                runs_of["dart" if speculative else "no-speculation"].append((outs, time.perf_counter() - t0))
         sampled = list(pool.map(one, [(row, True, 0.8, i) for i, row in enumerate(rows)]))
         bar.close()
     modes = {}
-    ar_tps = statistics.median(sum(o["tokens"] for o in rs) / wall for rs, wall in runs_of["no-speculation"])
-    for mode, rs_all in runs_of.items():
-        tps = statistics.median(sum(o["tokens"] for o in rs) / wall for rs, wall in rs_all)
+    tps_of = {mode: statistics.median(sum(o["tokens"] for o in rs) / wall for rs, wall in passes)
+              for mode, passes in runs_of.items()}
+    ar_tps = tps_of["no-speculation"]
+    last = {mode: passes[-1][0] for mode, passes in runs_of.items()}  # the texts compared and validated
+    for mode, tps in tps_of.items():
         outs = last[mode]
         taus = [o["tau"] for o in outs if o.get("tau")]
         modes[mode] = {"tokens_per_s": round(tps, 2), "ratio": round(tps / ar_tps, 3),
