@@ -156,6 +156,42 @@ class Int4Linear(torch.nn.Module):
             y = part if y is None else y.add_(part)
         return y
 
+    @staticmethod
+    def can_fuse(layers: list[torch.nn.Module]) -> bool:
+        """Whether :meth:`fuse` accepts ``layers``: Int4Linear layers of one input size, compute dtype
+        and part count."""
+        first = layers[0]
+        return all(type(x) is Int4Linear and x.in_features == first.in_features and x.n_parts == first.n_parts
+                   and x.compute_dtype == first.compute_dtype for x in layers)
+
+    @classmethod
+    def fuse(cls, layers: list["Int4Linear"]) -> "Int4Linear":
+        """One layer computing ``layers`` side by side: output [..., Σ out_features], the layers'
+        outputs in order, each equal bit for bit to that layer's own (the kernel's packed weight
+        holds each output row on its own, so the packed rows are concatenated; no re-packing). The
+        given layers' packed weights become views of the fused one, so the weights are held once.
+
+        Raises:
+            ValueError: layers :meth:`can_fuse` refuses."""
+        if not layers or not cls.can_fuse(layers):
+            raise ValueError("fuse needs Int4Linear layers of one in_features, part count and compute dtype")
+        first = layers[0]
+        fused = cls.__new__(cls)
+        torch.nn.Module.__init__(fused)
+        fused.gguf_type = "+".join(sorted({str(x.gguf_type) for x in layers}))
+        fused.out_features, fused.in_features = sum(x.out_features for x in layers), first.in_features
+        fused.compute_dtype, fused.n_parts = first.compute_dtype, first.n_parts
+        for i in range(first.n_parts):
+            packed = torch.cat([getattr(x, f"packed_{i}") for x in layers])
+            fused.register_buffer(f"packed_{i}", packed, persistent=False)
+            fused.register_buffer(f"scales_zeros_{i}", torch.cat([getattr(x, f"scales_zeros_{i}") for x in layers], 1),
+                                  persistent=False)
+            start = 0
+            for x in layers:
+                setattr(x, f"packed_{i}", packed[start:start + x.out_features])
+                start += x.out_features
+        return fused
+
     @property
     def weight(self) -> torch.Tensor:
         eye = torch.eye(self.in_features, dtype=self.compute_dtype)

@@ -8,6 +8,9 @@ tree with tree attention over the cached prefix (docs/design.md §2,
 The adapter returns the logits and the three hidden-state taps the DART
 head reads: the inputs of decoder layers 2, L//2 and L-3, i.e. indices
 2, L//2, L-3 of ``output_hidden_states`` (index 0 is the embedding output).
+On a CPU, a Llama-architecture target with packed or 4-bit linear layers runs
+the same operators through :class:`~dart_core.decoder.LlamaDecoder` instead of
+transformers' modules (equal values, far less overhead per forward).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from dart_core.tokenizer import converted_cache, load_tokenizer, resolve_model, 
 
 if TYPE_CHECKING:
     from dart_core.cuda_graphs import StaticVerifier
+    from dart_core.decoder import LlamaDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -315,13 +319,19 @@ class TargetModel:
             CPU with oneDNN (:func:`can_pack`), where it makes a forward cheaper,
             most for 2 to 16 query tokens (docs/engine.md, "Packed CPU target").  The model then serves
             inference only (no gradients through the packed layers).
+        decoder: run forwards with :class:`~dart_core.decoder.LlamaDecoder` (the same values as
+            the stock forward, bit for bit, with far less per-operator overhead on a CPU); None
+            (default) where :func:`~dart_core.decoder.decoder_unsupported` accepts the model
+            (a Llama-architecture target on a CPU with packed or 4-bit linear layers), False never.
+            The 4-bit q/k/v and gate/up layers are then fused in place (:meth:`Int4Linear.fuse
+            <dart_core.quant.Int4Linear.fuse>`).
 
     Raises:
-        ValueError: ``pack=True`` for a model that :func:`can_pack` refuses,
-            or a target with fewer than 5 layers (DART's taps need them).
+        ValueError: ``pack=True`` for a model that :func:`can_pack` refuses, ``decoder=True`` for
+            one the decoder does not cover, or a target with fewer than 5 layers (DART's taps need them).
     """
 
-    def __init__(self, model, tokenizer=None, *, pack: bool | None = None) -> None:
+    def __init__(self, model, tokenizer=None, *, pack: bool | None = None, decoder: bool | None = None) -> None:
         self.model = model.eval()
         if pack is None:
             pack = can_pack(model)
@@ -350,6 +360,15 @@ class TargetModel:
         self.tap_layers = (2, layers // 2, layers - 3)
         self.embed_tokens = model.get_input_embeddings()
         self.static: "StaticVerifier | None" = None  # enable_static_cache
+        self.decoder: "LlamaDecoder | None" = None
+        if decoder is not False:
+            from dart_core.decoder import LlamaDecoder, decoder_unsupported
+
+            reason = decoder_unsupported(self.model)
+            if reason is None:
+                self.decoder = LlamaDecoder(self.model, self.tap_layers)
+            elif decoder:
+                raise ValueError(f"decoder=True: {reason}")
 
     def enable_static_cache(self, **kwargs) -> "StaticVerifier":
         """Runs verification forwards over a static KV cache from now on, replayed as CUDA graphs
@@ -460,8 +479,12 @@ class TargetModel:
     @torch.inference_mode()
     def model_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                       cache: TargetCache) -> TargetOutput:
-        """The stock model's forward behind :meth:`forward` (no static cache): logits and the taps."""
+        """The model's forward behind :meth:`forward` (no static cache): logits and the taps, from
+        :attr:`decoder` where there is one, else from the stock model's forward (equal bit for bit)."""
         with attention_backend(input_ids.device):  # an explicit SDPA choice (dart_core.attention)
+            if self.decoder is not None:
+                logits, taps = self.decoder.forward(input_ids, position_ids, attention_mask, cache.cache)
+                return TargetOutput(logits=logits, taps=taps)
             out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                              use_cache=True, output_hidden_states=True, **{self._cache_kwarg: cache.cache})
         hs = out.hidden_states

@@ -19,6 +19,10 @@ Methods (all batch 1, same target weights, prompts, max new tokens and temperatu
   its weights de-quantised to float32 (when the run's target is GGUF-native;
   its agreement column is how often the 4-bit target's greedy output equals
   the float32 one);
+- ``stock-autoregressive``, ``stock-dart-context``: ``autoregressive`` and
+  ``dart-context`` with the target's forward run by transformers' modules
+  instead of :class:`~dart_core.decoder.LlamaDecoder` (the same values bit for
+  bit, so the rows differ in speed only); skipped where the target has no decoder;
 - ``llama-cpp``, ``llama-cpp-lookup``: llama.cpp (``llama-cpp-python``,
   installed separately) on the same GGUF file and prompt token ids, plain
   decoding and its prompt-lookup decoding; skipped, with the reason printed,
@@ -54,14 +58,15 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["pass_ratios", "METHODS", "DEFAULT_METHODS", "LLAMA_CPP_METHODS", "DART_METHODS", "DecodingConfig", "run_decoding", "hardware", "hardware_line", "markdown_table", "plot_speedup",
+__all__ = ["pass_ratios", "METHODS", "DEFAULT_METHODS", "LLAMA_CPP_METHODS", "DART_METHODS", "STOCK_METHODS", "DecodingConfig", "run_decoding", "hardware", "hardware_line", "markdown_table", "plot_speedup",
            "agreement"]
 
 METHODS = ("autoregressive", "hf-generate", "hf-prompt-lookup", "dart-no-ngram", "dart", "dart-context", "dart-grpc",
-           "dense-autoregressive", "llama-cpp", "llama-cpp-lookup")
+           "dense-autoregressive", "llama-cpp", "llama-cpp-lookup", "stock-autoregressive", "stock-dart-context")
 DEFAULT_METHODS = METHODS[:7]  # the comparison methods that need a second model are asked for by name
 LLAMA_CPP_METHODS = ("llama-cpp", "llama-cpp-lookup")
 DART_METHODS = ("dart-no-ngram", "dart", "dart-context", "dart-grpc")
+STOCK_METHODS = ("stock-autoregressive", "stock-dart-context")  # the target's forward through transformers
 _CONTEXT_METHODS = ("dart-context", "dart-grpc")  # the others search without the request's context (κ = 0)
 
 
@@ -209,11 +214,14 @@ class _Bench:
             self._load_dense(cfg)
         if set(LLAMA_CPP_METHODS) & set(cfg.methods):
             self._load_llama_cpp(cfg)
+        if set(STOCK_METHODS) & set(cfg.methods) and self.engine.target.decoder is None:
+            for m in STOCK_METHODS:
+                self.skipped[m] = "the target has no LlamaDecoder: its forward is transformers' already"
         # each row measures its method: the speculation gate (which would turn a losing
         # method into autoregressive steps, and is shared by the methods) stays off here;
         # the serving benchmark measures the served engine, gate included
         self.engine.gate = None
-        if self.engine.head is None and set(cfg.methods) & set(DART_METHODS):
+        if self.engine.head is None and set(cfg.methods) & {*DART_METHODS, "stock-dart-context"}:
             raise ValueError("the DART methods need a draft head: pass --head (none ships for this model)")
         self.tokenizer = self.model.tokenizer
         self.hf = self.engine.target.model
@@ -273,6 +281,13 @@ class _Bench:
             self.grpc_server.close()
 
     def run(self, method: str, ids: list[int], max_new_tokens: int, seed: int) -> _Run:
+        if method in STOCK_METHODS:
+            target = self.engine.target
+            decoder, target.decoder = target.decoder, None
+            try:
+                return self.run(method.removeprefix("stock-"), ids, max_new_tokens, seed)
+            finally:
+                target.decoder = decoder
         cfg = self.cfg
         if method.startswith("hf-"):
             return self._run_hf(method, ids, max_new_tokens, seed)

@@ -1,0 +1,179 @@
+"""The target's decoder forward written out for the CPU: Llama-family models, eager, few operators.
+
+A CPU forward of a small target through transformers' modules is mostly overhead: for
+SmolLM2-135M on the 4-bit weights, the matrix kernels are the smaller part of a one-token forward
+and the rest is Python (module calls, keyword plumbing, output collection) and small operators.
+:class:`LlamaDecoder` runs the same computation directly over the model's own parameters:
+
+- q, k and v are one 4-bit matrix product, as are gate and up (:meth:`Int4Linear.fuse
+  <dart_core.quant.Int4Linear.fuse>`: the packed rows are concatenated, and the original
+  layers become views of the fused weight, so nothing is stored twice);
+- the rotary tables are computed once for all positions, the way transformers computes them
+  per forward (each entry one product, so the values are the same);
+- the additive mask is converted once per forward for the row-exact attention, not per layer;
+- taps, logits and the KV cache are what :meth:`TargetModel.model_forward
+  <dart_core.target.TargetModel.model_forward>` returns and writes through transformers.
+
+Every operator is the one transformers' Llama applies, in the same order and dtypes, so the
+logits, the taps and the KV entries equal the stock forward's bit for bit (tested), and a row's
+result still does not depend on the other rows of the call (the row-exact property of the 4-bit
+target, docs/engine.md). Figures: BENCHMARKS.md, "GGUF-native target (CPU)".
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["LlamaDecoder", "decoder_unsupported"]
+
+
+def decoder_unsupported(model) -> str | None:
+    """Why :class:`LlamaDecoder` cannot run ``model`` (None: it can): it covers Llama-architecture
+    causal LMs on the CPU with the default rotary embedding, no biases, SiLU, and linear layers
+    that honour :func:`dart_core.target.real_rows` (``Int4Linear`` or ``PackedLinear``)."""
+    config = model.config
+    if getattr(config, "model_type", None) != "llama":
+        return f"model type {getattr(config, 'model_type', None)!r} (only 'llama')"
+    if next(model.parameters()).device.type != "cpu":
+        return "not on the CPU"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        return f"rope type {rope.get('rope_type', rope.get('type'))!r}"
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        return "biases in attention or MLP"
+    if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "pretraining_tp", 1) != 1:
+        return "an activation other than SiLU, or tensor-parallel pre-training slices"
+    for layer in model.model.layers:
+        for lin in (*_attention_linears(layer), *_mlp_linears(layer)):
+            if not getattr(lin, "honours_real_rows", False):
+                return f"a linear layer of type {type(lin).__name__} (not Int4Linear or PackedLinear)"
+    return None
+
+
+def _attention_linears(layer) -> tuple:
+    a = layer.self_attn
+    return a.q_proj, a.k_proj, a.v_proj, a.o_proj
+
+
+def _mlp_linears(layer) -> tuple:
+    m = layer.mlp
+    return m.gate_proj, m.up_proj, m.down_proj
+
+
+class _Layer:
+    """One decoder layer's parameters as the forward uses them."""
+
+    def __init__(self, layer, heads: int, kv_heads: int, head_dim: int) -> None:
+        from dart_core.quant import Int4Linear
+
+        self.attn = layer.self_attn  # the module the attention function reads its settings from
+        self.ln1, self.eps1 = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
+        self.ln2, self.eps2 = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon
+        q, k, v, self.o = _attention_linears(layer)
+        gate, up, self.down = _mlp_linears(layer)
+        self.qkv = Int4Linear.fuse([q, k, v]) if Int4Linear.can_fuse([q, k, v]) else None
+        self.q, self.k, self.v = q, k, v
+        self.gate_up = Int4Linear.fuse([gate, up]) if Int4Linear.can_fuse([gate, up]) else None
+        self.gate, self.up = gate, up
+        self.split = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+        self.intermediate = gate.out_features
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm on float32 activations, operator for operator."""
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x · cos + rotate_half(x) · sin, as transformers' ``apply_rotary_pos_emb``."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class LlamaDecoder:
+    """The forward of a Llama-family target on the CPU (see the module docstring).
+
+    Args:
+        model: a ``LlamaForCausalLM`` that :func:`decoder_unsupported` accepts; its q/k/v and gate/up
+            ``Int4Linear`` layers are fused in place (their weights become views of the fused ones).
+        tap_layers: the layer indices whose inputs are the taps (``TargetModel.tap_layers``).
+
+    Raises:
+        ValueError: a model :func:`decoder_unsupported` refuses (the message says why).
+    """
+
+    def __init__(self, model, tap_layers: tuple[int, ...]) -> None:
+        reason = decoder_unsupported(model)
+        if reason is not None:
+            raise ValueError(f"LlamaDecoder cannot run this model: {reason}")
+        config = model.config
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.embed = model.model.embed_tokens
+        self.layers = [_Layer(layer, self.heads, self.kv_heads, self.head_dim) for layer in model.model.layers]
+        self.norm, self.norm_eps = model.model.norm.weight, model.model.norm.variance_epsilon
+        self.lm_head = model.lm_head
+        self.tap_layers = tuple(tap_layers)
+        rotary = model.model.rotary_emb
+        self.inv_freq, self.rope_scale = rotary.inv_freq.float(), float(rotary.attention_scaling)
+        self._cos = self._sin = torch.zeros(0, self.head_dim)
+        self.row_exact = bool(getattr(self.layers[0].attn, "dart_row_exact", False))
+
+    def _rope(self, position_ids: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, Q, 1, D] float32 for the positions (all below ``bound``, a host-side bound so no
+        tensor is read): rows of tables grown on demand, each entry computed as transformers' rotary
+        embedding does (position · inv_freq, then cos/sin, times the attention scaling)."""
+        need = bound
+        if need > self._cos.shape[0]:
+            size = max(need, 2 * self._cos.shape[0], 256)
+            freqs = torch.arange(size, dtype=torch.long)[:, None].float() * self.inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos, self._sin = emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
+        return self._cos[position_ids][:, :, None], self._sin[position_ids][:, :, None]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
+                cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward of new tokens after the cached prefix; appends their KV entries to ``cache``.
+
+        Args:
+            input_ids, position_ids: [B, Q] int64.
+            attention_mask: [B, 1, Q, T + Q] additive float32 (:func:`~dart_core.kv_cache.cache_mask`).
+            cache: the target's ``BufferedKVCache`` (``TargetCache.cache``).
+
+        Returns:
+            (logits [B, Q, V] float32, taps [B, Q, 3H] float32), as
+            :meth:`TargetModel.model_forward <dart_core.target.TargetModel.model_forward>`.
+        """
+        from dart_core.target import _ROW_EXACT_QUERY, _grouped_sdpa
+
+        b, q = input_ids.shape
+        x = self.embed(input_ids)
+        # a position is at most the cache's padded length plus the query's depth
+        cos, sin = self._rope(position_ids, cache.get_seq_length() + q)
+        mask = attention_mask
+        if self.row_exact and q <= _ROW_EXACT_QUERY:
+            mask = attention_mask.to(torch.float64)  # what the row-exact attention adds, converted once
+        inputs = {}  # layer index -> that layer's input (the taps)
+        for i, layer in enumerate(self.layers):
+            if i in self.tap_layers:
+                inputs[i] = x
+            h = _rms_norm(x, layer.ln1, layer.eps1)
+            if layer.qkv is not None:
+                query, key, value = layer.qkv(h).split(layer.split, dim=-1)
+            else:
+                query, key, value = layer.q(h), layer.k(h), layer.v(h)
+            query = _rotate(query.view(b, q, self.heads, self.head_dim), cos, sin).transpose(1, 2)
+            key = _rotate(key.view(b, q, self.kv_heads, self.head_dim), cos, sin).transpose(1, 2)
+            value = value.view(b, q, self.kv_heads, self.head_dim).transpose(1, 2)
+            key, value = cache.update(key, value, i)
+            out, _ = _grouped_sdpa(layer.attn, query, key, value, mask, scaling=layer.attn.scaling)
+            x = x + layer.o(out.reshape(b, q, -1))
+            h = _rms_norm(x, layer.ln2, layer.eps2)
+            if layer.gate_up is not None:
+                gate, up = layer.gate_up(h).split(layer.intermediate, dim=-1)
+            else:
+                gate, up = layer.gate(h), layer.up(h)
+            x = x + layer.down(torch.nn.functional.silu(gate) * up)
+        logits = self.lm_head(_rms_norm(x, self.norm, self.norm_eps)).float()
+        return logits, torch.cat([inputs[i] for i in self.tap_layers], dim=-1)

@@ -1,0 +1,113 @@
+"""LlamaDecoder, the target's forward written out for the CPU: bit for bit the stock forward's logits,
+taps and KV entries (prefill, ragged batches, draft trees, the 4-bit and the float32 target), and
+fused 4-bit layers equal to the layers they replace."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dart_core.decoder import LlamaDecoder, decoder_unsupported
+from dart_core.kv_cache import cache_mask
+from dart_core.target import TargetCache, TargetModel
+
+from .conftest import VOCAB, tiny_config, tiny_target
+
+
+def _steps(target: TargetModel, stock: bool) -> tuple[list[torch.Tensor], TargetCache]:
+    """Prefill of two ragged prompts, then a 4-node tree per sequence (two branches), then one token:
+    every output and the cache, through the decoder or the stock forward."""
+    decoder = target.decoder
+    if stock:
+        target.decoder = None
+    try:
+        rng = np.random.default_rng(7)
+        cache = TargetCache(2, "cpu")
+        first = target.prefill([rng.integers(0, VOCAB, 11).tolist(), rng.integers(0, VOCAB, 6).tolist()], cache)
+        outs = [first.logits, first.taps]
+        tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]], dtype=torch.bool)
+        depth = torch.tensor([0, 1, 2, 1])
+        for ids, mask in ((rng.integers(0, VOCAB, (2, 4)), tree), (rng.integers(0, VOCAB, (2, 1)), tree[:1, :1])):
+            q = ids.shape[1]
+            pos = cache.lengths[:, None] + depth[None, :q]
+            out = target.forward(torch.from_numpy(ids), pos,
+                                 cache_mask(cache.lengths, cache.padded_length, mask[None].expand(2, q, q), target.dtype),
+                                 cache)
+            cache.lengths += 1
+            outs += [out.logits, out.taps]
+        return outs, cache
+    finally:
+        target.decoder = decoder
+
+
+def _assert_same_as_stock(target: TargetModel) -> None:
+    assert target.decoder is not None
+    ours, our_cache = _steps(target, stock=False)
+    stock, stock_cache = _steps(target, stock=True)
+    for a, b in zip(ours, stock):
+        assert torch.equal(a, b)
+    for a, b in zip(our_cache.cache.layers, stock_cache.cache.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_the_decoder_equals_the_stock_forward_on_the_float32_target():
+    target = tiny_target("llama", seed=3)
+    assert target.packed  # float32 on a CPU: PackedLinear layers, which the decoder calls one by one
+    _assert_same_as_stock(target)
+
+
+def test_the_decoder_equals_the_stock_forward_on_the_4bit_target(tmp_path):
+    pytest.importorskip("gguf")
+    from dart_core.quant import Int4Linear, can_int4, quantize_from_gguf
+
+    if not can_int4():
+        pytest.skip("this PyTorch has no CPU int4 kernel")
+    from .test_quant import tiny_gguf_model
+
+    model = tiny_gguf_model(tmp_path / "tiny.gguf", seed=5, hidden_size=128, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=64)
+    quantize_from_gguf(model, tmp_path / "tiny.gguf")
+    target = TargetModel(model)
+    assert target.row_exact and isinstance(target.decoder.layers[0].qkv, Int4Linear)
+    _assert_same_as_stock(target)
+
+
+def test_fused_4bit_layers_equal_their_parts_and_share_their_weights(tmp_path):
+    pytest.importorskip("gguf")
+    from dart_core.quant import Int4Linear, can_int4, quantize_from_gguf
+
+    if not can_int4():
+        pytest.skip("this PyTorch has no CPU int4 kernel")
+    from .test_quant import tiny_gguf_model
+
+    model = tiny_gguf_model(tmp_path / "tiny.gguf", seed=1)
+    quantize_from_gguf(model, tmp_path / "tiny.gguf")
+    attn = model.model.layers[0].self_attn
+    parts = [attn.q_proj, attn.k_proj, attn.v_proj]
+    x = torch.randn(5, attn.q_proj.in_features)
+    before = [p(x) for p in parts]
+    fused = Int4Linear.fuse(parts)
+    assert fused.out_features == sum(p.out_features for p in parts)
+    assert torch.equal(fused(x), torch.cat(before, dim=-1))
+    for p, y in zip(parts, before):
+        assert torch.equal(p(x), y)  # the parts now read views of the fused weight
+        assert p.packed_0.untyped_storage().data_ptr() == fused.packed_0.untyped_storage().data_ptr()
+    assert not Int4Linear.can_fuse([attn.q_proj, model.model.layers[0].mlp.down_proj])  # other in_features
+    with pytest.raises(ValueError, match="one in_features"):
+        Int4Linear.fuse([attn.q_proj, model.model.layers[0].mlp.down_proj])
+
+
+def test_models_the_decoder_does_not_cover_keep_the_stock_forward():
+    qwen = tiny_target("qwen3")
+    assert qwen.decoder is None and "qwen3" in decoder_unsupported(qwen.model)
+    with pytest.raises(ValueError, match="decoder=True: model type 'qwen3'"):
+        TargetModel(qwen.model, decoder=True)
+    plain = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
+    reason = decoder_unsupported(plain)
+    assert "Linear" in reason  # nn.Linear layers do not honour real_rows
+    assert TargetModel(plain, pack=False).decoder is None
+    assert TargetModel(tiny_target("llama").model, decoder=False).decoder is None
+    with pytest.raises(ValueError, match="cannot run this model: model type"):
+        LlamaDecoder(qwen.model, (2, 3, 3))
