@@ -63,7 +63,7 @@ def _mlp_linears(layer) -> tuple:
 class _Layer:
     """One decoder layer's parameters as the forward uses them."""
 
-    def __init__(self, layer, heads: int, kv_heads: int, head_dim: int) -> None:
+    def __init__(self, layer) -> None:
         from dart_core.quant import Int4Linear
 
         self.attn = layer.self_attn  # the module the attention function reads its settings from
@@ -75,7 +75,6 @@ class _Layer:
         self.q, self.k, self.v = q, k, v
         self.gate_up = Int4Linear.fuse([gate, up]) if Int4Linear.can_fuse([gate, up]) else None
         self.gate, self.up = gate, up
-        self.split = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
         self.intermediate = gate.out_features
 
 
@@ -110,7 +109,7 @@ class LlamaDecoder:
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.embed = model.model.embed_tokens
-        self.layers = [_Layer(layer, self.heads, self.kv_heads, self.head_dim) for layer in model.model.layers]
+        self.layers = [_Layer(layer) for layer in model.model.layers]
         self.norm, self.norm_eps = model.model.norm.weight, model.model.norm.variance_epsilon
         self.lm_head = model.lm_head
         self.tap_layers = tuple(tap_layers)
@@ -123,9 +122,8 @@ class LlamaDecoder:
         """cos, sin [B, Q, 1, D] float32 for the positions (all below ``bound``, a host-side bound so no
         tensor is read): rows of tables grown on demand, each entry computed as transformers' rotary
         embedding does (position · inv_freq, then cos/sin, times the attention scaling)."""
-        need = bound
-        if need > self._cos.shape[0]:
-            size = max(need, 2 * self._cos.shape[0], 256)
+        if bound > self._cos.shape[0]:
+            size = max(bound, 2 * self._cos.shape[0], 256)
             freqs = torch.arange(size, dtype=torch.long)[:, None].float() * self.inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
             self._cos, self._sin = emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
@@ -154,17 +152,21 @@ class LlamaDecoder:
         mask = attention_mask
         if self.row_exact and q <= _ROW_EXACT_QUERY:
             mask = attention_mask.to(torch.float64)  # what the row-exact attention adds, converted once
+        n_qk = (self.heads + self.kv_heads) * self.head_dim
         inputs = {}  # layer index -> that layer's input (the taps)
         for i, layer in enumerate(self.layers):
             if i in self.tap_layers:
                 inputs[i] = x
             h = _rms_norm(x, layer.ln1, layer.eps1)
-            if layer.qkv is not None:
-                query, key, value = layer.qkv(h).split(layer.split, dim=-1)
+            if layer.qkv is not None:  # q and k side by side: one rotation for both
+                qkv = layer.qkv(h)
+                qk = qkv[..., :n_qk].view(b, q, self.heads + self.kv_heads, self.head_dim)
+                value = qkv[..., n_qk:]
             else:
-                query, key, value = layer.q(h), layer.k(h), layer.v(h)
-            query = _rotate(query.view(b, q, self.heads, self.head_dim), cos, sin).transpose(1, 2)
-            key = _rotate(key.view(b, q, self.kv_heads, self.head_dim), cos, sin).transpose(1, 2)
+                qk = torch.cat([layer.q(h), layer.k(h)], dim=-1).view(b, q, -1, self.head_dim)
+                value = layer.v(h)
+            qk = _rotate(qk, cos, sin)
+            query, key = qk[:, :, :self.heads].transpose(1, 2), qk[:, :, self.heads:].transpose(1, 2)
             value = value.view(b, q, self.kv_heads, self.head_dim).transpose(1, 2)
             key, value = cache.update(key, value, i)
             out, _ = _grouped_sdpa(layer.attn, query, key, value, mask, scaling=layer.attn.scaling)
