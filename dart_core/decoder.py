@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import torch
 
+from dart_core.quant import Int4Linear
+from dart_core.target import _ROW_EXACT_QUERY, _grouped_sdpa
+
 __all__ = ["LlamaDecoder", "decoder_unsupported"]
 
 
@@ -64,8 +67,6 @@ class _Layer:
     """One decoder layer's parameters as the forward uses them."""
 
     def __init__(self, layer) -> None:
-        from dart_core.quant import Int4Linear
-
         self.attn = layer.self_attn  # the module the attention function reads its settings from
         self.ln1, self.eps1 = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
         self.ln2, self.eps2 = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon
@@ -143,8 +144,6 @@ class LlamaDecoder:
             (logits [B, Q, V] float32, taps [B, Q, 3H] float32), as
             :meth:`TargetModel.model_forward <dart_core.target.TargetModel.model_forward>`.
         """
-        from dart_core.target import _ROW_EXACT_QUERY, _grouped_sdpa
-
         b, q = input_ids.shape
         x = self.embed(input_ids)
         # a position is at most the cache's padded length plus the query's depth
