@@ -193,14 +193,25 @@ def test_specs_are_checked_when_made():
             make()
 
 
-def test_the_batcher_refuses_a_slow_compile_and_keeps_serving(model):
-    """A compile over the time limit is a 400-class error; the cache serves the next identical
-    request at once, and unconstrained requests run as before."""
+def test_the_batcher_refuses_a_slow_compile_and_keeps_serving(model, monkeypatch):
+    """A compile over the time limit is a 400-class error, and unconstrained requests run as before;
+    a compile within the limit is cached and serves the next identical request.  (The slow compile
+    is made slow: a real one under a tiny limit can finish before the limit is checked.)"""
+    import time
+
+    build = GrammarCompiler._build
+
+    def slow_build(self, spec):
+        time.sleep(0.5)
+        return build(self, spec)
+
     ok = GenerationRequest(prompt="hello", max_tokens=4)
-    with ContinuousBatcher(model.engine, model.tokenizer, BatcherConfig(grammar_timeout_s=1e-6)) as b:
+    monkeypatch.setattr(GrammarCompiler, "_build", slow_build)
+    with ContinuousBatcher(model.engine, model.tokenizer, BatcherConfig(grammar_timeout_s=0.05)) as b:
         with pytest.raises(InvalidRequest, match="did not compile within"):
             list(b.generate(GenerationRequest(prompt="x", max_tokens=4, grammar=GrammarSpec.json_schema(SCHEMA))))
         assert len([c for c in b.generate(ok)]) >= 1
+    monkeypatch.setattr(GrammarCompiler, "_build", build)
     with ContinuousBatcher(model.engine, model.tokenizer) as b:
         spec = GrammarSpec.json_schema(SCHEMA)
         text = "".join(c.text for c in b.generate(GenerationRequest(prompt="x", max_tokens=96, grammar=spec)))
