@@ -42,7 +42,8 @@ from dart_core.kv_cache import HeadKVCache, cache_mask, compaction_plan_host
 from dart_core.sampling import SamplingParams, target_probs
 from dart_core.target import TargetCache, TargetModel
 from dart_core.target import sync_device as _sync
-from dart_core.verify import Acceptance, accept_constrained, accept_greedy, accept_greedy_batch, accept_sampling
+from dart_core.verify import (Acceptance, accept_constrained, accept_greedy, accept_greedy_batch, accept_sampling,
+                              accept_sampling_batch, uniform_draws)
 from ngram_service.client import InProcessTreeSearch, TreeSearchClient
 from ngram_service.context import ContextIndex
 from ngram_service.tree_search import DraftTree, SearchParams
@@ -190,6 +191,9 @@ class DartEngine:
         self.search_params = search_params or SearchParams()
         self.budget = budget
         self.gate = gate
+        # reading a device tensor costs no sync (a CPU target): a sampling walk stops once every row
+        # has ended instead of warping max_depth + 1 distributions per row (verify.accept_sampling_batch)
+        self.cheap_host_reads = self.target.device.type == "cpu"
         # one verification budget pooled across the batch, verified without computing padding
         # (packed_verification); off by default: not measured faster yet (bench/results/pooled_budget)
         self.pooled_budget = False
@@ -579,14 +583,24 @@ class DartEngine:
                 ) -> tuple[list[Acceptance], torch.Tensor]:
         """Each sequence's accepted path and bonus token, and the paths [B, N] on the device.
 
-        An all-greedy, unconstrained batch is accepted on the device
-        (:func:`~dart_core.verify.accept_greedy_batch`) and read back in one copy; a batch with
-        sampling or constrained rows (a grammar, min_tokens) goes through the host, row by row (a
-        constrained row masks the nodes its walk visits: :func:`~dart_core.verify.accept_constrained`)."""
+        An unconstrained batch is accepted on the device, greedy and sampling rows alike
+        (:func:`~dart_core.verify.accept_greedy_batch`, or
+        :func:`~dart_core.verify.accept_sampling_batch` with each sampling row's uniforms drawn
+        from its own generator), and read back in one copy; a batch with a constrained row (a
+        grammar, min_tokens) goes through the host, row by row (a constrained row masks the nodes
+        its walk visits: :func:`~dart_core.verify.accept_constrained`)."""
         device = logits.device
-        if all(s.greedy for s in samplings) and all(g is None for g in constraints):
-            path, counts, bonus = accept_greedy_batch(batch.tokens, batch.parents, batch.depths, batch.counts,
-                                                      batch.tree_mask, logits.argmax(-1))
+        if all(g is None for g in constraints):
+            if all(s.greedy for s in samplings):
+                path, counts, bonus = accept_greedy_batch(batch.tokens, batch.parents, batch.depths, batch.counts,
+                                                          batch.tree_mask, logits.argmax(-1))
+            else:
+                levels = batch.max_depth + 1
+                uniforms = torch.stack([torch.ones(levels, dtype=torch.float64) if s.greedy else
+                                        uniform_draws(g, levels) for s, g in zip(samplings, generators)])
+                path, counts, bonus = accept_sampling_batch(batch.tokens, batch.parents, batch.counts, logits,
+                                                            samplings, uniforms, batch.max_depth,
+                                                            stop_when_done=self.cheap_host_reads)
             width = batch.max_depth + 1
             host = torch.cat([counts[:, None], bonus[:, None], path[:, :width]], dim=1).cpu().numpy()  # one read
             return [Acceptance(row[2: 2 + row[0]].tolist(), int(row[1])) for row in host], path

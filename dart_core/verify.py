@@ -10,11 +10,17 @@ accepted, and the target's own token after that node is the **bonus token**.
 - Greedy (temperature 0): child x of node n is accepted iff
   x == argmax p_target(· | path to n).  The output equals greedy decoding.
 - Sampling: at node n with target distribution p (temperature, top-k, top-p
-  applied), try the children in order; accept child x with probability p(x);
-  on rejection set p(x) = 0 and renormalise; if no child is accepted, draw the
-  bonus from the residual p.  For drafts that are point masses (a tree
-  proposes tokens, not distributions) this is exact: the emitted token is
-  distributed as p (SpecInfer-style multi-candidate rejection sampling).
+  applied), multi-candidate rejection sampling (SpecInfer) tries the children
+  in order, accepts child x with probability p(x), and on rejection sets
+  p(x) = 0 and renormalises; with no child accepted the bonus token is drawn
+  from the residual.  A tree proposes tokens, not distributions (its drafts
+  are point masses), so child x_i is accepted with probability
+  p(x_i) overall and the bonus is token y ∉ children with probability p(y):
+  the same law as drawing one token y ~ p and accepting the child whose token
+  is y, else emitting y.  Every sampling walk below draws that way (inverse
+  transform, one uniform per visited node from the row's seeded generator),
+  so it is a greedy walk over drawn tokens, and a batch of trees is accepted
+  on the device (:func:`accept_sampling_batch`).
 """
 
 from __future__ import annotations
@@ -24,10 +30,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dart_core.sampling import SamplingParams, target_probs
+from dart_core.sampling import SamplingParams, batch_target_probs, sample_token, target_probs
 
 __all__ = ["Acceptance", "children_lists", "accept_greedy", "accept_greedy_batch", "accept_sampling",
-           "accept_constrained"]
+           "accept_sampling_batch", "accept_constrained", "uniform_draws"]
 
 
 @dataclass(frozen=True)
@@ -105,35 +111,74 @@ def accept_greedy_batch(tokens: torch.Tensor, parents: torch.Tensor, depths: tor
     return path[:, :n], counts, argmax.gather(1, leaf[:, None])[:, 0]
 
 
-def _sample_children(p: torch.Tensor, kids: list[int], tokens: np.ndarray, generator: torch.Generator):
-    """Multi-candidate rejection sampling at one node (module docstring): ``p`` [V] float64 on the
-    CPU, the target's distribution there (modified in place).  Returns (accepted child, None) or
-    (None, the bonus token drawn from the residual)."""
-    for c in kids:
-        x = int(tokens[c])
-        if torch.rand((), generator=generator, dtype=torch.float64).item() < p[x].item():
-            return c, None
-        p[x] = 0.0
-        total = p.sum()
-        if total <= 0:  # x held all the mass but rounding rejected it: it is the target's token
-            return c, None
-        p /= total
-    return None, int(torch.multinomial(p, 1, generator=generator).item())
+def uniform_draws(generator: torch.Generator, n: int) -> torch.Tensor:
+    """[n] float64 uniforms in (0, 1] from ``generator`` (CPU), for :func:`~dart_core.sampling.sample_token`."""
+    return 1.0 - torch.rand(n, generator=generator, dtype=torch.float64)
 
 
-def accept_sampling(tokens: np.ndarray, parents: np.ndarray, logits: torch.Tensor, params: SamplingParams,
-                    generator: torch.Generator) -> Acceptance:
-    """logits: [N, V] target logits at every node (any device); draws use ``generator`` (CPU)."""
-    return _walk(tokens, parents, lambda cur, kids: _sample_children(
-        target_probs(logits[cur], params).double().cpu(), kids, tokens, generator))
+def accept_sampling_batch(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
+                          logits: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor,
+                          max_depth: int, stop_when_done: bool = False
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Acceptance of a padded batch of trees on the device, rows sampling with their own parameters
+    (greedy rows take the argmax), with no host read (module docstring: one draw per visited node).
+
+    The walk runs one level per iteration for every row at once: the target's distribution at
+    each row's current node (:func:`~dart_core.sampling.batch_target_probs`), one token drawn from
+    it with the row's uniform for that level, and the child holding that token (the first in node
+    order) becomes the current node; a row without one ends with the drawn token as its bonus.
+    ``max_depth + 1`` iterations, so a row computes the distributions of at most that many nodes;
+    ``stop_when_done`` ends the loop once every row has ended instead, at one host read per level
+    (for a CPU, where a read costs no device sync and warping a distribution with top-p costs a
+    sort of the vocabulary).
+
+    Args:
+        tokens, parents: [B, N] int64 (parents of padding nodes: any valid index); num_nodes: [B]
+            real nodes per tree; logits: [B, N, V] the target's logits after every node;
+            params: B sampling parameter sets; uniforms: [B, max_depth + 1] float64 in (0, 1]
+            (:func:`uniform_draws` from each row's generator; any value for greedy rows);
+            max_depth: the deepest node of any tree.
+
+    Returns:
+        path [B, N] int64 (accepted node indices from the root; entries past ``counts`` are 0),
+        counts [B] int64 (accepted nodes, root included), bonus [B] int64 — as
+        :func:`accept_greedy_batch`.
+    """
+    b, n = tokens.shape
+    dev = tokens.device
+    rows, idx = torch.arange(b, device=dev), torch.arange(n, device=dev)
+    child_ok = (idx[None, :] > 0) & (idx[None, :] < num_nodes[:, None])  # [B, N] real non-root nodes
+    greedy = torch.tensor([p.greedy for p in params], device=dev)
+    sampled = not all(p.greedy for p in params)
+    uniforms = uniforms.to(dev)
+    cur = torch.zeros(b, dtype=torch.long, device=dev)
+    alive = torch.ones(b, dtype=torch.bool, device=dev)
+    bonus = torch.zeros(b, dtype=torch.long, device=dev)
+    path = torch.zeros(b, n + 1, dtype=torch.long, device=dev)
+    for level in range(max_depth + 1):
+        at = logits[rows, cur]  # [B, V] the target after each row's current node
+        drawn = at.argmax(-1)
+        if sampled:
+            drawn = torch.where(greedy, drawn, sample_token(batch_target_probs(at, params), uniforms[:, level]))
+        match = child_ok & (parents == cur[:, None]) & (tokens == drawn[:, None])  # [B, N]
+        found = match.any(-1) & alive
+        child = match.long().argmax(-1)
+        bonus = torch.where(alive & ~found, drawn, bonus)
+        cur = torch.where(found, child, cur)
+        path[:, level + 1] = torch.where(found, child, 0)
+        alive = found
+        if stop_when_done and not bool(alive.any()):
+            break
+    counts = 1 + (path[:, 1:] > 0).sum(-1)
+    return path[:, :n], counts, bonus
 
 
 def accept_constrained(tokens: np.ndarray, parents: np.ndarray, logits: torch.Tensor, params: SamplingParams,
                        generator: torch.Generator, grammar) -> Acceptance:
     """Acceptance under a grammar (structured output): at every node the walk visits, the target's
     logits are masked by the grammar state after that node's path before the rule of
-    ``params`` applies — greedy argmax, or rejection sampling on the masked, renormalised
-    distribution (the grammar masks before temperature, top-k and top-p, as a logits processor
+    ``params`` applies — greedy argmax, or rejection sampling (one draw, module docstring) on the
+    masked, renormalised distribution (the grammar masks before temperature, top-k and top-p, as a logits processor
     does in Hugging Face's ``generate``).  The output is then that of constrained plain decoding:
     equal at temperature 0, equally distributed otherwise.
 
@@ -148,16 +193,30 @@ def accept_constrained(tokens: np.ndarray, parents: np.ndarray, logits: torch.Te
         the :class:`Acceptance`; only the nodes visited are masked (at most the path's length + 1
         masks per step, not one per node).
     """
+    return _draw_walk(tokens, parents, logits, params, generator, grammar)
+
+
+def accept_sampling(tokens: np.ndarray, parents: np.ndarray, logits: torch.Tensor, params: SamplingParams,
+                    generator: torch.Generator) -> Acceptance:
+    """One tree's acceptance on the host (the engine's path for an unconstrained row in a batch that
+    also holds a constrained one): the walk of :func:`accept_sampling_batch`, one uniform drawn from
+    ``generator`` per visited node.  tokens, parents: [N]; logits: [N, V] (any device)."""
+    return _draw_walk(tokens, parents, logits, params, generator, None)
+
+
+def _draw_walk(tokens: np.ndarray, parents: np.ndarray, logits: torch.Tensor, params: SamplingParams,
+               generator: torch.Generator, grammar) -> Acceptance:
+    """The walk with one token drawn (or the argmax taken) at every visited node, its logits masked
+    by ``grammar`` first when there is one, which then consumes the drawn token."""
     def choose(cur, kids):
-        row = grammar.mask_logits(logits[cur])
-        if params.greedy:
-            x = int(row.argmax())
-            nxt = _child_with(kids, tokens, x)
-        else:
-            nxt, x = _sample_children(target_probs(row, params).double().cpu(), kids, tokens, generator)
-            x = int(tokens[nxt]) if nxt is not None else x
-        grammar.consume(x)
-        # no child taken, or the grammar's end (the node's token is the last one): x is the bonus token
-        return (None, x) if nxt is None or grammar.stopped else (nxt, None)
+        row = logits[cur] if grammar is None else grammar.mask_logits(logits[cur])
+        x = int(row.argmax()) if params.greedy else \
+            int(sample_token(target_probs(row, params), uniform_draws(generator, 1)[0].to(row.device)))
+        nxt = _child_with(kids, tokens, x)
+        if grammar is not None:
+            grammar.consume(x)
+            if grammar.stopped:  # the grammar's end (the node's token is the last one): x is the bonus token
+                return None, x
+        return (None, x) if nxt is None else (nxt, None)
 
     return _walk(tokens, parents, choose)

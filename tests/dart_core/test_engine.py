@@ -474,12 +474,12 @@ def test_the_gate_measures_lookup_steps_whatever_is_pending():
     assert piled  # some measured lookup step started with a catch-up's worth of pending positions
 
 
-@pytest.mark.parametrize("batch", [1, 16])
-def test_a_step_reads_device_tensors_at_most_twice(batch):
+@pytest.mark.parametrize("batch, temperature", [(1, 0.0), (16, 0.0), (1, 0.8), (16, 0.8)])
+def test_a_step_reads_device_tensors_at_most_twice(batch, temperature):
     """A speculative step reads device tensors twice (the draft's top-k out, the accepted paths
     out) and an autoregressive step once (the accepted token out), whatever the batch size and
-    tree size: on a GPU each read is a sync.  Counted over typical steps (after the first, catch-up
-    draft; no sequence joins or leaves)."""
+    tree size, greedy or sampling (with top-k and top-p): on a GPU each read is a sync.  Counted
+    over typical steps (after the first, catch-up draft; no sequence joins or leaves)."""
     from dart_core.bench.host_reads import count_host_reads
 
     target = tiny_target("llama")
@@ -487,7 +487,10 @@ def test_a_step_reads_device_tensors_at_most_twice(batch):
     for speculative, budget, most in ((False, 8, 1), (True, 4, 2), (True, 12, 2)):
         engine = DartEngine(target, random_head(target), InProcessTreeSearch(None),
                             SearchParams(top_k=8, beam_width=4, budget=budget))
-        steps = engine.generate_stream(prompts, SamplingParams(max_new_tokens=40), speculative=speculative)
+        engine.cheap_host_reads = False  # count what a GPU would (a CPU's sampling walk may read per level)
+        sampling = SamplingParams(max_new_tokens=40, temperature=temperature, top_k=20 * (temperature > 0),
+                                  top_p=0.9 if temperature else 1.0, seed=1)
+        steps = engine.generate_stream(prompts, sampling, speculative=speculative)
         next(steps), next(steps)  # the prefill and the first draft (a catch-up over the prompt)
         with count_host_reads() as reads:
             for _ in range(4):
