@@ -441,8 +441,11 @@ class DartEngine:
             logprobs.append(None if k is None else
                             _token_logprobs(out.logits[i, list(acc.path[: len(emitted)])], emitted, k))
         if state.speculative:  # the accepted positions feed the next draft
-            state.add_pending(out.taps.gather(1, path[..., None].expand(-1, -1, out.taps.shape[-1])),
-                              old_lengths[:, None] + torch.arange(a_max, device=device)[None, :], counts, nexts)
+            # no row accepted a draft node (an autoregressive step: the gate is off): the roots' taps, a view
+            taps = (out.taps[:, :1] if a_max == 1
+                    else out.taps.gather(1, path[..., None].expand(-1, -1, out.taps.shape[-1])))
+            positions = old_lengths[:, None] + (0 if a_max == 1 else torch.arange(a_max, device=device))
+            state.add_pending(taps, positions, counts, nexts)
         _sync(device)
         verify_ms = 1e3 * (time.perf_counter() - t_verify)
         step_ms = 1e3 * (time.perf_counter() - t_step)
@@ -651,7 +654,7 @@ def _append_in_place(buf: torch.Tensor, counts: torch.Tensor, new: torch.Tensor,
     need = longest + t_new if rows else 0
     if need > buf.shape[1]:
         buf = _zero_pad(buf, 1, max(need, 2 * buf.shape[1]))
-    idx = counts[:, None] + torch.arange(t_new, device=counts.device)[None, :]
+    idx = counts[:, None] if t_new == 1 else counts[:, None] + torch.arange(t_new, device=counts.device)[None, :]
     buf.scatter_(1, idx.reshape(rows, t_new, *([1] * (new.dim() - 2))).expand_as(new), new)
     return buf
 
@@ -741,9 +744,9 @@ class _BatchState:
 
         Rows that opted out of speculation (``spec_ok`` false) keep none: they never draft.
         """
-        drafts = torch.tensor(self.spec_ok, dtype=torch.bool, device=counts.device)
-        counts = torch.where(drafts, counts, 0)
-        nexts = [n if ok else [] for n, ok in zip(nexts, self.spec_ok)]
+        if not all(self.spec_ok):
+            counts = torch.where(torch.tensor(self.spec_ok, dtype=torch.bool, device=counts.device), counts, 0)
+            nexts = [n if ok else [] for n, ok in zip(nexts, self.spec_ok)]
         longest = max((len(x) for x in self.pend_next), default=0)  # max(pend_count), known on the host
         self.pend_taps = _append_in_place(self.pend_taps, self.pend_count, taps, longest)
         self.pend_pos = _append_in_place(self.pend_pos, self.pend_count, positions, longest)

@@ -8,7 +8,10 @@ step of a small target reads every weight once, so its floor is
 with the bandwidth measured in the same run (a device-to-device copy of
 ``--copy-mib`` MiB, bytes read + written ÷ time, median of 5).  For each mode
 (``autoregressive``: one token per target forward; ``dart``: the engine's
-speculative step — draft forward, tree search, tree verification) the
+speculative step — draft forward, tree search, tree verification;
+``gated-off``: the speculative engine with a gate that never speculates, so
+every step is autoregressive but keeps the draft head's inputs, as while
+the speculation gate keeps speculation off) the
 first ``--num-prompts`` prompts are decoded twice after a warm-up: once timed
 (wall ms per target forward, the engine's per-phase ms) and once under
 ``torch.profiler`` (device-kernel ms per target forward and kernel launches
@@ -43,7 +46,19 @@ from pathlib import Path
 
 __all__ = ["StepProfileConfig", "run_step_profile", "measure_bandwidth", "weight_bytes", "save", "markdown_table", "main"]
 
-MODES = ("autoregressive", "dart")
+MODES = ("autoregressive", "dart", "gated-off")
+
+
+class _GateOff:
+    """A speculation gate that never lets a step speculate: the ``gated-off`` mode's steps are
+    autoregressive steps taken by a speculative engine (what a step costs while the gate keeps
+    speculation off, draft bookkeeping included)."""
+
+    def speculate(self, batch: int) -> bool:
+        return False
+
+    def observe(self, *args, **kwargs) -> None:
+        pass
 
 
 @dataclass
@@ -57,7 +72,7 @@ class StepProfileConfig:
     num_prompts: int = 4
     max_new_tokens: int = 64
     budget: str = "auto"
-    modes: list[str] = field(default_factory=lambda: list(MODES))
+    modes: list[str] = field(default_factory=lambda: ["autoregressive", "dart"])  # or any of MODES
     dtype: str | None = None  # default: bfloat16 on CUDA, float32 on CPU
     weights: str = "auto"  # the target's weights: "auto", "dense" or "gguf-native"
     device: str | None = None
@@ -271,8 +286,10 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if profile_cuda else [])
     rows = []
     bar = tqdm(total=len(cfg.modes) * len(prompts), desc="step profile", disable=not progress)
+    gate = model.engine.gate
     for mode in cfg.modes:
-        speculative = mode == "dart"
+        speculative = mode != "autoregressive"
+        model.engine.gate = _GateOff() if mode == "gated-off" else gate
 
         def decode(group):
             return model.generate([[{"role": "user", "content": p}] for p in group],
@@ -323,6 +340,7 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
             row["kernel_over_floor"] = round(row["kernel_ms_per_step"] / floor_ms, 1)
             row["host_share"] = round(1 - min(row["kernel_ms_per_step"] / max(step_ms, 1e-9), 1.0), 3)
         rows.append(row)
+    model.engine.gate = gate
     bar.close()
     return {"config": asdict(cfg), "hardware": hardware(device), "weights_bytes": weights,
             "weights_dtype": str(next(model.engine.target.model.parameters()).dtype).replace("torch.", ""),

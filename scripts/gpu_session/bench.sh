@@ -30,8 +30,9 @@ for spec in "$@"; do
     # the operators of DART steps that always draft (a fixed budget: the adaptive one may not speculate)
     ops-bf16)   cmd="dart_core.bench.step_profile --dataset $MT --num-prompts 1 --max-new-tokens 32 --device cuda --dtype bfloat16 --modes dart --budget 60 --top-ops 12 --no-progress" ;;
     ops-fp32)   cmd="dart_core.bench.step_profile --dataset $MT --num-prompts 1 --max-new-tokens 32 --device cuda --dtype float32 --modes dart --budget 60 --top-ops 12 --no-progress" ;;
-    # a batch of 16 prompts stepped together, autoregressive and DART at a fixed budget (which always drafts)
-    prof16-bf16) cmd="dart_core.bench.step_profile --dataset $MT --num-prompts 16 --batch-size 16 --max-new-tokens 32 --device cuda --dtype bfloat16 --budget 16 --no-progress" ;;
+    # a batch of 16 prompts stepped together, autoregressive and DART at a fixed budget (which always drafts), and
+    # the steps of a speculative engine whose gate keeps speculation off (gated-off: their cost against autoregressive)
+    prof16-bf16) cmd="dart_core.bench.step_profile --dataset $MT --num-prompts 16 --batch-size 16 --max-new-tokens 32 --device cuda --dtype bfloat16 --budget 16 --modes autoregressive dart gated-off --no-progress" ;;
     # structured output (needs llguidance: its wheel unzipped into /tmp/site)
     struct-bf16) cmd="dart_core.bench.structured --device cuda --dtype bfloat16 --max-tokens ${STRUCT_TOKENS:-128} --runs ${STRUCT_RUNS:-1}" ;;
     batch-bf16) cmd="dart_core.bench.batching --concurrency 1 4 16 64 --requests-per-client 1 --max-tokens 64 --dataset $MT --device cuda --dtype bfloat16 --no-progress" ;;

@@ -305,8 +305,16 @@ def test_step_profile_reports_the_floor_and_each_mode(tiny_model_dir, prompts_fi
     assert all(r["ops_per_step"] > 0 and r["host_only_ms_per_step"] is not None for r in rows.values())
     paths = step_profile.save(result, tmp_path)
     assert "| autoregressive | 1.00 |" in paths["md"].read_text()
-    batched = step_profile.run_step_profile(dataclasses.replace(cfg, batch_size=2, modes=["dart"]), progress=False)
-    assert batched["rows"][0]["host_reads_per_step"] == 2  # two prompts decoded together, still two reads
+    batched = step_profile.run_step_profile(dataclasses.replace(cfg, batch_size=2, modes=["dart", "gated-off",
+                                                                                             "autoregressive"]),
+                                            progress=False)
+    dart, off, plain = batched["rows"]
+    assert dart["host_reads_per_step"] == 2  # two prompts decoded together, still two reads
+    # the speculative engine with its gate off steps autoregressively, reading the device once per step
+    assert off["mode"] == "gated-off" and off["tau"] == 1.0 and off["host_reads_per_step"] == 1
+    # and costs an autoregressive step plus the few operators that keep the draft head's inputs (taps and
+    # positions written into the pending buffers): no draft, no tree, no gather
+    assert plain["ops_per_step"] < off["ops_per_step"] <= plain["ops_per_step"] + 16
     with pytest.raises(ValueError, match="modes"):
         step_profile.run_step_profile(step_profile.StepProfileConfig(modes=["beam"]), progress=False)
     with pytest.raises(ValueError, match="top_ops"):
