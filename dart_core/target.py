@@ -22,6 +22,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -495,6 +496,10 @@ class TargetModel:
         """Right-padded prompts [B, P]: causal within each prompt, padding masked.
 
         The cache then holds P entries per sequence, of which lengths[b] = len(prompts[b]) are valid.
+        With a packed target (:attr:`packed`) the linear layers compute the prompts' own tokens
+        only (:func:`real_rows`; their results equal the padded forward's bit for bit), so a group
+        of prompts of different lengths does not pay for its padding; the padding positions'
+        logits and taps are then meaningless.
         """
         b = len(prompts)
         p = max(len(x) for x in prompts)
@@ -506,6 +511,11 @@ class TargetModel:
         causal = (idx[None, None, :] <= idx[None, :, None]) & (idx[None, None, :] < lengths[:, None, None])
         causal = causal | torch.eye(p, dtype=torch.bool, device=self.device)[None]  # padded rows see themselves
         mask = cache_mask(cache.lengths, cache.padded_length, causal, self.dtype)
-        out = self.forward(ids, idx[None, :].expand(b, p), mask, cache)
+        sizes = [len(x) for x in prompts]
+        rows = None
+        if self.packed and sum(sizes) < b * p:
+            rows = torch.from_numpy(np.concatenate([i * p + np.arange(n) for i, n in enumerate(sizes)]))
+            rows = rows.to(self.device)
+        out = self.forward(ids, idx[None, :].expand(b, p), mask, cache, rows=rows)
         cache.lengths = lengths
         return out

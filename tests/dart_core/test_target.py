@@ -103,3 +103,39 @@ def test_packed_linear_computes_only_the_real_rows():
     assert part.view(6, 5)[[2, 4, 5]].abs().max() == 0
     assert torch.equal(other, packed(z))
     assert torch.equal(packed(x), full)  # outside the block every row again
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_a_ragged_prefill_computes_only_the_prompts_tokens_with_the_same_results(kind):
+    """On a packed target a group of prompts of different lengths runs its linear layers over the
+    prompts' own tokens only (TargetModel.forward rows); logits, taps and valid KV entries equal the
+    forward that computes the padding too, bit for bit."""
+    from dart_core.target import TargetCache
+
+    target = tiny_target(kind, seed=3)
+    assert target.packed
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (11, 4, 7)]
+    seen = []
+    forward = target.forward
+
+    def spy(*args, rows=None, **kwargs):
+        seen.append(rows)
+        return forward(*args, rows=rows, **kwargs)
+
+    target.forward = spy
+    target.prefill(prompts, TargetCache(3, "cpu"))
+    target.forward = forward
+    assert seen[0] is not None and len(seen[0]) == 22  # 11 + 4 + 7 of 3 x 11 positions
+    target.packed = False  # forward then ignores rows: every position computed
+    full_cache = TargetCache(3, "cpu")
+    full = target.prefill(prompts, full_cache)
+    target.packed = True
+    cache = TargetCache(3, "cpu")
+    sparse = target.prefill(prompts, cache)
+    for i, p in enumerate(prompts):
+        n = len(p)
+        assert torch.equal(sparse.logits[i, :n], full.logits[i, :n]) and torch.equal(sparse.taps[i, :n], full.taps[i, :n])
+        for a, b in zip(cache.cache.layers, full_cache.cache.layers):
+            assert torch.equal(a.keys[i, :, :n], b.keys[i, :, :n]) and torch.equal(a.values[i, :, :n], b.values[i, :, :n])
+    assert torch.equal(cache.lengths, full_cache.lengths)
