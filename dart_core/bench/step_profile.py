@@ -105,6 +105,18 @@ def measure_bandwidth(device, mib: int = 1024, repeats: int = 5) -> float:
     return 2 * n * 4 / statistics.median(times) / 1e9
 
 
+def weights_format(module) -> str:
+    """What the linear layers' weights are, for the report: the GGUF block types of 4-bit layers
+    (:class:`~dart_core.quant.Int4Linear`, e.g. ``"4-bit GGUF Q4_1+Q8_0"``), else the parameters' dtype."""
+    from dart_core.quant import Int4Linear
+
+    types = sorted({t for m in module.modules() if isinstance(m, Int4Linear)
+                    for t in str(m.gguf_type).split("+")})
+    if types:
+        return "4-bit GGUF " + "+".join(types)
+    return str(next(module.parameters()).dtype).replace("torch.", "")
+
+
 def weight_bytes(module) -> int:
     """Bytes of weights one forward of ``module`` (a Hugging Face causal LM) reads: its parameters,
     shared ones once, plus the weights of packed CPU linears (:class:`~dart_core.target.PackedLinear`
@@ -343,7 +355,7 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
     model.engine.gate = gate
     bar.close()
     return {"config": asdict(cfg), "hardware": hardware(device), "weights_bytes": weights,
-            "weights_dtype": str(next(model.engine.target.model.parameters()).dtype).replace("torch.", ""),
+            "weights_dtype": weights_format(model.engine.target.model),
             "bandwidth_gbs": round(bandwidth, 1), "floor_ms": round(floor_ms, 4), "rows": rows,
             "seconds": round(time.perf_counter() - started, 1)}
 

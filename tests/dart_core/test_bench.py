@@ -291,7 +291,7 @@ def test_step_profile_reports_the_floor_and_each_mode(tiny_model_dir, prompts_fi
     tied = hf.get_output_embeddings().weight is emb
     # every weight once; the input embedding only where it is also the output projection
     expected = sum({t.data_ptr(): t.numel() * 4 for t in hf.parameters()}.values()) - (0 if tied else emb.numel() * 4)
-    assert result["weights_bytes"] == expected > 0
+    assert result["weights_bytes"] == expected > 0 and result["weights_dtype"] == "float32"
     assert result["bandwidth_gbs"] > 0
     assert result["floor_ms"] == pytest.approx(result["weights_bytes"] / (result["bandwidth_gbs"] * 1e9) * 1e3,
                                                rel=1e-2)

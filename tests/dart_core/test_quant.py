@@ -129,6 +129,10 @@ def test_conversion_from_a_gguf_file_keeps_every_layer_value(tmp_path, tied):
         layer = model.get_submodule(name)
         assert isinstance(layer, Int4Linear)
         torch.testing.assert_close(layer.weight, weight, rtol=1e-5, atol=1e-6)  # q/k rows in the model's order
+    from dart_core.bench.step_profile import weights_format
+
+    # what the step profile's report calls these weights (not the float32 of the remaining parameters)
+    assert weights_format(model) == ("4-bit GGUF Q4_1+Q8_0" if tied else "4-bit GGUF Q4_0+Q4_1")
 
 
 def test_blocks_of_another_model_are_refused(tmp_path):
