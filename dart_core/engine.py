@@ -40,7 +40,7 @@ from dart_core.drafters import DartDrafter, DraftBatch, Drafter, NoDraft, Propos
 from dart_core.grammar import row_constraint
 from dart_core.kv_cache import HeadKVCache, cache_mask, compaction_plan_host
 from dart_core.sampling import SamplingParams, target_probs
-from dart_core.target import TargetCache, TargetModel
+from dart_core.target import TargetCache, TargetModel, padded_rows
 from dart_core.target import sync_device as _sync
 from dart_core.verify import (Acceptance, accept_constrained, accept_greedy, accept_greedy_batch, accept_sampling,
                               accept_sampling_batch, uniform_draws)
@@ -467,11 +467,9 @@ class DartEngine:
     def _real_rows(self, trees: list[DraftTree], n: int) -> torch.Tensor | None:
         """Flat indices (b · n + node) of the real nodes of trees padded to ``n``; None when nothing
         is padding or the target computes every row anyway."""
-        sizes = [tr.num_nodes for tr in trees]
-        if not self.packed_verification or sum(sizes) == len(sizes) * n:
+        if not self.packed_verification:
             return None
-        rows = np.concatenate([i * n + np.arange(m) for i, m in enumerate(sizes)])
-        return torch.from_numpy(rows).to(self.target.device)
+        return padded_rows([tr.num_nodes for tr in trees], n, self.target.device)
 
     # -- internals ----------------------------------------------------------
 

@@ -201,6 +201,14 @@ def real_rows(rows: torch.Tensor | None, total: int):
         _REAL_ROWS.reset(token)
 
 
+def padded_rows(sizes: list[int], width: int, device) -> torch.Tensor | None:
+    """int64 [Σ sizes] flat indices (b · width + i for i < sizes[b]) of the real positions of rows
+    padded to ``width``, on ``device``, for :func:`real_rows`; None when no row is padded."""
+    if sum(sizes) == len(sizes) * width:
+        return None
+    return torch.from_numpy(np.concatenate([i * width + np.arange(n) for i, n in enumerate(sizes)])).to(device)
+
+
 def over_real_rows(x: torch.Tensor, out_features: int, linear) -> torch.Tensor:
     """``linear`` (rows [N, in] -> [N, out_features]) applied to ``x`` [..., in]; inside
     :func:`real_rows` for x's row count, to the selected rows only, the others left zero.
@@ -511,11 +519,7 @@ class TargetModel:
         causal = (idx[None, None, :] <= idx[None, :, None]) & (idx[None, None, :] < lengths[:, None, None])
         causal = causal | torch.eye(p, dtype=torch.bool, device=self.device)[None]  # padded rows see themselves
         mask = cache_mask(cache.lengths, cache.padded_length, causal, self.dtype)
-        sizes = [len(x) for x in prompts]
-        rows = None
-        if self.packed and sum(sizes) < b * p:
-            rows = torch.from_numpy(np.concatenate([i * p + np.arange(n) for i, n in enumerate(sizes)]))
-            rows = rows.to(self.device)
+        rows = padded_rows([len(x) for x in prompts], p, self.device) if self.packed else None
         out = self.forward(ids, idx[None, :].expand(b, p), mask, cache, rows=rows)
         cache.lengths = lengths
         return out

@@ -110,10 +110,10 @@ def weights_format(module) -> str:
     (:class:`~dart_core.quant.Int4Linear`, e.g. ``"4-bit GGUF Q4_1+Q8_0"``), else the parameters' dtype."""
     from dart_core.quant import Int4Linear
 
-    types = sorted({t for m in module.modules() if isinstance(m, Int4Linear)
-                    for t in str(m.gguf_type).split("+")})
-    if types:
-        return "4-bit GGUF " + "+".join(types)
+    layers = [m for m in module.modules() if isinstance(m, Int4Linear)]
+    if layers:
+        types = sorted({t for m in layers if m.gguf_type for t in m.gguf_type.split("+")})
+        return " ".join(["4-bit"] + (["GGUF", "+".join(types)] if types else []))
     return str(next(module.parameters()).dtype).replace("torch.", "")
 
 
