@@ -389,12 +389,13 @@ class DartEngine:
         its expected accepted tokens per tree), every tree cut to the sequence's remaining tokens and
         context, packed for the device."""
         trees, predicted = proposal.trees, None
-        if proposal.kind == "tree" and self.budget is not None:
-            trees, predicted = self.budget.select_batch(trees, packed=self.packed_verification)
         if self.grammar_drafting and proposal.kind != "none" and any(g is not None for g in state.constraints):
-            # grammar-aware drafting: forbidden nodes out, forced tokens in (the plain step stays plain)
+            # grammar-aware drafting, before the budget chooses: forbidden nodes out, forced tokens in
+            # with estimate 1, so forced nodes compete for the budget like any other (the plain step stays plain)
             trees = [tr if g is None else g.draft_tree(tr, self.search_params.budget)
                      for tr, g in zip(trees, state.constraints)]
+        if proposal.kind == "tree" and self.budget is not None:
+            trees, predicted = self.budget.select_batch(trees, packed=self.packed_verification)
         # never draft past max_new_tokens or the context window
         trees = [tr.clip_depth(min(state.samplings[i].max_new_tokens - state.produced[i] - 1,
                                    self.target.max_context - len(state.tokens[i])))

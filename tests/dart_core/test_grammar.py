@@ -17,6 +17,7 @@ from scipy import stats
 
 from dart_core.api import DartModel
 from dart_core.batcher import BatcherConfig, ContinuousBatcher
+from dart_core.budget import AdaptiveBudget, VerifyCostCurve
 from dart_core.grammar import GrammarCompiler, GrammarError, GrammarSpec
 from dart_core.request import GenerationRequest, InvalidRequest
 from dart_core.sampling import SamplingParams, target_probs
@@ -69,6 +70,33 @@ def test_grammar_aware_drafting_raises_tau_and_keeps_output(model, compiler, mon
     without = model.engine.generate(prompts, _params(model, g))
     assert with_drafting.token_ids == without.token_ids
     assert with_drafting.tau > without.tau + 1.0, (with_drafting.tau, without.tau)
+
+
+def test_forced_tokens_are_priced_by_the_adaptive_budget(model, compiler, monkeypatch):
+    """Grammar-aware drafting runs before the adaptive budget chooses: under a cost curve where a
+    second draft node never pays, a tree step verifies one draft node per sequence at most, forced
+    keys included (they used to be added after the choice, unpriced), and the output is unchanged;
+    under a flat curve the forced chains are kept and τ is higher."""
+    g = compiler.compile(GrammarSpec.json_schema(SCHEMA))
+    prompts = [model.encode(p) for p in ("Give me JSON:", "{")]
+    sp = _params(model, g)
+    want = model.engine.generate(prompts, sp, speculative=False).token_ids
+
+    def run(curve):
+        monkeypatch.setattr(model.engine, "budget", AdaptiveBudget(curve))
+        steps = list(model.engine.generate_stream(prompts, [sp] * len(prompts)))
+        out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+        for step in steps:
+            for sid, toks in zip(step.seq_ids, step.new_tokens):
+                out[sid] += toks
+        assert [out[i] for i in range(len(prompts))] == want
+        trees = [s for s in steps if s.speculated and not s.lookup]
+        return trees, sum(map(len, out.values())) / max(sum(len(s.seq_ids) for s in steps[1:]), 1)
+
+    steep, steep_tau = run(VerifyCostCurve((1, 2, 3), (10.0, 1000.0, 2000.0)))
+    assert steep and max(max(s.draft_nodes) for s in steep) == 1
+    flat, flat_tau = run(VerifyCostCurve((1, 64), (10.0, 10.0)))
+    assert max(max(s.draft_nodes) for s in flat) > 1 and flat_tau > steep_tau
 
 
 def test_unconstrained_rows_of_the_same_batch_are_unchanged(model, compiler):
