@@ -30,13 +30,14 @@ deployment feeds Ray's Prometheus metrics from it).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator, Callable, Iterator
+from typing import AsyncIterator, Callable, Iterator, TypeVar
 
 from dart_core.detokenizer import IncrementalDetokenizer
 from dart_core.engine import DartEngine, NewSequence, StepOutput, TokenLogprobs
@@ -46,7 +47,7 @@ from dart_core.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BatcherConfig", "BatcherObserver", "ContinuousBatcher", "RequestHandle", "encode_prompt"]
+__all__ = ["BatcherConfig", "BatcherObserver", "ContinuousBatcher", "RequestHandle", "encode_prompt", "load_in_own_thread"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,31 @@ class BatcherObserver:
 
     def on_finish(self, chunk: GenerationChunk) -> None:
         """A request ended (its last chunk; not called for cancelled ones)."""
+
+
+_T = TypeVar("_T")
+
+
+def load_in_own_thread(build: Callable[[], _T]) -> _T:
+    """``build()`` run on a short-lived thread of its own: its result returned, its exception raised.
+
+    Load the model that a :class:`ContinuousBatcher` will serve this way (the Serve deployment and
+    ``python -m dart_core.bench.batching`` do). PyTorch's CPU kernels run on OpenMP, and GNU OpenMP
+    keeps a pool of worker threads for every thread that has run a parallel kernel, for as long as
+    that thread lives. A model loaded on a thread that stays (a Serve replica's, a script's main
+    thread) leaves such a pool behind, the batcher's engine thread starts a second one, and once
+    the process holds more OpenMP threads than CPUs, GNU OpenMP stops spinning between parallel
+    regions: every parallel kernel of every step then waits for sleeping workers to wake, and a
+    small model's served steps run far slower than the same steps on the loading thread
+    (BENCHMARKS.md, "Continuous batching without Ray"). A thread that ends frees
+    its pool, so the engine thread's pool is the only one. Nothing else changes: on CUDA, or with
+    another OpenMP runtime, this is just a function call on another thread.
+
+    Raises:
+        whatever ``build`` raises.
+    """
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dart-load") as pool:
+        return pool.submit(build).result()  # leaving the block joins the thread, which ends
 
 
 def encode_prompt(tokenizer, request: GenerationRequest) -> list[int]:

@@ -114,15 +114,17 @@ class DartEngineDeployment:
         import torch
 
         from dart_core.api import DartModel
-        from dart_core.batcher import BatcherConfig, ContinuousBatcher
+        from dart_core.batcher import BatcherConfig, ContinuousBatcher, load_in_own_thread
         from dart_core.tokenizer import tokenizer_identity
 
         self.cfg = cfg = AppConfig.model_validate(config)
         self._ngram = ngram if cfg.ngram.enabled else None
         dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
         # with the service the trie lives on the n-gram node; without it the search is logits-only
-        self.model = DartModel.from_pretrained(cfg.model, head=cfg.head, trie=None, dtype=dtype, weights=cfg.weights,
-                                               speculative_config=cfg.speculative_config())
+        # loaded on a thread that ends, so that the batcher's engine thread owns the only OpenMP pool
+        self.model = load_in_own_thread(lambda: DartModel.from_pretrained(
+            cfg.model, head=cfg.head, trie=None, dtype=dtype, weights=cfg.weights,
+            speculative_config=cfg.speculative_config()))
         self.tree_search = None
         if self._ngram is not None:
             self.tree_search = grpc_tree_search(cfg.ngram, self._resolve_ngram,

@@ -154,7 +154,7 @@ def run_batching(cfg: BatchingConfig, *, progress: bool = True) -> dict:
     from tqdm import tqdm
 
     from dart_core.api import DartModel
-    from dart_core.batcher import BatcherConfig, ContinuousBatcher
+    from dart_core.batcher import BatcherConfig, ContinuousBatcher, load_in_own_thread
     from dart_core.bench.datasets import load_prompts
     from dart_core.bench.decoding import hardware
     from dart_core.request import GenerationRequest
@@ -172,9 +172,10 @@ def run_batching(cfg: BatchingConfig, *, progress: bool = True) -> dict:
         from ngram_service.build import ensure_default_trie
 
         trie = str(ensure_default_trie(cfg.model, progress=progress))
-    model = DartModel.from_pretrained(cfg.model, head=cfg.head, trie=trie, budget=budget,
-                                      dtype=getattr(torch, cfg.dtype) if cfg.dtype else None, weights=cfg.weights,
-                                      device=cfg.device, cuda_graphs=cfg.cuda_graphs)
+    # as the Serve deployment loads it: on a thread that ends (load_in_own_thread says why)
+    model = load_in_own_thread(lambda: DartModel.from_pretrained(
+        cfg.model, head=cfg.head, trie=trie, budget=budget, dtype=getattr(torch, cfg.dtype) if cfg.dtype else None,
+        weights=cfg.weights, device=cfg.device, cuda_graphs=cfg.cuda_graphs))
     if not cfg.gate:
         model.engine.gate = None
     model.engine.pooled_budget = cfg.pooled_budget

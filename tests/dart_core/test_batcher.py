@@ -7,6 +7,7 @@ before queueing, and logprobs are the target's."""
 from __future__ import annotations
 
 import threading
+import time
 import types
 
 import pytest
@@ -339,3 +340,41 @@ def test_vllm_sampling_extensions(model):
                         ({"ignore_eos": "yes"}, "ignore_eos")):
         with pytest.raises(InvalidRequest, match=needle):
             GenerationRequest(prompt="x", **bad)
+
+
+def _os_threads(settle_to: int | None = None) -> int:
+    """The process's OS threads; with ``settle_to``, after waiting (up to 5 s) for exiting threads
+    to reach that count (an ended thread's OpenMP workers exit a moment after it)."""
+    import os
+
+    deadline = time.monotonic() + 5
+    while settle_to is not None and len(os.listdir("/proc/self/task")) != settle_to and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2 or not __import__("os").path.isdir("/proc/self/task"),
+                    reason="needs 2 intra-op threads and Linux's /proc to count OpenMP workers")
+def test_a_model_loaded_in_its_own_thread_leaves_no_openmp_pool_behind():
+    """What the Serve deployment loads its model with: the loading thread's OpenMP worker pool ends
+    with it (a pool left on a thread that stays would make the engine thread's the second one; see
+    load_in_own_thread), while a thread that stays keeps its workers; results and errors come back."""
+    from dart_core.batcher import load_in_own_thread
+
+    def parallel_work():
+        return float(torch.ones(1 << 22).exp().sum())  # large enough to run on every intra-op thread
+
+    before = _os_threads()
+    assert load_in_own_thread(parallel_work) == pytest.approx(float(1 << 22) * 2.718281828, rel=1e-4)
+    assert _os_threads(settle_to=before) == before
+    with pytest.raises(ZeroDivisionError):
+        load_in_own_thread(lambda: 1 / 0)
+    stop = threading.Event()
+    stays = threading.Thread(target=lambda: (parallel_work(), stop.wait()))
+    stays.start()
+    try:
+        time.sleep(0.5)
+        assert _os_threads() >= before + 2  # the thread and at least one OpenMP worker of its own
+    finally:
+        stop.set()
+        stays.join()
