@@ -1,7 +1,7 @@
 """BENCHMARKS.md's sections that come from one-off measurements, rendered from their result files:
 ``python -m dart_core.bench.sections`` (``--check`` exits 1 where the page is not what the files give).
 
-Three sections of the page hold results that are not re-measured by the report itself:
+Four sections of the page hold results that are not re-measured by the report itself:
 
 - "Continuous batching without Ray": ``bench/results/batching_cpu/batching.json``
   (:mod:`dart_core.bench.batching`);
@@ -9,7 +9,9 @@ Three sections of the page hold results that are not re-measured by the report i
   (``python -m ngram_service.convert_bench``);
 - "The trie at a billion tokens": ``bench/results/billion_trie.json`` (the build's summary,
   ``python -m ngram_service.bench`` and ``python -m ngram_service.load_bench`` on that trie and on
-  the default one, and τ with each).
+  the default one, and τ with each);
+- "Serving threads": ``bench/results/serving_threads/*.json`` (:mod:`dart_core.bench.serving`
+  against ``serve run deployments/dart.yaml`` with the engine's thread settings varied).
 
 Each is written between its own markers; the page's text around them (what the figures mean)
 cites the tables and copies none of their numbers. Derived rows (per-core capacity, the
@@ -25,8 +27,8 @@ import statistics
 import sys
 from pathlib import Path
 
-__all__ = ["render_batching", "render_reference_import", "render_billion_trie", "SECTIONS", "write_sections",
-           "main"]
+__all__ = ["render_batching", "render_reference_import", "render_billion_trie", "render_serving_threads", "SECTIONS",
+           "write_sections", "main"]
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
@@ -215,9 +217,42 @@ def render_billion_trie(results: Path = RESULTS) -> str:
     return "\n".join(lines)
 
 
+#: how a serving-threads run loaded its model, by file-name prefix
+_LOADERS = {"loader-stays": "on the replica's thread (two OpenMP pools)",
+            "own-thread": "on a thread that ends (`load_in_own_thread`)"}
+
+
+def render_serving_threads(results: Path = RESULTS) -> str:
+    """``serve run`` with the engine on 1 or 2 PyTorch threads, its model loaded on a thread that
+    stays or one that ends: one row per run and level, from ``serving_threads/<loader>-omp<N>-<run>.json``
+    (:mod:`dart_core.bench.serving` results; the file name says the loader and ``OMP_NUM_THREADS``).
+
+    Raises:
+        FileNotFoundError: no such files; ValueError: a file name of another form.
+    """
+    files = sorted((results / "serving_threads").glob("*.json"))
+    if not files:
+        raise FileNotFoundError(f"no serving results in {results / 'serving_threads'}")
+    table = []
+    for f in files:
+        loader = next((k for k in _LOADERS if f.stem.startswith(k + "-omp")), None)
+        threads, _, run = f.stem[len(loader) + 4:].partition("-") if loader else ("", "", "")
+        if loader is None or not threads.isdigit() or not run:
+            raise ValueError(f"{f.name}: expected <{'|'.join(_LOADERS)}>-omp<N>-<run>.json")
+        rows = json.loads(f.read_text())["rows"]
+        for c in {r["concurrency"] for r in rows}:
+            tps = {r["mode"]: r["tokens_per_s"] for r in rows if r["concurrency"] == c}
+            table.append(((list(_LOADERS).index(loader), int(threads), c, run),
+                          f"| {_LOADERS[loader]} | {threads} | {c} | {run} | {tps['dart']:.1f} | "
+                          f"{tps['no-speculation']:.1f} | {tps['dart'] / tps['no-speculation']:.2f}× |"))
+    return "\n".join(["| model loaded | engine threads | clients | run | DART tokens/s | no speculation tokens/s "
+                      "| DART ÷ no speculation |", "|---|---:|---:|---|---:|---:|---:|"]
+                     + [line for _, line in sorted(table)])
+
+
 #: (marker name, renderer) of every section this module writes
 SECTIONS = (("batching-cpu", render_batching), ("reference-import", render_reference_import),
-            ("billion-trie", render_billion_trie))
+            ("billion-trie", render_billion_trie), ("serving-threads", render_serving_threads))
 
 
 def _block(name: str, body: str) -> str:

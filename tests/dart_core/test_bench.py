@@ -587,3 +587,22 @@ def test_guidellm_report_keeps_the_figures_that_matter(tmp_path):
     assert "| 4 | 8 | 0 | 1 | 10.0 |" in page.read_text()
     (tmp_path / "bad.json").write_text("{}")
     assert guidellm_report.main([str(tmp_path / "bad.json"), "--out", str(tmp_path / "o")]) == 2
+
+
+def test_the_serving_threads_table_reads_loader_threads_and_run_from_file_names(tmp_path):
+    import json
+
+    from dart_core.bench.sections import render_serving_threads
+
+    folder = tmp_path / "serving_threads"
+    folder.mkdir()
+    rows = [{"concurrency": 4, "mode": "dart", "tokens_per_s": 90.0},
+            {"concurrency": 4, "mode": "no-speculation", "tokens_per_s": 60.0}]
+    (folder / "own-thread-omp2-r1.json").write_text(json.dumps({"rows": rows}))
+    table = render_serving_threads(tmp_path)
+    assert "| on a thread that ends (`load_in_own_thread`) | 2 | 4 | r1 | 90.0 | 60.0 | 1.50× |" in table
+    (folder / "omp2.json").write_text(json.dumps({"rows": rows}))
+    with pytest.raises(ValueError, match="omp2.json"):
+        render_serving_threads(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        render_serving_threads(tmp_path / "nowhere")
