@@ -107,6 +107,11 @@ def int4_parts(raw: np.ndarray, type_name: str, shape: tuple[int, int]
     return [(codes, d, _f16(blocks, 2) + 8 * d)]
 
 
+#: output rows that PyTorch's CPU int4 packing interleaves as one block: 64 with AVX512, 32 with AVX2
+#: (``_convert_weight_to_int4pack_for_cpu``); fused layers' parts must end on the larger
+PACK_BLOCK_ROWS = 64
+
+
 class Int4Linear(torch.nn.Module):
     """A bias-free linear layer whose weight is one or more 4-bit parts in PyTorch's CPU int4
     layout, applied by ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (group size 32).
@@ -159,10 +164,12 @@ class Int4Linear(torch.nn.Module):
     @staticmethod
     def can_fuse(layers: list[torch.nn.Module]) -> bool:
         """Whether :meth:`fuse` accepts ``layers``: Int4Linear layers of one input size, compute dtype
-        and part count."""
+        and part count, each but the last with a multiple of ``PACK_BLOCK_ROWS`` output rows (the
+        packing interleaves rows in blocks, so a part must end where a block does)."""
         first = layers[0]
         return all(type(x) is Int4Linear and x.in_features == first.in_features and x.n_parts == first.n_parts
-                   and x.compute_dtype == first.compute_dtype for x in layers)
+                   and x.compute_dtype == first.compute_dtype for x in layers) \
+            and all(x.out_features % PACK_BLOCK_ROWS == 0 for x in layers[:-1])
 
     @classmethod
     def fuse(cls, layers: list["Int4Linear"]) -> "Int4Linear":
@@ -172,21 +179,28 @@ class Int4Linear(torch.nn.Module):
         given layers' packed weights become views of the fused one, so the weights are held once.
 
         Raises:
-            ValueError: layers :meth:`can_fuse` refuses."""
+            ValueError: layers :meth:`can_fuse` refuses, or a fused weight that does not reproduce
+                its parts on a probe input (a packing this code does not know)."""
         if not layers or not cls.can_fuse(layers):
-            raise ValueError("fuse needs Int4Linear layers of one in_features, part count and compute dtype")
+            raise ValueError("fuse needs Int4Linear layers of one in_features, part count and compute dtype, "
+                             f"each but the last with a multiple of {PACK_BLOCK_ROWS} output rows")
         first = layers[0]
+        probe = torch.linspace(-1.0, 1.0, first.in_features)[None]
+        expected = torch.cat([x(probe) for x in layers], dim=-1)
         fused = cls.__new__(cls)
         torch.nn.Module.__init__(fused)
         fused.gguf_type = "+".join(sorted({str(x.gguf_type) for x in layers}))
         fused.out_features, fused.in_features = sum(x.out_features for x in layers), first.in_features
         fused.compute_dtype, fused.n_parts = first.compute_dtype, first.n_parts
         for i in range(first.n_parts):
-            packed = torch.cat([getattr(x, f"packed_{i}") for x in layers])
-            fused.register_buffer(f"packed_{i}", packed, persistent=False)
+            fused.register_buffer(f"packed_{i}", torch.cat([getattr(x, f"packed_{i}") for x in layers]),
+                                  persistent=False)
             fused.register_buffer(f"scales_zeros_{i}", torch.cat([getattr(x, f"scales_zeros_{i}") for x in layers], 1),
                                   persistent=False)
-            start = 0
+        if not torch.equal(fused(probe), expected):
+            raise ValueError("the fused 4-bit weight does not reproduce its parts (an unknown int4 packing)")
+        for i in range(first.n_parts):
+            packed, start = getattr(fused, f"packed_{i}"), 0
             for x in layers:
                 setattr(x, f"packed_{i}", packed[start:start + x.out_features])
                 start += x.out_features

@@ -76,7 +76,7 @@ def test_the_decoder_equals_the_stock_forward_on_the_4bit_target(tmp_path):
 
 def test_fused_4bit_layers_equal_their_parts_and_share_their_weights(tmp_path):
     pytest.importorskip("gguf")
-    from dart_core.quant import Int4Linear, can_int4, quantize_from_gguf
+    from dart_core.quant import PACK_BLOCK_ROWS, Int4Linear, can_int4, quantize_from_gguf
 
     if not can_int4():
         pytest.skip("this PyTorch has no CPU int4 kernel")
@@ -85,7 +85,11 @@ def test_fused_4bit_layers_equal_their_parts_and_share_their_weights(tmp_path):
     model = tiny_gguf_model(tmp_path / "tiny.gguf", seed=1)
     quantize_from_gguf(model, tmp_path / "tiny.gguf")
     attn = model.model.layers[0].self_attn
-    parts = [attn.q_proj, attn.k_proj, attn.v_proj]
+    assert attn.k_proj.out_features % PACK_BLOCK_ROWS  # k and v (32 rows each) cannot both go first:
+    assert not Int4Linear.can_fuse([attn.k_proj, attn.v_proj])  # AVX512 packs 64 rows per block
+    with pytest.raises(ValueError, match="multiple of 64"):
+        Int4Linear.fuse([attn.k_proj, attn.v_proj])
+    parts = [attn.q_proj, attn.k_proj]  # 64 rows, then 32 (the last part may end inside a block)
     x = torch.randn(5, attn.q_proj.in_features)
     before = [p(x) for p in parts]
     fused = Int4Linear.fuse(parts)
