@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -233,12 +234,13 @@ def render_serving_threads(results: Path = RESULTS) -> str:
     files = sorted((results / "serving_threads").glob("*.json"))
     if not files:
         raise FileNotFoundError(f"no serving results in {results / 'serving_threads'}")
+    name = re.compile(rf"({'|'.join(map(re.escape, _LOADERS))})-omp(\d+)-(.+)")
     table = []
     for f in files:
-        loader = next((k for k in _LOADERS if f.stem.startswith(k + "-omp")), None)
-        threads, _, run = f.stem[len(loader) + 4:].partition("-") if loader else ("", "", "")
-        if loader is None or not threads.isdigit() or not run:
+        match = name.fullmatch(f.stem)
+        if match is None:
             raise ValueError(f"{f.name}: expected <{'|'.join(_LOADERS)}>-omp<N>-<run>.json")
+        loader, threads, run = match.groups()
         rows = json.loads(f.read_text())["rows"]
         for c in {r["concurrency"] for r in rows}:
             tps = {r["mode"]: r["tokens_per_s"] for r in rows if r["concurrency"] == c}
