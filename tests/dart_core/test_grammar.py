@@ -48,6 +48,15 @@ def _text(model, ids) -> str:
     return model.tokenizer.decode([t for t in ids if t != model.tokenizer.eos_token_id])
 
 
+def _streamed(steps, n: int) -> list[list[int]]:
+    """Each of ``n`` sequences' tokens, gathered from ``generate_stream``'s steps."""
+    out: list[list[int]] = [[] for _ in range(n)]
+    for step in steps:
+        for sid, toks in zip(step.seq_ids, step.new_tokens):
+            out[sid] += toks
+    return out
+
+
 def test_constrained_dart_equals_constrained_autoregressive_and_validates(model, compiler):
     grammar = compiler.compile(GrammarSpec.json_schema(SCHEMA))
     prompts = [model.encode(p) for p in ("Give me JSON:", "name ok n tags", "{")]
@@ -85,13 +94,10 @@ def test_forced_tokens_are_priced_by_the_adaptive_budget(model, compiler, monkey
     def run(curve):
         monkeypatch.setattr(model.engine, "budget", AdaptiveBudget(curve))
         steps = list(model.engine.generate_stream(prompts, [sp] * len(prompts)))
-        out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-        for step in steps:
-            for sid, toks in zip(step.seq_ids, step.new_tokens):
-                out[sid] += toks
-        assert [out[i] for i in range(len(prompts))] == want
+        out = _streamed(steps, len(prompts))
+        assert out == want
         trees = [s for s in steps if s.speculated and not s.lookup]
-        return trees, sum(map(len, out.values())) / max(sum(len(s.seq_ids) for s in steps[1:]), 1)
+        return trees, sum(map(len, out)) / max(sum(len(s.seq_ids) for s in steps[1:]), 1)
 
     steep, steep_tau = run(VerifyCostCurve((1, 2, 3), (10.0, 1000.0, 2000.0)))
     assert steep and max(max(s.draft_nodes) for s in steep) == 1
@@ -105,11 +111,7 @@ def test_unconstrained_rows_of_the_same_batch_are_unchanged(model, compiler):
     alone = model.engine.generate(free, _params(model, max_new_tokens=24)).token_ids
     mixed_prompts = [free[0], model.encode("code:"), free[1]]
     sps = [_params(model, max_new_tokens=24), _params(model, g), _params(model, max_new_tokens=24)]
-    mixed = model.engine.generate_stream(mixed_prompts, sps)
-    out: dict[int, list[int]] = {0: [], 1: [], 2: []}
-    for step in mixed:
-        for sid, toks in zip(step.seq_ids, step.new_tokens):
-            out[sid] += toks
+    out = _streamed(model.engine.generate_stream(mixed_prompts, sps), len(mixed_prompts))
     assert [out[0], out[2]] == alone
     import re
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", _text(model, out[1]))
