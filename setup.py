@@ -1,4 +1,5 @@
-"""Builds the C++ extension ngram_service._native at install time (pybind11)."""
+"""Builds the C++ extensions ngram_service._native (the n-gram trie and tree search) and dart_core._kernels
+(row-exact CPU attention) at install time (pybind11)."""
 
 import subprocess
 import sys
@@ -66,4 +67,14 @@ native = Pybind11Extension(
     extra_link_args=["-pthread"],
 )
 
-setup(ext_modules=[native], cmdclass={"build_ext": build_ext, "build_py": BuildPyWithStubs})
+kernels = Pybind11Extension(
+    "dart_core._kernels",
+    sources=["dart_core/csrc/attention.cpp"],
+    cxx_std=17,
+    # Exact IEEE arithmetic (row-exact attention: the same bits for a row however it is batched).
+    # OpenMP: libgomp.so.1, the runtime PyTorch's CPU wheels load, so the extension joins their pool.
+    extra_compile_args=["-O3", "-ffp-contract=off", "-fopenmp"],
+    extra_link_args=["-fopenmp"],
+)
+
+setup(ext_modules=[native, kernels], cmdclass={"build_ext": build_ext, "build_py": BuildPyWithStubs})

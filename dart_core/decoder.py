@@ -10,7 +10,6 @@ and the rest is Python (module calls, keyword plumbing, output collection) and s
   layers become views of the fused weight, so nothing is stored twice);
 - the rotary tables are computed once for all positions, the way transformers computes them
   per forward (each entry one product, so the values are the same);
-- the additive mask is converted once per forward for the row-exact attention, not per layer;
 - taps, logits and the KV cache are what :meth:`TargetModel.model_forward
   <dart_core.target.TargetModel.model_forward>` returns and writes through transformers.
 
@@ -25,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from dart_core.quant import Int4Linear
-from dart_core.target import _ROW_EXACT_QUERY, _grouped_sdpa
+from dart_core.target import _grouped_sdpa
 
 __all__ = ["LlamaDecoder", "decoder_unsupported"]
 
@@ -117,7 +116,6 @@ class LlamaDecoder:
         rotary = model.model.rotary_emb
         self.inv_freq, self.rope_scale = rotary.inv_freq.float(), float(rotary.attention_scaling)
         self._cos = self._sin = torch.zeros(0, self.head_dim)
-        self.row_exact = bool(getattr(self.layers[0].attn, "dart_row_exact", False))
 
     def _rope(self, position_ids: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, Q, 1, D] float32 for the positions (all below ``bound``, a host-side bound so no
@@ -149,8 +147,6 @@ class LlamaDecoder:
         # a position is at most the cache's padded length plus the query's depth
         cos, sin = self._rope(position_ids, cache.get_seq_length() + q)
         mask = attention_mask
-        if self.row_exact and q <= _ROW_EXACT_QUERY:
-            mask = attention_mask.to(torch.float64)  # what the row-exact attention adds, converted once
         n_qk = (self.heads + self.kv_heads) * self.head_dim
         inputs = {}  # layer index -> that layer's input (the taps)
         for i, layer in enumerate(self.layers):

@@ -134,14 +134,15 @@ _ROW_EXACT_QUERY = 256  # row-exact attention up to this many query tokens per c
 
 def _row_exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
-    """softmax(q·kᵀ + mask)·v accumulated in float64 and rounded once to the query's dtype, so a query
-    row's result does not depend on how many other rows share the call: the matrix kernels' blocking
-    changes with the row count, but their float64 differences are about 2⁻²⁹ of a float32 unit and
-    practically never change the rounded value.  Used where the target's other layers are
-    row-exact too (:class:`~dart_core.quant.Int4Linear`), which round activations to bfloat16:
-    there a float32 attention's last-bit differences between a one-token step and a tree
-    verification grow into different tokens.  Shapes as :func:`_matmul_attention`."""
-    return _matmul_attention(query, key, value, attention_mask, scaling, torch.float64)
+    """softmax(q·kᵀ + mask)·v with each query row computed on its own by one fixed arithmetic
+    (:func:`dart_core.kernels.row_exact_attention`, a C++ kernel), so a row's result does not depend
+    on how many other rows share the call or where its keys sit in the cache.  Used where the
+    target's other layers are row-exact too (:class:`~dart_core.quant.Int4Linear`), which round
+    activations to bfloat16: there a batched attention's last-bit differences between a one-token
+    step and a tree verification grow into different tokens.  Shapes as :func:`_matmul_attention`."""
+    from dart_core.kernels import row_exact_attention
+
+    return row_exact_attention(query, key, value, attention_mask, scaling)
 
 
 def _matmul_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

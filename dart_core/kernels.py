@@ -1,0 +1,89 @@
+"""Row-exact tree attention on the CPU: the C++ kernel behind the 4-bit target's attention.
+
+A target whose linear layers are row-exact (:class:`~dart_core.quant.Int4Linear`: a row's result
+does not depend on the other rows of the call) verifies a draft tree exactly as one-token steps
+would compute it, provided its attention is row-exact too.  PyTorch's attention kernels are not:
+their blocking, and the order in which they sum over keys, change with the number of query rows
+and with the key length, and the last-bit differences grow into different tokens.
+
+:func:`row_exact_attention` computes ``softmax(scale · q·kᵀ + mask)·v`` (paper §3, tree
+attention in verification) row by row with one fixed arithmetic:
+
+- a query row visits its keys in cache order and skips the masked ones (additive mask entries at
+  or below float32's lowest value, ``-inf`` included) without touching them;
+- the softmax's maximum, its sum and the value accumulation run key after key in that order, in
+  float32; each q·k product sums the head dimension in 16 fixed lanes;
+- rows are independent (spread over PyTorch's OpenMP threads when the call is large enough).
+
+So a row's result depends only on its query and the sequence of keys and values it attends to: a
+tree node attends to its prefix and then its ancestors, in order, which is exactly what the
+one-token step that would have produced it attends to, and the two agree bit for bit, however
+many rows, sequences or padding entries share the call.  The arithmetic is plain IEEE float32
+(no fused multiply-add, no fast-math), so the bits are the same on every x86-64 build.
+
+The kernel is built with the package (``dart_core/csrc/attention.cpp``, pybind11).
+"""
+
+from __future__ import annotations
+
+import torch  # first: the extension's OpenMP runtime is then the one PyTorch already loaded
+
+from dart_core import _kernels
+
+__all__ = ["row_exact_attention", "PARALLEL_WORK"]
+
+#: calls with at least this many multiply-adds per q·k pass (rows · keys · head size) use every
+#: OpenMP thread; smaller ones (a one-token step over a short prefix) run on the calling thread
+PARALLEL_WORK = 1 << 17
+
+
+def row_exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, scaling: float | None = None) -> torch.Tensor:
+    """softmax(scale · q·kᵀ + mask)·v, each query row computed on its own (module docstring).
+
+    Args:
+        query: [B, H, Q, D] on the CPU, any float dtype (computed in float32), any strides.
+        key, value: [B, H_kv, T, D], H a multiple of H_kv (query head h reads key/value head
+            h // (H / H_kv), as grouped-query attention does); any strides.
+        attention_mask: [B, 1, Q, ≥ T] additive float (0 to attend; float32's lowest or -inf to
+            mask; other values are added to the scores) or boolean (True = attend), or None.
+        scaling: the factor on q·k; None: D ** -0.5.
+
+    Returns:
+        [B, Q, H, D] in the query's dtype (contiguous). A row that attends to no key is zero.
+
+    Raises:
+        ValueError: tensors off the CPU, or shapes that do not match.
+    """
+    if query.device.type != "cpu" or key.device.type != "cpu" or value.device.type != "cpu":
+        raise ValueError("row_exact_attention runs on the CPU only")
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError(f"row_exact_attention: query, key and value must be 4-dimensional, not "
+                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    b, h, q, d = query.shape
+    scale = d ** -0.5 if scaling is None else float(scaling)
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            attention_mask = torch.zeros(attention_mask.shape, dtype=torch.float32).masked_fill_(
+                ~attention_mask, float("-inf"))
+        elif attention_mask.dtype != torch.float32:
+            attention_mask = attention_mask.float()  # float64's lowest becomes -inf: still masked out
+        attention_mask = _inner_contiguous(attention_mask).numpy()
+    out = torch.empty(b, q, h, d, dtype=torch.float32)
+    try:
+        _kernels.row_exact_attention(_as_f32(query), _as_f32(key), _as_f32(value), attention_mask, scale,
+                                     out.numpy(), PARALLEL_WORK)
+    except ValueError as e:  # pybind11 maps std::invalid_argument to ValueError
+        raise ValueError(f"row_exact_attention: {e}") from None
+    return out if query.dtype == torch.float32 else out.to(query.dtype)
+
+
+def _inner_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
+
+
+def _as_f32(x: torch.Tensor):
+    """A float32 numpy view of ``x`` (a copy only for another dtype or a strided last dimension)."""
+    if x.dtype != torch.float32:
+        x = x.float()
+    return _inner_contiguous(x).detach().numpy()

@@ -1,0 +1,85 @@
+"""The row-exact attention kernel (dart_core.kernels): values, row independence, errors."""
+
+import pytest
+import torch
+
+from dart_core import kernels
+from dart_core.kernels import row_exact_attention
+from dart_core.target import _matmul_attention
+
+MIN = torch.finfo(torch.float32).min
+
+
+def _inputs(b=2, h=6, h_kv=2, q=5, t=40, d=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, h, q, d, generator=g), torch.randn(b, h_kv, t, d, generator=g),
+            torch.randn(b, h_kv, t, d, generator=g))
+
+
+def test_values_match_attention_computed_in_float64():
+    query, key, value = _inputs()
+    mask = torch.zeros(2, 1, 5, 43)  # longer than the keys: only the first T columns are read
+    mask[0, :, :, 30:] = MIN
+    mask[1, :, 2, 5:9] = float("-inf")
+    mask[1, :, 3, :7] = -2.5  # an additive bias other than 0 is added, not treated as masked
+    expected = _matmul_attention(query, key, value, mask.double(), 0.3, torch.float64)
+    got = row_exact_attention(query, key, value, mask, 0.3)
+    assert got.shape == (2, 5, 6, 24) and got.dtype == torch.float32 and got.is_contiguous()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    boolean = row_exact_attention(query, key, value, mask[..., :40] > -1e30, 0.3)
+    torch.testing.assert_close(boolean, row_exact_attention(query, key, value, torch.where(
+        mask[..., :40] > -1e30, 0.0, MIN), 0.3), rtol=0, atol=0)
+    default_scale = row_exact_attention(query, key, value, None)
+    torch.testing.assert_close(default_scale, _matmul_attention(query, key, value, None, 24 ** -0.5, torch.float64),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_a_row_equals_itself_computed_alone_over_its_attended_keys():
+    """The property verification needs: a query row's bits depend only on its query and the keys and
+    values it attends to, in order, not on the other rows, the padding or where the keys sit."""
+    query, key, value = _inputs(b=3, q=7, t=60)
+    g = torch.Generator().manual_seed(1)
+    allowed = torch.rand(3, 1, 7, 60, generator=g) < 0.4
+    allowed[..., 0] = True
+    mask = torch.where(allowed, 0.0, MIN)
+    batched = row_exact_attention(query, key, value, mask, 0.125)
+    for b in range(3):
+        for i in range(7):
+            keep = allowed[b, 0, i].nonzero().flatten()
+            alone = row_exact_attention(query[b:b + 1, :, i:i + 1], key[b:b + 1, :, keep], value[b:b + 1, :, keep],
+                                        None, 0.125)
+            assert torch.equal(alone[0, 0], batched[b, i]), (b, i)
+    # strided views (a transposed query, a cache slice) give the same bits as contiguous copies
+    wide = torch.randn(3, 2, 80, 24)
+    wide[:, :, :60] = key
+    view = row_exact_attention(query.transpose(1, 2).contiguous().transpose(1, 2), wide[:, :, :60], value, mask, 0.125)
+    assert torch.equal(view, batched)
+
+
+def test_threads_do_not_change_the_bits(monkeypatch):
+    query, key, value = _inputs(b=4, q=9, t=100)
+    mask = torch.zeros(4, 1, 9, 100)
+    monkeypatch.setattr(kernels, "PARALLEL_WORK", 1 << 62)
+    alone = row_exact_attention(query, key, value, mask, 0.2)
+    monkeypatch.setattr(kernels, "PARALLEL_WORK", 0)
+    assert torch.equal(row_exact_attention(query, key, value, mask, 0.2), alone)
+
+
+def test_masked_rows_other_dtypes_and_bad_inputs():
+    query, key, value = _inputs(b=1, q=2, t=8)
+    mask = torch.zeros(1, 1, 2, 8)
+    mask[0, 0, 1] = MIN  # a row that attends to nothing gets zeros, not NaN
+    out = row_exact_attention(query, key, value, mask, 0.5)
+    assert torch.equal(out[0, 1], torch.zeros(6, 24)) and out[0, 0].abs().sum() > 0
+    half = row_exact_attention(query.bfloat16(), key, value, mask.double(), 0.5)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), row_exact_attention(query.bfloat16().float(), key, value, mask, 0.5)
+                               .bfloat16().float(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="do not match"):
+        row_exact_attention(query, key[:, :, :, :16], value, None)
+    with pytest.raises(ValueError, match="do not match"):
+        row_exact_attention(_inputs(h=5)[0], key, value, None)
+    with pytest.raises(ValueError, match=r"mask must be \[B, 1, Q, >=T\]"):
+        row_exact_attention(query, key, value, mask[..., :4])
+    with pytest.raises(ValueError, match="4-dimensional"):
+        row_exact_attention(query[0], key, value, None)
