@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 
 from dart_core.quant import Int4Linear
-from dart_core.target import _grouped_sdpa
+from dart_core import kernels
+from dart_core.target import _ROW_EXACT_QUERY, _grouped_sdpa
 
 __all__ = ["LlamaDecoder", "decoder_unsupported"]
 
@@ -116,6 +117,7 @@ class LlamaDecoder:
         rotary = model.model.rotary_emb
         self.inv_freq, self.rope_scale = rotary.inv_freq.float(), float(rotary.attention_scaling)
         self._cos = self._sin = torch.zeros(0, self.head_dim)
+        self.row_exact = bool(getattr(self.layers[0].attn, "dart_row_exact", False))
 
     def _rope(self, position_ids: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, Q, 1, D] float32 for the positions (all below ``bound``, a host-side bound so no
@@ -146,7 +148,8 @@ class LlamaDecoder:
         x = self.embed(input_ids)
         # a position is at most the cache's padded length plus the query's depth
         cos, sin = self._rope(position_ids, cache.get_seq_length() + q)
-        mask = attention_mask
+        # the row-exact attention's kernel directly (as _grouped_sdpa would call it), its mask made once
+        exact_mask = kernels.additive_mask(attention_mask) if self.row_exact and q <= _ROW_EXACT_QUERY else False
         n_qk = (self.heads + self.kv_heads) * self.head_dim
         inputs = {}  # layer index -> that layer's input (the taps)
         for i, layer in enumerate(self.layers):
@@ -164,7 +167,10 @@ class LlamaDecoder:
             query, key = qk[:, :, :self.heads].transpose(1, 2), qk[:, :, self.heads:].transpose(1, 2)
             value = value.view(b, q, self.kv_heads, self.head_dim).transpose(1, 2)
             key, value = cache.update(key, value, i)
-            out, _ = _grouped_sdpa(layer.attn, query, key, value, mask, scaling=layer.attn.scaling)
+            if exact_mask is not False:
+                out = kernels.attend(query, key, value, exact_mask, layer.attn.scaling)
+            else:
+                out, _ = _grouped_sdpa(layer.attn, query, key, value, attention_mask, scaling=layer.attn.scaling)
             x = x + layer.o(out.reshape(b, q, -1))
             h = _rms_norm(x, layer.ln2, layer.eps2)
             if layer.gate_up is not None:

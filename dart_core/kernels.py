@@ -12,14 +12,16 @@ attention in verification) row by row with one fixed arithmetic:
 - a query row visits its keys in cache order and skips the masked ones (additive mask entries at
   or below float32's lowest value, ``-inf`` included) without touching them;
 - the softmax's maximum, its sum and the value accumulation run key after key in that order, in
-  float32; each q·k product sums the head dimension in 16 fixed lanes;
+  float32; each q·k product sums the head dimension in 16 fixed lanes; e^x is a polynomial
+  written out in the kernel (within about one unit in the last place), not the C library's;
 - rows are independent (spread over PyTorch's OpenMP threads when the call is large enough).
 
 So a row's result depends only on its query and the sequence of keys and values it attends to: a
 tree node attends to its prefix and then its ancestors, in order, which is exactly what the
 one-token step that would have produced it attends to, and the two agree bit for bit, however
 many rows, sequences or padding entries share the call.  The arithmetic is plain IEEE float32
-(no fused multiply-add, no fast-math), so the bits are the same on every x86-64 build.
+(no fused multiply-add, no fast-math), and the AVX-512, AVX2 and baseline versions of the kernel
+do the same operations in the same order.
 
 The kernel is built with the package (``dart_core/csrc/attention.cpp``, pybind11).
 """
@@ -30,7 +32,7 @@ import torch  # first: the extension's OpenMP runtime is then the one PyTorch al
 
 from dart_core import _kernels
 
-__all__ = ["row_exact_attention", "PARALLEL_WORK"]
+__all__ = ["row_exact_attention", "additive_mask", "attend", "PARALLEL_WORK"]
 
 #: calls with at least this many multiply-adds per q·k pass (rows · keys · head size) use every
 #: OpenMP thread; smaller ones (a one-token step over a short prefix) run on the calling thread
@@ -62,20 +64,43 @@ def row_exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
                          f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
     b, h, q, d = query.shape
     scale = d ** -0.5 if scaling is None else float(scaling)
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            attention_mask = torch.zeros(attention_mask.shape, dtype=torch.float32).masked_fill_(
-                ~attention_mask, float("-inf"))
-        elif attention_mask.dtype != torch.float32:
-            attention_mask = attention_mask.float()  # float64's lowest becomes -inf: still masked out
-        attention_mask = _inner_contiguous(attention_mask).numpy()
+    out = attend(_as_f32(query), _as_f32(key), _as_f32(value), additive_mask(attention_mask), scale)
+    return out if query.dtype == torch.float32 else out.to(query.dtype)
+
+
+def additive_mask(attention_mask: torch.Tensor | None):
+    """The mask as the kernel reads it (a float32 numpy view, made once and reused by every layer of a
+    forward): additive masks converted to float32 (float64's lowest becomes -inf: still masked out),
+    boolean ones (True = attend) to 0 / -inf; None stays None."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dtype == torch.bool:
+        attention_mask = torch.zeros(attention_mask.shape, dtype=torch.float32).masked_fill_(
+            ~attention_mask, float("-inf"))
+    elif attention_mask.dtype != torch.float32:
+        attention_mask = attention_mask.float()
+    return _inner_contiguous(attention_mask).numpy()
+
+
+def attend(query, key, value, mask, scale: float) -> torch.Tensor:
+    """:func:`row_exact_attention` without its conversions, for a forward's inner loop: query, key and
+    value float32 CPU tensors (or numpy views) of the shapes there with a contiguous last dimension,
+    ``mask`` from :func:`additive_mask`, ``scale`` a float. Returns a new [B, Q, H, D] float32 tensor.
+
+    Raises:
+        ValueError: shapes that do not match, or a strided last dimension."""
+    b, h, q, d = query.shape
     out = torch.empty(b, q, h, d, dtype=torch.float32)
     try:
-        _kernels.row_exact_attention(_as_f32(query), _as_f32(key), _as_f32(value), attention_mask, scale,
-                                     out.numpy(), PARALLEL_WORK)
+        _kernels.row_exact_attention(_numpy(query), _numpy(key), _numpy(value), mask, scale, out.numpy(),
+                                     PARALLEL_WORK)
     except ValueError as e:  # pybind11 maps std::invalid_argument to ValueError
         raise ValueError(f"row_exact_attention: {e}") from None
-    return out if query.dtype == torch.float32 else out.to(query.dtype)
+    return out
+
+
+def _numpy(x):
+    return x.numpy() if isinstance(x, torch.Tensor) else x
 
 
 def _inner_contiguous(x: torch.Tensor) -> torch.Tensor:

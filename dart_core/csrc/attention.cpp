@@ -9,14 +9,17 @@
 // computes each node exactly as a one-token step over the same prefix would (a tree's node
 // attends to the prefix and its ancestors, in that order, as the one-token step does).
 //
-// Exact IEEE arithmetic (-ffp-contract=off, no fast-math): the same bits on every x86-64 build.
+// Exact IEEE arithmetic (-ffp-contract=off, no fast-math) and an exp written out here: every build
+// (AVX-512, AVX2, baseline) does the same operations in the same order.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -28,46 +31,92 @@ namespace {
 
 using F32 = py::array_t<float, 0>;  // no forcecast: a float32 view of the caller's tensor, never a copy
 
-constexpr int kLanes = 16;  // the q·k sum's lanes (vectorised by the compiler; the order is fixed)
+constexpr int kLanes = 16;     // the q·k sum's lanes (vectorised by the compiler; the order is fixed)
+constexpr int kMaxGroup = 16;  // query heads per key/value head handled together (more: in several passes)
 
+template <int kD>  // kD > 0: the head size known at compile time; 0: read from n
 inline __attribute__((always_inline)) float dot(const float* a, const float* b, int64_t n) {
+  const int64_t size = kD > 0 ? kD : n;
   float acc[kLanes] = {};
   int64_t d = 0;
-  for (; d + kLanes <= n; d += kLanes)
+  for (; d + kLanes <= size; d += kLanes)
     for (int j = 0; j < kLanes; ++j) acc[j] += a[d + j] * b[d + j];
-  for (int j = 0; d + j < n; ++j) acc[j] += a[d + j] * b[d + j];
-  for (int w = kLanes / 2; w > 0; w /= 2)
-    for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
-  return acc[0];
+  for (int j = 0; d + j < size; ++j) acc[j] += a[d + j] * b[d + j];
+  float s8[8], s4[4];  // the lanes summed pairwise, written out so that the compiler keeps them in registers
+  for (int j = 0; j < 8; ++j) s8[j] = acc[j] + acc[j + 8];
+  for (int j = 0; j < 4; ++j) s4[j] = s8[j] + s8[j + 4];
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-// One query row (see the file comment); compiled for AVX-512, AVX2 and baseline x86-64, the best
-// that the CPU runs chosen at load time (every version does the same operations in the same order).
+// e^x for x <= 0 (a score minus the row's maximum), within about one unit in the last place; e^-87 for
+// x below -87 (under 2^-125: invisible next to the maximum's 1).  Written out instead of calling
+// the C library, whose expf may differ between builds and does not vectorise: the same
+// operations on every build, and the compiler applies them to many keys at once.
+inline __attribute__((always_inline)) float exp_nonpositive(float x) {
+  const float clamped = x > -87.0f ? x : -87.0f;
+  const float y = clamped * 1.44269504088896341f;             // x / ln 2
+  const int n = static_cast<int>(y - 0.5f);                   // y - 0.5 rounded toward 0: |x - n ln 2| <= ln 2 / 2
+  const float fn = static_cast<float>(n);
+  const float r = (clamped - fn * 0.693145751953125f) - fn * 1.428606765330187e-06f;  // Cody-Waite ln 2
+  float p = 1.0f / 5040.0f;                                   // e^r by its Taylor series to r^7
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const uint32_t bits = static_cast<uint32_t>(n + 127) << 23;  // 2^n, n >= -126
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
+
+// The query rows of one (sequence, key/value head, query position): the G heads that share the
+// key/value head (G <= kMaxGroup).  Each row is computed exactly as it would be alone: the mask
+// is the same for all of them, so they visit the same keys; sharing the visit only saves loads.
+// Compiled for AVX-512, AVX2 and baseline x86-64; the CPU's best runs (every version does the
+// same operations in the same order, so a row's bits do not depend on the version either).
+template <int kD>
 __attribute__((target_clones("avx512f", "avx2", "default")))
-void attend_row(const float* qrow, const float* mrow, int64_t mstride, const float* kbase, int64_t kstride,
-                const float* vbase, int64_t vstride, int64_t T, int64_t D, float scale, float* scores,
-                int64_t* kept, float* acc, float* orow) {
+void attend_group(const float* const* qrows, int G, const float* mrow, int64_t mstride, const float* kbase,
+                  int64_t kstride, const float* vbase, int64_t vstride, int64_t T, int64_t n_dim, float scale,
+                  float* scores, int64_t* kept, float* acc, float* const* orows) {
+  const int64_t D = kD > 0 ? kD : n_dim;
   const float lowest = std::numeric_limits<float>::lowest();
+  float best[kMaxGroup];
+  for (int g = 0; g < G; ++g) best[g] = -std::numeric_limits<float>::infinity();
   int64_t n = 0;
-  float best = -std::numeric_limits<float>::infinity();
-  for (int64_t t = 0; t < T; ++t) {
+  for (int64_t t = 0; t < T; ++t) {  // scores [G][T]: row g's scores at g * T
     const float add = mrow ? mrow[t * mstride] : 0.0f;
     if (add <= lowest) continue;  // masked out: not visited at all
-    const float s = dot(qrow, kbase + t * kstride, D) * scale + add;
-    scores[n] = s;
+    const float* krow = kbase + t * kstride;
+    for (int g = 0; g < G; ++g) {
+      const float s = dot<kD>(qrows[g], krow, D) * scale + add;
+      scores[g * T + n] = s;
+      if (s > best[g]) best[g] = s;
+    }
     kept[n++] = t;
-    if (s > best) best = s;
   }
-  for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
-  float sum = 0.0f;
+  for (int g = 0; g < G; ++g) {
+    float* row = scores + g * T;
+    for (int64_t j = 0; j < n; ++j) row[j] = exp_nonpositive(row[j] - best[g]);
+  }
+  for (int64_t i = 0; i < G * D; ++i) acc[i] = 0.0f;
+  float sum[kMaxGroup] = {};
   for (int64_t j = 0; j < n; ++j) {
-    const float p = std::exp(scores[j] - best);
-    sum += p;
     const float* vrow = vbase + kept[j] * vstride;
-    for (int64_t d = 0; d < D; ++d) acc[d] += p * vrow[d];
+    for (int g = 0; g < G; ++g) {
+      const float p = scores[g * T + j];
+      sum[g] += p;
+      float* a = acc + g * D;
+      for (int64_t d = 0; d < D; ++d) a[d] += p * vrow[d];
+    }
   }
-  const float inv = n ? 1.0f / sum : 0.0f;  // a row that attends to nothing gets zeros
-  for (int64_t d = 0; d < D; ++d) orow[d] = acc[d] * inv;
+  for (int g = 0; g < G; ++g) {
+    const float inv = n ? 1.0f / sum[g] : 0.0f;  // a row that attends to nothing gets zeros
+    for (int64_t d = 0; d < D; ++d) orows[g][d] = acc[g * D + d] * inv;
+  }
 }
 
 struct Strided4 {  // a 4D float32 array's data and element strides
@@ -114,23 +163,37 @@ void attention(const F32& query, const F32& key, const F32& value, const py::obj
     throw std::invalid_argument("out must be a writeable contiguous float32 [B, Q, H, D]");
   float* out = out_arr.mutable_data();
   const int64_t groups = H / Hkv;
-  const int64_t rows = B * H * Q;
-  const bool parallel = rows > 1 && rows * T * D >= parallel_work;
+  const int64_t passes = (groups + kMaxGroup - 1) / kMaxGroup;  // head groups of at most kMaxGroup
+  const int64_t units = B * Hkv * passes * Q;
+  const bool parallel = units > 1 && B * H * Q * T * D >= parallel_work;
 
   py::gil_scoped_release release;
 #pragma omp parallel if (parallel)
   {
-    std::vector<float> scores(static_cast<size_t>(T));
+    const int64_t per_pass = std::min<int64_t>(groups, kMaxGroup);
+    std::vector<float> scores(static_cast<size_t>(per_pass * T));
     std::vector<int64_t> kept(static_cast<size_t>(T));
-    std::vector<float> acc(static_cast<size_t>(D));
+    std::vector<float> acc(static_cast<size_t>(per_pass * D));
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t b = r / (H * Q), h = (r / Q) % H, i = r % Q, g = h / groups;
-      attend_row(q.data + b * q.stride[0] + h * q.stride[1] + i * q.stride[2],
-                 has_mask ? m.data + b * m.stride[0] + i * m.stride[2] : nullptr, m.stride[3],
-                 k.data + b * k.stride[0] + g * k.stride[1], k.stride[2],
-                 v.data + b * v.stride[0] + g * v.stride[1], v.stride[2], T, D, scale, scores.data(),
-                 kept.data(), acc.data(), out + ((b * Q + i) * H + h) * D);
+    for (int64_t u = 0; u < units; ++u) {
+      const int64_t i = u % Q, pass = (u / Q) % passes, hk = (u / (Q * passes)) % Hkv, b = u / (Q * passes * Hkv);
+      const int64_t h0 = hk * groups + pass * kMaxGroup;
+      const int G = static_cast<int>(std::min<int64_t>(kMaxGroup, hk * groups + groups - h0));
+      const float* qrows[kMaxGroup];
+      float* orows[kMaxGroup];
+      for (int g = 0; g < G; ++g) {
+        qrows[g] = q.data + b * q.stride[0] + (h0 + g) * q.stride[1] + i * q.stride[2];
+        orows[g] = out + ((b * Q + i) * H + h0 + g) * D;
+      }
+      const float* mrow = has_mask ? m.data + b * m.stride[0] + i * m.stride[2] : nullptr;
+      const float* kb = k.data + b * k.stride[0] + hk * k.stride[1];
+      const float* vb = v.data + b * v.stride[0] + hk * v.stride[1];
+      if (D == 64)
+        attend_group<64>(qrows, G, mrow, m.stride[3], kb, k.stride[2], vb, v.stride[2], T, D, scale, scores.data(),
+                         kept.data(), acc.data(), orows);
+      else
+        attend_group<0>(qrows, G, mrow, m.stride[3], kb, k.stride[2], vb, v.stride[2], T, D, scale, scores.data(),
+                        kept.data(), acc.data(), orows);
     }
   }
 }

@@ -34,6 +34,18 @@ def test_values_match_attention_computed_in_float64():
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("h, h_kv, d", [(9, 3, 64), (40, 2, 64), (4, 4, 7), (1, 1, 130)])
+def test_head_layouts_and_sizes(h, h_kv, d):
+    """The head size the kernel is specialised for (64), others, more query heads per key/value
+    head than it handles in one pass (16), and no grouping."""
+    query, key, value = _inputs(b=2, h=h, h_kv=h_kv, q=3, t=33, d=d, seed=h + d)
+    mask = torch.zeros(2, 1, 3, 33)
+    mask[1, :, 1, ::3] = MIN
+    torch.testing.assert_close(row_exact_attention(query, key, value, mask, 0.2),
+                               _matmul_attention(query, key, value, mask.double(), 0.2, torch.float64),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_a_row_equals_itself_computed_alone_over_its_attended_keys():
     """The property verification needs: a query row's bits depend only on its query and the keys and
     values it attends to, in order, not on the other rows, the padding or where the keys sit."""
