@@ -10,10 +10,13 @@ and the rest is Python (module calls, keyword plumbing, output collection) and s
   layers become views of the fused weight, so nothing is stored twice);
 - the rotary tables are computed once for all positions, the way transformers computes them
   per forward (each entry one product, so the values are the same);
+- the rotation of q and k and the KV-cache append are one C++ call per layer
+  (:func:`dart_core.kernels.rope_append`, PyTorch's arithmetic operator for operator), and the 4-bit
+  target's row-exact attention calls its kernel directly with the mask converted once per forward;
 - taps, logits and the KV cache are what :meth:`TargetModel.model_forward
   <dart_core.target.TargetModel.model_forward>` returns and writes through transformers.
 
-Every operator is the one transformers' Llama applies, in the same order and dtypes, so the
+Every operation is the one transformers' Llama applies, in the same order and dtypes, so the
 logits, the taps and the KV entries equal the stock forward's bit for bit (tested), and a row's
 result still does not depend on the other rows of the call (the row-exact property of the 4-bit
 target, docs/engine.md). Figures: BENCHMARKS.md, "GGUF-native target (CPU)".
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from dart_core.kv_cache import BufferedKVCache
 from dart_core.quant import Int4Linear
 from dart_core import kernels
 from dart_core.target import _ROW_EXACT_QUERY, _grouped_sdpa
@@ -120,7 +124,7 @@ class LlamaDecoder:
         self.row_exact = bool(getattr(self.layers[0].attn, "dart_row_exact", False))
 
     def _rope(self, position_ids: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, Q, 1, D] float32 for the positions (all below ``bound``, a host-side bound so no
+        """cos, sin [B, Q, D] float32 for the positions (all below ``bound``, a host-side bound so no
         tensor is read): rows of tables grown on demand, each entry computed as transformers' rotary
         embedding does (position · inv_freq, then cos/sin, times the attention scaling)."""
         if bound > self._cos.shape[0]:
@@ -128,7 +132,7 @@ class LlamaDecoder:
             freqs = torch.arange(size, dtype=torch.long)[:, None].float() * self.inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
             self._cos, self._sin = emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
-        return self._cos[position_ids][:, :, None], self._sin[position_ids][:, :, None]
+        return self._cos[position_ids], self._sin[position_ids]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -151,22 +155,24 @@ class LlamaDecoder:
         # the row-exact attention's kernel directly (as _grouped_sdpa would call it), its mask made once
         exact_mask = kernels.additive_mask(attention_mask) if self.row_exact and q <= _ROW_EXACT_QUERY else False
         n_qk = (self.heads + self.kv_heads) * self.head_dim
+        fused = x.dtype == torch.float32 and isinstance(cache, BufferedKVCache)
         inputs = {}  # layer index -> that layer's input (the taps)
         for i, layer in enumerate(self.layers):
             if i in self.tap_layers:
                 inputs[i] = x
             h = _rms_norm(x, layer.ln1, layer.eps1)
-            if layer.qkv is not None:  # q and k side by side: one rotation for both
-                qkv = layer.qkv(h)
-                qk = qkv[..., :n_qk].view(b, q, self.heads + self.kv_heads, self.head_dim)
-                value = qkv[..., n_qk:]
-            else:
-                qk = torch.cat([layer.q(h), layer.k(h)], dim=-1).view(b, q, -1, self.head_dim)
-                value = layer.v(h)
-            qk = _rotate(qk, cos, sin)
-            query, key = qk[:, :, :self.heads].transpose(1, 2), qk[:, :, self.heads:].transpose(1, 2)
-            value = value.view(b, q, self.kv_heads, self.head_dim).transpose(1, 2)
-            key, value = cache.update(key, value, i)
+            qkv = layer.qkv(h) if layer.qkv is not None else torch.cat([layer.q(h), layer.k(h), layer.v(h)], dim=-1)
+            kv = cache.layer(i) if fused else None
+            if kv is not None and kv.static_write_index is None:  # rotation and cache append: one kernel call
+                kb, vb, t = kv.reserve(b, self.kv_heads, q, self.head_dim, self.head_dim, torch.float32, x.device)
+                query = kernels.rope_append(qkv, cos, sin, self.heads, self.kv_heads, kb, vb, t)
+                key, value = kv.commit(t + q)
+            else:  # q and k side by side: one rotation for both
+                qk = _rotate(qkv[..., :n_qk].view(b, q, self.heads + self.kv_heads, self.head_dim),
+                             cos[:, :, None], sin[:, :, None])
+                query, key = qk[:, :, :self.heads].transpose(1, 2), qk[:, :, self.heads:].transpose(1, 2)
+                value = qkv[..., n_qk:].view(b, q, self.kv_heads, self.head_dim).transpose(1, 2)
+                key, value = cache.update(key, value, i)
             if exact_mask is not False:
                 out = kernels.attend(query, key, value, exact_mask, layer.attn.scaling)
             else:

@@ -1,4 +1,5 @@
-"""Row-exact tree attention on the CPU: the C++ kernel behind the 4-bit target's attention.
+"""C++ kernels of the CPU target's forward: row-exact tree attention, and the rotary embedding fused
+with the KV-cache append.
 
 A target whose linear layers are row-exact (:class:`~dart_core.quant.Int4Linear`: a row's result
 does not depend on the other rows of the call) verifies a draft tree exactly as one-token steps
@@ -23,7 +24,11 @@ many rows, sequences or padding entries share the call.  The arithmetic is plain
 (no fused multiply-add, no fast-math), and the AVX-512, AVX2 and baseline versions of the kernel
 do the same operations in the same order.
 
-The kernel is built with the package (``dart_core/csrc/attention.cpp``, pybind11).
+:func:`rope_append` does one layer's rotary embedding of q and k and writes k and v into the KV
+cache's buffers in one call, with PyTorch's operator-by-operator arithmetic (bit for bit), instead of
+about twenty small operators.
+
+The kernels are built with the package (``dart_core/csrc/attention.cpp``, pybind11).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import torch  # first: the extension's OpenMP runtime is then the one PyTorch al
 
 from dart_core import _kernels
 
-__all__ = ["row_exact_attention", "additive_mask", "attend", "PARALLEL_WORK"]
+__all__ = ["row_exact_attention", "additive_mask", "attend", "rope_append", "PARALLEL_WORK"]
 
 #: calls with at least this many multiply-adds per q·k pass (rows · keys · head size) use every
 #: OpenMP thread; smaller ones (a one-token step over a short prefix) run on the calling thread
@@ -112,3 +117,33 @@ def _as_f32(x: torch.Tensor):
     if x.dtype != torch.float32:
         x = x.float()
     return _inner_contiguous(x).detach().numpy()
+
+
+def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                key_buffer: torch.Tensor, value_buffer: torch.Tensor, t: int) -> torch.Tensor:
+    """One layer's rotary embedding and KV-cache append, as transformers' Llama attention computes them
+    (``x·cos + rotate_half(x)·sin``, each product and the sum rounded to float32: the same bits).
+
+    Args:
+        qkv: [B, Q, (H + 2·H_kv)·D] float32, the q, k and v projections side by side.
+        cos, sin: [B, Q, D] float32, the rotary tables at each token's position.
+        heads, kv_heads: H and H_kv.
+        key_buffer, value_buffer: [B, H_kv, ≥ t + Q, D] float32, written at positions t .. t + Q - 1.
+        t: the cache length before this forward.
+
+    Returns:
+        the rotated query [B, H, Q, D] (a transposed view of a new [B, Q, H, D] tensor).
+
+    Raises:
+        ValueError: shapes that do not match, or a strided last dimension.
+    """
+    b, q, n = qkv.shape
+    d = n // (heads + 2 * kv_heads)
+    query = torch.empty(b, q, heads, d, dtype=torch.float32)
+    try:
+        _kernels.rope_append(qkv.reshape(b * q, n).numpy(), cos.reshape(b * q, -1).numpy(),
+                             sin.reshape(b * q, -1).numpy(), heads, kv_heads, query.numpy(), key_buffer.numpy(),
+                             value_buffer.numpy(), t)
+    except ValueError as e:
+        raise ValueError(str(e)) from None
+    return query.transpose(1, 2)

@@ -182,9 +182,12 @@ class BufferedKVLayer(DynamicLayer):
     #: an update then writes there in the bound static buffers and returns the whole buffers
     static_write_index: torch.Tensor | None = None
 
+    _views: tuple[torch.Tensor, torch.Tensor] | None = None  # what the last commit set keys/values to
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self._key_buffer = self._value_buffer = None
+        self._views = None
 
     def _backed(self) -> bool:
         """Whether keys/values are still leading views of the buffers, all their rows."""
@@ -200,27 +203,45 @@ class BufferedKVLayer(DynamicLayer):
             self._key_buffer.index_copy_(2, self.static_write_index, key_states)
             self._value_buffer.index_copy_(2, self.static_write_index, value_states)
             return self._key_buffer, self._value_buffer
+        b, h, n, d = key_states.shape
+        kb, vb, t = self.reserve(b, h, n, d, value_states.shape[-1], key_states.dtype, key_states.device)
+        kb[:, :, t:t + n] = key_states
+        vb[:, :, t:t + n] = value_states
+        return self.commit(t + n)
+
+    def reserve(self, batch: int, heads: int, n: int, key_dim: int, value_dim: int, dtype: torch.dtype,
+                device) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Room for ``n`` more positions: returns (key buffer, value buffer, T), buffers
+        [B, H_kv, ≥ T + n, D] whose first T positions hold the cache; the caller writes positions
+        T .. T + n - 1 of every row, then calls :meth:`commit` with T + n (what :meth:`update` does).
+        Grows the buffers as :meth:`update` does (the class docstring)."""
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+            self.lazy_initialization(torch.empty(batch, heads, 0, key_dim, dtype=dtype, device=device),
+                                     torch.empty(batch, heads, 0, value_dim, dtype=dtype, device=device))
         t = self.keys.shape[-2] if self.keys.dim() == 4 else 0
-        n = key_states.shape[-2]
-        if not self._backed() or t + n > self._key_buffer.shape[2]:
+        # the views set by the last commit are still leading views (cheap identity test), else check
+        backed = self._views is not None and self._views[0] is self.keys and self._views[1] is self.values
+        if not (backed or self._backed()) or t + n > self._key_buffer.shape[2]:
             cap = -(-2 * (t + n) // self.granule) * self.granule
-            b, h, _, d = key_states.shape
-            kb = key_states.new_empty(b, h, cap, d)
-            vb = value_states.new_empty(b, h, cap, value_states.shape[-1])
+            kb = torch.empty(batch, heads, cap, key_dim, dtype=dtype, device=device)
+            vb = torch.empty(batch, heads, cap, value_dim, dtype=dtype, device=device)
             if t:
                 kb[:, :, :t] = self.keys
                 vb[:, :, :t] = self.values
             self._key_buffer, self._value_buffer = kb, vb
-        self._key_buffer[:, :, t:t + n] = key_states
-        self._value_buffer[:, :, t:t + n] = value_states
-        self.keys = self._key_buffer[:, :, :t + n]
-        self.values = self._value_buffer[:, :, :t + n]
+        return self._key_buffer, self._value_buffer, t
+
+    def commit(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """After :meth:`reserve`: the cache is the first ``length`` positions of the buffers; returns the
+        [B, H_kv, length, D] key and value views."""
+        self.keys = self._key_buffer[:, :, :length]
+        self.values = self._value_buffer[:, :, :length]
+        self._views = (self.keys, self.values)
         return self.keys, self.values
 
     def reset(self) -> None:
         self._key_buffer = self._value_buffer = None
+        self._views = None
         super().reset()
 
 
@@ -229,3 +250,9 @@ class BufferedKVCache(DynamicCache):
 
     def __init__(self) -> None:
         Cache.__init__(self, layer_class_to_replicate=BufferedKVLayer)
+
+    def layer(self, index: int) -> BufferedKVLayer:
+        """Layer ``index``'s cache, created (with those before it) when missing, as ``update`` does."""
+        while len(self.layers) <= index:
+            self.layers.append(BufferedKVLayer())
+        return self.layers[index]

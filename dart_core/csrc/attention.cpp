@@ -1,4 +1,5 @@
-// dart_core._kernels: row-exact attention for CPU targets (pybind11, numpy views of torch tensors).
+// dart_core._kernels: row-exact attention, and the rotary embedding fused with the KV-cache append, for
+// CPU targets (pybind11, numpy views of torch tensors).
 //
 // softmax(scale · q·kᵀ + mask)·v where every query row is computed on its own by the same
 // code: the keys a row attends to are visited in cache order, masked keys are skipped, the
@@ -198,6 +199,65 @@ void attention(const F32& query, const F32& key, const F32& value, const py::obj
   }
 }
 
+// Rotary embedding of q and k and the KV-cache append, for one layer of a forward: qkv [M, N] (M = B·Q
+// rows, N = (H + 2·Hkv)·D: q heads, k heads, v heads side by side), cos/sin [M, D]; writes the rotated
+// q to query_out [B, Q, H, D] (contiguous) and the rotated k and the v to positions t .. t+Q-1 of
+// key_buf/value_buf [B, Hkv, capacity, D].  Rotation as transformers' apply_rotary_pos_emb:
+// x·cos + rotate_half(x)·sin, each product and the sum rounded to float32 (no contraction), so the
+// values equal PyTorch's operator-by-operator result bit for bit.
+void rope_append(const F32& qkv_arr, const F32& cos_arr, const F32& sin_arr, int64_t H, int64_t Hkv,
+                 py::array_t<float, 0> query_arr, py::array_t<float, 0> key_arr, py::array_t<float, 0> value_arr,
+                 int64_t t) {
+  if (qkv_arr.ndim() != 2 || cos_arr.ndim() != 2 || sin_arr.ndim() != 2 || query_arr.ndim() != 4 ||
+      key_arr.ndim() != 4 || value_arr.ndim() != 4)
+    throw std::invalid_argument("rope_append: qkv, cos, sin are 2-dimensional, the outputs 4-dimensional");
+  const int64_t B = query_arr.shape(0), Q = query_arr.shape(1), D = query_arr.shape(3), M = B * Q;
+  const auto fs = static_cast<py::ssize_t>(sizeof(float));
+  if (query_arr.shape(2) != H || !(query_arr.flags() & py::array::c_style) || !query_arr.writeable() ||
+      qkv_arr.shape(0) != M || qkv_arr.shape(1) != (H + 2 * Hkv) * D || qkv_arr.strides(1) != fs ||
+      cos_arr.shape(0) != M || cos_arr.shape(1) != D || cos_arr.strides(1) != fs || sin_arr.shape(0) != M ||
+      sin_arr.shape(1) != D || sin_arr.strides(1) != fs || D % 2 != 0)
+    throw std::invalid_argument("rope_append: qkv [B*Q, (H+2*Hkv)*D], cos/sin [B*Q, D] and query [B, Q, H, D] "
+                                "do not match (D even, last dimensions contiguous)");
+  for (const auto* buf : {&key_arr, &value_arr})
+    if (buf->shape(0) != B || buf->shape(1) != Hkv || buf->shape(2) < t + Q || buf->shape(3) != D ||
+        buf->strides(3) != fs || !buf->writeable())
+      throw std::invalid_argument("rope_append: the cache buffers must be writeable [B, Hkv, >= t+Q, D]");
+  const int64_t half = D / 2;
+  const int64_t qs = qkv_arr.strides(0) / fs, cs = cos_arr.strides(0) / fs, ss = sin_arr.strides(0) / fs;
+  const int64_t ks[3] = {key_arr.strides(0) / fs, key_arr.strides(1) / fs, key_arr.strides(2) / fs};
+  const int64_t vs[3] = {value_arr.strides(0) / fs, value_arr.strides(1) / fs, value_arr.strides(2) / fs};
+  const float* qkv = qkv_arr.data();
+  const float* cosv = cos_arr.data();
+  const float* sinv = sin_arr.data();
+  float* query = query_arr.mutable_data();
+  float* key = key_arr.mutable_data();
+  float* value = value_arr.mutable_data();
+  py::gil_scoped_release release;
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t b = m / Q, i = m % Q;
+    const float* row = qkv + m * qs;
+    const float* c = cosv + m * cs;
+    const float* s = sinv + m * ss;
+    for (int64_t h = 0; h < H + Hkv; ++h) {
+      const float* x = row + h * D;
+      float* out = h < H ? query + (m * H + h) * D : key + b * ks[0] + (h - H) * ks[1] + (t + i) * ks[2];
+      for (int64_t d = 0; d < half; ++d) {
+        const float a = x[d] * c[d], r = -x[d + half] * s[d];
+        out[d] = a + r;
+      }
+      for (int64_t d = half; d < D; ++d) {
+        const float a = x[d] * c[d], r = x[d - half] * s[d];
+        out[d] = a + r;
+      }
+    }
+    for (int64_t g = 0; g < Hkv; ++g) {
+      const float* x = row + (H + Hkv + g) * D;
+      std::memcpy(value + b * vs[0] + g * vs[1] + (t + i) * vs[2], x, static_cast<size_t>(D) * sizeof(float));
+    }
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_kernels, mod) {
@@ -205,5 +265,7 @@ PYBIND11_MODULE(_kernels, mod) {
   mod.def("row_exact_attention", &attention, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("mask"),
           py::arg("scale"), py::arg("out"), py::arg("parallel_work"),
           "softmax(scale * q.k^T + mask).v, each query row on its own (see dart_core.kernels)");
-  mod.def("omp_max_threads", []() { return omp_get_max_threads(); });
+  mod.def("rope_append", &rope_append, py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("heads"),
+          py::arg("kv_heads"), py::arg("query"), py::arg("key_buffer"), py::arg("value_buffer"), py::arg("t"),
+          "rotary embedding of q and k, and the KV-cache append of k and v (see dart_core.kernels)");
 }

@@ -95,3 +95,29 @@ def test_masked_rows_other_dtypes_and_bad_inputs():
         row_exact_attention(query, key, value, mask[..., :4])
     with pytest.raises(ValueError, match="4-dimensional"):
         row_exact_attention(query[0], key, value, None)
+
+
+def test_rope_append_equals_the_rotation_and_cache_write_of_pytorch_operators():
+    from dart_core.decoder import _rotate
+    from dart_core.kernels import rope_append
+
+    g = torch.Generator().manual_seed(3)
+    b, q, h, h_kv, d, t = 2, 3, 6, 2, 64, 5
+    qkv = torch.randn(b, q, (h + 2 * h_kv) * d, generator=g)
+    cos, sin = torch.randn(b, q, d, generator=g), torch.randn(b, q, d, generator=g)
+    kb, vb = torch.randn(b, h_kv, 16, d, generator=g), torch.randn(b, h_kv, 16, d, generator=g)
+    before_k, before_v = kb.clone(), vb.clone()
+    query = rope_append(qkv, cos, sin, h, h_kv, kb, vb, t)
+    qk = _rotate(qkv[..., :(h + h_kv) * d].view(b, q, h + h_kv, d), cos[:, :, None], sin[:, :, None])
+    assert query.shape == (b, h, q, d)
+    assert torch.equal(query, qk[:, :, :h].transpose(1, 2))
+    assert torch.equal(kb[:, :, t:t + q], qk[:, :, h:].transpose(1, 2))
+    assert torch.equal(vb[:, :, t:t + q], qkv[..., (h + h_kv) * d:].view(b, q, h_kv, d).transpose(1, 2))
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[t:t + q] = False
+    assert torch.equal(kb[:, :, untouched], before_k[:, :, untouched])
+    assert torch.equal(vb[:, :, untouched], before_v[:, :, untouched])
+    with pytest.raises(ValueError, match="cache buffers"):
+        rope_append(qkv, cos, sin, h, h_kv, kb[:, :, :6], vb, t)
+    with pytest.raises(ValueError, match="do not match"):
+        rope_append(qkv, cos[..., :32], sin, h, h_kv, kb, vb, t)
