@@ -156,6 +156,7 @@ class LlamaDecoder:
         exact_mask = kernels.additive_mask(attention_mask) if self.row_exact and q <= _ROW_EXACT_QUERY else False
         n_qk = (self.heads + self.kv_heads) * self.head_dim
         fused = x.dtype == torch.float32 and isinstance(cache, BufferedKVCache)
+        cos_np, sin_np = cos.view(b * q, -1).numpy(), sin.view(b * q, -1).numpy()  # read by the kernels
         inputs = {}  # layer index -> that layer's input (the taps)
         for i, layer in enumerate(self.layers):
             if i in self.tap_layers:
@@ -163,20 +164,29 @@ class LlamaDecoder:
             h = _rms_norm(x, layer.ln1, layer.eps1)
             qkv = layer.qkv(h) if layer.qkv is not None else torch.cat([layer.q(h), layer.k(h), layer.v(h)], dim=-1)
             kv = cache.layer(i) if fused else None
-            if kv is not None and kv.static_write_index is None:  # rotation and cache append: one kernel call
+            if kv is not None and kv.static_write_index is not None:
+                kv = None  # a static cache (CUDA graphs) writes through update()
+            if kv is not None and exact_mask is not False:
+                # the 4-bit target: rotation, cache append and row-exact attention in one kernel call
                 kb, vb, t = kv.reserve(b, self.kv_heads, q, self.head_dim, self.head_dim, torch.float32, x.device)
-                query = kernels.rope_append(qkv, cos, sin, self.heads, self.kv_heads, kb, vb, t)
-                key, value = kv.commit(t + q)
-            else:  # q and k side by side: one rotation for both
-                qk = _rotate(qkv[..., :n_qk].view(b, q, self.heads + self.kv_heads, self.head_dim),
-                             cos[:, :, None], sin[:, :, None])
-                query, key = qk[:, :, :self.heads].transpose(1, 2), qk[:, :, self.heads:].transpose(1, 2)
-                value = qkv[..., n_qk:].view(b, q, self.kv_heads, self.head_dim).transpose(1, 2)
-                key, value = cache.update(key, value, i)
-            if exact_mask is not False:
-                out = kernels.attend(query, key, value, exact_mask, layer.attn.scaling)
+                out = kernels.rope_attend(qkv, cos_np, sin_np, self.heads, self.kv_heads, kb, vb, t, exact_mask,
+                                          layer.attn.scaling)
+                kv.commit(t + q)
             else:
-                out, _ = _grouped_sdpa(layer.attn, query, key, value, attention_mask, scaling=layer.attn.scaling)
+                if kv is not None:  # rotation and cache append: one kernel call
+                    kb, vb, t = kv.reserve(b, self.kv_heads, q, self.head_dim, self.head_dim, torch.float32, x.device)
+                    query = kernels.rope_append(qkv, cos, sin, self.heads, self.kv_heads, kb, vb, t)
+                    key, value = kv.commit(t + q)
+                else:  # q and k side by side: one rotation for both
+                    qk = _rotate(qkv[..., :n_qk].view(b, q, self.heads + self.kv_heads, self.head_dim),
+                                 cos[:, :, None], sin[:, :, None])
+                    query, key = qk[:, :, :self.heads].transpose(1, 2), qk[:, :, self.heads:].transpose(1, 2)
+                    value = qkv[..., n_qk:].view(b, q, self.kv_heads, self.head_dim).transpose(1, 2)
+                    key, value = cache.update(key, value, i)
+                if exact_mask is not False:
+                    out = kernels.attend(query, key, value, exact_mask, layer.attn.scaling)
+                else:
+                    out, _ = _grouped_sdpa(layer.attn, query, key, value, attention_mask, scaling=layer.attn.scaling)
             x = x + layer.o(out.reshape(b, q, -1))
             h = _rms_norm(x, layer.ln2, layer.eps2)
             if layer.gate_up is not None:

@@ -26,7 +26,8 @@ do the same operations in the same order.
 
 :func:`rope_append` does one layer's rotary embedding of q and k and writes k and v into the KV
 cache's buffers in one call, with PyTorch's operator-by-operator arithmetic (bit for bit), instead of
-about twenty small operators.
+about twenty small operators; :func:`rope_attend` continues in the same call with the row-exact
+attention over the cache (the 4-bit target's attention block, one call per layer).
 
 The kernels are built with the package (``dart_core/csrc/attention.cpp``, pybind11).
 """
@@ -37,7 +38,7 @@ import torch  # first: the extension's OpenMP runtime is then the one PyTorch al
 
 from dart_core import _kernels
 
-__all__ = ["row_exact_attention", "additive_mask", "attend", "rope_append", "PARALLEL_WORK"]
+__all__ = ["row_exact_attention", "additive_mask", "attend", "rope_append", "rope_attend", "PARALLEL_WORK"]
 
 #: calls with at least this many multiply-adds per q·k pass (rows · keys · head size) use every
 #: OpenMP thread; smaller ones (a one-token step over a short prefix) run on the calling thread
@@ -147,3 +148,28 @@ def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: 
     except ValueError as e:
         raise ValueError(str(e)) from None
     return query.transpose(1, 2)
+
+
+def rope_attend(qkv: torch.Tensor, cos, sin, heads: int, kv_heads: int, key_buffer: torch.Tensor,
+                value_buffer: torch.Tensor, t: int, mask, scale: float) -> torch.Tensor:
+    """:func:`rope_append`, then :func:`row_exact_attention` of the rotated queries over the cache's
+    first t + Q positions, in one call (the same values as the two calls).
+
+    Args:
+        qkv: [B, Q, (H + 2·H_kv)·D] float32.
+        cos, sin: [B·Q, D] float32 numpy views (made once per forward).
+        key_buffer, value_buffer, t: as :func:`rope_append` (written at t .. t + Q - 1).
+        mask: [B, 1, Q, ≥ t + Q] from :func:`additive_mask`, or None.
+        scale: the factor on q·k.
+
+    Returns:
+        the attention output [B, Q, H, D] float32.
+
+    Raises:
+        ValueError: shapes that do not match, or a strided last dimension.
+    """
+    b, q, n = qkv.shape
+    out = torch.empty(b, q, heads, n // (heads + 2 * kv_heads), dtype=torch.float32)
+    _kernels.rope_attend(qkv.view(b * q, n).numpy(), cos, sin, heads, kv_heads, key_buffer.numpy(),
+                         value_buffer.numpy(), t, mask, scale, out.numpy(), PARALLEL_WORK)
+    return out

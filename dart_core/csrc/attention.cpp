@@ -140,6 +140,47 @@ Strided4 view4(const F32& a, const char* name) {
   return v;
 }
 
+// The attention proper (no Python objects: runs with the GIL released).  q [B, H, Q, D], k/v
+// [B, Hkv, T, D] (strided), m [B, 1, Q, >=T] or null, out [B, Q, H, D] contiguous.
+void attend_views(const Strided4& q, const Strided4& k, const Strided4& v, const Strided4* m, float scale, float* out,
+                  int64_t parallel_work) {
+  const int64_t B = q.shape[0], H = q.shape[1], Q = q.shape[2], D = q.shape[3];
+  const int64_t Hkv = k.shape[1], T = k.shape[2];
+  const int64_t groups = H / Hkv;
+  const int64_t passes = (groups + kMaxGroup - 1) / kMaxGroup;  // head groups of at most kMaxGroup
+  const int64_t units = B * Hkv * passes * Q;
+  const bool parallel = units > 1 && B * H * Q * T * D >= parallel_work;
+
+#pragma omp parallel if (parallel)
+  {
+    const int64_t per_pass = std::min<int64_t>(groups, kMaxGroup);
+    std::vector<float> scores(static_cast<size_t>(per_pass * T));
+    std::vector<int64_t> kept(static_cast<size_t>(T));
+    std::vector<float> acc(static_cast<size_t>(per_pass * D));
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < units; ++u) {
+      const int64_t i = u % Q, pass = (u / Q) % passes, hk = (u / (Q * passes)) % Hkv, b = u / (Q * passes * Hkv);
+      const int64_t h0 = hk * groups + pass * kMaxGroup;
+      const int G = static_cast<int>(std::min<int64_t>(kMaxGroup, hk * groups + groups - h0));
+      const float* qrows[kMaxGroup];
+      float* orows[kMaxGroup];
+      for (int g = 0; g < G; ++g) {
+        qrows[g] = q.data + b * q.stride[0] + (h0 + g) * q.stride[1] + i * q.stride[2];
+        orows[g] = out + ((b * Q + i) * H + h0 + g) * D;
+      }
+      const float* mrow = m ? m->data + b * m->stride[0] + i * m->stride[2] : nullptr;
+      const float* kb = k.data + b * k.stride[0] + hk * k.stride[1];
+      const float* vb = v.data + b * v.stride[0] + hk * v.stride[1];
+      if (D == 64)
+        attend_group<64>(qrows, G, mrow, (m ? m->stride[3] : 0), kb, k.stride[2], vb, v.stride[2], T, D, scale, scores.data(),
+                         kept.data(), acc.data(), orows);
+      else
+        attend_group<0>(qrows, G, mrow, (m ? m->stride[3] : 0), kb, k.stride[2], vb, v.stride[2], T, D, scale, scores.data(),
+                        kept.data(), acc.data(), orows);
+    }
+  }
+}
+
 // query [B, H, Q, D], key/value [B, Hkv, T, D], mask [B, 1, Q, >=T] additive (entries at or below
 // float32's lowest, -inf included, are masked out) or None; out [B, Q, H, D] contiguous, written.
 void attention(const F32& query, const F32& key, const F32& value, const py::object& mask_obj, float scale,
@@ -163,99 +204,112 @@ void attention(const F32& query, const F32& key, const F32& value, const py::obj
       out_arr.shape(3) != D || !(out_arr.flags() & py::array::c_style) || !out_arr.writeable())
     throw std::invalid_argument("out must be a writeable contiguous float32 [B, Q, H, D]");
   float* out = out_arr.mutable_data();
-  const int64_t groups = H / Hkv;
-  const int64_t passes = (groups + kMaxGroup - 1) / kMaxGroup;  // head groups of at most kMaxGroup
-  const int64_t units = B * Hkv * passes * Q;
-  const bool parallel = units > 1 && B * H * Q * T * D >= parallel_work;
-
   py::gil_scoped_release release;
-#pragma omp parallel if (parallel)
-  {
-    const int64_t per_pass = std::min<int64_t>(groups, kMaxGroup);
-    std::vector<float> scores(static_cast<size_t>(per_pass * T));
-    std::vector<int64_t> kept(static_cast<size_t>(T));
-    std::vector<float> acc(static_cast<size_t>(per_pass * D));
-#pragma omp for schedule(static)
-    for (int64_t u = 0; u < units; ++u) {
-      const int64_t i = u % Q, pass = (u / Q) % passes, hk = (u / (Q * passes)) % Hkv, b = u / (Q * passes * Hkv);
-      const int64_t h0 = hk * groups + pass * kMaxGroup;
-      const int G = static_cast<int>(std::min<int64_t>(kMaxGroup, hk * groups + groups - h0));
-      const float* qrows[kMaxGroup];
-      float* orows[kMaxGroup];
-      for (int g = 0; g < G; ++g) {
-        qrows[g] = q.data + b * q.stride[0] + (h0 + g) * q.stride[1] + i * q.stride[2];
-        orows[g] = out + ((b * Q + i) * H + h0 + g) * D;
-      }
-      const float* mrow = has_mask ? m.data + b * m.stride[0] + i * m.stride[2] : nullptr;
-      const float* kb = k.data + b * k.stride[0] + hk * k.stride[1];
-      const float* vb = v.data + b * v.stride[0] + hk * v.stride[1];
-      if (D == 64)
-        attend_group<64>(qrows, G, mrow, m.stride[3], kb, k.stride[2], vb, v.stride[2], T, D, scale, scores.data(),
-                         kept.data(), acc.data(), orows);
-      else
-        attend_group<0>(qrows, G, mrow, m.stride[3], kb, k.stride[2], vb, v.stride[2], T, D, scale, scores.data(),
-                        kept.data(), acc.data(), orows);
-    }
-  }
+  attend_views(q, k, v, has_mask ? &m : nullptr, scale, out, parallel_work);
 }
 
 // Rotary embedding of q and k and the KV-cache append, for one layer of a forward: qkv [M, N] (M = B·Q
 // rows, N = (H + 2·Hkv)·D: q heads, k heads, v heads side by side), cos/sin [M, D]; writes the rotated
-// q to query_out [B, Q, H, D] (contiguous) and the rotated k and the v to positions t .. t+Q-1 of
-// key_buf/value_buf [B, Hkv, capacity, D].  Rotation as transformers' apply_rotary_pos_emb:
+// q to query [B, Q, H, D] (contiguous) and the rotated k and the v to positions t .. t+Q-1 of the
+// key/value buffers [B, Hkv, capacity, D].  Rotation as transformers' apply_rotary_pos_emb:
 // x·cos + rotate_half(x)·sin, each product and the sum rounded to float32 (no contraction), so the
 // values equal PyTorch's operator-by-operator result bit for bit.
-void rope_append(const F32& qkv_arr, const F32& cos_arr, const F32& sin_arr, int64_t H, int64_t Hkv,
-                 py::array_t<float, 0> query_arr, py::array_t<float, 0> key_arr, py::array_t<float, 0> value_arr,
-                 int64_t t) {
-  if (qkv_arr.ndim() != 2 || cos_arr.ndim() != 2 || sin_arr.ndim() != 2 || query_arr.ndim() != 4 ||
-      key_arr.ndim() != 4 || value_arr.ndim() != 4)
-    throw std::invalid_argument("rope_append: qkv, cos, sin are 2-dimensional, the outputs 4-dimensional");
-  const int64_t B = query_arr.shape(0), Q = query_arr.shape(1), D = query_arr.shape(3), M = B * Q;
+struct RopeArgs {
+  const float *qkv, *cos, *sin;
+  int64_t qkv_stride, cos_stride, sin_stride;
+  int64_t B, Q, H, Hkv, D, t;
+  float *key, *value;
+  int64_t ks[3], vs[3];
+};
+
+RopeArgs rope_args(const F32& qkv, const F32& cos, const F32& sin, int64_t B, int64_t Q, int64_t H, int64_t Hkv,
+                   py::array_t<float, 0>& key, py::array_t<float, 0>& value, int64_t t) {
+  if (qkv.ndim() != 2 || cos.ndim() != 2 || sin.ndim() != 2 || key.ndim() != 4 || value.ndim() != 4)
+    throw std::invalid_argument("rope: qkv, cos and sin are 2-dimensional, the cache buffers 4-dimensional");
   const auto fs = static_cast<py::ssize_t>(sizeof(float));
-  if (query_arr.shape(2) != H || !(query_arr.flags() & py::array::c_style) || !query_arr.writeable() ||
-      qkv_arr.shape(0) != M || qkv_arr.shape(1) != (H + 2 * Hkv) * D || qkv_arr.strides(1) != fs ||
-      cos_arr.shape(0) != M || cos_arr.shape(1) != D || cos_arr.strides(1) != fs || sin_arr.shape(0) != M ||
-      sin_arr.shape(1) != D || sin_arr.strides(1) != fs || D % 2 != 0)
-    throw std::invalid_argument("rope_append: qkv [B*Q, (H+2*Hkv)*D], cos/sin [B*Q, D] and query [B, Q, H, D] "
-                                "do not match (D even, last dimensions contiguous)");
-  for (const auto* buf : {&key_arr, &value_arr})
+  const int64_t M = B * Q, D = key.shape(3);
+  if (qkv.shape(0) != M || qkv.shape(1) != (H + 2 * Hkv) * D || qkv.strides(1) != fs || cos.shape(0) != M ||
+      cos.shape(1) != D || cos.strides(1) != fs || sin.shape(0) != M || sin.shape(1) != D || sin.strides(1) != fs ||
+      D % 2 != 0 || Hkv == 0 || H % Hkv != 0)
+    throw std::invalid_argument("rope: qkv [B*Q, (H+2*Hkv)*D] and cos/sin [B*Q, D] do not match "
+                                "(D even, H a multiple of Hkv, last dimensions contiguous)");
+  for (const auto* buf : {&key, &value})
     if (buf->shape(0) != B || buf->shape(1) != Hkv || buf->shape(2) < t + Q || buf->shape(3) != D ||
         buf->strides(3) != fs || !buf->writeable())
-      throw std::invalid_argument("rope_append: the cache buffers must be writeable [B, Hkv, >= t+Q, D]");
-  const int64_t half = D / 2;
-  const int64_t qs = qkv_arr.strides(0) / fs, cs = cos_arr.strides(0) / fs, ss = sin_arr.strides(0) / fs;
-  const int64_t ks[3] = {key_arr.strides(0) / fs, key_arr.strides(1) / fs, key_arr.strides(2) / fs};
-  const int64_t vs[3] = {value_arr.strides(0) / fs, value_arr.strides(1) / fs, value_arr.strides(2) / fs};
-  const float* qkv = qkv_arr.data();
-  const float* cosv = cos_arr.data();
-  const float* sinv = sin_arr.data();
-  float* query = query_arr.mutable_data();
-  float* key = key_arr.mutable_data();
-  float* value = value_arr.mutable_data();
-  py::gil_scoped_release release;
-  for (int64_t m = 0; m < M; ++m) {
-    const int64_t b = m / Q, i = m % Q;
-    const float* row = qkv + m * qs;
-    const float* c = cosv + m * cs;
-    const float* s = sinv + m * ss;
+      throw std::invalid_argument("rope: the cache buffers must be writeable [B, Hkv, >= t+Q, D]");
+  RopeArgs a{qkv.data(), cos.data(), sin.data(), qkv.strides(0) / fs, cos.strides(0) / fs, sin.strides(0) / fs,
+             B, Q, H, Hkv, D, t, key.mutable_data(), value.mutable_data(), {}, {}};
+  for (int i = 0; i < 3; ++i) {
+    a.ks[i] = key.strides(i) / fs;
+    a.vs[i] = value.strides(i) / fs;
+  }
+  return a;
+}
+
+void rope_core(const RopeArgs& a, float* query) {
+  const int64_t D = a.D, H = a.H, Hkv = a.Hkv, half = D / 2;
+  for (int64_t m = 0; m < a.B * a.Q; ++m) {
+    const int64_t b = m / a.Q, i = m % a.Q;
+    const float* row = a.qkv + m * a.qkv_stride;
+    const float* c = a.cos + m * a.cos_stride;
+    const float* s = a.sin + m * a.sin_stride;
     for (int64_t h = 0; h < H + Hkv; ++h) {
       const float* x = row + h * D;
-      float* out = h < H ? query + (m * H + h) * D : key + b * ks[0] + (h - H) * ks[1] + (t + i) * ks[2];
+      float* out = h < H ? query + (m * H + h) * D : a.key + b * a.ks[0] + (h - H) * a.ks[1] + (a.t + i) * a.ks[2];
       for (int64_t d = 0; d < half; ++d) {
-        const float a = x[d] * c[d], r = -x[d + half] * s[d];
-        out[d] = a + r;
+        const float p = x[d] * c[d], r = -x[d + half] * s[d];
+        out[d] = p + r;
       }
       for (int64_t d = half; d < D; ++d) {
-        const float a = x[d] * c[d], r = x[d - half] * s[d];
-        out[d] = a + r;
+        const float p = x[d] * c[d], r = x[d - half] * s[d];
+        out[d] = p + r;
       }
     }
-    for (int64_t g = 0; g < Hkv; ++g) {
-      const float* x = row + (H + Hkv + g) * D;
-      std::memcpy(value + b * vs[0] + g * vs[1] + (t + i) * vs[2], x, static_cast<size_t>(D) * sizeof(float));
-    }
+    for (int64_t g = 0; g < Hkv; ++g)
+      std::memcpy(a.value + b * a.vs[0] + g * a.vs[1] + (a.t + i) * a.vs[2], row + (H + Hkv + g) * D,
+                  static_cast<size_t>(D) * sizeof(float));
   }
+}
+
+void rope_append(const F32& qkv, const F32& cos, const F32& sin, int64_t H, int64_t Hkv, py::array_t<float, 0> query,
+                 py::array_t<float, 0> key, py::array_t<float, 0> value, int64_t t) {
+  if (query.ndim() != 4 || query.shape(2) != H || !(query.flags() & py::array::c_style) || !query.writeable())
+    throw std::invalid_argument("rope: query must be a writeable contiguous [B, Q, H, D]");
+  const RopeArgs a = rope_args(qkv, cos, sin, query.shape(0), query.shape(1), H, Hkv, key, value, t);
+  if (query.shape(3) != a.D) throw std::invalid_argument("rope: query [B, Q, H, D] and the cache's D do not match");
+  float* q = query.mutable_data();
+  py::gil_scoped_release release;
+  rope_core(a, q);
+}
+
+// rope_append, then the row-exact attention of the rotated queries over the cache's first t + Q
+// positions (mask [B, 1, Q, >= t+Q] or None): one call for a layer's attention block.  out [B, Q, H, D].
+void rope_attend(const F32& qkv, const F32& cos, const F32& sin, int64_t H, int64_t Hkv, py::array_t<float, 0> key,
+                 py::array_t<float, 0> value, int64_t t, const py::object& mask_obj, float scale,
+                 py::array_t<float, 0> out_arr, int64_t parallel_work) {
+  if (out_arr.ndim() != 4 || out_arr.shape(2) != H || !(out_arr.flags() & py::array::c_style) || !out_arr.writeable())
+    throw std::invalid_argument("rope: out must be a writeable contiguous [B, Q, H, D]");
+  const int64_t B = out_arr.shape(0), Q = out_arr.shape(1);
+  const RopeArgs a = rope_args(qkv, cos, sin, B, Q, H, Hkv, key, value, t);
+  const int64_t D = a.D, T = t + Q;
+  if (out_arr.shape(3) != D) throw std::invalid_argument("rope: out [B, Q, H, D] and the cache's D do not match");
+  F32 mask_arr;
+  Strided4 m{nullptr, {}, {}};
+  const bool has_mask = !mask_obj.is_none();
+  if (has_mask) {
+    mask_arr = mask_obj.cast<F32>();
+    m = view4(mask_arr, "mask");
+    if (m.shape[0] != B || m.shape[1] != 1 || m.shape[2] != Q || m.shape[3] < T)
+      throw std::invalid_argument("mask must be [B, 1, Q, >=T]");
+  }
+  float* out = out_arr.mutable_data();
+  py::gil_scoped_release release;
+  std::vector<float> query(static_cast<size_t>(B * Q * H * D));
+  rope_core(a, query.data());
+  const Strided4 qv{query.data(), {B, H, Q, D}, {Q * H * D, D, H * D, 1}};
+  const Strided4 kv{a.key, {B, Hkv, T, D}, {a.ks[0], a.ks[1], a.ks[2], 1}};
+  const Strided4 vv{a.value, {B, Hkv, T, D}, {a.vs[0], a.vs[1], a.vs[2], 1}};
+  attend_views(qv, kv, vv, has_mask ? &m : nullptr, scale, out, parallel_work);
 }
 
 }  // namespace
@@ -268,4 +322,8 @@ PYBIND11_MODULE(_kernels, mod) {
   mod.def("rope_append", &rope_append, py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("heads"),
           py::arg("kv_heads"), py::arg("query"), py::arg("key_buffer"), py::arg("value_buffer"), py::arg("t"),
           "rotary embedding of q and k, and the KV-cache append of k and v (see dart_core.kernels)");
+  mod.def("rope_attend", &rope_attend, py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("heads"),
+          py::arg("kv_heads"), py::arg("key_buffer"), py::arg("value_buffer"), py::arg("t"), py::arg("mask"),
+          py::arg("scale"), py::arg("out"), py::arg("parallel_work"),
+          "rope_append, then the row-exact attention over the cache (see dart_core.kernels)");
 }

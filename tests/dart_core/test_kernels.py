@@ -121,3 +121,25 @@ def test_rope_append_equals_the_rotation_and_cache_write_of_pytorch_operators():
         rope_append(qkv, cos, sin, h, h_kv, kb[:, :, :6], vb, t)
     with pytest.raises(ValueError, match="do not match"):
         rope_append(qkv, cos[..., :32], sin, h, h_kv, kb, vb, t)
+
+
+def test_rope_attend_equals_rope_append_then_attention():
+    from dart_core.kernels import additive_mask, rope_append, rope_attend
+
+    g = torch.Generator().manual_seed(4)
+    b, q, h, h_kv, d, t = 2, 4, 9, 3, 64, 7
+    qkv = torch.randn(b, q, (h + 2 * h_kv) * d, generator=g)
+    cos, sin = torch.randn(b, q, d, generator=g), torch.randn(b, q, d, generator=g)
+    kb, vb = torch.randn(b, h_kv, 32, d, generator=g), torch.randn(b, h_kv, 32, d, generator=g)
+    mask = torch.zeros(b, 1, q, t + q)
+    mask[0, :, :, t + 1:] = MIN  # a tree: each node sees the prefix and itself only
+    mask[0, 0, torch.arange(q), t + torch.arange(q)] = 0.0
+    kb2, vb2 = kb.clone(), vb.clone()
+    query = rope_append(qkv, cos, sin, h, h_kv, kb, vb, t)
+    expected = row_exact_attention(query, kb[:, :, :t + q], vb[:, :, :t + q], mask, 0.125)
+    got = rope_attend(qkv, cos.view(b * q, d).numpy(), sin.view(b * q, d).numpy(), h, h_kv, kb2, vb2, t,
+                      additive_mask(mask), 0.125)
+    assert torch.equal(got, expected) and torch.equal(kb2, kb) and torch.equal(vb2, vb)
+    with pytest.raises(ValueError, match=r"mask must be \[B, 1, Q, >=T\]"):
+        rope_attend(qkv, cos.view(b * q, d).numpy(), sin.view(b * q, d).numpy(), h, h_kv, kb2, vb2, t,
+                    additive_mask(mask[..., :t]), 0.125)
