@@ -97,15 +97,20 @@ def test_masked_rows_other_dtypes_and_bad_inputs():
         row_exact_attention(query[0], key, value, None)
 
 
+def _rope_inputs(seed, b, q, h, h_kv, d, capacity):
+    """qkv [b, q, (h + 2 h_kv) d], cos and sin [b, q, d], key and value buffers [b, h_kv, capacity, d]."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, q, (h + 2 * h_kv) * d, generator=g), torch.randn(b, q, d, generator=g),
+            torch.randn(b, q, d, generator=g), torch.randn(b, h_kv, capacity, d, generator=g),
+            torch.randn(b, h_kv, capacity, d, generator=g))
+
+
 def test_rope_append_equals_the_rotation_and_cache_write_of_pytorch_operators():
     from dart_core.decoder import _rotate
     from dart_core.kernels import rope_append
 
-    g = torch.Generator().manual_seed(3)
     b, q, h, h_kv, d, t = 2, 3, 6, 2, 64, 5
-    qkv = torch.randn(b, q, (h + 2 * h_kv) * d, generator=g)
-    cos, sin = torch.randn(b, q, d, generator=g), torch.randn(b, q, d, generator=g)
-    kb, vb = torch.randn(b, h_kv, 16, d, generator=g), torch.randn(b, h_kv, 16, d, generator=g)
+    qkv, cos, sin, kb, vb = _rope_inputs(3, b, q, h, h_kv, d, 16)
     before_k, before_v = kb.clone(), vb.clone()
     query = rope_append(qkv, cos, sin, h, h_kv, kb, vb, t)
     qk = _rotate(qkv[..., :(h + h_kv) * d].view(b, q, h + h_kv, d), cos[:, :, None], sin[:, :, None])
@@ -126,11 +131,8 @@ def test_rope_append_equals_the_rotation_and_cache_write_of_pytorch_operators():
 def test_rope_attend_equals_rope_append_then_attention():
     from dart_core.kernels import additive_mask, rope_append, rope_attend
 
-    g = torch.Generator().manual_seed(4)
     b, q, h, h_kv, d, t = 2, 4, 9, 3, 64, 7
-    qkv = torch.randn(b, q, (h + 2 * h_kv) * d, generator=g)
-    cos, sin = torch.randn(b, q, d, generator=g), torch.randn(b, q, d, generator=g)
-    kb, vb = torch.randn(b, h_kv, 32, d, generator=g), torch.randn(b, h_kv, 32, d, generator=g)
+    qkv, cos, sin, kb, vb = _rope_inputs(4, b, q, h, h_kv, d, 32)
     mask = torch.zeros(b, 1, q, t + q)
     mask[0, :, :, t + 1:] = MIN  # a tree: each node sees the prefix and itself only
     mask[0, 0, torch.arange(q), t + torch.arange(q)] = 0.0
