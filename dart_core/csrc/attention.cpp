@@ -30,6 +30,12 @@ namespace py = pybind11;
 
 namespace {
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define DART_ISA_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define DART_ISA_CLONES  // one version, for the compiler's target
+#endif
+
 using F32 = py::array_t<float, 0>;  // no forcecast: a float32 view of the caller's tensor, never a copy
 
 constexpr int kLanes = 16;     // the q·k sum's lanes (vectorised by the compiler; the order is fixed)
@@ -76,10 +82,10 @@ inline __attribute__((always_inline)) float exp_nonpositive(float x) {
 // The query rows of one (sequence, key/value head, query position): the G heads that share the
 // key/value head (G <= kMaxGroup).  Each row is computed exactly as it would be alone: the mask
 // is the same for all of them, so they visit the same keys; sharing the visit only saves loads.
-// Compiled for AVX-512, AVX2 and baseline x86-64; the CPU's best runs (every version does the
-// same operations in the same order, so a row's bits do not depend on the version either).
+// With GCC on x86-64, compiled for AVX-512, AVX2 and baseline x86-64, and the CPU's best runs
+// (every version does the same operations in the same order: a row's bits do not depend on it).
 template <int kD>
-__attribute__((target_clones("avx512f", "avx2", "default")))
+DART_ISA_CLONES
 void attend_group(const float* const* qrows, int G, const float* mrow, int64_t mstride, const float* kbase,
                   int64_t kstride, const float* vbase, int64_t vstride, int64_t T, int64_t n_dim, float scale,
                   float* scores, int64_t* kept, float* acc, float* const* orows) {
@@ -171,11 +177,12 @@ void attend_views(const Strided4& q, const Strided4& k, const Strided4& v, const
       const float* mrow = m ? m->data + b * m->stride[0] + i * m->stride[2] : nullptr;
       const float* kb = k.data + b * k.stride[0] + hk * k.stride[1];
       const float* vb = v.data + b * v.stride[0] + hk * v.stride[1];
+      const int64_t ms = m ? m->stride[3] : 0;
       if (D == 64)
-        attend_group<64>(qrows, G, mrow, (m ? m->stride[3] : 0), kb, k.stride[2], vb, v.stride[2], T, D, scale, scores.data(),
+        attend_group<64>(qrows, G, mrow, ms, kb, k.stride[2], vb, v.stride[2], T, D, scale, scores.data(),
                          kept.data(), acc.data(), orows);
       else
-        attend_group<0>(qrows, G, mrow, (m ? m->stride[3] : 0), kb, k.stride[2], vb, v.stride[2], T, D, scale, scores.data(),
+        attend_group<0>(qrows, G, mrow, ms, kb, k.stride[2], vb, v.stride[2], T, D, scale, scores.data(),
                         kept.data(), acc.data(), orows);
     }
   }
