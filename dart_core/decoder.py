@@ -11,8 +11,9 @@ and the rest is Python (module calls, keyword plumbing, output collection) and s
 - the rotary tables are computed once for all positions, the way transformers computes them
   per forward (each entry one product, so the values are the same);
 - the rotation of q and k and the KV-cache append are one C++ call per layer
-  (:func:`dart_core.kernels.rope_append`, PyTorch's arithmetic operator for operator), and the 4-bit
-  target's row-exact attention calls its kernel directly with the mask converted once per forward;
+  (:func:`dart_core.kernels.rope_append`, PyTorch's arithmetic operator for operator); on the 4-bit
+  target the same call continues with the row-exact attention (:func:`~dart_core.kernels.rope_attend`),
+  its mask converted once per forward;
 - taps, logits and the KV cache are what :meth:`TargetModel.model_forward
   <dart_core.target.TargetModel.model_forward>` returns and writes through transformers.
 
