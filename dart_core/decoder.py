@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import torch
 
+from dart_core import kernels
 from dart_core.kv_cache import BufferedKVCache
 from dart_core.quant import Int4Linear
-from dart_core import kernels
 from dart_core.target import _ROW_EXACT_QUERY, _grouped_sdpa
 
 __all__ = ["LlamaDecoder", "decoder_unsupported"]
@@ -167,16 +167,16 @@ class LlamaDecoder:
             kv = cache.layer(i) if fused else None
             if kv is not None and kv.static_write_index is not None:
                 kv = None  # a static cache (CUDA graphs) writes through update()
+            if kv is not None:  # the kernels write the new keys and values at t .. t + q - 1
+                kb, vb, t = kv.reserve(b, self.kv_heads, q, self.head_dim, self.head_dim, torch.float32, x.device)
             if kv is not None and exact_mask is not False:
                 # the 4-bit target: rotation, cache append and row-exact attention in one kernel call
-                kb, vb, t = kv.reserve(b, self.kv_heads, q, self.head_dim, self.head_dim, torch.float32, x.device)
                 out = kernels.rope_attend(qkv, cos_np, sin_np, self.heads, self.kv_heads, kb, vb, t, exact_mask,
                                           layer.attn.scaling)
                 kv.commit(t + q)
             else:
                 if kv is not None:  # rotation and cache append: one kernel call
-                    kb, vb, t = kv.reserve(b, self.kv_heads, q, self.head_dim, self.head_dim, torch.float32, x.device)
-                    query = kernels.rope_append(qkv, cos, sin, self.heads, self.kv_heads, kb, vb, t)
+                    query = kernels.rope_append(qkv, cos_np, sin_np, self.heads, self.kv_heads, kb, vb, t)
                     key, value = kv.commit(t + q)
                 else:  # q and k side by side: one rotation for both
                     qk = _rotate(qkv[..., :n_qk].view(b, q, self.heads + self.kv_heads, self.head_dim),

@@ -120,14 +120,15 @@ def _as_f32(x: torch.Tensor):
     return _inner_contiguous(x).detach().numpy()
 
 
-def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
-                key_buffer: torch.Tensor, value_buffer: torch.Tensor, t: int) -> torch.Tensor:
+def rope_append(qkv: torch.Tensor, cos, sin, heads: int, kv_heads: int, key_buffer: torch.Tensor,
+                value_buffer: torch.Tensor, t: int) -> torch.Tensor:
     """One layer's rotary embedding and KV-cache append, as transformers' Llama attention computes them
     (``x·cos + rotate_half(x)·sin``, each product and the sum rounded to float32: the same bits).
 
     Args:
         qkv: [B, Q, (H + 2·H_kv)·D] float32, the q, k and v projections side by side.
-        cos, sin: [B, Q, D] float32, the rotary tables at each token's position.
+        cos, sin: [B·Q, D] float32 numpy views (made once per forward), the rotary tables at each
+            token's position.
         heads, kv_heads: H and H_kv.
         key_buffer, value_buffer: [B, H_kv, ≥ t + Q, D] float32, written at positions t .. t + Q - 1.
         t: the cache length before this forward.
@@ -141,12 +142,8 @@ def rope_append(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: 
     b, q, n = qkv.shape
     d = n // (heads + 2 * kv_heads)
     query = torch.empty(b, q, heads, d, dtype=torch.float32)
-    try:
-        _kernels.rope_append(qkv.reshape(b * q, n).numpy(), cos.reshape(b * q, -1).numpy(),
-                             sin.reshape(b * q, -1).numpy(), heads, kv_heads, query.numpy(), key_buffer.numpy(),
-                             value_buffer.numpy(), t)
-    except ValueError as e:
-        raise ValueError(str(e)) from None
+    _kernels.rope_append(qkv.view(b * q, n).numpy(), cos, sin, heads, kv_heads, query.numpy(), key_buffer.numpy(),
+                         value_buffer.numpy(), t)
     return query.transpose(1, 2)
 
 
@@ -157,8 +154,7 @@ def rope_attend(qkv: torch.Tensor, cos, sin, heads: int, kv_heads: int, key_buff
 
     Args:
         qkv: [B, Q, (H + 2·H_kv)·D] float32.
-        cos, sin: [B·Q, D] float32 numpy views (made once per forward).
-        key_buffer, value_buffer, t: as :func:`rope_append` (written at t .. t + Q - 1).
+        cos, sin, key_buffer, value_buffer, t: as :func:`rope_append` (written at t .. t + Q - 1).
         mask: [B, 1, Q, ≥ t + Q] from :func:`additive_mask`, or None.
         scale: the factor on q·k.
 

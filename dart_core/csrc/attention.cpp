@@ -188,6 +188,16 @@ void attend_views(const Strided4& q, const Strided4& k, const Strided4& v, const
   }
 }
 
+// The mask argument: None (a null view) or a float32 [B, 1, Q, >= T] array, which ``holder`` keeps alive.
+Strided4 mask_view(const py::object& mask_obj, int64_t B, int64_t Q, int64_t T, F32& holder) {
+  if (mask_obj.is_none()) return Strided4{nullptr, {}, {}};
+  holder = mask_obj.cast<F32>();
+  const Strided4 m = view4(holder, "mask");
+  if (m.shape[0] != B || m.shape[1] != 1 || m.shape[2] != Q || m.shape[3] < T)
+    throw std::invalid_argument("mask must be [B, 1, Q, >=T]");
+  return m;
+}
+
 // query [B, H, Q, D], key/value [B, Hkv, T, D], mask [B, 1, Q, >=T] additive (entries at or below
 // float32's lowest, -inf included, are masked out) or None; out [B, Q, H, D] contiguous, written.
 void attention(const F32& query, const F32& key, const F32& value, const py::object& mask_obj, float scale,
@@ -198,21 +208,14 @@ void attention(const F32& query, const F32& key, const F32& value, const py::obj
   if (k.shape[0] != B || v.shape[0] != B || v.shape[1] != Hkv || v.shape[2] != T || k.shape[3] != D ||
       v.shape[3] != D || Hkv == 0 || H % Hkv != 0)
     throw std::invalid_argument("query [B, H, Q, D] and key/value [B, Hkv, T, D] do not match (H a multiple of Hkv)");
-  const bool has_mask = !mask_obj.is_none();
   F32 mask_arr;
-  Strided4 m{nullptr, {}, {}};
-  if (has_mask) {
-    mask_arr = mask_obj.cast<F32>();
-    m = view4(mask_arr, "mask");
-    if (m.shape[0] != B || m.shape[1] != 1 || m.shape[2] != Q || m.shape[3] < T)
-      throw std::invalid_argument("mask must be [B, 1, Q, >=T]");
-  }
+  const Strided4 m = mask_view(mask_obj, B, Q, T, mask_arr);
   if (out_arr.ndim() != 4 || out_arr.shape(0) != B || out_arr.shape(1) != Q || out_arr.shape(2) != H ||
       out_arr.shape(3) != D || !(out_arr.flags() & py::array::c_style) || !out_arr.writeable())
     throw std::invalid_argument("out must be a writeable contiguous float32 [B, Q, H, D]");
   float* out = out_arr.mutable_data();
   py::gil_scoped_release release;
-  attend_views(q, k, v, has_mask ? &m : nullptr, scale, out, parallel_work);
+  attend_views(q, k, v, m.data ? &m : nullptr, scale, out, parallel_work);
 }
 
 // Rotary embedding of q and k and the KV-cache append, for one layer of a forward: qkv [M, N] (M = B·Q
@@ -301,14 +304,7 @@ void rope_attend(const F32& qkv, const F32& cos, const F32& sin, int64_t H, int6
   const int64_t D = a.D, T = t + Q;
   if (out_arr.shape(3) != D) throw std::invalid_argument("rope: out [B, Q, H, D] and the cache's D do not match");
   F32 mask_arr;
-  Strided4 m{nullptr, {}, {}};
-  const bool has_mask = !mask_obj.is_none();
-  if (has_mask) {
-    mask_arr = mask_obj.cast<F32>();
-    m = view4(mask_arr, "mask");
-    if (m.shape[0] != B || m.shape[1] != 1 || m.shape[2] != Q || m.shape[3] < T)
-      throw std::invalid_argument("mask must be [B, 1, Q, >=T]");
-  }
+  const Strided4 m = mask_view(mask_obj, B, Q, T, mask_arr);
   float* out = out_arr.mutable_data();
   py::gil_scoped_release release;
   std::vector<float> query(static_cast<size_t>(B * Q * H * D));
@@ -316,7 +312,7 @@ void rope_attend(const F32& qkv, const F32& cos, const F32& sin, int64_t H, int6
   const Strided4 qv{query.data(), {B, H, Q, D}, {Q * H * D, D, H * D, 1}};
   const Strided4 kv{a.key, {B, Hkv, T, D}, {a.ks[0], a.ks[1], a.ks[2], 1}};
   const Strided4 vv{a.value, {B, Hkv, T, D}, {a.vs[0], a.vs[1], a.vs[2], 1}};
-  attend_views(qv, kv, vv, has_mask ? &m : nullptr, scale, out, parallel_work);
+  attend_views(qv, kv, vv, m.data ? &m : nullptr, scale, out, parallel_work);
 }
 
 }  // namespace

@@ -112,7 +112,8 @@ def test_rope_append_equals_the_rotation_and_cache_write_of_pytorch_operators():
     b, q, h, h_kv, d, t = 2, 3, 6, 2, 64, 5
     qkv, cos, sin, kb, vb = _rope_inputs(3, b, q, h, h_kv, d, 16)
     before_k, before_v = kb.clone(), vb.clone()
-    query = rope_append(qkv, cos, sin, h, h_kv, kb, vb, t)
+    cos_np, sin_np = cos.view(b * q, d).numpy(), sin.view(b * q, d).numpy()
+    query = rope_append(qkv, cos_np, sin_np, h, h_kv, kb, vb, t)
     qk = _rotate(qkv[..., :(h + h_kv) * d].view(b, q, h + h_kv, d), cos[:, :, None], sin[:, :, None])
     assert query.shape == (b, h, q, d)
     assert torch.equal(query, qk[:, :, :h].transpose(1, 2))
@@ -123,9 +124,9 @@ def test_rope_append_equals_the_rotation_and_cache_write_of_pytorch_operators():
     assert torch.equal(kb[:, :, untouched], before_k[:, :, untouched])
     assert torch.equal(vb[:, :, untouched], before_v[:, :, untouched])
     with pytest.raises(ValueError, match="cache buffers"):
-        rope_append(qkv, cos, sin, h, h_kv, kb[:, :, :6], vb, t)
+        rope_append(qkv, cos_np, sin_np, h, h_kv, kb[:, :, :6], vb, t)
     with pytest.raises(ValueError, match="do not match"):
-        rope_append(qkv, cos[..., :32], sin, h, h_kv, kb, vb, t)
+        rope_append(qkv, cos_np[:, :32], sin_np, h, h_kv, kb, vb, t)
 
 
 def test_rope_attend_equals_rope_append_then_attention():
@@ -137,11 +138,10 @@ def test_rope_attend_equals_rope_append_then_attention():
     mask[0, :, :, t + 1:] = MIN  # a tree: each node sees the prefix and itself only
     mask[0, 0, torch.arange(q), t + torch.arange(q)] = 0.0
     kb2, vb2 = kb.clone(), vb.clone()
-    query = rope_append(qkv, cos, sin, h, h_kv, kb, vb, t)
+    cos_np, sin_np = cos.view(b * q, d).numpy(), sin.view(b * q, d).numpy()
+    query = rope_append(qkv, cos_np, sin_np, h, h_kv, kb, vb, t)
     expected = row_exact_attention(query, kb[:, :, :t + q], vb[:, :, :t + q], mask, 0.125)
-    got = rope_attend(qkv, cos.view(b * q, d).numpy(), sin.view(b * q, d).numpy(), h, h_kv, kb2, vb2, t,
-                      additive_mask(mask), 0.125)
+    got = rope_attend(qkv, cos_np, sin_np, h, h_kv, kb2, vb2, t, additive_mask(mask), 0.125)
     assert torch.equal(got, expected) and torch.equal(kb2, kb) and torch.equal(vb2, vb)
     with pytest.raises(ValueError, match=r"mask must be \[B, 1, Q, >=T\]"):
-        rope_attend(qkv, cos.view(b * q, d).numpy(), sin.view(b * q, d).numpy(), h, h_kv, kb2, vb2, t,
-                    additive_mask(mask[..., :t]), 0.125)
+        rope_attend(qkv, cos_np, sin_np, h, h_kv, kb2, vb2, t, additive_mask(mask[..., :t]), 0.125)
