@@ -448,7 +448,12 @@ class SpeculationGate:
     positions than one step can accept (a new prompt: the first step after a
     prefill would otherwise make speculation look several times slower).
     The first ``warmup`` measured steps of a batch size speculate,
-    the next ``warmup`` do not.  Each average starts as the plain mean of its
+    the next ``warmup`` do not.  A mode's average restarts each time the
+    mode resumes: a probe is judged by its own steps, not blended into
+    measurements taken hundreds of steps earlier (under other prompts, or in
+    the first steps of a fresh engine, whose one-off costs would otherwise
+    keep a wrong first choice for thousands of steps, each probe confirming
+    it and doubling the period).  Each average starts as the plain mean of its
     first ``1 / ema`` steps (so the first step does not weigh more than the
     next ones), and a step whose rate is off the average by more than
     ``outlier`` times is a hiccup, not a measurement: a slower one (a CUDA
@@ -526,19 +531,23 @@ class SpeculationGate:
         passes it for a draft that catches up on a new prompt or on skipped positions).
         """
         b = self._stats(batch)
+        k = int(speculative)
         switched = b.last is not None and b.last != speculative
         b.last = speculative
+        if switched:
+            b.run[k] = 0  # the mode resumes: its average restarts from the steps to come
         if switched or not typical or step_ms <= 0:
             return
-        k = int(speculative)
         rate = tokens / step_ms
-        if b.seen[k] and rate * self.outlier < b.rate[k]:  # a hiccup: skipped
+        if b.run[k] and rate * self.outlier < b.rate[k]:  # a hiccup: skipped
             self.hiccups += 1
             return
-        if b.seen[k] and rate > self.outlier * b.rate[k]:  # the average so far was the hiccup
-            self.hiccups += b.seen[k]
-            b.seen[k] = 0
-        b.rate[k] = _ema(b.rate[k] if b.seen[k] else None, rate, max(self.ema, 1 / (b.seen[k] + 1)))
+        if b.run[k] and rate > self.outlier * b.rate[k]:  # the average so far was the hiccup
+            self.hiccups += b.run[k]
+            b.seen[k] -= b.run[k]  # those steps no longer count as measured (warm-up included)
+            b.run[k] = 0
+        b.rate[k] = _ema(b.rate[k] if b.run[k] else None, rate, max(self.ema, 1 / (b.run[k] + 1)))
+        b.run[k] += 1
         b.seen[k] += 1
 
     def speedup(self, batch: int) -> float | None:
@@ -559,3 +568,4 @@ class _GateBucket:
     last: bool | None = None  # mode of the last observed step
     rate: list[float] = field(default_factory=lambda: [0.0, 0.0])  # tokens/ms, moving averages
     seen: list[int] = field(default_factory=lambda: [0, 0])  # steps measured
+    run: list[int] = field(default_factory=lambda: [0, 0])  # steps in the current average (since it restarted)

@@ -317,9 +317,15 @@ class DartEngine:
             yield step
             if gated:  # wall time until the caller asks for the next step: its per-step work counts too
                 # a step that captured a CUDA graph is not typical of its mode (tens of ms of capture)
-                self.gate.observe(len(state.seq_ids), spec_now, sum(step.accepted_lengths),
-                                  1e3 * (time.perf_counter() - t_step),
-                                  typical=not step.catch_up and self._graph_captures() == captures)
+                wall_ms = 1e3 * (time.perf_counter() - t_step)
+                typical = not step.catch_up and self._graph_captures() == captures
+                self.gate.observe(len(state.seq_ids), spec_now, sum(step.accepted_lengths), wall_ms, typical=typical)
+                if logger.isEnabledFor(logging.DEBUG):
+                    logger.debug("gate: batch %d, %s step, %d tokens in %.2f ms (step %.2f ms, verified %d)%s; "
+                                 "measured speed-up %s", len(state.seq_ids),
+                                 "speculative" if spec_now else "autoregressive", sum(step.accepted_lengths),
+                                 wall_ms, step.step_ms, step.verified_tokens, "" if typical else ", not measured",
+                                 self.gate.speedup(len(state.seq_ids)))
             state.keep([i for i, r in enumerate(state.reasons) if r is None])
 
     def _prefill(self, state: "_BatchState", ids: list[int], joining: list["NewSequence"]) -> StepOutput:

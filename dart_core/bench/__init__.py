@@ -45,6 +45,9 @@ def add_engine_arguments(ap, defaults) -> None:
     ap.add_argument("--device", default=defaults.device)
     ap.add_argument("--threads", type=int, default=defaults.threads)
     add_cuda_graphs_argument(ap)
+    ap.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                    help="level of dart-serve's own log records (dart_core, ngram_service) on stderr; debug "
+                         "shows the speculation gate's choice and measurement at every step [%(default)s]")
 
 
 def add_weights_argument(ap, defaults) -> None:
@@ -72,6 +75,11 @@ def run_cli(config_cls, args, run, save, table, requires: tuple[str, ...] = ()) 
         return 2
     if missing_modules("matplotlib"):
         print(f"warning: matplotlib is not installed: the results get no plot ({INSTALL_HINT})", file=sys.stderr)
+    level = getattr(args, "log_level", None)
+    if level:
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        for name in ("dart_core", "ngram_service"):
+            logging.getLogger(name).setLevel(level.upper())
     fields = {f.name for f in dataclasses.fields(config_cls)}
     cfg = config_cls(**{k: v for k, v in vars(args).items() if k in fields})
     try:

@@ -4,7 +4,8 @@
 # verification (DART_DRAFT_GRAPHS=0); for the batching job, nocap lets every batch up to 64 speculate
 # (--max-speculative-batch 64, the gate still deciding) and nogate speculates at every step of those
 # (--no-gate as well); the variant is appended to the result's label.  prof16-bf16 profiles a batch of 16
-# (step_profile-b16-*.json); struct-bf16 runs the structured-output benchmark (structured-*.json; needs
+# (step_profile-b16-*.json); gate-bf16 logs the speculation gate at one client (batching-gate-*.json, the log in
+# rep/logs); struct-bf16 runs the structured-output benchmark (structured-*.json; needs
 # llguidance's wheel unzipped into /tmp/site, STRUCT_TOKENS / STRUCT_RUNS size it).
 source scripts/gpu_session/env.sh
 mkdir -p $R/rep/logs $R/b
@@ -35,6 +36,9 @@ for spec in "$@"; do
     prof16-bf16) cmd="dart_core.bench.step_profile --dataset $MT --num-prompts 16 --batch-size 16 --max-new-tokens 32 --device cuda --dtype bfloat16 --budget 16 --modes autoregressive dart gated-off --no-progress" ;;
     # structured output (needs llguidance: its wheel unzipped into /tmp/site)
     struct-bf16) cmd="dart_core.bench.structured --device cuda --dtype bfloat16 --max-tokens ${STRUCT_TOKENS:-128} --runs ${STRUCT_RUNS:-1}" ;;
+    # one client, 4 requests of 128 tokens on the tuning set (AlpacaEval, carried as alpacaeval.jsonl), with the
+    # engine's debug log: the speculation gate's choice and measurement at every step (in the job's log)
+    gate-bf16)  cmd="dart_core.bench.batching --concurrency 1 --requests-per-client 4 --max-tokens 128 --dataset $D/files/extra/alpacaeval.jsonl --device cuda --dtype bfloat16 --no-progress --log-level debug" ;;
     batch-bf16) cmd="dart_core.bench.batching --concurrency 1 4 16 64 --requests-per-client 1 --max-tokens 64 --dataset $MT --device cuda --dtype bfloat16 --no-progress" ;;
     *) echo "unknown job $job"; continue ;;
   esac
@@ -44,7 +48,7 @@ for spec in "$@"; do
   label=${job#*-}${variant:+-$variant}; kind=${job%%-*}
   case $kind in
     dec) f=decoding;; prof) f=step_profile;; ops) f=step_profile; label=ops-$label;; batch) f=batching;;
-    prof16) f=step_profile; label=b16-$label;; struct) f=structured;;
+    prof16) f=step_profile; label=b16-$label;; struct) f=structured;; gate) f=batching; label=gate-$label;;
   esac
   dest=$R/rep/$f-$label  # a repeated job: its runs are named -run1, -run2, ... (gpu_report takes their median)
   if [ -f $dest.json ]; then mv $dest.json $dest-run1.json; fi

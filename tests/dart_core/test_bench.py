@@ -606,3 +606,36 @@ def test_the_serving_threads_table_reads_loader_threads_and_run_from_file_names(
         render_serving_threads(tmp_path)
     with pytest.raises(FileNotFoundError):
         render_serving_threads(tmp_path / "nowhere")
+
+
+def test_log_level_option_sets_dart_serves_own_loggers(tmp_path):
+    """``--log-level debug`` (every in-process benchmark CLI) turns on the engine's step-by-step gate log and
+    leaves other libraries' loggers alone."""
+    import argparse
+    import dataclasses
+    import logging
+
+    from dart_core.bench import add_engine_arguments, run_cli
+
+    @dataclasses.dataclass
+    class Cfg:
+        device: str = "cpu"
+
+    ap = argparse.ArgumentParser()
+    add_engine_arguments(ap, argparse.Namespace(model=None, head=None, trie="auto", budget="auto", dtype="float32",
+                                                weights="auto", device="cpu", threads=None))
+    ap.add_argument("--out", default=str(tmp_path))
+    ap.add_argument("--no-progress", action="store_true")
+    engine_logger, other = logging.getLogger("dart_core.engine"), logging.getLogger("urllib3")
+    saved = (logging.getLogger("dart_core").level, logging.getLogger("ngram_service").level, other.level)
+    try:
+        assert run_cli(Cfg, ap.parse_args(["--log-level", "debug"]), lambda cfg, progress: {"rows": []},
+                       lambda result, out: {}, lambda result: "") == 0
+        assert engine_logger.isEnabledFor(logging.DEBUG)
+        assert logging.getLogger("ngram_service").level == logging.DEBUG
+        assert other.level == saved[2]
+        with pytest.raises(SystemExit):
+            ap.parse_args(["--log-level", "verbose"])
+    finally:
+        logging.getLogger("dart_core").setLevel(saved[0])
+        logging.getLogger("ngram_service").setLevel(saved[1])

@@ -273,6 +273,18 @@ def test_gate_probes_less_often_while_the_same_mode_keeps_winning():
     assert modes[16:].count(True) > 3 * modes[16:].count(False)  # then autoregressive steps are only probes
 
 
+def test_gate_judges_a_probe_by_its_own_steps_not_by_old_averages():
+    """At the default settings, once speculation has lost for a long time (its average settled over many
+    probes), the first probe after it starts winning turns the gate, instead of being blended into the old
+    average at weight ``ema`` and confirming the old winner (which doubled the probe period each time)."""
+    gate = SpeculationGate()
+    _drive(gate, 1, 2000, spec_rate=0.5, ar_rate=1.0)  # periods grow to 1024 steps
+    modes = _drive(gate, 1, 1100, spec_rate=2.0, ar_rate=1.0)  # the draft head got good
+    first = modes.index(True)
+    assert first < 1024  # the next probe: within one period
+    assert modes[first + 8:].count(False) <= 4 * (len(modes) // 64 + 1)  # afterwards autoregressive steps are probes
+
+
 @pytest.mark.parametrize("kw", [{"ema": 0}, {"ema": 1.5}, {"probe_steps": 1}, {"probe_every": 4, "probe_steps": 4},
                                 {"probe_every": 64, "max_probe_every": 32}, {"warmup": 0}, {"outlier": 1.0}])
 def test_gate_rejects_bad_settings(kw):
