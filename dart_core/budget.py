@@ -448,12 +448,15 @@ class SpeculationGate:
     positions than one step can accept (a new prompt: the first step after a
     prefill would otherwise make speculation look several times slower).
     The first ``warmup`` measured steps of a batch size speculate,
-    the next ``warmup`` do not.  A mode's average restarts each time the
-    mode resumes: a probe is judged by its own steps, not blended into
-    measurements taken hundreds of steps earlier (under other prompts, or in
-    the first steps of a fresh engine, whose one-off costs would otherwise
-    keep a wrong first choice for thousands of steps, each probe confirming
-    it and doubling the period).  Each average starts as the plain mean of its
+    the next ``warmup`` do not.  When a mode resumes after more than
+    ``probe_every`` steps of the other, its old average counts as one step
+    beside the new ones (their plain mean, up to ``1 / ema`` steps), so a
+    probe is judged mostly by its own steps, not blended at weight ``ema``
+    into measurements taken hundreds of steps earlier (under other prompts,
+    or in the first steps of a fresh engine, whose one-off costs would
+    otherwise keep a wrong first choice for thousands of steps, each probe
+    confirming it and doubling the period); the winner, back after a short
+    probe, keeps its long average.  Each average starts as the plain mean of its
     first ``1 / ema`` steps (so the first step does not weigh more than the
     next ones), and a step whose rate is off the average by more than
     ``outlier`` times is a hiccup, not a measurement: a slower one (a CUDA
@@ -469,12 +472,19 @@ class SpeculationGate:
     (BENCHMARKS.md, verification cost curve).
 
     Args:
-        ema: weight of the newest measured step in each average.
+        ema: weight of the newest measured step in each average (its first
+            ``1 / ema`` steps are a plain mean).  Speculative steps emit from one
+            token to a dozen or more, so their average needs a long memory to tell
+            a mode that pays from a break-even one (:mod:`dart_core.bench.gate_replay`
+            replays measured steps through the gate at several settings; BENCHMARKS.md,
+            "The speculation gate, replayed").
         probe_every: first probe period, in steps of one bucket.
         max_probe_every: longest probe period.
         probe_steps: consecutive steps of the other mode per probe (≥ 2: the
             first is not measured).
-        warmup: measured steps of each mode before the gate decides.
+        warmup: measured steps of each mode before the gate decides (a few steps of
+            noisy speculative rates decide wrongly often enough to cost a short run
+            a whole probe period: the replay's short runs).
         outlier: a step whose tokens/ms differ from its mode's average by more
             than this factor is not averaged (see above).
 
@@ -482,7 +492,7 @@ class SpeculationGate:
         ValueError: settings out of range.
     """
 
-    def __init__(self, ema: float = 0.1, probe_every: int = 64, probe_steps: int = 4, warmup: int = 2,
+    def __init__(self, ema: float = 0.05, probe_every: int = 64, probe_steps: int = 4, warmup: int = 8,
                  max_probe_every: int = 1024, outlier: float = 8.0) -> None:
         if (not (0 < ema <= 1) or not (2 <= probe_steps < probe_every <= max_probe_every) or warmup < 1
                 or not outlier > 1):
@@ -534,8 +544,10 @@ class SpeculationGate:
         k = int(speculative)
         switched = b.last is not None and b.last != speculative
         b.last = speculative
-        if switched:
-            b.run[k] = 0  # the mode resumes: its average restarts from the steps to come
+        b.clock += 1
+        if switched and b.clock - b.last_step[k] > self.probe_every:
+            b.run[k] = min(b.run[k], 1)  # stale: the old average counts as one step beside the steps to come
+        b.last_step[k] = b.clock
         if switched or not typical or step_ms <= 0:
             return
         rate = tokens / step_ms
@@ -568,4 +580,6 @@ class _GateBucket:
     last: bool | None = None  # mode of the last observed step
     rate: list[float] = field(default_factory=lambda: [0.0, 0.0])  # tokens/ms, moving averages
     seen: list[int] = field(default_factory=lambda: [0, 0])  # steps measured
-    run: list[int] = field(default_factory=lambda: [0, 0])  # steps in the current average (since it restarted)
+    clock: int = 0  # steps observed
+    last_step: list[int] = field(default_factory=lambda: [0, 0])  # clock at each mode's last step
+    run: list[int] = field(default_factory=lambda: [0, 0])  # steps the current average weighs (1 + new ones on resuming)

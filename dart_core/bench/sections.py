@@ -1,7 +1,7 @@
 """BENCHMARKS.md's sections that come from one-off measurements, rendered from their result files:
 ``python -m dart_core.bench.sections`` (``--check`` exits 1 where the page is not what the files give).
 
-Four sections of the page hold results that are not re-measured by the report itself:
+Five sections of the page hold results that are not re-measured by the report itself:
 
 - "Continuous batching without Ray": ``bench/results/batching_cpu/batching.json``
   (:mod:`dart_core.bench.batching`);
@@ -11,7 +11,9 @@ Four sections of the page hold results that are not re-measured by the report it
   ``python -m ngram_service.bench`` and ``python -m ngram_service.load_bench`` on that trie and on
   the default one, and τ with each);
 - "Serving threads": ``bench/results/serving_threads/*.json`` (:mod:`dart_core.bench.serving`
-  against ``serve run deployments/dart.yaml`` with the engine's thread settings varied).
+  against ``serve run deployments/dart.yaml`` with the engine's thread settings varied);
+- "The speculation gate, replayed": the engine's debug logs of :data:`GATE_LOGS`
+  (:mod:`dart_core.bench.gate_replay`).
 
 Each is written between its own markers; the page's text around them (what the figures mean)
 cites the tables and copies none of their numbers. Derived rows (per-core capacity, the
@@ -28,8 +30,8 @@ import statistics
 import sys
 from pathlib import Path
 
-__all__ = ["render_batching", "render_reference_import", "render_billion_trie", "render_serving_threads", "SECTIONS",
-           "write_sections", "main"]
+__all__ = ["render_batching", "render_reference_import", "render_billion_trie", "render_serving_threads",
+           "render_gate_replay", "GATE_LOGS", "SECTIONS", "write_sections", "main"]
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
@@ -252,9 +254,36 @@ def render_serving_threads(results: Path = RESULTS) -> str:
                      + [line for _, line in sorted(table)])
 
 
+#: (title, log files under bench/results) of the gate replays: one engine debug log set per machine
+GATE_LOGS = (("CPU: 2-core AMD EPYC with AVX512-BF16, the 4-bit target, AlpacaEval instructions (the tuning set), one "
+              "client (`python -m dart_core.bench.batching --concurrency 1 --requests-per-client 4 --max-tokens 128 "
+              "--dataset alpacaeval --log-level debug`, two runs)", "gate/cpu-*.log"),
+             ("GPU: one H200, bf16, CUDA graphs, the same kind of run (`scripts/gpu_session/bench.sh gate-bf16-graphs`)",
+              "gpu-h200-7/gate-bf16-graphs.log"))
+
+
+def render_gate_replay(results: Path = RESULTS) -> str:
+    """The speculation gate replayed over the measured steps of each log set of :data:`GATE_LOGS`
+    (:mod:`dart_core.bench.gate_replay`).
+
+    Raises:
+        FileNotFoundError: a set has no log; ValueError: a log without gated steps.
+    """
+    from dart_core.bench.gate_replay import render
+
+    parts = []
+    for title, pattern in GATE_LOGS:
+        logs = sorted(results.glob(pattern))
+        if not logs:
+            raise FileNotFoundError(f"no gate logs {results / pattern}")
+        parts.append(f"**{title}**\n\n{render(logs, seeds=12, num_steps=1500)}")
+    return "\n\n".join(parts)
+
+
 #: (marker name, renderer) of every section this module writes
 SECTIONS = (("batching-cpu", render_batching), ("reference-import", render_reference_import),
-            ("billion-trie", render_billion_trie), ("serving-threads", render_serving_threads))
+            ("billion-trie", render_billion_trie), ("serving-threads", render_serving_threads),
+            ("gate-replay", render_gate_replay))
 
 
 def _block(name: str, body: str) -> str:

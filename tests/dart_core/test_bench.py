@@ -639,3 +639,33 @@ def test_log_level_option_sets_dart_serves_own_loggers(tmp_path):
     finally:
         logging.getLogger("dart_core").setLevel(saved[0])
         logging.getLogger("ngram_service").setLevel(saved[1])
+
+
+def test_gate_replay_reads_the_engine_log_and_replays_it(tmp_path):
+    """``dart_core.bench.gate_replay``: the engine's debug lines parsed into step pools (unmeasured speculative
+    steps as catch-ups, other batch sizes ignored); fixed choices give each pool's own rate; a gate speculates
+    where speculation pays and mostly not where it is slowed down; a log without gated steps is an error."""
+    from dart_core.bench.gate_replay import read_steps, render, replay
+
+    log = tmp_path / "gate.log"
+    lines = ["x DEBUG dart_core.engine: gate: batch 1, speculative step, 3 tokens in 10.00 ms (step 9 ms, verified 4); "
+             "measured speed-up None"] * 5
+    lines += ["x DEBUG dart_core.engine: gate: batch 1, speculative step, 2 tokens in 20.00 ms (step 19 ms, verified 4), "
+              "not measured; measured speed-up None"]
+    lines += ["x DEBUG dart_core.engine: gate: batch 1, autoregressive step, 1 tokens in 8.00 ms (step 7 ms, verified 1); "
+              "measured speed-up 1.5"] * 5
+    lines += ["x DEBUG dart_core.engine: gate: batch 4, autoregressive step, 4 tokens in 9.00 ms", "unrelated line"]
+    log.write_text("\n".join(lines))
+    steps = read_steps([log])
+    assert (len(steps.speculative), len(steps.autoregressive), steps.catch_up) == (5, 5, [(2, 20.0)])
+    assert replay(steps, True, num_steps=50) == (pytest.approx(0.3, rel=0.05), 1.0)  # one catch-up at most: none
+    assert replay(steps, False, num_steps=50) == (pytest.approx(1 / 8), 0.0)
+    rate, share = replay(steps, {}, num_steps=500)
+    assert share > 0.9 and rate > 0.25
+    rate, share = replay(steps, {}, num_steps=500, slowdown=4.0)  # 3 tokens in 40 ms against 1 in 8: speculation loses
+    assert share < 0.2
+    assert "| as measured | 200 | shipped (ema 0.05, warmup 8) |" in render([log], seeds=2, num_steps=200)
+    empty = tmp_path / "empty.log"
+    empty.write_text("nothing logged\n")
+    with pytest.raises(ValueError, match="no gated"):
+        read_steps([empty])

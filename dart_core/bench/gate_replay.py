@@ -1,0 +1,139 @@
+"""The speculation gate replayed over measured steps: ``python -m dart_core.bench.gate_replay LOG ...``.
+
+A benchmark run with ``--log-level debug`` logs every gated step of the engine (``gate: batch 1,
+speculative step, 3 tokens in 12.60 ms ...``, :meth:`dart_core.engine.DartEngine.generate_stream`).
+From such logs this module takes the steps of one batch size as three pools (speculative steps,
+autoregressive steps, and the speculative steps the gate did not measure: the draft catching up
+after autoregressive steps or on a new prompt) and replays them through
+:class:`~dart_core.budget.SpeculationGate`: at each step the gate chooses a mode, a step of that
+mode is drawn at random from its pool (a catch-up step where the mode switches to speculation),
+and the gate observes it as the engine would.  Over many seeded replays this gives the throughput
+each gate setting reaches (tokens per ms, as a multiple of always stepping autoregressively) and
+the share of steps it speculates, against the two fixed choices, with no benchmark noise: every
+setting sees the same steps.  A second scenario slows every speculative step down by a factor
+(``--slowdown``), so that speculation loses, and shows that the gate still turns it off.
+
+Steps are drawn independently, so the replay has no runs of easy or hard text; it measures how
+well a setting tells the modes apart from noisy steps, not how fast it follows a change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from dart_core.budget import SpeculationGate
+
+__all__ = ["Steps", "read_steps", "replay", "render", "SETTINGS", "main"]
+
+_LINE = re.compile(r"gate: batch (\d+), (speculative|autoregressive) step, (\d+) tokens in ([\d.]+) ms")
+
+#: (label, SpeculationGate keyword arguments) of the settings the table compares; the first is the default
+SETTINGS = (("shipped (ema 0.05, warmup 8)", {}), ("ema 0.1", {"ema": 0.1}), ("warmup 2", {"warmup": 2}),
+            ("ema 0.1, warmup 2 (the earlier settings)", {"ema": 0.1, "warmup": 2}))
+
+
+@dataclass
+class Steps:
+    """Measured steps of one batch size: (tokens emitted, wall ms) per step."""
+
+    speculative: list[tuple[int, float]]
+    autoregressive: list[tuple[int, float]]
+    catch_up: list[tuple[int, float]]  # speculative steps the gate left unmeasured
+
+    def rate(self, which: str) -> float:
+        """Tokens per ms of a pool, all its steps together."""
+        pool = getattr(self, which)
+        return sum(t for t, _ in pool) / sum(ms for _, ms in pool)
+
+
+def read_steps(paths, batch: int = 1) -> Steps:
+    """The gated steps of ``batch`` running sequences in the engine's debug logs ``paths``.
+
+    Raises:
+        ValueError: a log holds no speculative or no autoregressive step of that batch size.
+    """
+    steps = Steps([], [], [])
+    for path in paths:
+        for line in Path(path).read_text(encoding="utf-8").splitlines():
+            m = _LINE.search(line)
+            if m is None or int(m.group(1)) != batch:
+                continue
+            step = (int(m.group(3)), float(m.group(4)))
+            if m.group(2) == "autoregressive":
+                steps.autoregressive.append(step)
+            elif "not measured" in line:
+                steps.catch_up.append(step)
+            else:
+                steps.speculative.append(step)
+    if not steps.speculative or not steps.autoregressive:
+        raise ValueError(f"no gated speculative and autoregressive steps of batch {batch} in "
+                         f"{', '.join(map(str, paths))}")
+    if not steps.catch_up:
+        steps.catch_up = list(steps.speculative)
+    return steps
+
+
+def replay(steps: Steps, gate_kwargs: dict | None, *, num_steps: int = 2000, seed: int = 0,
+           slowdown: float = 1.0) -> tuple[float, float]:
+    """One replay: (tokens per ms, speculative share).  ``gate_kwargs`` None or a bool fixes the mode."""
+    rnd = random.Random(seed)
+    gate = SpeculationGate(**gate_kwargs) if isinstance(gate_kwargs, dict) else None
+    tokens = ms = spec_steps = 0
+    last = None
+    for _ in range(num_steps):
+        spec = gate.speculate(1) if gate is not None else bool(gate_kwargs)
+        catch_up = spec and last is False
+        t, d = rnd.choice(steps.catch_up if catch_up else steps.speculative if spec else steps.autoregressive)
+        if spec:
+            d *= slowdown
+        if gate is not None:
+            gate.observe(1, spec, t, d, typical=not catch_up)
+        tokens, ms, spec_steps, last = tokens + t, ms + d, spec_steps + spec, spec
+    return tokens / ms, spec_steps / num_steps
+
+
+def render(paths, *, seeds: int = 20, num_steps: int = 2000, short_steps: int = 250,
+           slowdown: float = 1.5) -> str:
+    """The replay table of the logs ``paths`` (Markdown): every setting of :data:`SETTINGS` and the two
+    fixed choices, over runs of ``short_steps`` (a fresh engine's first requests: the warm-up weighs) and
+    of ``num_steps`` with the measured speculative steps, and ``num_steps`` with them ``slowdown`` times
+    slower; ``seeds`` replays per row (four times as many for the short runs)."""
+    steps = read_steps(paths)
+    ar = steps.rate("autoregressive")
+    lines = [f"{len(steps.speculative)} speculative, {len(steps.autoregressive)} autoregressive and "
+             f"{len(steps.catch_up)} catch-up steps of batch 1 from {', '.join(f'`{Path(p).name}`' for p in paths)}; "
+             f"seeded replays ({4 * seeds} of each short run, {seeds} of each long one), means.", "",
+             "| speculative steps | steps per run | gate | tokens/ms ÷ autoregressive | speculative share |",
+             "|---|---:|---|---:|---:|"]
+    for factor, n, reps in ((1.0, short_steps, 4 * seeds), (1.0, num_steps, seeds), (slowdown, num_steps, seeds)):
+        label = "as measured" if factor == 1.0 else f"{factor:g}× slower"
+        for name, kwargs in (("always speculate", True), ("never speculate", False), *SETTINGS):
+            runs = [replay(steps, kwargs, num_steps=n, seed=s, slowdown=factor) for s in range(reps)]
+            lines.append(f"| {label} | {n} | {name} | {statistics.mean(r[0] for r in runs) / ar:.3f} | "
+                         f"{statistics.mean(r[1] for r in runs):.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dart_core.bench.gate_replay", description=__doc__.split("\n\n")[0])
+    ap.add_argument("logs", nargs="+", help="engine debug logs (a benchmark run with --log-level debug)")
+    ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--slowdown", type=float, default=1.5, help="the second scenario's factor on speculative steps")
+    args = ap.parse_args(argv)
+    try:
+        print(render(args.logs, seeds=args.seeds, num_steps=args.steps, slowdown=args.slowdown))
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
