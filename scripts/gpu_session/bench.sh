@@ -4,7 +4,8 @@
 # verification (DART_DRAFT_GRAPHS=0); for the batching job, nocap lets every batch up to 64 speculate
 # (--max-speculative-batch 64, the gate still deciding) and nogate speculates at every step of those
 # (--no-gate as well); the variant is appended to the result's label.  prof16-bf16 profiles a batch of 16
-# (step_profile-b16-*.json); gate-bf16 logs the speculation gate at one client (batching-gate-*.json, the log in
+# (step_profile-b16-*.json), ops16-bf16 the same batch's gated-off steps by operator (step_profile-ops-b16-*.json);
+# gate-bf16 logs the speculation gate at one client (batching-gate-*.json, the log in
 # rep/logs); struct-bf16 runs the structured-output benchmark (structured-*.json; needs
 # llguidance's wheel unzipped into /tmp/site, STRUCT_TOKENS / STRUCT_RUNS size it).
 source scripts/gpu_session/env.sh
@@ -34,6 +35,9 @@ for spec in "$@"; do
     # a batch of 16 prompts stepped together, autoregressive and DART at a fixed budget (which always drafts), and
     # the steps of a speculative engine whose gate keeps speculation off (gated-off: their cost against autoregressive)
     prof16-bf16) cmd="dart_core.bench.step_profile --dataset $MT --num-prompts 16 --batch-size 16 --max-new-tokens 32 --device cuda --dtype bfloat16 --budget 16 --modes autoregressive dart gated-off --no-progress" ;;
+    # the same batch of 16, autoregressive against gated-off steps only, with the 12 host operators and CUDA kernels
+    # that take the most time per step: where a gated-off step's extra host time goes
+    ops16-bf16) cmd="dart_core.bench.step_profile --dataset $MT --num-prompts 16 --batch-size 16 --max-new-tokens 32 --device cuda --dtype bfloat16 --budget 16 --modes autoregressive gated-off --top-ops 12 --no-progress" ;;
     # structured output (needs llguidance: its wheel unzipped into /tmp/site)
     struct-bf16) cmd="dart_core.bench.structured --device cuda --dtype bfloat16 --max-tokens ${STRUCT_TOKENS:-128} --runs ${STRUCT_RUNS:-1}" ;;
     # one client, 4 requests of 128 tokens on the tuning set (AlpacaEval, carried as alpacaeval.jsonl), with the
@@ -48,7 +52,7 @@ for spec in "$@"; do
   label=${job#*-}${variant:+-$variant}; kind=${job%%-*}
   case $kind in
     dec) f=decoding;; prof) f=step_profile;; ops) f=step_profile; label=ops-$label;; batch) f=batching;;
-    prof16) f=step_profile; label=b16-$label;; struct) f=structured;; gate) f=batching; label=gate-$label;;
+    prof16) f=step_profile; label=b16-$label;; ops16) f=step_profile; label=ops-b16-$label;; struct) f=structured;; gate) f=batching; label=gate-$label;;
   esac
   dest=$R/rep/$f-$label  # a repeated job: its runs are named -run1, -run2, ... (gpu_report takes their median)
   if [ -f $dest.json ]; then mv $dest.json $dest-run1.json; fi
