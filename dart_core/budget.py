@@ -544,10 +544,9 @@ class SpeculationGate:
         k = int(speculative)
         switched = b.last is not None and b.last != speculative
         b.last = speculative
-        b.clock += 1
-        if switched and b.clock - b.last_step[k] > self.probe_every:
+        if switched and b.streak >= self.probe_every:  # the other mode ran more than a probe period
             b.run[k] = min(b.run[k], 1)  # stale: the old average counts as one step beside the steps to come
-        b.last_step[k] = b.clock
+        b.streak = 1 if switched else b.streak + 1
         if switched or not typical or step_ms <= 0:
             return
         rate = tokens / step_ms
@@ -580,6 +579,5 @@ class _GateBucket:
     last: bool | None = None  # mode of the last observed step
     rate: list[float] = field(default_factory=lambda: [0.0, 0.0])  # tokens/ms, moving averages
     seen: list[int] = field(default_factory=lambda: [0, 0])  # steps measured
-    clock: int = 0  # steps observed
-    last_step: list[int] = field(default_factory=lambda: [0, 0])  # clock at each mode's last step
+    streak: int = 0  # steps of the last observed mode in a row
     run: list[int] = field(default_factory=lambda: [0, 0])  # steps the current average weighs (1 + new ones on resuming)

@@ -50,6 +50,10 @@ from ngram_service.tree_search import DraftTree, SearchParams
 
 logger = logging.getLogger(__name__)
 
+#: the DEBUG record of each gated step (batch, mode, tokens, wall ms, step ms, verified tokens, whether it was
+#: measured, the gate's measured speed-up), which :mod:`dart_core.bench.gate_replay` reads back
+GATE_LOG = "gate: batch %d, %s step, %d tokens in %.2f ms (step %.2f ms, verified %d)%s; measured speed-up %s"
+
 __all__ = ["DartEngine", "StepOutput", "TokenLogprobs", "GenerationResult", "NewSequence"]
 
 
@@ -317,15 +321,13 @@ class DartEngine:
             yield step
             if gated:  # wall time until the caller asks for the next step: its per-step work counts too
                 # a step that captured a CUDA graph is not typical of its mode (tens of ms of capture)
-                wall_ms = 1e3 * (time.perf_counter() - t_step)
+                tokens, wall_ms = sum(step.accepted_lengths), 1e3 * (time.perf_counter() - t_step)
                 typical = not step.catch_up and self._graph_captures() == captures
-                self.gate.observe(len(state.seq_ids), spec_now, sum(step.accepted_lengths), wall_ms, typical=typical)
+                self.gate.observe(len(state.seq_ids), spec_now, tokens, wall_ms, typical=typical)
                 if logger.isEnabledFor(logging.DEBUG):
-                    logger.debug("gate: batch %d, %s step, %d tokens in %.2f ms (step %.2f ms, verified %d)%s; "
-                                 "measured speed-up %s", len(state.seq_ids),
-                                 "speculative" if spec_now else "autoregressive", sum(step.accepted_lengths),
-                                 wall_ms, step.step_ms, step.verified_tokens, "" if typical else ", not measured",
-                                 self.gate.speedup(len(state.seq_ids)))
+                    logger.debug(GATE_LOG, len(state.seq_ids), "speculative" if spec_now else "autoregressive",
+                                 tokens, wall_ms, step.step_ms, step.verified_tokens,
+                                 "" if typical else ", not measured", self.gate.speedup(len(state.seq_ids)))
             state.keep([i for i, r in enumerate(state.reasons) if r is None])
 
     def _prefill(self, state: "_BatchState", ids: list[int], joining: list["NewSequence"]) -> StepOutput:

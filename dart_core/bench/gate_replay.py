@@ -1,7 +1,7 @@
 """The speculation gate replayed over measured steps: ``python -m dart_core.bench.gate_replay LOG ...``.
 
 A benchmark run with ``--log-level debug`` logs every gated step of the engine (``gate: batch 1,
-speculative step, 3 tokens in 12.60 ms ...``, :meth:`dart_core.engine.DartEngine.generate_stream`).
+speculative step, 3 tokens in 12.60 ms ...``: :data:`dart_core.engine.GATE_LOG`).
 From such logs this module takes the steps of one batch size as three pools (speculative steps,
 autoregressive steps, and the speculative steps the gate did not measure: the draft catching up
 after autoregressive steps or on a new prompt) and replays them through
@@ -79,9 +79,10 @@ def read_steps(paths, batch: int = 1) -> Steps:
     return steps
 
 
-def replay(steps: Steps, gate_kwargs: dict | None, *, num_steps: int = 2000, seed: int = 0,
+def replay(steps: Steps, gate_kwargs: dict | bool, *, num_steps: int = 2000, seed: int = 0,
            slowdown: float = 1.0) -> tuple[float, float]:
-    """One replay: (tokens per ms, speculative share).  ``gate_kwargs`` None or a bool fixes the mode."""
+    """One replay: (tokens per ms, speculative share).  ``gate_kwargs``: a gate's keyword arguments, or a
+    bool that fixes the mode (True: always speculate)."""
     rnd = random.Random(seed)
     gate = SpeculationGate(**gate_kwargs) if isinstance(gate_kwargs, dict) else None
     tokens = ms = spec_steps = 0

@@ -646,15 +646,15 @@ def test_gate_replay_reads_the_engine_log_and_replays_it(tmp_path):
     steps as catch-ups, other batch sizes ignored); fixed choices give each pool's own rate; a gate speculates
     where speculation pays and mostly not where it is slowed down; a log without gated steps is an error."""
     from dart_core.bench.gate_replay import read_steps, render, replay
+    from dart_core.engine import GATE_LOG
+
+    def line(batch, mode, tokens, ms, measured=True):  # a record as the engine logs it
+        return "x DEBUG dart_core.engine: " + GATE_LOG % (batch, mode, tokens, ms, ms - 1, 4, "" if measured else
+                                                          ", not measured", None)
 
     log = tmp_path / "gate.log"
-    lines = ["x DEBUG dart_core.engine: gate: batch 1, speculative step, 3 tokens in 10.00 ms (step 9 ms, verified 4); "
-             "measured speed-up None"] * 5
-    lines += ["x DEBUG dart_core.engine: gate: batch 1, speculative step, 2 tokens in 20.00 ms (step 19 ms, verified 4), "
-              "not measured; measured speed-up None"]
-    lines += ["x DEBUG dart_core.engine: gate: batch 1, autoregressive step, 1 tokens in 8.00 ms (step 7 ms, verified 1); "
-              "measured speed-up 1.5"] * 5
-    lines += ["x DEBUG dart_core.engine: gate: batch 4, autoregressive step, 4 tokens in 9.00 ms", "unrelated line"]
+    lines = [line(1, "speculative", 3, 10.0)] * 5 + [line(1, "speculative", 2, 20.0, measured=False)]
+    lines += [line(1, "autoregressive", 1, 8.0)] * 5 + [line(4, "autoregressive", 4, 9.0), "unrelated line"]
     log.write_text("\n".join(lines))
     steps = read_steps([log])
     assert (len(steps.speculative), len(steps.autoregressive), steps.catch_up) == (5, 5, [(2, 20.0)])
