@@ -22,6 +22,18 @@ The engine therefore runs its attention under an explicit choice,
 The environment variable ``DART_SDPA_BACKENDS`` overrides the choice for
 measurements: ``default`` (PyTorch's own priority, cuDNN included), or a
 comma-separated list of ``flash``, ``efficient``, ``math``, ``cudnn``.
+
+**Grouped-query attention under a mask.** SmolLM2 shares each key/value
+head among three query heads.  PyTorch's grouped-head option
+(``enable_gqa``) does not reach CUDA's memory-efficient kernel, the one that
+takes a mask, so transformers (and a plain call) repeat every key and value
+of the KV cache per query head before each masked attention: on a GPU that
+copy grows with the batch and the cache, in every layer of every step.
+:func:`grouped_query_sdpa` stacks the query heads of a group along the query
+axis instead, so the keys and values are read once and never copied; the
+target's and the draft head's masked attention on CUDA go through it
+(:func:`use_grouped_query`; ``DART_GROUPED_QUERY=off`` restores the
+repeated heads, for measurements).
 """
 
 from __future__ import annotations
@@ -32,9 +44,11 @@ import os
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = ["sdpa_backends", "attention_backend", "ENV_VAR"]
+__all__ = ["sdpa_backends", "attention_backend", "grouped_query_sdpa", "use_grouped_query", "ENV_VAR",
+           "GROUPED_QUERY_ENV"]
 
 ENV_VAR = "DART_SDPA_BACKENDS"
+GROUPED_QUERY_ENV = "DART_GROUPED_QUERY"  # "off": repeat the key/value heads instead (measurements)
 
 _NAMES = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
           "math": SDPBackend.MATH, "cudnn": SDPBackend.CUDNN_ATTENTION}
@@ -72,3 +86,41 @@ def attention_backend(device: torch.device | str) -> contextlib.AbstractContextM
     """
     backends = sdpa_backends(device)
     return contextlib.nullcontext() if backends is None else sdpa_kernel(list(backends))
+
+
+def use_grouped_query(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether a masked attention call takes :func:`grouped_query_sdpa`: on CUDA, an additive mask
+    shared by the heads ([B or 1, 1, Q, ≥T], floating point), fewer key/value heads than query heads,
+    and ``DART_GROUPED_QUERY`` not ``off``.  Shapes: query [B, H, Q, D], key [B, H_kv, T, D]."""
+    return (query.device.type == "cuda" and mask is not None and mask.is_floating_point() and mask.dim() == 4
+            and mask.shape[1] == 1 and key.shape[1] != query.shape[1]
+            and os.environ.get(GROUPED_QUERY_ENV, "").strip().lower() not in ("off", "0"))
+
+
+def grouped_query_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                       scale: float | None) -> torch.Tensor:
+    """Masked grouped-query attention through PyTorch's SDPA without repeating key/value heads.
+
+    The G = H / H_kv query heads that share a key/value head (heads j·G .. j·G + G - 1, the order
+    of transformers' ``repeat_kv``) are stacked along the query axis, [B, H_kv, G·Q, D], and the
+    mask is repeated G times along it, [B, 1, G·Q, T]: G·Q·T mask entries per row instead of
+    G - 1 extra copies of every cached key and value.  Each query row computes the same
+    softmax(q·kᵀ · scale + mask)·v over the same keys as with repeated heads.
+
+    Args:
+        query: [B, H, Q, D]; key, value: [B, H_kv, T, D], H a multiple of H_kv.
+        mask: [B or 1, 1, Q, ≥T] additive, the query's dtype; columns past T are ignored.
+        scale: the softmax scale (None: D ** -0.5).
+
+    Returns:
+        [B, Q, H, D] (contiguous), the layout transformers' attention functions return.
+    """
+    b, h, q, d = query.shape
+    h_kv, t = key.shape[1], key.shape[2]
+    groups = h // h_kv
+    mask = mask[:, :, :, :t]
+    if groups > 1:
+        mask = mask[:, :, None].expand(mask.shape[0], 1, groups, q, t).reshape(mask.shape[0], 1, groups * q, t)
+    out = torch.nn.functional.scaled_dot_product_attention(query.reshape(b, h_kv, groups * q, d), key, value,
+                                                           attn_mask=mask, scale=scale)
+    return out.reshape(b, h, q, d).transpose(1, 2).contiguous()

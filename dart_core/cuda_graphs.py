@@ -22,16 +22,23 @@ is a tree of one node) exactly that:
   their ``keys`` / ``values`` views of the first B rows and T positions, so
   the engine's compaction and cropping work unchanged; a forward writes its
   Nb new entries at [T, T + Nb) through an index tensor
-  (``BufferedKVLayer.static_write_index``) and attends over the whole
-  buffer, the 4D mask hiding every position the engine's mask does not
-  allow.  A cache whose layers hold other tensors (prefill, a batch that
-  gained or lost sequences) is copied into the buffers once.
+  (``BufferedKVLayer.static_write_index``) and attends over the buffer's
+  first Wb positions, the 4D mask hiding every position the engine's mask
+  does not allow.  A cache whose layers hold other tensors (prefill, a
+  batch that gained or lost sequences) is copied into the buffers once.
+- **Attention windows**: Wb is the smallest window bucket ≥ T + Nb
+  (256, 512, 1024, ... up to the capacity by default), so a step reads
+  the keys and values its sequences have, rounded up, instead of the
+  whole capacity: the attention and the key/value traffic of a step grow
+  with the context, not with the capacity.  The environment variable
+  ``DART_STATIC_WINDOWS=off`` attends over the whole capacity (one window),
+  for measurements.
 - **Static inputs and outputs**: token ids, positions and the
-  [Bb, 1, Nb, capacity] mask are copied into fixed tensors before each
+  [Bb, 1, Nb, Wb] mask are copied into fixed tensors before each
   replay; logits and taps are returned as views of the graph's outputs,
   valid until the next forward (the engine reads them within the step).
 
-Graphs are captured lazily, one per (Bb, Nb), the first time that shape is
+Graphs are captured lazily, one per (Bb, Nb, Wb), the first time that shape is
 verified (warm-up runs, then capture, on a side stream, as PyTorch's CUDA
 graph documentation prescribes).  A forward that does not fit (more than the
 largest buckets, or past the capacity) runs eagerly on the same cache.
@@ -46,6 +53,7 @@ way over a static head KV cache.  Prefill stays eager.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +66,19 @@ __all__ = ["StaticVerifier", "StaticDrafter", "DEFAULT_BUCKETS", "DEFAULT_BATCH_
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+WINDOWS_ENV = "DART_STATIC_WINDOWS"  # "off": one window, the whole capacity (measurements)
+
+
+def default_windows(capacity: int, smallest: int = 256) -> tuple[int, ...]:
+    """The attention windows of a static cache of ``capacity`` positions: ``smallest``, doubling,
+    then the capacity itself (only the capacity when ``DART_STATIC_WINDOWS=off``)."""
+    if os.environ.get(WINDOWS_ENV, "").strip().lower() in ("off", "0", "none"):
+        return (capacity,)
+    windows, w = [], smallest
+    while w < capacity:
+        windows.append(w)
+        w *= 2
+    return (*windows, capacity)
 
 
 def _check_settings(what: str, device: torch.device, use_graphs: bool | None, **sizes: tuple[int, ...]) -> bool:
@@ -79,8 +100,9 @@ class _Shape:
 
     ids: torch.Tensor  # [Bb, Nb] int64
     pos: torch.Tensor  # [Bb, Nb] int64
-    mask: torch.Tensor  # [Bb, 1, Nb, capacity] additive, target dtype
+    mask: torch.Tensor  # [Bb, 1, Nb, Wb] additive, target dtype
     write_index: torch.Tensor  # [Nb] int64: where the Nb new entries go in the buffers
+    window: int  # Wb: the forward attends over the buffers' first Wb positions
     logits: torch.Tensor | None = None  # [Bb, Nb, V] float32 (graph output)
     taps: torch.Tensor | None = None  # [Bb, Nb, 3H]
     graph: "torch.cuda.CUDAGraph | None" = None
@@ -96,26 +118,36 @@ class StaticVerifier:
             padded tree exceeds it runs eagerly.
         buckets: the padded query sizes, ascending; larger forwards run eagerly.
         batch_buckets: the padded batch sizes, ascending; larger batches run eagerly.
+        windows: the attention windows, ascending, the last one the capacity (default
+            :func:`default_windows`): a forward attends over the smallest that holds its cache
+            and padded tree.
         use_graphs: capture and replay CUDA graphs (default: on a CUDA device); False runs the
             static path eagerly (tests, or to compare).
 
     Raises:
-        ValueError: ``use_graphs=True`` off CUDA, a capacity below the largest bucket, or
-            buckets (of either kind) that are not positive and ascending.
+        ValueError: ``use_graphs=True`` off CUDA, a capacity below the largest bucket, buckets
+            (of any kind) that are not positive and ascending, or windows that do not end at the
+            capacity.
     """
 
     def __init__(self, target, *, capacity: int = 2048, buckets: tuple[int, ...] = DEFAULT_BUCKETS,
-                 batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS, use_graphs: bool | None = None) -> None:
-        use_graphs = _check_settings("target", target.device, use_graphs, buckets=buckets, batch_buckets=batch_buckets)
+                 batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS, windows: tuple[int, ...] | None = None,
+                 use_graphs: bool | None = None) -> None:
+        windows = default_windows(capacity) if windows is None else tuple(windows)
+        use_graphs = _check_settings("target", target.device, use_graphs, buckets=buckets, batch_buckets=batch_buckets,
+                                     windows=windows)
         if capacity < buckets[-1]:
             raise ValueError(f"capacity {capacity} is below the largest bucket {buckets[-1]}")
+        if windows[-1] != capacity:
+            raise ValueError(f"the last window must be the capacity {capacity}, got {windows}")
         self.target = target
         self.capacity = capacity
         self.buckets = tuple(buckets)
         self.batch_buckets = tuple(batch_buckets)
+        self.windows = windows
         self.use_graphs = use_graphs
         self._kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # Bb -> per layer (keys, values)
-        self._shapes: dict[tuple[int, int], _Shape] = {}
+        self._shapes: dict[tuple[int, int, int], _Shape] = {}
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.replays = 0  # forwards that took the static path
         self.eager = 0  # forwards that ran eagerly (prefills into a fresh cache, or too large)
@@ -150,26 +182,30 @@ class StaticVerifier:
                 layer._key_buffer, layer._value_buffer = kb, vb
                 layer.keys, layer.values = kb[:b, :, :t], vb[:b, :, :t]
 
-    def _shape(self, b: int, nb: int) -> _Shape:
-        key = (b, nb)
+    def window(self, end: int) -> int:
+        """The attention window for a forward whose cache and padded tree end at ``end`` (≤ capacity)."""
+        return next(w for w in self.windows if w >= end)
+
+    def _shape(self, b: int, nb: int, wb: int) -> _Shape:
+        key = (b, nb, wb)
         if key not in self._shapes:
             dev, dtype = self.target.device, self.target.dtype
             self._shapes[key] = _Shape(ids=torch.zeros(b, nb, dtype=torch.long, device=dev),
                                        pos=torch.zeros(b, nb, dtype=torch.long, device=dev),
-                                       mask=torch.zeros(b, 1, nb, self.capacity, dtype=dtype, device=dev),
-                                       write_index=torch.arange(nb, device=dev))
+                                       mask=torch.zeros(b, 1, nb, wb, dtype=dtype, device=dev),
+                                       write_index=torch.arange(nb, device=dev), window=wb)
         return self._shapes[key]
 
     def _run(self, s: _Shape, cache) -> None:
         """One forward of the static inputs, writing through ``write_index`` (eager, or recorded)."""
         layers = cache.cache.layers
         for layer in layers:
-            layer.static_write_index = s.write_index
+            layer.static_write_index, layer.static_window = s.write_index, s.window
         try:
             out = self.target.model_forward(s.ids, s.pos, s.mask, cache)
         finally:
             for layer in layers:
-                layer.static_write_index = None
+                layer.static_write_index = layer.static_window = None
         s.logits, s.taps = out.logits, out.taps
 
     def _capture(self, s: _Shape, cache) -> None:
@@ -184,7 +220,8 @@ class StaticVerifier:
             self._run(s, cache)
         s.graph = graph
         self.captures += 1
-        logger.info("captured a CUDA graph for batch %d, %d query tokens", *s.ids.shape)
+        logger.info("captured a CUDA graph for batch %d, %d query tokens, a window of %d positions",
+                    *s.ids.shape, s.window)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -215,7 +252,7 @@ class StaticVerifier:
             self.eager += 1
             return None
         self._bind(cache, b, bb, t)
-        s = self._shape(bb, nb)
+        s = self._shape(bb, nb, self.window(t + nb))
         # static inputs: padding nodes and rows take token 0 and see only themselves
         s.ids.zero_()
         s.ids[:b, :n] = input_ids

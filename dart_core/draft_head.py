@@ -41,7 +41,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from dart_core.attention import attention_backend, sdpa_backends
+from dart_core.attention import attention_backend, grouped_query_sdpa, sdpa_backends, use_grouped_query
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +164,10 @@ class _DraftAttention(nn.Module):
         else:
             at = write_index[:, None, :, None].expand(b, c.num_key_value_heads, n, c.head_dim)
             keys, values = past_k.scatter_(2, at, ks), past_v.scatter_(2, at, vs)
+        if use_grouped_query(qs, keys, mask):  # CUDA: the grouped heads without copies (dart_core.attention)
+            with attention_backend(qs.device):
+                out = grouped_query_sdpa(qs, keys, values, mask, None)
+            return self.o_proj(out.reshape(b, q, -1)), ks, vs
         grouped = c.num_key_value_heads != c.num_attention_heads
         if grouped and sdpa_backends(qs.device) is not None:  # not every chosen kernel takes grouped heads
             groups = c.num_attention_heads // c.num_key_value_heads

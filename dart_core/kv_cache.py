@@ -179,8 +179,10 @@ class BufferedKVLayer(DynamicLayer):
 
     granule = 64
     #: [N] int64 positions set by :class:`~dart_core.cuda_graphs.StaticVerifier` around its forwards:
-    #: an update then writes there in the bound static buffers and returns the whole buffers
+    #: an update then writes there in the bound static buffers and returns their first
+    #: ``static_window`` positions (the attention window the verifier chose for that forward)
     static_write_index: torch.Tensor | None = None
+    static_window: int | None = None  # None: the whole buffers
 
     _views: tuple[torch.Tensor, torch.Tensor] | None = None  # what the last commit set keys/values to
 
@@ -197,12 +199,16 @@ class BufferedKVLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Appends key/value states [B, H_kv, N, D]; returns the [B, H_kv, T + N, D] views
-        (with ``static_write_index`` set: writes at those positions and returns the whole
-        [B, H_kv, capacity, D] buffers, ``keys``/``values`` left for the caller to set)."""
+        (with ``static_write_index`` set: writes at those positions and returns the first
+        ``static_window`` positions of the [B, H_kv, capacity, D] buffers, all of them when that is
+        None; ``keys``/``values`` left for the caller to set)."""
         if self.static_write_index is not None:
             self._key_buffer.index_copy_(2, self.static_write_index, key_states)
             self._value_buffer.index_copy_(2, self.static_write_index, value_states)
-            return self._key_buffer, self._value_buffer
+            w = self.static_window
+            if w is None:
+                return self._key_buffer, self._value_buffer
+            return self._key_buffer[:, :, :w], self._value_buffer[:, :, :w]
         b, h, n, d = key_states.shape
         kb, vb, t = self.reserve(b, h, n, d, value_states.shape[-1], key_states.dtype, key_states.device)
         kb[:, :, t:t + n] = key_states

@@ -28,7 +28,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from dart_core.attention import attention_backend
+from dart_core.attention import attention_backend, grouped_query_sdpa, use_grouped_query
 from dart_core.kv_cache import BufferedKVCache, apply_compaction, cache_mask, compaction_plan
 from dart_core.tokenizer import converted_cache, load_tokenizer, resolve_model, save_converted
 
@@ -104,9 +104,16 @@ def _grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
        rounding.  Each query head group shares its key/value head without a
        copy, as ``enable_gqa`` does.
 
-    Elsewhere (CUDA's masked kernels do not take grouped heads) and for
-    single-token queries (already copy-free) this defers to transformers.
-    Boolean masks (transformers' own, e.g. in ``generate``) take SDPA.
+    3. On CUDA with an additive mask, where transformers also repeats the
+       key/value heads (its masked kernels do not take grouped heads), for
+       every query size, the one-token step included: the query heads of a
+       group are stacked along the query axis instead, so a layer reads its keys and values
+       once, not ``num_key_value_groups`` times after copying them
+       (:func:`~dart_core.attention.grouped_query_sdpa`).
+
+    Elsewhere (CPU single-token queries, already copy-free) this defers to
+    transformers. Boolean masks (transformers' own, e.g. in ``generate``)
+    take SDPA.
 
     Shapes: query [B, H, Q, D], key/value [B, H_kv, T, D], attention_mask
     [B, 1, Q, T] additive (the engine's) or boolean; returns ([B, Q, H, D], None).
@@ -118,6 +125,8 @@ def _grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
             # no mask means causal (transformers' own forwards, e.g. generate's prefill): the last q of t positions
             attention_mask = torch.ones(q, t, dtype=torch.bool, device=query.device).tril(t - q)[None, None]
         return _row_exact_attention(query, key, value, attention_mask, scaling), None
+    if not dropout and use_grouped_query(query, key, attention_mask):
+        return grouped_query_sdpa(query, key, value, attention_mask, scaling), None
     if query.device.type != "cpu" or attention_mask is None or query.shape[2] == 1 or dropout:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)

@@ -28,7 +28,10 @@ Methods (all batch 1, same target weights, prompts, max new tokens and temperatu
   decoding and its prompt-lookup decoding; skipped, with the reason printed,
   where the package is missing or the model is not a GGUF.
 
-Protocol: one untimed warm-up generation per method, then ``repeats`` passes;
+Protocol: one untimed warm-up generation per method (with ``--cuda-graphs``,
+every generation of a pass once, untimed: a graph is captured the first time
+its shape is met, once in a server's life, so the timed passes measure
+replays), then ``repeats`` passes;
 within a pass every prompt is decoded by every method back to back, the
 method order rotating from prompt to prompt (so drift in machine speed falls
 on all methods alike).  Per (dataset, method): tokens/s = generated tokens ÷
@@ -377,6 +380,11 @@ def run_decoding(cfg: DecodingConfig, *, progress: bool = True) -> dict:
         first = next(iter(prompts.values()))[0]
         for m in methods:  # warm-up: kernels, allocator, the gRPC channel
             bench.run(m, first, min(16, cfg.max_new_tokens), cfg.seed)
+        if cfg.cuda_graphs:  # and every generation once, untimed: its graphs captured (module docstring)
+            for plist in prompts.values():
+                for i, ids in enumerate(plist):
+                    for m in methods:
+                        bench.run(m, ids, cfg.max_new_tokens, cfg.seed + i)
         runs: dict[tuple[str, str], list[list[_Run]]] = {(d, m): [] for d in prompts for m in methods}
         total = cfg.repeats * sum(len(p) for p in prompts.values()) * len(methods)
         bar = tqdm(total=total, desc="decoding benchmark", unit="gen", disable=not progress)

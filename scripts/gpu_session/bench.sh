@@ -3,7 +3,9 @@
 # (DART_SDPA_BACKENDS=default), draft-eager keeps the draft head eager beside graph-captured
 # verification (DART_DRAFT_GRAPHS=0); for the batching job, nocap lets every batch up to 64 speculate
 # (--max-speculative-batch 64, the gate still deciding) and nogate speculates at every step of those
-# (--no-gate as well); the variant is appended to the result's label.  prof16-bf16 profiles a batch of 16
+# (--no-gate as well); wide attends over the static cache's whole capacity (DART_STATIC_WINDOWS=off), repeat
+# repeats the key/value heads in masked attention (DART_GROUPED_QUERY=off), old does both (the attention as it
+# was up to the eighth GPU run); variants combine with + (nogate+old); the variant is appended to the result's label.  prof16-bf16 profiles a batch of 16
 # (step_profile-b16-*.json), ops16-bf16 the same batch's gated-off steps by operator (step_profile-ops-b16-*.json);
 # gate-bf16 logs the speculation gate at one client (batching-gate-*.json, the log in
 # rep/logs); struct-bf16 runs the structured-output benchmark (structured-*.json; needs
@@ -15,29 +17,34 @@ DS="--datasets $MT $D/files/extra/humaneval.jsonl --num-prompts ${BENCH_PROMPTS:
 for spec in "$@"; do
   t0=$(date +%s); echo "[$(date +%T)] $spec"
   job=${spec%%:*}; variant=; [[ $spec == *:* ]] && variant=${spec#*:}
-  envs=(); extra=
-  case $variant in
-    "") ;;
-    nocap) extra="--max-speculative-batch 64" ;;
-    nogate) extra="--max-speculative-batch 64 --no-gate" ;;
-    sdpa-default) envs=(DART_SDPA_BACKENDS=default) ;;
-    draft-eager) envs=(DART_DRAFT_GRAPHS=0) ;;
-    *) echo "unknown variant $variant"; continue ;;
-  esac
+  envs=(); extra=; bad=
+  for v in ${variant//+/ }; do  # variants combine with +, e.g. batch-bf16-graphs:nogate+wide
+    case $v in
+      nocap) extra="--max-speculative-batch 64" ;;
+      nogate) extra="--max-speculative-batch 64 --no-gate" ;;
+      sdpa-default) envs+=(DART_SDPA_BACKENDS=default) ;;
+      draft-eager) envs+=(DART_DRAFT_GRAPHS=0) ;;
+      wide) envs+=(DART_STATIC_WINDOWS=off) ;;
+      repeat) envs+=(DART_GROUPED_QUERY=off) ;;
+      old) envs+=(DART_STATIC_WINDOWS=off DART_GROUPED_QUERY=off) ;;
+      *) echo "unknown variant $v"; bad=1 ;;
+    esac
+  done
+  [ -n "$bad" ] && continue
   graphs=; [[ $job == *-graphs ]] && graphs=--cuda-graphs  # JOB-graphs: the same run with --cuda-graphs
   case ${job%-graphs} in
     dec-fp32)   cmd="dart_core.bench $DS --dtype float32 --methods autoregressive dart-context" ;;
     dec-bf16)   cmd="dart_core.bench $DS --dtype bfloat16 --methods autoregressive dart dart-context" ;;
     prof-bf16)  cmd="dart_core.bench.step_profile --dataset $MT --num-prompts 1 --max-new-tokens 32 --device cuda --dtype bfloat16 --no-progress" ;;
-    # the operators of DART steps that always draft (a fixed budget: the adaptive one may not speculate)
-    ops-bf16)   cmd="dart_core.bench.step_profile --dataset $MT --num-prompts 1 --max-new-tokens 32 --device cuda --dtype bfloat16 --modes dart --budget 60 --top-ops 12 --no-progress" ;;
+    # the operators of autoregressive steps and of DART steps that always draft (a fixed budget: the adaptive one may not)
+    ops-bf16)   cmd="dart_core.bench.step_profile --dataset $MT --num-prompts 1 --max-new-tokens 32 --device cuda --dtype bfloat16 --modes autoregressive dart --budget 60 --top-ops 12 --no-progress" ;;
     ops-fp32)   cmd="dart_core.bench.step_profile --dataset $MT --num-prompts 1 --max-new-tokens 32 --device cuda --dtype float32 --modes dart --budget 60 --top-ops 12 --no-progress" ;;
     # a batch of 16 prompts stepped together, autoregressive and DART at a fixed budget (which always drafts), and
     # the steps of a speculative engine whose gate keeps speculation off (gated-off: their cost against autoregressive)
     prof16-bf16) cmd="dart_core.bench.step_profile --dataset $MT --num-prompts 16 --batch-size 16 --max-new-tokens 32 --device cuda --dtype bfloat16 --budget 16 --modes autoregressive dart gated-off --no-progress" ;;
-    # the same batch of 16, autoregressive against gated-off steps only, with the 12 host operators and CUDA kernels
-    # that take the most time per step: where a gated-off step's extra host time goes
-    ops16-bf16) cmd="dart_core.bench.step_profile --dataset $MT --num-prompts 16 --batch-size 16 --max-new-tokens 32 --device cuda --dtype bfloat16 --budget 16 --modes autoregressive gated-off --top-ops 12 --no-progress" ;;
+    # the same batch of 16 with the 12 host operators and CUDA kernels that take the most time per step: where a
+    # step's kernel time and a gated-off step's extra host time go
+    ops16-bf16) cmd="dart_core.bench.step_profile --dataset $MT --num-prompts 16 --batch-size 16 --max-new-tokens 32 --device cuda --dtype bfloat16 --budget 16 --modes autoregressive dart gated-off --top-ops 12 --no-progress" ;;
     # structured output (needs llguidance: its wheel unzipped into /tmp/site)
     struct-bf16) cmd="dart_core.bench.structured --device cuda --dtype bfloat16 --max-tokens ${STRUCT_TOKENS:-128} --runs ${STRUCT_RUNS:-1}" ;;
     # one client, 4 requests of 128 tokens on the tuning set (AlpacaEval, carried as alpacaeval.jsonl), with the
@@ -46,6 +53,7 @@ for spec in "$@"; do
     batch-bf16) cmd="dart_core.bench.batching --concurrency 1 4 16 64 --requests-per-client 1 --max-tokens 64 --dataset $MT --device cuda --dtype bfloat16 --no-progress" ;;
     *) echo "unknown job $job"; continue ;;
   esac
+  variant=${variant//+/-}  # in names: nogate-old
   name=$job${variant:+-$variant}
   env "${envs[@]}" timeout ${JOB_TIMEOUT:-600} python3 -m $cmd $graphs $extra --out $R/b/$name > $R/rep/logs/$name.log 2>&1
   rc=$?

@@ -36,15 +36,18 @@ def _tree_forward(target, cache, tokens, parents):
     return target.forward(ids, pos, mask, cache)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch,windows", [("llama", None), ("qwen3", None), ("llama", (12, 16, 32, 64))])
 @torch.inference_mode()
-def test_the_static_path_equals_the_ordinary_forward_and_cache(arch):
+def test_the_static_path_equals_the_ordinary_forward_and_cache(arch, windows):
+    """With the default windows (one here: the capacity is below the smallest) and with small ones,
+    so the forwards move through windows of 12, 16 and 32 positions as the cache grows."""
     target = tiny_target(arch)
     rng = np.random.default_rng(0)
     prompts = prompts_of(rng, [9, 4])
     caches = []
     for static in (False, True):
-        target.static = StaticVerifier(target, capacity=64, buckets=(1, 2, 4, 8), use_graphs=False) if static else None
+        target.static = (StaticVerifier(target, capacity=64, buckets=(1, 2, 4, 8), windows=windows, use_graphs=False)
+                         if static else None)
         cache = TargetCache(2, target.device)
         target.prefill(prompts, cache)
         outs = []
@@ -61,7 +64,10 @@ def test_the_static_path_equals_the_ordinary_forward_and_cache(arch):
                        cache.lengths.clone()))
         if static:
             assert target.static.replays == 3 and target.static.eager == 2  # the prefill and the 11 nodes
-            assert (2, 4) in target.static._shapes and (2, 8) in target.static._shapes
+            if windows is None:
+                assert set(target.static._shapes) == {(2, 1, 64), (2, 4, 64), (2, 8, 64)}
+            else:  # the cache holds 9, then 10, 11 entries: 9 + 1 ≤ 12, 10 + 4 ≤ 16, 11 + 8 ≤ 32
+                assert set(target.static._shapes) == {(2, 1, 12), (2, 4, 16), (2, 8, 32)}
     target.static = None
     (ref_outs, ref_kv, ref_len), (outs, kv, lengths) = caches
     assert torch.equal(ref_len, lengths)
@@ -129,13 +135,14 @@ def test_greedy_dart_stays_exact_over_the_static_cache_with_continuous_batching(
     prompts = prompts_of(rng, [4, 9, 2, 6])
     lengths = [40, 20, 40, 40]  # the second sequence (row 1 of the full batch) finishes first
     truth = [hf_greedy(target, p, n) for p, n in zip(prompts, lengths)]
-    static = target.enable_static_cache(capacity=44, buckets=(1, 2, 4, 8), use_graphs=False)
+    static = target.enable_static_cache(capacity=44, buckets=(1, 2, 4, 8), windows=(24, 32, 44), use_graphs=False)
     out, _, _, rows = _dart_with_joins(target, prompts, lengths, truth)
     target.static = None
     assert out == truth
     assert static.replays > 10 and static.eager > 0  # both paths ran
     assert (0, 1, 2, 3) in rows and (0, 2, 3) in rows  # the middle row left a batch of 4
-    assert {b for b, _ in static._shapes} == {2, 4}  # batch buckets, not batch sizes (3 ran as 4)
+    assert {b for b, _, _ in static._shapes} == {2, 4}  # batch buckets, not batch sizes (3 ran as 4)
+    assert {w for _, _, w in static._shapes} == {24, 32, 44}  # the window grew with the cache
 
 
 def test_bad_settings_are_refused():
@@ -148,8 +155,22 @@ def test_bad_settings_are_refused():
         StaticVerifier(target, batch_buckets=(0, 1))
     with pytest.raises(ValueError, match="largest bucket"):
         StaticVerifier(target, capacity=8, buckets=(1, 16))
+    with pytest.raises(ValueError, match="last window"):
+        StaticVerifier(target, capacity=64, windows=(16, 32))
+    with pytest.raises(ValueError, match="windows"):
+        StaticVerifier(target, capacity=64, windows=(32, 16, 64))
     v = StaticVerifier(target, use_graphs=False)
     assert v.bucket(3) == 4 and v.bucket(65) is None and v.batch_bucket(5) == 8 and v.batch_bucket(65) is None
+    assert v.windows == (256, 512, 1024, 2048) and v.window(257) == 512 and v.window(2048) == 2048
+
+
+def test_static_windows_can_be_switched_off(monkeypatch):
+    """DART_STATIC_WINDOWS=off: one window, the whole capacity (the measurements' comparison)."""
+    from dart_core.cuda_graphs import default_windows
+
+    assert default_windows(3000) == (256, 512, 1024, 2048, 3000) and default_windows(100) == (100,)
+    monkeypatch.setenv("DART_STATIC_WINDOWS", "off")
+    assert default_windows(2048) == (2048,)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -179,6 +200,39 @@ def test_the_static_draft_equals_the_ordinary_draft(arch):
             assert ids0.shape == ids1.shape
             np.testing.assert_allclose(p1, p0, rtol=1e-4, atol=1e-5)
             assert (ids0 == ids1).mean() > 0.99  # near-ties may swap order
+
+
+def test_greedy_dart_stays_exact_with_grouped_query_attention(monkeypatch):
+    """The CUDA path's masked grouped-query attention (dart_core.attention.grouped_query_sdpa),
+    forced on here on the CPU for the target's and the draft head's attention over static caches
+    with windows: greedy DART still equals transformers' generate, and both models took it."""
+    import dart_core.draft_head
+    import dart_core.target
+    from dart_core import attention
+
+    calls = {"target": 0, "head": 0}
+
+    def on_any_device(query, key, mask):
+        return mask is not None and mask.is_floating_point() and mask.dim() == 4 and mask.shape[1] == 1 \
+            and key.shape[1] != query.shape[1]
+
+    for name, module in (("target", dart_core.target), ("head", dart_core.draft_head)):
+        def counting(*args, _name=name, **kwargs):
+            calls[_name] += 1
+            return attention.grouped_query_sdpa(*args, **kwargs)
+        monkeypatch.setattr(module, "use_grouped_query", on_any_device)
+        monkeypatch.setattr(module, "grouped_query_sdpa", counting)
+    target = tiny_target("llama", seed=5)
+    assert target.config.num_key_value_heads < target.config.num_attention_heads
+    rng = np.random.default_rng(5)
+    prompts = prompts_of(rng, [4, 9, 2, 6])
+    lengths = [40, 20, 40, 40]
+    truth = [hf_greedy(target, p, n) for p, n in zip(prompts, lengths)]
+    target.enable_static_cache(capacity=64, buckets=(1, 2, 4, 8), windows=(24, 32, 64), use_graphs=False)
+    out, _, _, _ = _dart_with_joins(target, prompts, lengths, truth, dict(capacity=64, widths=(1, 2, 4, 8)))
+    target.static = None
+    assert out == truth
+    assert calls["target"] > 0 and calls["head"] > 0
 
 
 def test_the_static_draft_forward_equals_forward_per_row():
@@ -231,7 +285,7 @@ def test_cuda_graph_replays_equal_eager_decoding():
     sp = SamplingParams(max_new_tokens=32)
     ar = DartEngine(target).generate(prompts, sp, speculative=False)
     truth = [p + t for p, t in zip(prompts, ar.token_ids)]
-    static = target.enable_static_cache(capacity=128, buckets=(1, 2, 4, 8))
+    static = target.enable_static_cache(capacity=128, buckets=(1, 2, 4, 8), windows=(16, 32, 128))
     assert static.use_graphs
     for speculative in (False, True):
         engine = DartEngine(target, random_head(target).to("cuda"), OracleTreeSearch(truth, depth=5, seed=1),
@@ -240,4 +294,5 @@ def test_cuda_graph_replays_equal_eager_decoding():
         assert drafter.use_graphs
         assert engine.generate(prompts, sp, speculative=speculative).token_ids == ar.token_ids
     assert static.replays > 0 and all(s.graph is not None for s in static._shapes.values())
+    assert {w for _, _, w in static._shapes} == {16, 32, 128}  # graphs of every window replayed
     assert drafter.replays > 0 and all(s.graph is not None for s in drafter._shapes.values())

@@ -118,6 +118,31 @@ def test_small_query_attention_equals_sdpa(batch, heads, kv_heads, queries):
     torch.testing.assert_close(out, ref.transpose(1, 2), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("batch,heads,kv_heads,queries,mask_rows", [(1, 9, 3, 1, 1), (3, 9, 3, 1, 3), (2, 9, 3, 5, 2),
+                                                                   (4, 6, 1, 3, 1), (2, 4, 4, 2, 2)])
+def test_grouped_query_sdpa_equals_repeated_heads(batch, heads, kv_heads, queries, mask_rows):
+    """The CUDA path's grouped-query attention (query heads stacked per key/value head, the mask
+    repeated along the query axis; run here on the CPU) against SDPA on repeated key/value heads
+    (what transformers does with a mask), for one-token steps and trees, a per-row mask or one
+    broadcast over the batch, and a mask wider than the keys (a static window's padding columns)."""
+    from dart_core.attention import grouped_query_sdpa as _grouped_query_sdpa
+
+    g = torch.Generator().manual_seed(batch * 100 + queries)
+    t = 11 + queries
+    q = torch.randn(batch, heads, queries, 16, generator=g)
+    k, v = (torch.randn(batch, kv_heads, t, 16, generator=g) for _ in range(2))
+    allowed = torch.rand(mask_rows, 1, queries, t + 3, generator=g) > 0.4
+    allowed[..., t - queries:t] = torch.eye(queries, dtype=torch.bool)  # every query sees at least itself
+    mask = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+    out = _grouped_query_sdpa(q, k, v, mask, 0.3)
+    groups = heads // kv_heads
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1),
+                                                           v.repeat_interleave(groups, 1), attn_mask=mask[..., :t],
+                                                           scale=0.3)
+    assert out.shape == (batch, queries, heads, 16)
+    torch.testing.assert_close(out, ref.transpose(1, 2), atol=1e-6, rtol=1e-5)
+
+
 def test_generate_masks_padding_with_the_grouped_attention():
     """transformers builds its own masks for ``generate`` (left padding): the grouped
     implementation must get sdpa's masks, not none."""
