@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dart_core.kv_cache import is_leading_view
+from dart_core.kv_cache import KVPool, is_leading_view
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +147,7 @@ class StaticVerifier:
         self.windows = windows
         self.use_graphs = use_graphs
         self._kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # Bb -> per layer (keys, values)
+        self._pools: dict[int, KVPool] = {}  # Bb -> the one tensor those buffers are views of
         self._shapes: dict[tuple[int, int, int], _Shape] = {}
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.replays = 0  # forwards that took the static path
@@ -164,11 +165,13 @@ class StaticVerifier:
 
     def _buffers(self, b: int, layers) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if b not in self._kv:
-            self._kv[b] = [(layer.keys.new_zeros(b, layer.keys.shape[1], self.capacity, layer.keys.shape[3]),
-                            layer.values.new_zeros(b, layer.values.shape[1], self.capacity, layer.values.shape[3]))
-                           for layer in layers]
+            k = layers[0].keys
+            if any(x.keys.shape[1::2] != k.shape[1::2] or x.values.shape[1::2] != k.shape[1::2] for x in layers):
+                raise ValueError("the static KV cache needs the same key/value heads and head size in every layer")
+            self._pools[b] = KVPool(k.new_zeros(len(layers), 2, b, k.shape[1], self.capacity, k.shape[3]))
+            self._kv[b] = self._pools[b].layer_buffers()
             logger.info("static KV cache for %d rows: %d positions, %.1f MB", b, self.capacity,
-                        sum(k.numel() * k.element_size() * 2 for k, _ in self._kv[b]) / 1e6)
+                        self._pools[b].pool.numel() * k.element_size() / 1e6)
         return self._kv[b]
 
     def _bind(self, cache, b: int, bb: int, t: int) -> None:
@@ -271,8 +274,8 @@ class StaticVerifier:
             s.graph.replay()
         else:
             s.graph.replay()
-        for layer, (kb, vb) in zip(layers, self._kv[bb]):
-            layer.keys, layer.values = kb[:b, :, : t + n], vb[:b, :, : t + n]
+        self._pools[bb].bind(layers, b, t + n)  # the layers' keys/values: views of the pool (one-pass compaction)
+        cache.pool = self._pools[bb]
         self.replays += 1
         return s.logits[:b, :n], s.taps[:b, :n]
 

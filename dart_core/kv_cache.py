@@ -25,7 +25,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
 __all__ = ["compact_", "compaction_plan", "compaction_plan_host", "apply_compaction", "HeadKVCache", "cache_mask", "BufferedKVLayer", "BufferedKVCache",
-           "is_leading_view"]
+           "is_leading_view", "KVPool"]
 
 
 def compaction_plan(lengths: torch.Tensor, src: torch.Tensor, counts: torch.Tensor
@@ -157,10 +157,56 @@ class HeadKVCache:
 
 
 def is_leading_view(x: torch.Tensor, buf: torch.Tensor, rows: int) -> bool:
-    """Whether ``x`` is ``buf[:rows, :, :T]`` for some T, i.e. the same storage start, strides and
-    heads (``_base`` is not tracked in inference mode, so the storage is compared instead)."""
+    """Whether ``x`` is ``buf[:rows, :, :T]`` for some T, i.e. the same first element, strides and
+    heads (``_base`` is not tracked in inference mode, so the addresses are compared instead; ``buf``
+    may itself be a view, e.g. one layer's slice of a KV pool)."""
     return (x.shape[0] == rows and x.shape[1] == buf.shape[1] and x.stride() == buf.stride()
-            and x.storage_offset() == 0 and x.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr())
+            and x.dtype == buf.dtype and x.data_ptr() == buf.data_ptr())
+
+
+class KVPool:
+    """Every layer's static key and value buffers as views of one tensor, so a KV compaction is
+    one gather and one scatter for all layers instead of four indexing operators per layer.
+
+    Args:
+        pool: [L, 2, Bb, H_kv, C, D]: layer l's key buffer is ``pool[l, 0]``, its value buffer
+            ``pool[l, 1]`` (:class:`~dart_core.cuda_graphs.StaticVerifier` allocates one per batch bucket).
+    """
+
+    def __init__(self, pool: torch.Tensor) -> None:
+        self.pool = pool
+        self._bound: tuple[int, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None
+
+    def layer_buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, its (key buffer, value buffer) [Bb, H_kv, C, D], views of the pool."""
+        return [(kv[0], kv[1]) for kv in self.pool.unbind(0)]
+
+    def bind(self, layers, rows: int, length: int) -> None:
+        """Sets every layer's keys and values to its buffers' first ``rows`` rows and ``length``
+        positions ([rows, H_kv, length, D] views) and remembers them (:meth:`holds`)."""
+        keys, values = [], []
+        for layer, kv in zip(layers, self.pool[:, :, :rows, :, :length].unbind(0)):
+            layer.keys, layer.values = kv.unbind(0)
+            keys.append(layer.keys)
+            values.append(layer.values)
+        self._bound = (rows, tuple(keys), tuple(values))
+
+    def holds(self, layers) -> bool:
+        """Whether the layers still hold the views :meth:`bind` set (nothing replaced them since)."""
+        if self._bound is None or len(layers) != len(self._bound[1]):
+            return False
+        _, keys, values = self._bound
+        return all(layer.keys is k and layer.values is v for layer, k, v in zip(layers, keys, values))
+
+    def compact(self, layers, plan: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, int]) -> None:
+        """:func:`apply_compaction` for every layer at once (the layers must :meth:`hold` the pool):
+        the moved entries of all layers are gathered, then written, then every layer is cropped to
+        the plan's new length."""
+        moves, new_len = plan
+        if moves is not None:
+            rows, dst, src = moves
+            self.pool[:, :, rows, :, dst] = self.pool[:, :, rows, :, src]
+        self.bind(layers, self._bound[0], new_len)
 
 
 class BufferedKVLayer(DynamicLayer):

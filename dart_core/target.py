@@ -29,7 +29,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from dart_core.attention import attention_backend, grouped_query_sdpa, use_grouped_query
-from dart_core.kv_cache import BufferedKVCache, apply_compaction, cache_mask, compaction_plan
+from dart_core.kv_cache import BufferedKVCache, KVPool, apply_compaction, cache_mask, compaction_plan
 from dart_core.tokenizer import converted_cache, load_tokenizer, resolve_model, save_converted
 
 if TYPE_CHECKING:
@@ -56,6 +56,8 @@ class TargetCache:
     def __init__(self, batch: int, device) -> None:
         self.cache = BufferedKVCache()
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [B]
+        # the static verifier's pool that the layers are views of after its forwards (compacted in one pass)
+        self.pool: KVPool | None = None
 
     @property
     def padded_length(self) -> int:
@@ -71,9 +73,14 @@ class TargetCache:
     def compact_planned(self, plan, counts: torch.Tensor) -> None:
         """:meth:`compact` with its plan already made (:func:`~dart_core.kv_cache.compaction_plan`,
         or :func:`~dart_core.kv_cache.compaction_plan_host`, which reads no device tensor);
-        counts [B] entries kept per sequence."""
-        for layer in self.cache.layers:
-            layer.keys, layer.values = apply_compaction(layer.keys, layer.values, plan)
+        counts [B] entries kept per sequence. Layers that are still the views a static verifier's
+        forward left (:class:`~dart_core.kv_cache.KVPool`) are compacted in one pass for all layers."""
+        layers = self.cache.layers
+        if self.pool is not None and self.pool.holds(layers):
+            self.pool.compact(layers, plan)
+        else:
+            for layer in layers:
+                layer.keys, layer.values = apply_compaction(layer.keys, layer.values, plan)
         self.lengths = self.lengths + counts
 
     def select(self, rows: torch.Tensor) -> None:

@@ -59,6 +59,8 @@ def test_the_static_path_equals_the_ordinary_forward_and_cache(arch, windows):
             # keep the root and its first child (a ragged acceptance: row 1 keeps the root only)
             t = cache.padded_length - len(tokens)
             keep = min(2, len(tokens))
+            pooled = cache.pool is not None and cache.pool.holds(cache.cache.layers)
+            assert pooled == (static and len(tokens) <= 8)  # after a static forward: one pass for all layers
             cache.compact(t + torch.arange(keep)[None].expand(2, keep), torch.tensor([keep, 1]))
         caches.append((outs, [(layer.keys.clone(), layer.values.clone()) for layer in cache.cache.layers],
                        cache.lengths.clone()))

@@ -194,3 +194,32 @@ def test_compaction_matches_a_naive_copy_including_entries_already_in_place():
     # an autoregressive step at batch 1: nothing to move
     moves, new_len = compaction_plan(torch.tensor([5]), torch.tensor([[5]]), torch.tensor([1]))
     assert moves is None and new_len == 6
+
+
+def test_the_pool_compacts_every_layer_in_one_pass_as_each_layer_would():
+    """KVPool.compact (one gather and one scatter over [L, 2, B, H, C, D]) against apply_compaction
+    layer by layer, for a plan with moves (a ragged acceptance) and one without; a layer whose
+    tensors were replaced since the pool bound them is no longer held."""
+    from types import SimpleNamespace
+
+    from dart_core.kv_cache import KVPool, apply_compaction, compaction_plan_host
+
+    g = torch.Generator().manual_seed(3)
+    pool = KVPool(torch.randn(3, 2, 4, 2, 16, 5, generator=g))
+    layers = [SimpleNamespace(keys=None, values=None) for _ in range(3)]
+    offset = 6  # 3 real rows of a 4-row bucket; the step's 4 entries at 6 .. 9
+    for lengths, paths, new_len, moves in (([3, 5, 2], [[0, 2, 3], [0], [0, 1]], 6, True),
+                                           ([6, 6, 6], [[0, 1], [0], [0, 1, 2]], 9, False)):
+        pool.bind(layers, 3, offset + 4)
+        plan = compaction_plan_host(lengths, offset, paths, "cpu")
+        assert (plan[0] is not None) == moves
+        expected = [apply_compaction(x.keys.clone(), x.values.clone(), plan) for x in layers]
+        assert pool.holds(layers)
+        pool.compact(layers, plan)
+        for layer, (k, v) in zip(layers, expected):
+            assert layer.keys.shape == k.shape == (3, 2, new_len, 5)
+            assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+        assert pool.holds(layers)
+    layers[1].keys = layers[1].keys.clone()
+    assert not pool.holds(layers)
+
