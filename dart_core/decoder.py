@@ -137,16 +137,18 @@ class LlamaDecoder:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-                cache) -> tuple[torch.Tensor, torch.Tensor]:
+                cache, logit_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward of new tokens after the cached prefix; appends their KV entries to ``cache``.
 
         Args:
             input_ids, position_ids: [B, Q] int64.
             attention_mask: [B, 1, Q, T + Q] additive float32 (:func:`~dart_core.kv_cache.cache_mask`).
             cache: the target's ``BufferedKVCache`` (``TargetCache.cache``).
+            logit_index: int64 [B] or None: one query position per row whose logits are computed
+                (logits [B, 1, V]); None computes all.
 
         Returns:
-            (logits [B, Q, V] float32, taps [B, Q, 3H] float32), as
+            (logits [B, Q, V] (or [B, 1, V]) float32, taps [B, Q, 3H] float32), as
             :meth:`TargetModel.model_forward <dart_core.target.TargetModel.model_forward>`.
         """
         b, q = input_ids.shape
@@ -195,5 +197,8 @@ class LlamaDecoder:
             else:
                 gate, up = layer.gate(h), layer.up(h)
             x = x + layer.down(torch.nn.functional.silu(gate) * up)
+        taps = torch.cat([inputs[i] for i in self.tap_layers], dim=-1)
+        if logit_index is not None:
+            x = x[torch.arange(b, device=x.device), logit_index][:, None]
         logits = self.lm_head(_rms_norm(x, self.norm, self.norm_eps)).float()
-        return logits, torch.cat([inputs[i] for i in self.tap_layers], dim=-1)
+        return logits, taps

@@ -336,13 +336,11 @@ class DartEngine:
         t0 = time.perf_counter()
         prompts = [list(map(int, x.prompt)) for x in joining]
         cache = TargetCache(len(prompts), device)
-        out = target.prefill(prompts, cache)
-        last = cache.lengths - 1  # [N]
-        rows = torch.arange(len(prompts), device=device)
+        out = target.prefill(prompts, cache, last_logits=True)  # logits [N, 1, V]: each prompt's last token
         gens = [torch.Generator().manual_seed(x.sampling.seed if x.sampling.seed is not None
                                               else int(torch.seed() % (1 << 63))) for x in joining]
         constraints = [row_constraint(x.sampling) for x in joining]
-        first = self._sample_rows(out.logits[rows, last], [x.sampling for x in joining], gens, constraints)
+        first = self._sample_rows(out.logits[:, 0], [x.sampling for x in joining], gens, constraints)
         new = _BatchState(seq_ids=ids, tokens=[list(p) for p in prompts], produced=[0] * len(prompts),
                           samplings=[x.sampling for x in joining], generators=gens, cache=cache,
                           pend_taps=out.taps[:, :0], pend_next=[[] for _ in prompts],
@@ -363,7 +361,7 @@ class DartEngine:
             emitted, new.reasons[b] = self._emit(new, b, [f])
             new_tokens.append(emitted)
             k = joining[b].sampling.logprobs
-            logprobs.append(None if k is None else _token_logprobs(out.logits[b, last[b]][None], emitted, k))
+            logprobs.append(None if k is None else _token_logprobs(out.logits[b], emitted, k))
         state.merge(new)
         _sync(device)
         ms = 1e3 * (time.perf_counter() - t0)

@@ -15,6 +15,7 @@ transformers' modules (equal values, far less overhead per forward).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from contextlib import contextmanager
@@ -504,23 +505,37 @@ class TargetModel:
 
     @torch.inference_mode()
     def model_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      cache: TargetCache) -> TargetOutput:
+                      cache: TargetCache, logit_index: torch.Tensor | None = None) -> TargetOutput:
         """The model's forward behind :meth:`forward` (no static cache): logits and the taps, from
-        :attr:`decoder` where there is one, else from the stock model's forward (equal bit for bit)."""
+        :attr:`decoder` where there is one, else from the stock model's forward (equal bit for bit).
+
+        ``logit_index``: int64 [B], one query position per row: the logits are then [B, 1, V], that
+        position's only (the output layer runs on B rows instead of B · Q; the taps stay [B, Q, 3H])."""
         with attention_backend(input_ids.device):  # an explicit SDPA choice (dart_core.attention)
             if self.decoder is not None:
-                logits, taps = self.decoder.forward(input_ids, position_ids, attention_mask, cache.cache)
+                logits, taps = self.decoder.forward(input_ids, position_ids, attention_mask, cache.cache,
+                                                    logit_index=logit_index)
                 return TargetOutput(logits=logits, taps=taps)
+            keep = {}
+            if logit_index is not None:  # the distinct positions, then each row's own among them
+                positions, own = torch.unique(logit_index, return_inverse=True)
+                keep = {"logits_to_keep": positions}
             out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                             use_cache=True, output_hidden_states=True, **{self._cache_kwarg: cache.cache})
+                             use_cache=True, output_hidden_states=True, **{self._cache_kwarg: cache.cache}, **keep)
         hs = out.hidden_states
         taps = torch.cat([hs[i] for i in self.tap_layers], dim=-1)
-        return TargetOutput(logits=out.logits.float(), taps=taps)
+        logits = out.logits
+        if logit_index is not None:
+            logits = logits[torch.arange(logits.shape[0], device=logits.device), own][:, None]
+        return TargetOutput(logits=logits.float(), taps=taps)
 
-    def prefill(self, prompts: list[list[int]], cache: TargetCache) -> TargetOutput:
+    def prefill(self, prompts: list[list[int]], cache: TargetCache, *, last_logits: bool = False) -> TargetOutput:
         """Right-padded prompts [B, P]: causal within each prompt, padding masked.
 
         The cache then holds P entries per sequence, of which lengths[b] = len(prompts[b]) are valid.
+        ``last_logits``: the logits are [B, 1, V], each prompt's last position only (what decoding
+        needs: the output layer over B rows instead of B · P, for SmolLM2 a 49,152-wide product per
+        prompt token); taps stay [B, P, 3H]. Otherwise [B, P, V].
         With a packed target (:attr:`packed`) the linear layers compute the prompts' own tokens
         only (:func:`real_rows`; their results equal the padded forward's bit for bit), so a group
         of prompts of different lengths does not pay for its padding; the padding positions'
@@ -537,6 +552,10 @@ class TargetModel:
         causal = causal | torch.eye(p, dtype=torch.bool, device=self.device)[None]  # padded rows see themselves
         mask = cache_mask(cache.lengths, cache.padded_length, causal, self.dtype)
         rows = padded_rows([len(x) for x in prompts], p, self.device) if self.packed else None
-        out = self.forward(ids, idx[None, :].expand(b, p), mask, cache, rows=rows)
+        if last_logits:  # prefill never takes the static path (a fresh cache): the model's forward directly
+            with real_rows(rows, b * p) if rows is not None else contextlib.nullcontext():
+                out = self.model_forward(ids, idx[None, :].expand(b, p), mask, cache, logit_index=lengths - 1)
+        else:
+            out = self.forward(ids, idx[None, :].expand(b, p), mask, cache, rows=rows)
         cache.lengths = lengths
         return out

@@ -139,3 +139,31 @@ def test_a_ragged_prefill_computes_only_the_prompts_tokens_with_the_same_results
         for a, b in zip(cache.cache.layers, full_cache.cache.layers):
             assert torch.equal(a.keys[i, :, :n], b.keys[i, :, :n]) and torch.equal(a.values[i, :, :n], b.values[i, :, :n])
     assert torch.equal(cache.lengths, full_cache.lengths)
+
+
+@pytest.mark.parametrize("kind,packed", [("llama", True), ("llama", False), ("qwen3", True)])
+def test_prefill_of_the_last_logits_equals_the_full_prefill(kind, packed):
+    """prefill(last_logits=True) (the engine's: the output layer on each prompt's last token only)
+    against the full prefill: the same last-position logits, taps and KV cache, on the decoder path
+    (llama packed), the stock forward's (llama unpacked) and a model without the decoder (qwen3);
+    ragged prompts, two of one length (one output position shared)."""
+    from dart_core.target import TargetCache
+
+    target = tiny_target(kind, seed=4)
+    target.packed = packed
+    if not packed:
+        target.decoder = None
+    assert (target.decoder is not None) == (kind == "llama" and packed)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (9, 4, 9, 6)]
+    caches = [TargetCache(4, "cpu"), TargetCache(4, "cpu")]
+    full = target.prefill(prompts, caches[0])
+    last = target.prefill(prompts, caches[1], last_logits=True)
+    assert last.logits.shape == (4, 1, VOCAB) and last.taps.shape == full.taps.shape
+    for i, p in enumerate(prompts):
+        n = len(p)
+        torch.testing.assert_close(last.logits[i, 0], full.logits[i, n - 1], rtol=1e-5, atol=1e-5)
+        assert torch.equal(last.taps[i, :n], full.taps[i, :n])
+    for a, b in zip(caches[1].cache.layers, caches[0].cache.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
