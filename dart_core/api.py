@@ -25,6 +25,7 @@ from typing import Iterator, Sequence, Union
 
 import torch
 
+from dart_core.allocator import keep_freed_memory
 from dart_core.budget import AdaptiveBudget, SpeculationGate, VerifyCostCurve, curve_shapes
 from dart_core.detokenizer import IncrementalDetokenizer
 from dart_core.draft_head import DartDraftHead, DraftHeadConfig, load_draft_head
@@ -174,7 +175,8 @@ class DartModel:
                 beside a float32 target on a CPU with native bf16 matrix
                 multiplication (AVX512-BF16 / AMX; figures in docs/engine.md).  Output is
                 exact either way: the target verifies.
-            device: default CUDA when available; ignored with ``device_map``.
+            device: default CUDA when available; ignored with ``device_map``. A CPU target also
+                keeps freed tensor memory mapped for reuse (:func:`~dart_core.allocator.keep_freed_memory`).
             device_map: forwarded to transformers/accelerate for targets larger than one device.
             budget: ``"auto"`` measures verification cost at start-up, adapts the
                 tree size per step (:class:`~dart_core.budget.AdaptiveBudget`) and, per
@@ -224,6 +226,8 @@ class DartModel:
         dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
         if cuda_graphs and not str(device).startswith("cuda"):
             raise ValueError(f"cuda_graphs needs a CUDA device, not {device}")
+        if str(device) == "cpu" and device_map is None:  # large per-step tensors reused, not faulted in again
+            keep_freed_memory()
         if weights == "auto":
             weights = default_weights(model, dtype=dtype, device=device, device_map=device_map)
         target = TargetModel.from_pretrained(model, dtype=dtype, device=device, device_map=device_map,
