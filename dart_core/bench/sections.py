@@ -1,7 +1,7 @@
 """BENCHMARKS.md's sections that come from one-off measurements, rendered from their result files:
 ``python -m dart_core.bench.sections`` (``--check`` exits 1 where the page is not what the files give).
 
-Five sections of the page hold results that are not re-measured by the report itself:
+Six sections of the page hold results that are not re-measured by the report itself:
 
 - "Continuous batching without Ray": ``bench/results/batching_cpu/batching.json``
   (:mod:`dart_core.bench.batching`);
@@ -13,7 +13,9 @@ Five sections of the page hold results that are not re-measured by the report it
 - "Serving threads": ``bench/results/serving_threads/*.json`` (:mod:`dart_core.bench.serving`
   against ``serve run deployments/dart.yaml`` with the engine's thread settings varied);
 - "The speculation gate, replayed": the engine's debug logs of :data:`GATE_LOGS`
-  (:mod:`dart_core.bench.gate_replay`).
+  (:mod:`dart_core.bench.gate_replay`);
+- "Prefill and freed memory (CPU)": ``bench/results/cpu_memory/*.json`` (:mod:`dart_core.bench.batching`
+  run by three engine versions, :func:`render_cpu_memory`).
 
 Each is written between its own markers; the page's text around them (what the figures mean)
 cites the tables and copies none of their numbers. Derived rows (per-core capacity, the
@@ -31,7 +33,7 @@ import sys
 from pathlib import Path
 
 __all__ = ["render_batching", "render_reference_import", "render_billion_trie", "render_serving_threads",
-           "render_gate_replay", "GATE_LOGS", "SECTIONS", "write_sections", "main"]
+           "render_gate_replay", "render_cpu_memory", "GATE_LOGS", "CPU_MEMORY_VARIANTS", "SECTIONS", "write_sections", "main"]
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
@@ -280,10 +282,56 @@ def render_gate_replay(results: Path = RESULTS) -> str:
     return "\n\n".join(parts)
 
 
+#: the engine versions of "Prefill and freed memory (CPU)", in table order: (file prefix, heading)
+CPU_MEMORY_VARIANTS = (("before", "before"), ("after-off", "prefill fix only"), ("after", "both"))
+
+
+def render_cpu_memory(results: Path = RESULTS) -> str:
+    """The in-process batching sweep run by three engine versions, interleaved: before the
+    prefill and allocator changes, with the prefill change only (``DART_KEEP_FREED_MEMORY=0``),
+    and with both: per level and mode, the median over runs of tokens/s and of the median time to
+    first token, from ``cpu_memory/<variant>-<run>.json`` (:mod:`dart_core.bench.batching`).
+
+    Raises:
+        FileNotFoundError: a variant without result files.
+    """
+    from dart_core.bench import decoding
+
+    runs: dict[str, list[dict]] = {}
+    for prefix, _ in CPU_MEMORY_VARIANTS:
+        files = sorted((results / "cpu_memory").glob(f"{prefix}-[0-9]*.json"))
+        if not files:
+            raise FileNotFoundError(f"no results {results / 'cpu_memory' / prefix}-<run>.json")
+        runs[prefix] = [json.loads(f.read_text()) for f in files]
+    first = runs[CPU_MEMORY_VARIANTS[0][0]][0]
+    c = first["config"]
+
+    def median(prefix: str, level: int, mode: str, key) -> float:
+        return statistics.median(key(r) for run in runs[prefix] for r in run["rows"]
+                                 if r["concurrency"] == level and r["mode"] == mode)
+
+    heads = [h for _, h in CPU_MEMORY_VARIANTS]
+    lines = [f"Measured on {decoding.hardware_line(first['hardware'])}; `python -m dart_core.bench.batching "
+             f"--concurrency {' '.join(map(str, c['concurrency']))} --requests-per-client {c['requests_per_client']} "
+             f"--max-tokens {c['max_tokens']} --threads {c['threads']}` ({c['dataset']}, budget `{c['budget']}`, "
+             f"the gate {'on' if c.get('gate', True) else 'off'}), runs per version: "
+             f"{', '.join(f'{h} {len(runs[p])}' for p, h in CPU_MEMORY_VARIANTS)}, interleaved. Medians over runs.",
+             "", "| clients | mode | " + " | ".join(f"tokens/s, {h}" for h in heads) + " | both ÷ before | "
+             + " | ".join(f"TTFT p50 ms, {h}" for h in heads) + " |",
+             "|---:|---|" + "---:|" * (2 * len(heads) + 1)]
+    for level in c["concurrency"]:
+        for mode in c["modes"]:
+            tps = [median(p, level, mode, lambda r: r["tokens_per_s"]) for p, _ in CPU_MEMORY_VARIANTS]
+            ttft = [median(p, level, mode, lambda r: r["ttft_ms"]["p50"]) for p, _ in CPU_MEMORY_VARIANTS]
+            lines.append(f"| {level} | {mode} | " + " | ".join(f"{x:.1f}" for x in tps) + f" | {tps[-1] / tps[0]:.2f}× | "
+                         + " | ".join(f"{x:.0f}" for x in ttft) + " |")
+    return "\n".join(lines)
+
+
 #: (marker name, renderer) of every section this module writes
 SECTIONS = (("batching-cpu", render_batching), ("reference-import", render_reference_import),
             ("billion-trie", render_billion_trie), ("serving-threads", render_serving_threads),
-            ("gate-replay", render_gate_replay))
+            ("gate-replay", render_gate_replay), ("cpu-memory", render_cpu_memory))
 
 
 def _block(name: str, body: str) -> str:

@@ -21,7 +21,9 @@ kernels themselves are slow (small matrices, many launches).  ``--top-ops N``
 adds, per mode, the N operators of that profiled pass with the most self
 host time and (on CUDA) the N kernels with the most device time, in ms per
 target forward: where a step's time goes when one phase is unexpectedly slow
-(on a CPU the profiled pass then runs too, host time only).  On a CPU there
+(on a CPU the profiled pass then runs too, host time only).  ``--top-python N``
+adds the N Python functions with the most self time, from one more pass under
+``cProfile``: the host time that no operator accounts for.  On a CPU there
 are no device kernels: kernel figures are reported as absent and the floor
 uses the measured memory-copy bandwidth of the host.
 
@@ -80,6 +82,7 @@ class StepProfileConfig:
     cuda_graphs: bool = False  # CUDA: verification and draft replayed as CUDA graphs over static KV caches
     copy_mib: int = 1024
     top_ops: int = 0  # per mode, the operators (and CUDA kernels) taking the most time: 0 = none
+    top_python: int = 0  # per mode, the Python functions taking the most self time (cProfile): 0 = none
     batch_size: int = 1  # prompts decoded together
 
 
@@ -175,6 +178,29 @@ def _op_times(prof, forwards: int) -> dict[str, list[dict]]:
             kind, us = "host", evt.self_cpu_time_total
         rows[kind].append({"op": evt.key, "self_ms": round(us / 1000.0 / per, 4), "calls": round(evt.count / per, 2)})
     return rows
+
+
+def _python_times(run, n: int) -> list[dict]:
+    """The ``n`` Python functions (and C builtins) with the most self time over ``run()`` (a list
+    of generation results) under ``cProfile``, in ms and calls per target forward, largest first:
+    ``[{"function", "self_ms", "cum_ms", "calls"}, ...]``.  cProfile slows every Python call, so
+    compare the figures across modes of one run, not with the timed pass."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        outs = run()
+    finally:
+        profiler.disable()
+    per = max(sum(o.result.target_forwards for o in outs), 1)
+    rows = []
+    for (file, line, name), (_, calls, self_s, cum_s, _) in pstats.Stats(profiler).stats.items():
+        where = name if file == "~" else f"{name} ({Path(file).name}:{line})"
+        rows.append({"function": where, "self_ms": round(self_s * 1e3 / per, 4), "cum_ms": round(cum_s * 1e3 / per, 4),
+                     "calls": round(calls / per, 2)})
+    return sorted(rows, key=lambda r: -r["self_ms"])[:n]
 
 
 def _merge_top_ops(per_prompt: list[dict], n: int) -> dict[str, list[dict]]:
@@ -273,8 +299,8 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
 
     if not cfg.modes or set(cfg.modes) - set(MODES):
         raise ValueError(f"modes must be among {', '.join(MODES)}")
-    if cfg.top_ops < 0:
-        raise ValueError(f"top_ops must be 0 or more, got {cfg.top_ops}")
+    if cfg.top_ops < 0 or cfg.top_python < 0:
+        raise ValueError(f"top_ops and top_python must be 0 or more, got {cfg.top_ops}, {cfg.top_python}")
     if cfg.batch_size < 1:
         raise ValueError(f"batch_size must be 1 or more, got {cfg.batch_size}")
     if cfg.threads:
@@ -336,6 +362,7 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
                     ops.append((prof, again.result.target_forwards))
             bar.update(1)
         host = _instrumented(model.engine, lambda: [decode(g) for g in groups])
+        python = _python_times(lambda: [decode(g) for g in groups], cfg.top_python) if cfg.top_python else None
         fwd = max(forwards, 1)
         step_ms = phases.get("total", wall_s * 1e3) / fwd
         row = {"mode": mode, "target_forwards": forwards, "tokens": emitted,
@@ -348,6 +375,8 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
                "step_over_floor": round(step_ms / floor_ms, 1), **host}
         if cfg.top_ops:
             row["top_ops"] = _merge_top_ops([_op_times(p, f) for p, f in ops], cfg.top_ops)
+        if python is not None:
+            row["top_python"] = python
         if profile_cuda:
             row["kernel_over_floor"] = round(row["kernel_ms_per_step"] / floor_ms, 1)
             row["host_share"] = round(1 - min(row["kernel_ms_per_step"] / max(step_ms, 1e-9), 1.0), 3)
@@ -385,6 +414,11 @@ def markdown_table(result: dict) -> str:
             if top:
                 text += (f"\n{r['mode']}: {what} per target forward\n\n| op | ms | calls |\n|---|---|---|\n"
                          + "".join(f"| `{o['op'][:80]}` | {o['self_ms']:.3f} | {o['calls']:g} |\n" for o in top))
+        if r.get("top_python"):
+            text += (f"\n{r['mode']}: Python functions by self ms per target forward (under cProfile)\n\n"
+                     "| function | self ms | cumulative ms | calls |\n|---|---|---|---|\n"
+                     + "".join(f"| `{o['function'][:80]}` | {o['self_ms']:.3f} | {o['cum_ms']:.3f} | {o['calls']:g} |\n"
+                               for o in r["top_python"]))
     return text
 
 
@@ -412,6 +446,9 @@ def main(argv=None) -> int:
     ap.add_argument("--copy-mib", type=int, default=d.copy_mib, help="size of the bandwidth copy [1024]")
     ap.add_argument("--top-ops", type=int, default=d.top_ops,
                     help="per mode, the N operators (and CUDA kernels) with the most time per target forward [0]")
+    ap.add_argument("--top-python", type=int, default=d.top_python,
+                    help="per mode, the N Python functions with the most self time per target forward, from one "
+                         "more pass under cProfile [0]")
     ap.add_argument("--out", default="bench/results", help="folder for step_profile.json/.md")
     ap.add_argument("--no-progress", action="store_true")
     return run_cli(StepProfileConfig, ap.parse_args(argv), run_step_profile, save, markdown_table)

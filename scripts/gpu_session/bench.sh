@@ -6,7 +6,8 @@
 # (--no-gate as well); wide attends over the static cache's whole capacity (DART_STATIC_WINDOWS=off), repeat
 # repeats the key/value heads in masked attention (DART_GROUPED_QUERY=off), old does both (the attention as it
 # was up to the eighth GPU run); variants combine with + (nogate+old); the variant is appended to the result's label.  prof16-bf16 profiles a batch of 16
-# (step_profile-b16-*.json), ops16-bf16 the same batch's gated-off steps by operator (step_profile-ops-b16-*.json);
+# (step_profile-b16-*.json), ops16-bf16 the same batch by operator (step_profile-ops-b16-*.json), py16-bf16 its
+# autoregressive and gated-off steps by Python function (step_profile-py-b16-*.json);
 # gate-bf16 logs the speculation gate at one client (batching-gate-*.json, the log in
 # rep/logs); struct-bf16 runs the structured-output benchmark (structured-*.json; needs
 # llguidance's wheel unzipped into /tmp/site, STRUCT_TOKENS / STRUCT_RUNS size it).
@@ -45,6 +46,9 @@ for spec in "$@"; do
     # the same batch of 16 with the 12 host operators and CUDA kernels that take the most time per step: where a
     # step's kernel time and a gated-off step's extra host time go
     ops16-bf16) cmd="dart_core.bench.step_profile --dataset $MT --num-prompts 16 --batch-size 16 --max-new-tokens 32 --device cuda --dtype bfloat16 --budget 16 --modes autoregressive dart gated-off --top-ops 12 --no-progress" ;;
+    # the same batch, autoregressive against gated-off steps, with the 25 Python functions taking the most self time
+    # under cProfile: the host time of a gated-off step that no PyTorch operator accounts for
+    py16-bf16) cmd="dart_core.bench.step_profile --dataset $MT --num-prompts 16 --batch-size 16 --max-new-tokens 32 --device cuda --dtype bfloat16 --budget 16 --modes autoregressive gated-off --top-python 25 --no-progress" ;;
     # structured output (needs llguidance: its wheel unzipped into /tmp/site)
     struct-bf16) cmd="dart_core.bench.structured --device cuda --dtype bfloat16 --max-tokens ${STRUCT_TOKENS:-128} --runs ${STRUCT_RUNS:-1}" ;;
     # one client, 4 requests of 128 tokens on the tuning set (AlpacaEval, carried as alpacaeval.jsonl), with the
@@ -60,7 +64,8 @@ for spec in "$@"; do
   label=${job#*-}${variant:+-$variant}; kind=${job%%-*}
   case $kind in
     dec) f=decoding;; prof) f=step_profile;; ops) f=step_profile; label=ops-$label;; batch) f=batching;;
-    prof16) f=step_profile; label=b16-$label;; ops16) f=step_profile; label=ops-b16-$label;; struct) f=structured;; gate) f=batching; label=gate-$label;;
+    prof16) f=step_profile; label=b16-$label;; ops16) f=step_profile; label=ops-b16-$label;;
+    py16) f=step_profile; label=py-b16-$label;; struct) f=structured;; gate) f=batching; label=gate-$label;;
   esac
   dest=$R/rep/$f-$label  # a repeated job: its runs are named -run1, -run2, ... (gpu_report takes their median)
   if [ -f $dest.json ]; then mv $dest.json $dest-run1.json; fi

@@ -343,6 +343,25 @@ def test_step_profile_lists_the_operators_taking_the_most_time(tiny_model_dir, p
     assert f"| `{result['rows'][0]['top_ops']['host'][0]['op'][:80]}` |" in md
 
 
+def test_step_profile_lists_the_python_functions_taking_the_most_time(tiny_model_dir, prompts_file):
+    """--top-python N: per mode, the N Python functions with the most self time per target forward
+    under cProfile, largest first; the engine's step is among the profiled calls."""
+    from dart_core.bench import step_profile
+
+    cfg = step_profile.StepProfileConfig(model=tiny_model_dir, head="random", trie="none", dataset=prompts_file,
+                                         num_prompts=2, max_new_tokens=6, budget="4", copy_mib=8, top_python=4,
+                                         modes=["autoregressive", "gated-off"])
+    result = step_profile.run_step_profile(cfg, progress=False)
+    for row in result["rows"]:
+        top = row["top_python"]
+        assert len(top) == 4 and [o["self_ms"] for o in top] == sorted((o["self_ms"] for o in top), reverse=True)
+        assert top[0]["self_ms"] > 0 and all(o["calls"] > 0 and o["cum_ms"] >= o["self_ms"] for o in top)
+    md = step_profile.markdown_table(result)
+    assert "gated-off: Python functions by self ms per target forward (under cProfile)" in md
+    with pytest.raises(ValueError, match="top_python"):
+        step_profile.run_step_profile(step_profile.StepProfileConfig(top_python=-1), progress=False)
+
+
 def test_the_gpu_section_is_rendered_from_the_results_files(tmp_path):
     """The GPU block holds exactly the tables of the files in the results folder, between its
     markers; hand-written text around it is kept; a folder without a decoding run is refused."""
