@@ -5,9 +5,9 @@ request above its mmap threshold (at most 32 MiB by default, however it adapts) 
 ``mmap`` and returns it to the kernel on ``free``; the next step's tensor of the same size is
 then a new mapping whose every page faults on first touch.  A decoding step allocates such
 tensors every time: a batch of draft trees' logits (B · N rows of a 49,152-token vocabulary in
-float32 is 53 MB at 16 trees of 17 nodes), the padded prefill's activations.  On the development
-machine a 53 MB tensor cost several times as much to allocate and fill fresh as when its
-memory was reused (BENCHMARKS.md, "Prefill and freed memory (CPU)").
+float32 is 53 MB at 16 trees of 17 nodes), the padded prefill's activations, each paying its
+page faults again.  What keeping the memory changes in the engine: BENCHMARKS.md, "Prefill and
+freed memory (CPU)".
 
 :func:`keep_freed_memory` raises glibc's mmap threshold and trim threshold (``mallopt``) so
 such blocks come from the heap and stay there after ``free``: the process keeps its peak
