@@ -15,7 +15,6 @@ transformers' modules (equal values, far less overhead per forward).
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 from contextlib import contextmanager
@@ -481,7 +480,8 @@ class TargetModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-                cache: TargetCache, rows: torch.Tensor | None = None) -> TargetOutput:
+                cache: TargetCache, rows: torch.Tensor | None = None,
+                logit_index: torch.Tensor | None = None) -> TargetOutput:
         """One forward of new tokens after the cached prefix; appends their KV entries.
 
         Args:
@@ -490,18 +490,20 @@ class TargetModel:
                 for all. With a packed target (:attr:`packed`) the linear layers compute only
                 those (:func:`real_rows`): the other positions' logits and taps are then
                 meaningless (zero or finite garbage), their KV entries too.  Ignored otherwise.
+            logit_index: as :meth:`model_forward` (logits [B, 1, V]); such a forward never takes
+                the static cache's path.
 
         With :meth:`enable_static_cache`, a forward that fits the static cache returns views
         valid until the next forward.
         """
-        if self.static is not None:
+        if self.static is not None and logit_index is None:
             static = self.static.forward(input_ids, position_ids, attention_mask, cache)
             if static is not None:
                 return TargetOutput(logits=static[0], taps=static[1])
         if rows is not None and self.packed:
             with real_rows(rows, input_ids.numel()):
-                return self.model_forward(input_ids, position_ids, attention_mask, cache)
-        return self.model_forward(input_ids, position_ids, attention_mask, cache)
+                return self.model_forward(input_ids, position_ids, attention_mask, cache, logit_index)
+        return self.model_forward(input_ids, position_ids, attention_mask, cache, logit_index)
 
     @torch.inference_mode()
     def model_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -552,10 +554,7 @@ class TargetModel:
         causal = causal | torch.eye(p, dtype=torch.bool, device=self.device)[None]  # padded rows see themselves
         mask = cache_mask(cache.lengths, cache.padded_length, causal, self.dtype)
         rows = padded_rows([len(x) for x in prompts], p, self.device) if self.packed else None
-        if last_logits:  # prefill never takes the static path (a fresh cache): the model's forward directly
-            with real_rows(rows, b * p) if rows is not None else contextlib.nullcontext():
-                out = self.model_forward(ids, idx[None, :].expand(b, p), mask, cache, logit_index=lengths - 1)
-        else:
-            out = self.forward(ids, idx[None, :].expand(b, p), mask, cache, rows=rows)
+        out = self.forward(ids, idx[None, :].expand(b, p), mask, cache, rows=rows,
+                           logit_index=lengths - 1 if last_logits else None)
         cache.lengths = lengths
         return out
