@@ -165,7 +165,8 @@ class LlamaDecoder:
             if i in self.tap_layers:
                 inputs[i] = x
             h = _rms_norm(x, layer.ln1, layer.eps1)
-            qkv = layer.qkv(h) if layer.qkv is not None else torch.cat([layer.q(h), layer.k(h), layer.v(h)], dim=-1)
+            qkv = layer.qkv.forward(h) if layer.qkv is not None else \
+                torch.cat([layer.q.forward(h), layer.k.forward(h), layer.v.forward(h)], dim=-1)
             kv = cache.layer(i) if fused else None
             if kv is not None and kv.static_write_index is not None:
                 kv = None  # a static cache (CUDA graphs) writes through update()
@@ -190,13 +191,13 @@ class LlamaDecoder:
                     out = kernels.attend(query, key, value, exact_mask, layer.attn.scaling)
                 else:
                     out, _ = _grouped_sdpa(layer.attn, query, key, value, attention_mask, scaling=layer.attn.scaling)
-            x = x + layer.o(out.reshape(b, q, -1))
+            x = x + layer.o.forward(out.reshape(b, q, -1))
             h = _rms_norm(x, layer.ln2, layer.eps2)
             if layer.gate_up is not None:
-                gate, up = layer.gate_up(h).split(layer.intermediate, dim=-1)
+                gate, up = layer.gate_up.forward(h).split(layer.intermediate, dim=-1)
             else:
-                gate, up = layer.gate(h), layer.up(h)
-            x = x + layer.down(torch.nn.functional.silu(gate) * up)
+                gate, up = layer.gate.forward(h), layer.up.forward(h)
+            x = x + layer.down.forward(torch.nn.functional.silu(gate) * up)
         taps = torch.cat([inputs[i] for i in self.tap_layers], dim=-1)
         if logit_index is not None:
             x = x[torch.arange(b, device=x.device), logit_index][:, None]

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dart_core.target import over_real_rows
+from dart_core.target import over_real_rows, real_rows_selected
 
 logger = logging.getLogger(__name__)
 
@@ -154,11 +154,11 @@ class Int4Linear(torch.nn.Module):
                 f"parts={self.n_parts}, compute_dtype={self.compute_dtype}")
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
-        y = None
-        for i in range(self.n_parts):
-            part = torch.ops.aten._weight_int4pack_mm_for_cpu(x, getattr(self, f"packed_{i}"), GROUP_SIZE,
-                                                               getattr(self, f"scales_zeros_{i}"))
-            y = part if y is None else y.add_(part)
+        buffers = self._buffers  # read directly: Module.__getattr__ costs more than the small kernels
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, buffers["packed_0"], GROUP_SIZE, buffers["scales_zeros_0"])
+        for i in range(1, self.n_parts):
+            y.add_(torch.ops.aten._weight_int4pack_mm_for_cpu(x, buffers[f"packed_{i}"], GROUP_SIZE,
+                                                              buffers[f"scales_zeros_{i}"]))
         return y
 
     @staticmethod
@@ -212,7 +212,11 @@ class Int4Linear(torch.nn.Module):
         return self._mm(eye).t().float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return over_real_rows(x, self.out_features, lambda rows: self._mm(rows.to(self.compute_dtype)).to(x.dtype))
+        if real_rows_selected():
+            return over_real_rows(x, self.out_features,
+                                  lambda rows: self._mm(rows.to(self.compute_dtype)).to(x.dtype))
+        y = self._mm(x.reshape(-1, self.in_features).to(self.compute_dtype)).to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
 
 
 def _row_order(weight: np.ndarray, values: np.ndarray, name: str) -> np.ndarray | None:

@@ -62,6 +62,24 @@ def test_a_row_does_not_depend_on_the_other_rows():
         assert torch.equal(layer(x[:m]), alone[:m]), m
 
 
+def test_the_4bit_layer_computes_only_the_real_rows():
+    """Inside real_rows (a padded batch of draft trees) only the selected rows are computed, each equal
+    to its row outside the block; the padding rows are zero; another row count is computed in full."""
+    from dart_core.target import real_rows
+
+    rng = np.random.default_rng(2)
+    layer = Int4Linear(int4_parts(_blocks(rng.normal(size=(64, 96)), Q.Q8_0), "Q8_0", (64, 96)))  # two parts
+    x = torch.from_numpy(rng.normal(size=(2, 3, 96)).astype(np.float32))
+    full = layer(x)
+    assert full.shape == (2, 3, 64)
+    rows, z = torch.tensor([0, 1, 3]), torch.randn(7, 96)
+    with real_rows(rows, 6):
+        part, other = layer(x), layer(z)
+    assert torch.equal(part.view(6, 64)[rows], full.view(6, 64)[rows])
+    assert part.view(6, 64)[[2, 4, 5]].abs().max() == 0
+    assert torch.equal(other, layer(z))
+
+
 def test_bad_blocks_raise_named_errors():
     raw = _blocks(np.ones((4, 64)), Q.Q4_1)
     with pytest.raises(GGUFWeightsError, match="needs 160 bytes"):
