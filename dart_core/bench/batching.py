@@ -16,10 +16,14 @@ per (level, mode), as the serving benchmark does: output tokens/s (all
 completion tokens ÷ wall time of the level), requests, TTFT and ITL p50/p99,
 and the mean τ of the requests.  ``--no-gate`` turns the speculation gate off,
 as the decoding benchmark does, so batch-1 figures compare with its rows.
-With ``--cuda-graphs`` every (level, mode) is first run once untimed: a
-graph is captured the first time its shape (batch, tree and attention
-window buckets) is met, once in a server's life, so the timed pass measures
-replays, the steady state.
+Before the sweep the largest level runs once, untimed, in each mode: a
+server's first large batch pays costs it never pays again (fresh memory
+pages for the larger activations and caches, the first prefill of many
+prompts at once), and without this pass they fell on whichever mode ran
+first at that level.  With ``--cuda-graphs`` every (level, mode) is instead
+first run once untimed: a graph is captured the first time its shape
+(batch, tree and attention window buckets) is met, once in a server's
+life, so the timed pass measures replays, the steady state.
 
 Each row also says where the tokens came from (``steps``, from the engine's
 step outputs during the level; prefills left out): decoding steps, the share
@@ -190,6 +194,9 @@ def run_batching(cfg: BatchingConfig, *, progress: bool = True) -> dict:
     tally = StepTally()
     with ContinuousBatcher(model.engine, model.tokenizer, batch, observer=tally) as batcher:
         list(batcher.generate(GenerationRequest(prompt=prompts[0], max_tokens=8)))  # warm-up
+        if not cfg.cuda_graphs:  # untimed: the largest level once per mode (module docstring)
+            for mode in cfg.modes:
+                _level(batcher, prompts, max(cfg.concurrency), mode == "dart", cfg)
         bar = tqdm(total=len(cfg.concurrency) * len(cfg.modes), desc="batching benchmark", unit="level",
                    disable=not progress)
         for i, c in enumerate(cfg.concurrency):

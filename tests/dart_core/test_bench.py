@@ -223,12 +223,17 @@ def test_serving_cli_checks_its_dependencies_before_the_sweep(monkeypatch, capsy
     assert started == [] and "needs openai" in capsys.readouterr().err
 
 
-def test_batching_benchmark_runs_without_ray(tiny_model_dir, prompts_file, tmp_path):
+def test_batching_benchmark_runs_without_ray(tiny_model_dir, prompts_file, tmp_path, monkeypatch):
     from dart_core.bench import batching, serving
 
+    levels, level = [], batching._level
+    monkeypatch.setattr(batching, "_level",
+                        lambda b, p, c, spec, cfg: levels.append((c, spec)) or level(b, p, c, spec, cfg))
     cfg = batching.BatchingConfig(model=tiny_model_dir, head="random", trie="none", concurrency=[1, 3],
                                   requests_per_client=2, max_tokens=6, dataset=prompts_file, budget="4")
     result = batching.run_batching(cfg, progress=False)
+    # the largest level once per mode, untimed, before the timed levels (whose order alternates)
+    assert levels == [(3, True), (3, False), (1, True), (1, False), (3, False), (3, True)]
     rows = {(r["concurrency"], r["mode"]): r for r in result["rows"]}
     assert set(rows) == {(1, "dart"), (1, "no-speculation"), (3, "dart"), (3, "no-speculation")}
     assert all(r["errors"] == 0 and r["requests"] == 2 * r["concurrency"] for r in rows.values())
