@@ -343,7 +343,10 @@ class DartEngine:
         first = self._sample_rows(out.logits[:, 0], [x.sampling for x in joining], gens, constraints)
         new = _BatchState(seq_ids=ids, tokens=[list(p) for p in prompts], produced=[0] * len(prompts),
                           samplings=[x.sampling for x in joining], generators=gens, cache=cache,
-                          pend_taps=out.taps[:, :0], pend_next=[[] for _ in prompts],
+                          # held in the draft head's dtype, the one it reads them in: half the bytes to
+                          # copy on every join and leave where a bf16 head drafts for a float32 target
+                          pend_taps=out.taps[:, :0].to(self.head.dtype if self.head is not None else out.taps.dtype),
+                          pend_next=[[] for _ in prompts],
                           pend_pos=torch.zeros(len(prompts), 0, dtype=torch.long, device=device),
                           pend_count=torch.zeros(len(prompts), dtype=torch.long, device=device),
                           head_cache=None, reasons=[None] * len(prompts),
@@ -660,7 +663,8 @@ def _append_in_place(buf: torch.Tensor, counts: torch.Tensor, new: torch.Tensor,
     if need > buf.shape[1]:
         buf = _zero_pad(buf, 1, max(need, 2 * buf.shape[1]))
     idx = counts[:, None] if t_new == 1 else counts[:, None] + torch.arange(t_new, device=counts.device)[None, :]
-    buf.scatter_(1, idx.reshape(rows, t_new, *([1] * (new.dim() - 2))).expand_as(new), new)
+    # an index write, not scatter_: PyTorch's CPU scatter_ into a bfloat16 buffer took milliseconds
+    buf[torch.arange(rows, device=counts.device)[:, None], idx] = new
     return buf
 
 
@@ -674,7 +678,7 @@ class _BatchState:
     samplings: list[SamplingParams]
     generators: list[torch.Generator]
     cache: TargetCache | None
-    # draft-head inputs not yet fed to the head: taps [B, P, 3H], positions [B, P] (buffers:
+    # draft-head inputs not yet fed to the head: taps [B, P, 3H] in the head's dtype, positions [B, P] (buffers:
     # row b's first pend_count[b] entries are valid, the rest padding), valid counts [B],
     # and the next token of each pending position
     pend_taps: torch.Tensor | None
@@ -749,6 +753,7 @@ class _BatchState:
 
         Rows that opted out of speculation (``spec_ok`` false) keep none: they never draft.
         """
+        taps = taps.to(self.pend_taps.dtype)  # the draft head's dtype (_prefill)
         if not all(self.spec_ok):
             counts = torch.where(torch.tensor(self.spec_ok, dtype=torch.bool, device=counts.device), counts, 0)
             nexts = [n if ok else [] for n, ok in zip(nexts, self.spec_ok)]

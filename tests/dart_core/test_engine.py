@@ -299,7 +299,8 @@ def test_a_sequence_that_opts_out_of_speculation_makes_its_batch_autoregressive(
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_a_bf16_head_beside_an_fp32_target_stays_exact(arch):
     """The CPU default pairs an fp32 target with a bf16 draft head (api.default_draft_dtype):
-    the head's inputs and KV cache take its dtype, sequences join mid-run, output stays exact."""
+    the head's inputs and KV cache take its dtype (the taps it has not read yet are held in it, half
+    the bytes to copy when sequences join and leave), sequences join mid-run, output stays exact."""
     from dart_core.engine import NewSequence
 
     target = tiny_target(arch, seed=4)
@@ -309,6 +310,8 @@ def test_a_bf16_head_beside_an_fp32_target_stays_exact(arch):
     ar = DartEngine(target).generate(prompts, sp, speculative=False).token_ids
     head = random_head(target, seed=1).to(torch.bfloat16)
     engine = DartEngine(target, head, search_params=SearchParams(top_k=8, beam_width=4, budget=12))
+    held, draft = [], engine._draft
+    engine._draft = lambda taps, *a, **kw: held.append(taps.dtype) or draft(taps, *a, **kw)
     joined = iter([[], [NewSequence(prompts[2], sp)]])
     out: dict[int, list[int]] = {}
     drafted = 0
@@ -317,7 +320,7 @@ def test_a_bf16_head_beside_an_fp32_target_stays_exact(arch):
         for sid, toks in zip(step.seq_ids, step.new_tokens):
             out.setdefault(sid, []).extend(toks)
     assert [out[i] for i in range(3)] == ar
-    assert drafted > 0
+    assert drafted > 0 and held and set(held) == {torch.bfloat16}
 
 
 class DepthRecordingSearch(InProcessTreeSearch):
