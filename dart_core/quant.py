@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dart_core.target import over_real_rows, real_rows_selected
+from dart_core.target import over_real_rows
 
 logger = logging.getLogger(__name__)
 
@@ -212,11 +212,7 @@ class Int4Linear(torch.nn.Module):
         return self._mm(eye).t().float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if real_rows_selected():
-            return over_real_rows(x, self.out_features,
-                                  lambda rows: self._mm(rows.to(self.compute_dtype)).to(x.dtype))
-        y = self._mm(x.reshape(-1, self.in_features).to(self.compute_dtype)).to(x.dtype)
-        return y.view(*x.shape[:-1], self.out_features)
+        return over_real_rows(x, self.out_features, lambda rows: self._mm(rows.to(self.compute_dtype)).to(x.dtype))
 
 
 def _row_order(weight: np.ndarray, values: np.ndarray, name: str) -> np.ndarray | None:

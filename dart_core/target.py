@@ -226,12 +226,6 @@ def padded_rows(sizes: list[int], width: int, device) -> torch.Tensor | None:
     return torch.from_numpy(np.concatenate([i * width + np.arange(n) for i, n in enumerate(sizes)])).to(device)
 
 
-def real_rows_selected() -> bool:
-    """Whether a :func:`real_rows` block with rows selected is active (a linear layer that honours it
-    may take a shorter path outside one)."""
-    return _REAL_ROWS.get() is not None
-
-
 def over_real_rows(x: torch.Tensor, out_features: int, linear) -> torch.Tensor:
     """``linear`` (rows [N, in] -> [N, out_features]) applied to ``x`` [..., in]; inside
     :func:`real_rows` for x's row count, to the selected rows only, the others left zero.
