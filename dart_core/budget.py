@@ -445,8 +445,10 @@ class SpeculationGate:
     little.  The first step after a change of mode is not measured (it
     carries the switch: the draft head catching up on the positions it
     skipped), nor is a speculative step whose draft catches up on more
-    positions than one step can accept (a new prompt: the first step after a
-    prefill would otherwise make speculation look several times slower).
+    positions than one step can accept (positions held while steps did not
+    draft; a new prompt's are folded into the head's KV cache at its prefill,
+    ``DartEngine.fold_width``, or the first step after a prefill would make
+    speculation look several times slower).
     The first ``warmup`` measured steps of a batch size speculate,
     the next ``warmup`` do not.  When a mode resumes after more than
     ``probe_every`` steps of the other, its old average counts as one step
@@ -538,7 +540,7 @@ class SpeculationGate:
         """Feeds back one step: its mode, the tokens it emitted (all sequences) and its wall time.
 
         ``typical=False`` records the mode without measuring the step (the engine
-        passes it for a draft that catches up on a new prompt or on skipped positions).
+        passes it for a draft that catches up on skipped positions).
         """
         b = self._stats(batch)
         k = int(speculative)

@@ -375,14 +375,44 @@ class DartDraftHead(nn.Module):
             h = self.norm(h)
         return self.lm_head(h)
 
+    def keys_values(self, taps: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head KV cache entries of real positions, without drafting.
+
+        A real position's key and value depend only on its own inputs (its taps, the embedding of
+        its next token, its RoPE position), not on attention, so they can be computed ahead of the
+        draft that would otherwise compute them: the engine folds the inputs it holds for a
+        sequence into its head KV cache this way while no draft runs (``DartEngine``), where an
+        entry takes 2 · H_kv · D values instead of 3 · H_target.
+
+        Args:
+            taps: [B, T, 3 * H_target]; next_embeds: [B, T, H]; positions: [B, T] int64, as
+                :meth:`forward` takes them.
+
+        Returns:
+            keys, values: [B, Hkv, T, D], equal to the ``new_k`` / ``new_v`` that :meth:`forward`
+            returns for the same positions up to rounding (tested).
+        """
+        c, attn = self.config, self.midlayer.self_attn
+        b, t = taps.shape[:2]
+        x = self._real_inputs(taps, next_embeds)[1]
+        cos, sin = self.rotary(x, positions)
+        ks = attn.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        vs = attn.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        return apply_rotary_pos_emb(ks, ks, cos, sin)[0], vs
+
+    def _real_inputs(self, taps, next_embeds):
+        """The fused taps g = fc(taps) [B, T, H] and the layer's input at the real positions [B, T, 2H]."""
+        g = self.fc(taps)
+        return g, torch.cat([self.midlayer.input_layernorm(next_embeds), self.midlayer.hidden_norm(g)], dim=-1)
+
     def _layer(self, taps, next_embeds, positions, slot_pos, past_k, past_v, mask, query_index, write_index=None):
         """The decoder layer over real positions [B, T] followed by slots [B, S], evaluated for the
         positions ``query_index`` [B, Q] only: hidden [B, Q, H] and the keys/values of all T + S
         (``write_index`` [B, T + S]: written into the static buffers ``past_k``/``past_v`` there)."""
         c = self.config
         b = taps.shape[0]
-        g = self.fc(taps)  # [B, T, H]
-        real_in = torch.cat([self.midlayer.input_layernorm(next_embeds), self.midlayer.hidden_norm(g)], dim=-1)
+        g, real_in = self._real_inputs(taps, next_embeds)  # [B, T, H], [B, T, 2H]
         mask_in = self.midlayer.mask_rep.to(g.dtype).expand(b, slot_pos.shape[1], 2 * c.hidden_size)
         x = torch.cat([real_in, mask_in], dim=1)  # [B, T + S, 2H]
         residual = torch.cat([g, mask_in[..., : c.hidden_size]], dim=1)  # [B, T + S, H]

@@ -34,11 +34,11 @@ import numpy as np
 import torch
 
 from dart_core.budget import AdaptiveBudget, SpeculationGate
-from dart_core.cuda_graphs import StaticDrafter
+from dart_core.cuda_graphs import DEFAULT_DRAFT_WIDTHS, StaticDrafter
 from dart_core.draft_head import DartDraftHead
 from dart_core.drafters import DartDrafter, DraftBatch, Drafter, NoDraft, Proposal
 from dart_core.grammar import row_constraint
-from dart_core.kv_cache import HeadKVCache, cache_mask, compaction_plan_host
+from dart_core.kv_cache import HeadKVCache, cache_mask, compaction_plan_host, zero_pad
 from dart_core.sampling import SamplingParams, target_probs
 from dart_core.target import TargetCache, TargetModel, padded_rows
 from dart_core.target import sync_device as _sync
@@ -73,8 +73,8 @@ class StepOutput:
     step_ms: float
     logprobs: list["TokenLogprobs | None"] = field(default_factory=list)  # per sequence, when its sampling asks
     lookup: bool = False  # a lookup step: each sequence's context chain verified alone, no draft head
-    catch_up: bool = False  # the draft caught up on more positions than one step can accept (a new prompt, or
-    # autoregressive or lookup steps since the last draft): not a typical step, left out of step-time averages
+    catch_up: bool = False  # the draft caught up on more positions than one step can accept (autoregressive
+    # or lookup steps since the last draft): not a typical step, left out of step-time averages
 
     @property
     def speculated(self) -> bool:
@@ -204,6 +204,11 @@ class DartEngine:
         # structured output: draft trees cut to what the grammar allows, with the tokens it forces added
         # (GrammarState.draft_tree); False leaves the trees as drafted (verification masks either way)
         self.grammar_drafting = True
+        # a sequence's draft-head inputs held past this many positions (steps that do not draft: the
+        # gate or max_speculative_batch keeps speculation off) are folded into its head KV cache
+        # (_fold_held), as is a new prompt, so that a draft never reads more than the static drafter's
+        # widest graph-captured width; None holds them until the next draft
+        self.fold_width: int | None = DEFAULT_DRAFT_WIDTHS[-1] - 1
         self.context_window = context_window
         self.context_order = context_order
         if lookup_length < 0:
@@ -266,7 +271,8 @@ class DartEngine:
             cancelled: seq_ids to drop at the next step (finish reason "cancelled").
             max_speculative_batch: steps with more running sequences than this are
                 plain autoregressive steps (speculation stops paying at large batch);
-                the draft head catches up on the skipped positions at the next draft.
+                the draft head catches up on the skipped positions at the next draft
+                (most of them folded into its KV cache ahead of it: ``fold_width``).
 
         Raises:
             ValueError: empty prompt, token id outside the vocabulary, or a prompt
@@ -359,6 +365,8 @@ class DartEngine:
             c = self.head.config
             new.head_cache = HeadKVCache(len(prompts), c.num_key_value_heads, c.head_dim, device=device,
                                          dtype=self.head.dtype)
+            if self.fold_width is not None:  # the work the first draft would do, and the batch holds 1 position
+                self._fold_held(new)
         new_tokens, logprobs = [], []
         for b, f in enumerate(first):
             emitted, new.reasons[b] = self._emit(new, b, [f])
@@ -456,6 +464,8 @@ class DartEngine:
                     else out.taps.gather(1, path[..., None].expand(-1, -1, out.taps.shape[-1])))
             positions = old_lengths[:, None] + (0 if a_max == 1 else torch.arange(a_max, device=device))
             state.add_pending(taps, positions, counts, nexts)
+            if self.fold_width is not None and max(len(x) for x in state.pend_next) > self.fold_width:
+                self._fold_held(state)  # steps go by without drafting
         _sync(device)
         verify_ms = 1e3 * (time.perf_counter() - t_verify)
         step_ms = 1e3 * (time.perf_counter() - t_step)
@@ -559,6 +569,31 @@ class DartEngine:
         return self.static_draft
 
     @torch.inference_mode()
+    def _fold_held(self, state: "_BatchState") -> None:
+        """Moves each sequence's held draft-head inputs, all but its last position, into its head KV
+        cache (:meth:`DartDraftHead.keys_values`) with no read of a device tensor.
+
+        What the next draft would compute from them anyway, done ahead, so that the draft is
+        unchanged (up to rounding) and the inputs held per sequence between steps stay at most
+        ``fold_width`` positions while steps do not draft: a held position is 3 · H_target values (1,728 for
+        SmolLM2), a head KV cache entry 2 · H_kv · D (384), and both are copied whenever sequences
+        join or leave the batch.  The last position stays held: the next draft queries from it."""
+        width = max((len(x) for x in state.pend_next), default=0)
+        if width <= 1:
+            return
+        head = self.head
+        nxt = _padded_ids(state.pend_next, width, self.target.device)
+        keys, values = head.keys_values(state.pend_taps[:, :width], self.target.embed(nxt).to(head.dtype),
+                                        state.pend_pos[:, :width])
+        last = (state.pend_count - 1).clamp(min=0)  # [B]; rows that hold nothing fold nothing
+        # a row's head KV cache never holds more entries than the row has tokens
+        state.head_cache.extend(keys, values, last, max(len(t) for t in state.tokens))
+        state.pend_taps = state.pend_taps.gather(1, last[:, None, None].expand(-1, 1, state.pend_taps.shape[-1]))
+        state.pend_pos = state.pend_pos.gather(1, last[:, None])
+        state.pend_count = state.pend_count.clamp(max=1)
+        state.pend_next = [row[-1:] for row in state.pend_next]
+
+    @torch.inference_mode()
     def _draft(self, taps, next_tokens: list[list[int]], positions, last_index, head_cache: HeadKVCache,
                levels: int | None = None, max_positions: int | None = None):
         """Draft head forward → (topk_ids [B, L, k] int64 target ids, topk_probs [B, L, k] float32),
@@ -567,11 +602,7 @@ class DartEngine:
         every row's tokens) the draft runs over its static cache where it fits; either way the
         top-k comes to the host in one copy."""
         head, device = self.head, self.target.device
-        b, t = taps.shape[:2]
-        nxt = np.zeros((b, t), dtype=np.int64)
-        for i, row in enumerate(next_tokens):
-            nxt[i, : len(row)] = row
-        nxt = torch.from_numpy(nxt).to(device)
+        nxt = _padded_ids(next_tokens, taps.shape[1], device)
         levels = head.config.depth if levels is None else levels
         static = None
         if self.static_draft is not None and max_positions is not None:
@@ -636,19 +667,18 @@ class NewSequence:
     speculative: bool = True  # False: while this sequence runs, every step of the batch is autoregressive
 
 
-def _zero_pad(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
-    """``x`` with dimension ``dim`` zero-padded at the end to length ``n`` (x itself when already n long)."""
-    if x.shape[dim] >= n:
-        return x
-    shape = list(x.shape)
-    shape[dim] = n - x.shape[dim]
-    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+def _padded_ids(rows: list[list[int]], width: int, device) -> torch.Tensor:
+    """[B, width] int64 on ``device``: row b's ids, zero-padded."""
+    ids = np.zeros((len(rows), width), dtype=np.int64)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = row
+    return torch.from_numpy(ids).to(device)
 
 
 def _pad_cat(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
     """Concatenates along the batch (dim 0) after zero-padding dimension ``dim`` to the longer one."""
     n = max(a.shape[dim], b.shape[dim])
-    return torch.cat([_zero_pad(a, dim, n), _zero_pad(b, dim, n)], dim=0)
+    return torch.cat([zero_pad(a, dim, n), zero_pad(b, dim, n)], dim=0)
 
 
 def _append_in_place(buf: torch.Tensor, counts: torch.Tensor, new: torch.Tensor, longest: int) -> torch.Tensor:
@@ -661,7 +691,7 @@ def _append_in_place(buf: torch.Tensor, counts: torch.Tensor, new: torch.Tensor,
     rows, t_new = new.shape[0], new.shape[1]
     need = longest + t_new if rows else 0
     if need > buf.shape[1]:
-        buf = _zero_pad(buf, 1, max(need, 2 * buf.shape[1]))
+        buf = zero_pad(buf, 1, max(need, 2 * buf.shape[1]))
     idx = counts[:, None] if t_new == 1 else counts[:, None] + torch.arange(t_new, device=counts.device)[None, :]
     # an index write, not scatter_: PyTorch's CPU scatter_ into a bfloat16 buffer took milliseconds
     buf[torch.arange(rows, device=counts.device)[:, None], idx] = new

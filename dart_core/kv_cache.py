@@ -28,6 +28,15 @@ __all__ = ["compact_", "compaction_plan", "compaction_plan_host", "apply_compact
            "is_leading_view", "KVPool"]
 
 
+def zero_pad(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """``x`` with dimension ``dim`` zero-padded at the end to length ``n`` (x itself when already n long)."""
+    if x.shape[dim] >= n:
+        return x
+    shape = list(x.shape)
+    shape[dim] = n - x.shape[dim]
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
 def compaction_plan(lengths: torch.Tensor, src: torch.Tensor, counts: torch.Tensor
                     ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, int]:
     """Where :func:`compact_` moves entries, computed once for every layer of a cache.
@@ -147,6 +156,23 @@ class HeadKVCache:
         values = torch.cat([self.values, new_v], dim=2)
         src = t + torch.arange(new_k.shape[2], device=keys.device).expand(keys.shape[0], -1)
         self.keys, self.values = compact_(keys, values, self.lengths, src, counts)
+        self.lengths = self.lengths + counts
+
+    def extend(self, new_k: torch.Tensor, new_v: torch.Tensor, counts: torch.Tensor, max_length: int) -> None:
+        """As :meth:`append`, with no read of a device tensor: ``max_length`` is a host-side bound
+        on every row's length after it (the buffers are cut to it).  Row b's entries j >= counts[b]
+        land past its valid length, where they are padding.
+
+        Args:
+            new_k, new_v: [B, Hkv, A, D]; counts: [B] int64 (0 <= counts[b] <= A)."""
+        b, a = new_k.shape[0], new_k.shape[2]
+        keys = zero_pad(self.keys, 2, self.keys.shape[2] + a)
+        values = zero_pad(self.values, 2, self.values.shape[2] + a)
+        rows = torch.arange(b, device=keys.device)[:, None]
+        dst = self.lengths[:, None] + torch.arange(a, device=keys.device)[None, :]  # [B, A], < T + A
+        keys[rows, :, dst] = new_k.transpose(1, 2)  # advanced indices first: [B, A, Hkv, D]
+        values[rows, :, dst] = new_v.transpose(1, 2)
+        self.keys, self.values = keys[:, :, :max_length], values[:, :, :max_length]
         self.lengths = self.lengths + counts
 
     def select(self, rows: torch.Tensor) -> None:

@@ -124,6 +124,44 @@ def test_cached_forward_equals_full_forward(head):
     torch.testing.assert_close(step, full, rtol=1e-5, atol=1e-5)
 
 
+def test_keys_values_equal_the_forwards_new_cache_entries(head):
+    """keys_values (used to fold held inputs into the head KV cache without drafting) gives the
+    entries forward returns for the same real positions, and drafting from a cache filled by it
+    equals drafting from one filled by forward."""
+    from dart_core.kv_cache import HeadKVCache
+
+    torch.manual_seed(2)
+    c = head.config
+    taps, emb, pos, empty = _draft_inputs(c, 2, 7)
+    pos = pos + torch.tensor([[0], [11]])  # rows at different RoPE offsets
+    _, k, v = head(taps, emb, pos, torch.tensor([6, 6]), empty, empty, torch.zeros(2, dtype=torch.long))
+    kk, vv = head.keys_values(taps, emb, pos)
+    torch.testing.assert_close(kk, k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(vv, v, rtol=1e-5, atol=1e-5)
+    # row 0 folds 5 positions, row 1 folds 2, in two rounds (extend, no device read), then both
+    # draft from position 5 / 2
+    folded = HeadKVCache(2, c.num_key_value_heads, c.head_dim, device="cpu", dtype=torch.float32)
+    folded.extend(kk[:, :, :3], vv[:, :, :3], torch.tensor([2, 1]), 3)
+
+    def rest(x):  # each row's next 3 positions
+        return torch.stack([x[0, :, 2:5], x[1, :, 1:4]])
+
+    folded.extend(rest(kk), rest(vv), torch.tensor([3, 1]), 7)
+    assert folded.lengths.tolist() == [5, 2] and folded.keys.shape[2] == 6
+    drafted = HeadKVCache(2, c.num_key_value_heads, c.head_dim, device="cpu", dtype=torch.float32)
+    _, k5, v5 = head(taps[:, :5], emb[:, :5], pos[:, :5], torch.tensor([4, 1]), empty, empty,
+                     torch.zeros(2, dtype=torch.long))
+    drafted.append(k5, v5, torch.tensor([5, 2]))
+    idx = torch.tensor([[5], [2]])  # [B, 1] each row's next position
+
+    def step(cache):
+        return head(taps.gather(1, idx[..., None].expand(2, 1, taps.shape[-1])),
+                    emb.gather(1, idx[..., None].expand(2, 1, emb.shape[-1])), pos.gather(1, idx),
+                    torch.zeros(2, dtype=torch.long), cache.keys, cache.values, cache.lengths)[0]
+
+    torch.testing.assert_close(step(folded), step(drafted), rtol=1e-5, atol=1e-5)
+
+
 def test_fewer_levels_equal_the_first_levels_of_a_full_draft(head):
     """``levels=L`` appends L-1 mask slots: the same first L distributions and the same real-position
     keys/values as a full draft, for a ragged batch over a cache."""

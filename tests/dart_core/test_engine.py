@@ -296,6 +296,44 @@ def test_a_sequence_that_opts_out_of_speculation_makes_its_batch_autoregressive(
     assert any(nodes > 0 for _, nodes in phases[last_ar + 1:])  # speculation resumes once it has left
 
 
+def test_held_draft_inputs_are_folded_into_the_head_cache_while_steps_do_not_draft():
+    """Above max_speculative_batch no step drafts.  Each sequence's held draft-head inputs are then
+    folded into its head KV cache past fold_width positions (a new prompt at once), so they stay
+    bounded; the first draft once speculation resumes equals that of an engine that held them all,
+    and the output stays exact either way."""
+    target = tiny_target("llama", seed=6)
+    prompts = prompts_of(np.random.default_rng(6), [9, 4, 7])
+    limits = [40, 12, 14]
+    ar = [hf_greedy(target, p, n) for p, n in zip(prompts, limits)]
+    runs = {}
+    for fold in (None, 3):
+        engine = DartEngine(target, random_head(target, seed=2),
+                            search_params=SearchParams(top_k=8, beam_width=4, budget=12))
+        engine.fold_width = fold
+        drafts, held, draft, accept = [], [], engine._draft, engine._accept_step
+        engine._draft = lambda *a, _draft=draft, _out=drafts, **kw: _out.append(_draft(*a, **kw)) or _out[-1]
+
+        def accept_step(state, *a, _accept=accept, _held=held):
+            step = _accept(state, *a)
+            _held.append((len(state.seq_ids), max(len(x) for x in state.pend_next)))
+            return step
+
+        engine._accept_step = accept_step
+        out: dict[int, list[int]] = {}
+        for step in engine.generate_stream(prompts, [SamplingParams(max_new_tokens=n) for n in limits],
+                                           max_speculative_batch=1):
+            for sid, toks in zip(step.seq_ids, step.new_tokens):
+                out.setdefault(sid, []).extend(toks)
+        assert [out[i] for i in range(3)] == ar
+        assert drafts and max(b for b, _ in held) == 3  # autoregressive steps of 3, then drafts alone
+        runs[fold] = drafts, held
+    (plain, held_all), (folded, held_folded) = runs[None], runs[3]
+    assert max(w for _, w in held_all) > 10  # without folding the inputs pile up over 12 steps
+    assert max(w for _, w in held_folded) <= 3  # fold_width
+    np.testing.assert_array_equal(folded[0][0], plain[0][0])  # the same draft tokens
+    np.testing.assert_allclose(folded[0][1], plain[0][1], rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_a_bf16_head_beside_an_fp32_target_stays_exact(arch):
     """The CPU default pairs an fp32 target with a bf16 draft head (api.default_draft_dtype):
