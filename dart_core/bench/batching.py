@@ -11,7 +11,9 @@ For each concurrency level C (default 1, 4, 16) and each mode — ``dart`` and
 ``no-speculation`` (requests sent with ``speculative=False``, so both modes
 share one engine and one batcher) — C client threads each submit
 ``requests_per_client`` chat requests back to back (MT-Bench first turns,
-T = 0); the modes alternate which goes first from level to level.  Reported
+T = 0); the modes alternate which goes first from level to level (and
+from pass to pass with ``--repeats``, which reports each (level, mode)'s
+median pass and lists every pass's tokens/s).  Reported
 per (level, mode), as the serving benchmark does: output tokens/s (all
 completion tokens ÷ wall time of the level), requests, TTFT and ITL p50/p99,
 and the mean τ of the requests.  ``--no-gate`` turns the speculation gate off,
@@ -42,7 +44,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dart_core.bench.serving import MODES  # the same two modes as the serving sweep
+from dart_core.bench.serving import MODES, run_sweep  # the same two modes and passes as the serving sweep
 
 __all__ = ["BatchingConfig", "run_batching", "save", "main"]
 
@@ -69,6 +71,7 @@ class BatchingConfig:
     threads: int | None = None  # torch CPU threads (default: torch's)
     cuda_graphs: bool = False  # CUDA: verification and draft replayed as CUDA graphs over static KV caches
     pooled_budget: bool = False  # one budget across the batch, padding not computed (DartEngine.pooled_budget)
+    repeats: int = 1  # passes per level; each (level, mode) reports its median pass (serving.run_sweep)
 
 
 class StepTally:
@@ -171,6 +174,8 @@ def run_batching(cfg: BatchingConfig, *, progress: bool = True) -> dict:
         raise ValueError(f"modes must be among {', '.join(MODES)}")
     if min(cfg.concurrency) < 1:
         raise ValueError("concurrency levels must be ≥ 1")
+    if cfg.repeats < 1:
+        raise ValueError("repeats must be ≥ 1")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     started = time.perf_counter()
@@ -190,26 +195,25 @@ def run_batching(cfg: BatchingConfig, *, progress: bool = True) -> dict:
     prompts = load_prompts(cfg.dataset)
     batch = BatcherConfig(max_batch_size=max(cfg.max_batch_size, max(cfg.concurrency)),
                           max_speculative_batch=cfg.max_speculative_batch, max_tokens_limit=max(cfg.max_tokens, 8))
-    rows = []
     tally = StepTally()
     with ContinuousBatcher(model.engine, model.tokenizer, batch, observer=tally) as batcher:
         list(batcher.generate(GenerationRequest(prompt=prompts[0], max_tokens=8)))  # warm-up
         if not cfg.cuda_graphs:  # untimed: the largest level once per mode (module docstring)
             for mode in cfg.modes:
                 _level(batcher, prompts, max(cfg.concurrency), mode == "dart", cfg)
-        bar = tqdm(total=len(cfg.concurrency) * len(cfg.modes), desc="batching benchmark", unit="level",
-                   disable=not progress)
-        for i, c in enumerate(cfg.concurrency):
-            modes = list(cfg.modes) if i % 2 == 0 else list(reversed(cfg.modes))
-            for mode in modes:
-                if cfg.cuda_graphs:  # untimed: the level's new shapes are captured here (module docstring)
-                    _level(batcher, prompts, c, mode == "dart", cfg)
-                tally.reset()
-                row = _level(batcher, prompts, c, mode == "dart", cfg)
-                rows.append({**row, "steps": tally.summary()})
-                bar.update()
+        bar = tqdm(total=len(cfg.concurrency) * len(cfg.modes) * cfg.repeats, desc="batching benchmark",
+                   unit="level", disable=not progress)
+        warm = set()
+
+        def level(c: int, mode: str) -> dict:
+            if cfg.cuda_graphs and (c, mode) not in warm:  # untimed: the level's new shapes are captured here
+                _level(batcher, prompts, c, mode == "dart", cfg)
+                warm.add((c, mode))
+            tally.reset()
+            return {**_level(batcher, prompts, c, mode == "dart", cfg), "steps": tally.summary()}
+
+        rows = run_sweep(cfg.concurrency, list(cfg.modes), cfg.repeats, level, bar)
         bar.close()
-    rows.sort(key=lambda r: (r["concurrency"], MODES.index(r["mode"])))
     name = getattr(model.tokenizer, "dart_model_name", "model")
     return {"config": asdict(cfg), "server": {"url": "in process (ContinuousBatcher, no Ray)", "model": name},
             "hardware": hardware(model.engine.target.device), "rows": rows,

@@ -6,7 +6,9 @@ and ``no-speculation`` (the same server, requests sent with the dart-serve
 extension ``"speculative": false``, so both modes run in one run on one
 deployment) — C client threads each send ``requests_per_client`` streaming
 chat completions back to back (MT-Bench first turns, T = 0).  The two modes
-alternate which goes first from level to level.
+alternate which goes first from level to level.  ``--repeats N`` runs each
+level N times, still alternating (:func:`run_sweep`), and reports each
+(level, mode)'s median pass, with every pass's tokens/s.
 
 Reported per (level, mode): output tokens/s (completion tokens of all
 requests ÷ wall time of the level), requests/s, errors, time to first token
@@ -25,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-__all__ = ["ServingConfig", "MODES", "run_serving", "markdown_table", "plot_serving", "save"]
+__all__ = ["ServingConfig", "MODES", "run_serving", "run_sweep", "markdown_table", "plot_serving", "save"]
 
 MODES = ("dart", "no-speculation")
 
@@ -41,6 +43,39 @@ class ServingConfig:
     dataset: str = "mt-bench"
     api_key: str | None = None  # default: $DART_API_KEY, else a placeholder
     timeout_s: float = 900.0
+    repeats: int = 1  # passes per level; each (level, mode) reports its median pass (run_sweep)
+
+
+def run_sweep(levels: list[int], modes: list[str], repeats: int, run_level, bar) -> list[dict]:
+    """Every level ``repeats`` times in each mode; returns one row per (level, mode).
+
+    Within a level the passes run back to back and alternate which mode goes first (from one
+    level to the next as well), so a drift of the machine weighs on both modes alike. A (level,
+    mode) row is its pass with the median tokens/s (the lower middle one for an even count), with
+    every pass's tokens/s in ``tokens_per_s_runs``, in the order run.
+
+    Args:
+        run_level: ``(concurrency, mode) -> row`` (:func:`level_row`'s dict); ``bar``: a tqdm bar
+            advanced once per pass.
+
+    Raises:
+        ValueError: ``repeats`` below 1.
+    """
+    if repeats < 1:
+        raise ValueError("repeats must be ≥ 1")
+    rows, k = [], 0
+    for c in levels:
+        passes: dict[str, list[dict]] = {m: [] for m in modes}
+        for _ in range(repeats):
+            for mode in (modes if k % 2 == 0 else list(reversed(modes))):
+                passes[mode].append(run_level(c, mode))
+                bar.update()
+            k += 1
+        for mode, runs in passes.items():
+            median = sorted(runs, key=lambda r: r["tokens_per_s"])[(len(runs) - 1) // 2]
+            rows.append({**median, "tokens_per_s_runs": [r["tokens_per_s"] for r in runs]})
+    rows.sort(key=lambda r: (r["concurrency"], MODES.index(r["mode"])))
+    return rows
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -143,6 +178,8 @@ def run_serving(cfg: ServingConfig, *, progress: bool = True) -> dict:
         raise ValueError(f"modes must be among {', '.join(MODES)}")
     if min(cfg.concurrency) < 1:
         raise ValueError("concurrency levels must be ≥ 1")
+    if cfg.repeats < 1:
+        raise ValueError("repeats must be ≥ 1")
     started = time.perf_counter()
     key = cfg.api_key or os.environ.get("DART_API_KEY") or "unused"
     client = OpenAI(base_url=cfg.url, api_key=key, max_retries=0, timeout=cfg.timeout_s)
@@ -155,16 +192,11 @@ def run_serving(cfg: ServingConfig, *, progress: bool = True) -> dict:
         raise ConnectionError(f"{cfg.url}/models answered HTTP {e.status_code}: not a ready dart-serve app "
                               "(still deploying? wait for GET /health to answer ok)") from None
     prompts = load_prompts(cfg.dataset)
-    rows = []
-    bar = tqdm(total=len(cfg.concurrency) * len(cfg.modes), desc="serving benchmark", unit="level",
+    bar = tqdm(total=len(cfg.concurrency) * len(cfg.modes) * cfg.repeats, desc="serving benchmark", unit="level",
                disable=not progress)
-    for i, c in enumerate(cfg.concurrency):
-        modes = list(cfg.modes) if i % 2 == 0 else list(reversed(cfg.modes))
-        for mode in modes:
-            rows.append(_level(client, model, prompts, c, mode == "dart", cfg))
-            bar.update()
+    rows = run_sweep(cfg.concurrency, list(cfg.modes), cfg.repeats,
+                     lambda c, mode: _level(client, model, prompts, c, mode == "dart", cfg), bar)
     bar.close()
-    rows.sort(key=lambda r: (r["concurrency"], MODES.index(r["mode"])))
     return {"config": asdict(cfg) | {"api_key": None}, "server": {"url": cfg.url, "model": model},
             "rows": rows, "seconds": round(time.perf_counter() - started, 1)}
 
@@ -178,6 +210,8 @@ def markdown_table(result: dict) -> str:
              "ITL p50 ms | ITL p99 ms | τ |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     base = {r["concurrency"]: r["tokens_per_s"] for r in result["rows"] if r["mode"] == "no-speculation"}
+    if cfg.get("repeats", 1) > 1:
+        lines[0] += f"; the median of {cfg['repeats']} passes per level (tokens/s of each pass below)"
 
     def f(x):
         return "–" if x is None else f"{x:.0f}" if x >= 100 else f"{x:.1f}"
@@ -188,6 +222,10 @@ def markdown_table(result: dict) -> str:
         lines.append(f"| {r['concurrency']} | {r['mode']} | {r['tokens_per_s']:.1f} | {ratio} | {r['requests']} | "
                      f"{r['errors']} | {f(r['ttft_ms']['p50'])} | {f(r['ttft_ms']['p99'])} | "
                      f"{f(r['itl_ms']['p50'])} | {f(r['itl_ms']['p99'])} | {tau} |")
+    if cfg.get("repeats", 1) > 1:
+        lines += ["", "| clients | mode | tokens/s per pass, in the order run |", "|---:|---|---|"]
+        lines += [f"| {r['concurrency']} | {r['mode']} | {', '.join(f'{x:.1f}' for x in r['tokens_per_s_runs'])} |"
+                  for r in result["rows"]]
     return "\n".join(lines) + "\n"
 
 
@@ -239,6 +277,8 @@ def add_sweep_arguments(ap, defaults) -> None:
     ap.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
     ap.add_argument("--modes", nargs="+", default=defaults.modes, choices=MODES)
     ap.add_argument("--dataset", default=defaults.dataset, help="mt-bench, humaneval, alpacaeval or a JSONL file")
+    ap.add_argument("--repeats", type=int, default=defaults.repeats,
+                    help="passes per level, alternating which mode goes first; the median pass is reported")
 
 
 def main(argv=None) -> int:

@@ -250,6 +250,35 @@ def test_batching_benchmark_runs_without_ray(tiny_model_dir, prompts_file, tmp_p
     assert "padding share" in paths["md"].read_text()
 
 
+def test_a_sweep_with_repeats_alternates_the_first_mode_and_reports_the_median_pass():
+    from dart_core.bench import serving
+
+    class Bar:
+        n = 0
+
+        def update(self):
+            self.n += 1
+
+    order, rates = [], iter([5.0, 9.0, 1.0, 7.0, 3.0, 2.0, 4.0, 4.0, 6.0, 8.0, 1.0, 2.0])
+
+    def level(c, mode):
+        order.append((c, mode))
+        return {"concurrency": c, "mode": mode, "tokens_per_s": next(rates)}
+
+    bar = Bar()
+    rows = serving.run_sweep([1, 4], ["dart", "no-speculation"], 3, level, bar)
+    d, n = "dart", "no-speculation"
+    assert order[:6] == [(1, d), (1, n), (1, n), (1, d), (1, d), (1, n)] and order[6:8] == [(4, n), (4, d)]
+    assert bar.n == 12  # one update per pass
+    by = {(r["concurrency"], r["mode"]): r for r in rows}
+    # level 1: dart ran 5, 7, 3 -> median 5; no-speculation ran 9, 1, 2 -> median 2
+    assert by[(1, d)]["tokens_per_s"] == 5.0 and by[(1, d)]["tokens_per_s_runs"] == [5.0, 7.0, 3.0]
+    assert by[(1, n)]["tokens_per_s"] == 2.0 and by[(1, n)]["tokens_per_s_runs"] == [9.0, 1.0, 2.0]
+    assert [(r["concurrency"], r["mode"]) for r in rows] == [(1, d), (1, n), (4, d), (4, n)]
+    with pytest.raises(ValueError, match="repeats"):
+        serving.run_sweep([1], [d], 0, level, bar)
+
+
 def test_step_tally_counts_verified_accepted_and_padding():
     from dart_core.bench.batching import StepTally
     from dart_core.engine import StepOutput
