@@ -445,10 +445,10 @@ class SpeculationGate:
     little.  The first step after a change of mode is not measured (it
     carries the switch: the draft head catching up on the positions it
     skipped), nor is a speculative step whose draft catches up on more
-    positions than one step can accept (positions held while steps did not
-    draft; a new prompt's are folded into the head's KV cache at its prefill,
-    ``DartEngine.fold_width``, or the first step after a prefill would make
-    speculation look several times slower).
+    positions than one step can accept (positions held over steps that did
+    not draft).  A new prompt's positions are folded into the head's KV cache
+    at its prefill (``DartEngine.fold_width``, on by default), so the first
+    step after a prefill is measured like any other.
     The first ``warmup`` measured steps of a batch size speculate,
     the next ``warmup`` do not.  When a mode resumes after more than
     ``probe_every`` steps of the other, its old average counts as one step

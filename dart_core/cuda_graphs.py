@@ -315,7 +315,8 @@ class StaticDrafter:
       bucket Wb >= W (1, 2, 4, 8, 16), a batch at its batch bucket (padding rows draft garbage that
       is dropped), all d levels (a step that needs fewer reads the first ones: they do not depend
       on the later slots), one graph per (Bb, Wb) captured lazily.  Wider catch-up drafts (steps
-      without drafting, with the engine's folding off) and caches past ``capacity`` (2,048 by default) run eagerly.
+      without drafting, with the engine's folding off) and caches past ``capacity`` (2,048 by
+      default) run eagerly.
     - **Without graphs** (a CPU): the same static cache at the exact shapes, only the levels asked
       for; the capacity (unless given) starts at 256 positions and doubles as sequences grow, so
       every draft takes this path.

@@ -144,6 +144,14 @@ class _DraftAttention(nn.Module):
         self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
 
+    def keys_values(self, x, cos, sin):
+        """Keys (rotated) and values [B, Hkv, N, D] of the positions x [B, N, 2H] (cos/sin [B, N, D])."""
+        b, n, _ = x.shape
+        c = self.c
+        ks = self.k_proj(x).view(b, n, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        vs = self.v_proj(x).view(b, n, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        return apply_rotary_pos_emb(ks, ks, cos, sin)[0], vs
+
     def forward(self, x, xq, cos, sin, cos_q, sin_q, past_k, past_v, mask, write_index=None):
         # x: [B, N, 2H] new positions (keys/values); xq: [B, Q, 2H] the subset that queries;
         # cos/sin: [B, N, D], cos_q/sin_q: [B, Q, D]; past_k/v: [B, Hkv, K, D]; mask: [B, 1, Q, K + N] additive.
@@ -154,10 +162,8 @@ class _DraftAttention(nn.Module):
         q = xq.shape[1]
         c = self.c
         qs = self.q_proj(xq).view(b, q, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        ks = self.k_proj(x).view(b, n, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        vs = self.v_proj(x).view(b, n, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         qs = apply_rotary_pos_emb(qs, qs, cos_q, sin_q)[0]
-        ks = apply_rotary_pos_emb(ks, ks, cos, sin)[0]
+        ks, vs = self.keys_values(x, cos, sin)
         if write_index is None:
             keys = torch.cat([past_k, ks], dim=2)
             values = torch.cat([past_v, vs], dim=2)
@@ -393,13 +399,8 @@ class DartDraftHead(nn.Module):
             keys, values: [B, Hkv, T, D], equal to the ``new_k`` / ``new_v`` that :meth:`forward`
             returns for the same positions up to rounding (tested).
         """
-        c, attn = self.config, self.midlayer.self_attn
-        b, t = taps.shape[:2]
         x = self._real_inputs(taps, next_embeds)[1]
-        cos, sin = self.rotary(x, positions)
-        ks = attn.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        vs = attn.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        return apply_rotary_pos_emb(ks, ks, cos, sin)[0], vs
+        return self.midlayer.self_attn.keys_values(x, *self.rotary(x, positions))
 
     def _real_inputs(self, taps, next_embeds):
         """The fused taps g = fc(taps) [B, T, H] and the layer's input at the real positions [B, T, 2H]."""

@@ -578,9 +578,10 @@ class DartEngine:
 
         What the next draft would compute from them anyway, done ahead, so that the draft is
         unchanged (up to rounding) and the inputs held per sequence between steps stay at most
-        ``fold_width`` positions while steps are autoregressive: a held position is 3 · H_target values (1,728 for
-        SmolLM2), a head KV cache entry 2 · H_kv · D (384), and both are copied whenever sequences
-        join or leave the batch.  The last position stays held: the next draft queries from it."""
+        ``fold_width`` positions while steps are autoregressive: a held position is 3 · H_target
+        values (1,728 for SmolLM2), a head KV cache entry 2 · H_kv · D (384), and both are copied
+        whenever sequences join or leave the batch.  The last position stays held: the next draft
+        queries from it."""
         width = max((len(x) for x in state.pend_next), default=0)
         if width <= 1:
             return
