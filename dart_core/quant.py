@@ -35,12 +35,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dart_core.target import over_real_rows
+from dart_core import _kernels
+from dart_core.target import _REAL_ROWS, over_real_rows
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GGUFWeightsError", "Int4Linear", "int4_parts", "quantize_from_gguf", "can_int4", "default_compute_dtype",
-           "GROUP_SIZE"]
+__all__ = ["GGUFWeightsError", "Int4Linear", "int4_parts", "qmm_weight", "quantize_from_gguf", "can_int4",
+           "default_compute_dtype", "default_kernel", "KERNELS", "GROUP_SIZE"]
 
 GROUP_SIZE = 32  # the GGUF block length of Q4_0, Q4_1 and Q8_0, and the kernel's group size
 
@@ -57,10 +58,10 @@ def can_int4() -> bool:
 
 
 def default_compute_dtype() -> torch.dtype:
-    """bfloat16: on the AVX2-only CPU measured (torch 2.13, SmolLM2's layer shapes) PyTorch's CPU
-    int4 kernel was many times slower with float32 or float16 activations, and bfloat16 is the
-    dtype it is built around on AVX-512 CPUs too."""
-    return torch.bfloat16
+    """The activation dtype of :func:`default_kernel`: float32 for ``"qmm"``; bfloat16 for
+    ``"aten"`` (on the AVX2-only CPU measured, torch 2.13 and SmolLM2's layer shapes, PyTorch's CPU
+    int4 kernel was many times slower with float32 or float16 activations)."""
+    return torch.float32 if default_kernel() == "qmm" else torch.bfloat16
 
 
 def _f16(raw: np.ndarray, at: int) -> np.ndarray:
@@ -107,39 +108,136 @@ def int4_parts(raw: np.ndarray, type_name: str, shape: tuple[int, int]
     return [(codes, d, _f16(blocks, 2) + 8 * d)]
 
 
+#: the two CPU kernels of :class:`Int4Linear`
+KERNELS = ("qmm", "aten")
+
+
+def default_kernel() -> str:
+    """``"qmm"`` (dart-serve's float32 kernel, :class:`Int4Linear`) where it runs vectorised (a CPU
+    with AVX-512), else ``"aten"`` (PyTorch's int4 kernel with bfloat16 activations). Chosen by
+    measurement on an AVX512-BF16 EPYC, at every row count a verification forward uses
+    (BENCHMARKS.md, "GGUF-native target (CPU)"); without AVX-512 only qmm's portable loop remains."""
+    return "qmm" if _kernels.qmm_vectorised() else "aten"
+
+
+def qmm_weight(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """:func:`int4_parts` of one [N, K] tensor -> the qmm kernel's weight (``dart_core/csrc/qmm.cpp``):
+    codes uint8 [ceil(N/64), K, 32] (4-bit: byte j < 16 holds output columns j and 32 + j of the
+    block, byte 16 + j columns 16 + j and 48 + j, low nibble first) or [ceil(N/64), K, 64] (Q8_0's
+    int8 codes), scales and minimums float32 [ceil(N/64), K/32, 64] (None for Q8_0); padding columns
+    have scale 0.
+
+    One part (Q4_0, Q4_1: ``(q - 8)·s + z``) becomes ``q·d + m`` with ``d = s``, ``m = z - 8s``; two
+    parts (Q8_0's high and low nibbles of ``q + 128``) become the int8 ``q`` with its scale ``d``.
+
+    Raises:
+        GGUFWeightsError: parts that are neither form."""
+    n, k = parts[0][0].shape
+    blocks = -(-n // PACK_BLOCK_ROWS)
+    rows = blocks * PACK_BLOCK_ROWS
+    if len(parts) == 2:
+        (high, s_high, z_high), (low, d, z_low) = parts
+        if not (np.array_equal(s_high, 16 * d) and np.array_equal(z_high, 8 * d) and not z_low.any()):
+            raise GGUFWeightsError("two 4-bit parts that are not a Q8_0 tensor's")
+        q = (16 * high.astype(np.int32) + low - 128).astype(np.int8)
+        minimum = None
+    elif len(parts) == 1:
+        (codes, d, zero), = parts
+        q = codes.astype(np.uint8)
+        minimum = (zero - 8 * d).astype(np.float32)
+    else:
+        raise GGUFWeightsError(f"{len(parts)} 4-bit parts: no GGUF block type has that form")
+
+    def by_block(a: np.ndarray) -> np.ndarray:  # [N, K/32] -> [blocks, K/32, 64]
+        out = np.zeros((rows, a.shape[1]), np.float32)
+        out[:n] = a
+        return np.ascontiguousarray(out.reshape(blocks, PACK_BLOCK_ROWS, -1).transpose(0, 2, 1))
+
+    padded = np.zeros((rows, k), q.dtype)
+    padded[:n] = q
+    cols = padded.reshape(blocks, PACK_BLOCK_ROWS, k).transpose(0, 2, 1)  # [blocks, K, 64]
+    if minimum is None:
+        packed = np.ascontiguousarray(cols).view(np.uint8)
+    else:
+        packed = np.empty((blocks, k, 32), np.uint8)
+        packed[..., :16] = cols[..., 0:16] | (cols[..., 32:48] << 4)
+        packed[..., 16:] = cols[..., 16:32] | (cols[..., 48:64] << 4)
+    return packed, by_block(d), None if minimum is None else by_block(minimum)
+
+
 #: output rows that PyTorch's CPU int4 packing interleaves as one block: 64 with AVX512, 32 with AVX2
 #: (``_convert_weight_to_int4pack_for_cpu``); fused layers' parts must end on the larger
 PACK_BLOCK_ROWS = 64
 
 
 class Int4Linear(torch.nn.Module):
-    """A bias-free linear layer whose weight is one or more 4-bit parts in PyTorch's CPU int4
-    layout, applied by ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (group size 32).
+    """A bias-free linear layer whose weight is a GGUF tensor's 4-bit (or 8-bit) blocks, applied by
+    one of two row-exact CPU kernels (``kernel``):
+
+    - ``"qmm"`` (:func:`default_kernel` where the CPU has AVX-512): dart-serve's own kernel
+      (``dart_core/csrc/qmm.cpp``). Float32 activations and results; each weight de-quantised
+      in registers as ``fma(q, d, m)`` (Q4_0: ``m = -8d``; Q8_0: ``q · d``, one 8-bit pass),
+      so the weights are the GGUF's de-quantised values (to float32 rounding of Q4_1's
+      ``m + 8d - 8d``); each output one float32 multiply-add chain over the input in order.
+      Few rows de-quantise in registers; from 9 rows on, each block of 64 output columns is
+      de-quantised once into a cached panel that every row reuses.
+    - ``"aten"``: PyTorch's int4 weight-only kernel ``torch.ops.aten._weight_int4pack_mm_for_cpu``
+      (group size 32) with ``compute_dtype`` activations (bfloat16 by default: scales, zeros and
+      every input and output rounded to bfloat16); a Q8_0 tensor runs as two 4-bit passes.
 
     Shapes: x [..., in_features] (any float dtype; cast to ``compute_dtype`` for the kernel and
-    back) → [..., out_features]. A row's result does not depend on the other rows of the call,
-    so a verification forward computes each position as a one-token forward does. Honours
-    :func:`dart_core.target.real_rows` like :class:`~dart_core.target.PackedLinear`.
+    back) → [..., out_features]. With either kernel a row's result does not depend on the other
+    rows of the call, so a verification forward computes each position as a one-token forward
+    does. Honours :func:`dart_core.target.real_rows` like :class:`~dart_core.target.PackedLinear`.
     ``weight`` gives the de-quantised weight (float32 [out, in]) for code that reads it; the
     packed tensors are buffers, not parameters: for inference only.
 
+    Args:
+        parts: :func:`int4_parts` of the tensor (two parts: Q8_0).
+        compute_dtype: the activation dtype; None: float32 for ``"qmm"``, bfloat16 for ``"aten"``.
+        gguf_type: the GGUF block type, for reports.
+        kernel: ``"qmm"``, ``"aten"`` or None: ``"qmm"`` where :func:`default_kernel` says so and
+            ``compute_dtype`` is None or float32, else ``"aten"``.
+
     Raises:
         GGUFWeightsError: parts of different shapes, or sizes the kernel refuses.
+        ValueError: an unknown kernel, or ``"qmm"`` with a compute dtype other than float32.
     """
 
     honours_real_rows = True
     row_exact = True  # a row's result does not depend on the other rows (TargetModel.row_exact)
 
     def __init__(self, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
-                 compute_dtype: torch.dtype = torch.bfloat16, gguf_type: str | None = None) -> None:
+                 compute_dtype: torch.dtype | None = None, gguf_type: str | None = None,
+                 kernel: str | None = None) -> None:
         super().__init__()
+        if kernel is None:
+            kernel = "qmm" if default_kernel() == "qmm" and compute_dtype in (None, torch.float32) else "aten"
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, not {kernel!r}")
+        if compute_dtype is None:
+            compute_dtype = torch.float32 if kernel == "qmm" else torch.bfloat16
+        if kernel == "qmm" and compute_dtype != torch.float32:
+            raise ValueError(f"the qmm kernel computes in float32, not {compute_dtype}")
         self.gguf_type = gguf_type  # the GGUF block type the parts came from (for reports)
+        self.kernel = kernel
         self.out_features, self.in_features = parts[0][0].shape
         self.compute_dtype = compute_dtype
         self.n_parts = len(parts)
-        for i, (codes, scale, zero) in enumerate(parts):
+        for i, (codes, _, _) in enumerate(parts):
             if codes.shape != (self.out_features, self.in_features):
                 raise GGUFWeightsError(f"part {i} is {codes.shape}, part 0 {parts[0][0].shape}")
+        if kernel == "qmm":
+            self.q8 = self.n_parts == 2
+            codes, scale, minimum = qmm_weight(parts)
+            self.register_buffer("qmm_codes", torch.from_numpy(codes), persistent=False)
+            self.register_buffer("qmm_scale", torch.from_numpy(scale), persistent=False)
+            self.register_buffer("qmm_minimum", None if minimum is None else torch.from_numpy(minimum),
+                                 persistent=False)
+            self._bind_qmm()
+            return
+        for i, (codes, scale, zero) in enumerate(parts):
             try:
                 packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(codes), 2)
             except RuntimeError as e:
@@ -149,11 +247,23 @@ class Int4Linear(torch.nn.Module):
             self.register_buffer(f"packed_{i}", packed, persistent=False)
             self.register_buffer(f"scales_zeros_{i}", sz.to(compute_dtype), persistent=False)
 
+    def _bind_qmm(self) -> None:
+        """numpy views of the qmm buffers, made once (the kernel is called about 126 times a forward)."""
+        minimum = self._buffers["qmm_minimum"]
+        self._qmm_args = (self._buffers["qmm_codes"].numpy(), self._buffers["qmm_scale"].numpy(),
+                          None if minimum is None else minimum.numpy())
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, gguf_type={self.gguf_type}, "
-                f"parts={self.n_parts}, compute_dtype={self.compute_dtype}")
+                f"kernel={self.kernel}, parts={self.n_parts}, compute_dtype={self.compute_dtype}")
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "qmm":
+            x = x.detach().contiguous()  # inference only: no gradient flows through the kernel
+            y = torch.empty(x.shape[0], self.out_features)
+            codes, scale, minimum = self._qmm_args
+            _kernels.qmm(x.numpy(), codes, scale, minimum, self.out_features, self.q8, y.numpy())
+            return y
         buffers = self._buffers  # read directly: Module.__getattr__ costs more than the small kernels
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, buffers["packed_0"], GROUP_SIZE, buffers["scales_zeros_0"])
         for i in range(1, self.n_parts):
@@ -163,12 +273,13 @@ class Int4Linear(torch.nn.Module):
 
     @staticmethod
     def can_fuse(layers: list[torch.nn.Module]) -> bool:
-        """Whether :meth:`fuse` accepts ``layers``: Int4Linear layers of one input size, compute dtype
-        and part count, each but the last with a multiple of ``PACK_BLOCK_ROWS`` output rows (the
-        packing interleaves rows in blocks, so a part must end where a block does)."""
+        """Whether :meth:`fuse` accepts ``layers``: Int4Linear layers of one input size, kernel,
+        compute dtype and part count, each but the last with a multiple of ``PACK_BLOCK_ROWS``
+        output rows (both kernels' layouts hold output rows in blocks of 64, so a part must end
+        where a block does)."""
         first = layers[0]
         return all(type(x) is Int4Linear and x.in_features == first.in_features and x.n_parts == first.n_parts
-                   and x.compute_dtype == first.compute_dtype for x in layers) \
+                   and x.compute_dtype == first.compute_dtype and x.kernel == first.kernel for x in layers) \
             and all(x.out_features % PACK_BLOCK_ROWS == 0 for x in layers[:-1])
 
     @classmethod
@@ -182,7 +293,7 @@ class Int4Linear(torch.nn.Module):
             ValueError: layers :meth:`can_fuse` refuses, or a fused weight that does not reproduce
                 its parts on a probe input (a packing this code does not know)."""
         if not layers or not cls.can_fuse(layers):
-            raise ValueError("fuse needs Int4Linear layers of one in_features, part count and compute dtype, "
+            raise ValueError("fuse needs Int4Linear layers of one in_features, kernel, part count and compute dtype, "
                              f"each but the last with a multiple of {PACK_BLOCK_ROWS} output rows")
         first = layers[0]
         probe = torch.linspace(-1.0, 1.0, first.in_features)[None]
@@ -191,7 +302,24 @@ class Int4Linear(torch.nn.Module):
         torch.nn.Module.__init__(fused)
         fused.gguf_type = "+".join(sorted({str(x.gguf_type) for x in layers}))
         fused.out_features, fused.in_features = sum(x.out_features for x in layers), first.in_features
-        fused.compute_dtype, fused.n_parts = first.compute_dtype, first.n_parts
+        fused.compute_dtype, fused.n_parts, fused.kernel = first.compute_dtype, first.n_parts, first.kernel
+        if first.kernel == "qmm":
+            fused.q8 = first.q8
+            names = ["qmm_codes", "qmm_scale"] + ([] if first.q8 else ["qmm_minimum"])
+            fused.register_buffer("qmm_minimum", None, persistent=False)
+            for name in names:  # [blocks of 64 output rows, ...]: the layers' blocks one after another
+                fused.register_buffer(name, torch.cat([getattr(x, name) for x in layers]), persistent=False)
+            fused._bind_qmm()
+            if not torch.equal(fused(probe), expected):
+                raise ValueError("the fused 4-bit weight does not reproduce its parts")
+            start = 0
+            for x in layers:
+                blocks = -(-x.out_features // PACK_BLOCK_ROWS)
+                for name in names:
+                    setattr(x, name, getattr(fused, name)[start:start + blocks])
+                x._bind_qmm()
+                start += blocks
+            return fused
         for i in range(first.n_parts):
             fused.register_buffer(f"packed_{i}", torch.cat([getattr(x, f"packed_{i}") for x in layers]),
                                   persistent=False)
@@ -212,6 +340,14 @@ class Int4Linear(torch.nn.Module):
         return self._mm(eye).t().float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "qmm" and x.dtype == torch.float32:
+            rows = x.detach().reshape(-1, self.in_features)
+            real = _REAL_ROWS.get()
+            if real is None or real[1] != rows.shape[0]:  # every row: the kernel without Python around it
+                y = torch.empty(rows.shape[0], self.out_features)
+                codes, scale, minimum = self._qmm_args
+                _kernels.qmm(rows.contiguous().numpy(), codes, scale, minimum, self.out_features, self.q8, y.numpy())
+                return y.view(*x.shape[:-1], self.out_features)
         return over_real_rows(x, self.out_features, lambda rows: self._mm(rows.to(self.compute_dtype)).to(x.dtype))
 
 
@@ -234,7 +370,7 @@ def _row_order(weight: np.ndarray, values: np.ndarray, name: str) -> np.ndarray 
 
 
 def quantize_from_gguf(model: torch.nn.Module, gguf_path: str | Path, compute_dtype: torch.dtype | None = None,
-                       cache: Path | None = None) -> dict[str, str]:
+                       cache: Path | None = None, kernel: str | None = None) -> dict[str, str]:
     """Replaces (in place) each ``nn.Linear`` of a GGUF-loaded Hugging Face model whose GGUF tensor is
     Q4_0, Q4_1 or Q8_0 by an :class:`Int4Linear` built from that tensor's blocks.
 
@@ -247,7 +383,10 @@ def quantize_from_gguf(model: torch.nn.Module, gguf_path: str | Path, compute_dt
     Args:
         model: e.g. ``LlamaForCausalLM`` on the CPU, float32 weights.
         gguf_path: the file the model was loaded from.
-        compute_dtype: the kernel's activation dtype; None: :func:`default_compute_dtype`.
+        compute_dtype: the kernel's activation dtype; None: :func:`default_compute_dtype` (the
+            kernel's own with ``kernel`` given).
+        kernel: :class:`Int4Linear`'s ``kernel``; None: :func:`default_kernel` where float32
+            activations are asked for (or none), else ``"aten"``.
         cache: a folder for the checked 4-bit parts (``int4.safetensors``): read when present
             (reading the GGUF's metadata and checking every layer takes seconds), else written
             after the check. A cache that cannot be read is logged and rebuilt.
@@ -261,7 +400,8 @@ def quantize_from_gguf(model: torch.nn.Module, gguf_path: str | Path, compute_dt
     """
     if not can_int4():
         raise RuntimeError("this PyTorch has no CPU int4 weight-only kernel (_weight_int4pack_mm_for_cpu)")
-    compute_dtype = compute_dtype or default_compute_dtype()
+    if compute_dtype is None and kernel is None:
+        compute_dtype = default_compute_dtype()
     layers = _load_parts(cache / _CACHE_FILE) if cache is not None and (cache / _CACHE_FILE).is_file() else None
     if layers is None:
         layers = _gguf_parts(model, gguf_path)
@@ -275,9 +415,11 @@ def quantize_from_gguf(model: torch.nn.Module, gguf_path: str | Path, compute_dt
         child = getattr(parent, child_name, None)
         if type(child) is not torch.nn.Linear or tuple(child.weight.shape) != parts[0][0].shape:
             raise GGUFWeightsError(f"{full}: the model has no linear layer of shape {parts[0][0].shape} there")
-        setattr(parent, child_name, Int4Linear(parts, compute_dtype, kind))
-    logger.info("GGUF-native weights: %d linear layers (%s), activations %s", len(layers),
-                ", ".join(f"{n}× {t}" for t, n in sorted(Counter(k for k, _ in layers.values()).items())), compute_dtype)
+        layer = Int4Linear(parts, compute_dtype, kind, kernel)
+        setattr(parent, child_name, layer)
+    logger.info("GGUF-native weights: %d linear layers (%s), %s kernel, activations %s", len(layers),
+                ", ".join(f"{n}× {t}" for t, n in sorted(Counter(k for k, _ in layers.values()).items())),
+                layer.kernel if layers else "no", layer.compute_dtype if layers else compute_dtype)
     return {name: kind for name, (kind, _) in layers.items()}
 
 

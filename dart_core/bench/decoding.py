@@ -412,13 +412,16 @@ def run_decoding(cfg: DecodingConfig, *, progress: bool = True) -> dict:
 
 
 def _weights(target) -> str:
-    """The target's weight format, for the report: "gguf-native (210× Q4_1, 1× Q8_0)" or "dense"."""
+    """The target's weight format, for the report: "gguf-native (210× Q4_1, 1× Q8_0; qmm kernel)" (the
+    GGUF block types and :attr:`~dart_core.quant.Int4Linear.kernel`) or "dense"."""
     from dart_core.quant import Int4Linear
 
-    kinds = [m.gguf_type for m in target.model.modules() if isinstance(m, Int4Linear)]
-    if not kinds:
+    layers = [m for m in target.model.modules() if isinstance(m, Int4Linear)]
+    if not layers:
         return "dense"
-    return "gguf-native (" + ", ".join(f"{kinds.count(k)}× {k}" for k in sorted(set(kinds))) + ")"
+    kinds = [m.gguf_type for m in layers]
+    kernels = "+".join(sorted({m.kernel for m in layers}))
+    return "gguf-native (" + ", ".join(f"{kinds.count(k)}× {k}" for k in sorted(set(kinds))) + f"; {kernels} kernel)"
 
 
 def _encoded_prompts(bench: _Bench, name: str, limit: int) -> list[list[int]]:

@@ -109,14 +109,16 @@ def measure_bandwidth(device, mib: int = 1024, repeats: int = 5) -> float:
 
 
 def weights_format(module) -> str:
-    """What the linear layers' weights are, for the report: the GGUF block types of 4-bit layers
-    (:class:`~dart_core.quant.Int4Linear`, e.g. ``"4-bit GGUF Q4_1+Q8_0"``), else the parameters' dtype."""
+    """What the linear layers' weights are, for the report: the GGUF block types and kernel of 4-bit
+    layers (:class:`~dart_core.quant.Int4Linear`, e.g. ``"4-bit GGUF Q4_1+Q8_0, qmm kernel"``), else the
+    parameters' dtype."""
     from dart_core.quant import Int4Linear
 
     layers = [m for m in module.modules() if isinstance(m, Int4Linear)]
     if layers:
         types = sorted({t for m in layers if m.gguf_type for t in m.gguf_type.split("+")})
-        return " ".join(["4-bit"] + (["GGUF", "+".join(types)] if types else []))
+        kernels = "+".join(sorted({m.kernel for m in layers}))
+        return " ".join(["4-bit"] + (["GGUF", "+".join(types)] if types else [])) + f", {kernels} kernel"
     return str(next(module.parameters()).dtype).replace("torch.", "")
 
 

@@ -317,8 +317,11 @@ void rope_attend(const F32& qkv, const F32& cos, const F32& sin, int64_t H, int6
 
 }  // namespace
 
+void register_qmm(py::module_& mod);  // qmm.cpp
+
 PYBIND11_MODULE(_kernels, mod) {
   mod.doc() = "dart_core's CPU kernels (see dart_core/kernels.py)";
+  register_qmm(mod);
   mod.def("row_exact_attention", &attention, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("mask"),
           py::arg("scale"), py::arg("out"), py::arg("parallel_work"),
           "softmax(scale * q.k^T + mask).v, each query row on its own (see dart_core.kernels)");

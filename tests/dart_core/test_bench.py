@@ -72,7 +72,9 @@ def test_the_4bit_target_is_compared_with_its_float32_weights_and_llama_cpp(prom
                                   repeats=1, methods=["autoregressive", "dense-autoregressive", "llama-cpp"])
     result = decoding.run_decoding(cfg, progress=False)
     rows = {r["method"]: r for r in result["rows"]}
-    assert result["weights"] == "gguf-native (210× Q4_1, 1× Q8_0)"
+    from dart_core.quant import default_kernel
+
+    assert result["weights"] == f"gguf-native (210× Q4_1, 1× Q8_0; {default_kernel()} kernel)"
     assert rows["dense-autoregressive"]["tokens"] > 0 and rows["dense-autoregressive"]["agreement"]["prompts"] == 1
     if importlib.util.find_spec("llama_cpp") is None:
         assert "pip install llama-cpp-python" in result["skipped"]["llama-cpp"]

@@ -74,7 +74,8 @@ def test_the_decoder_equals_the_stock_forward_on_the_4bit_target(tmp_path):
     _assert_same_as_stock(target)
 
 
-def test_fused_4bit_layers_equal_their_parts_and_share_their_weights(tmp_path):
+@pytest.mark.parametrize("kernel", ["qmm", "aten"])
+def test_fused_4bit_layers_equal_their_parts_and_share_their_weights(tmp_path, kernel):
     pytest.importorskip("gguf")
     from dart_core.quant import PACK_BLOCK_ROWS, Int4Linear, can_int4, quantize_from_gguf
 
@@ -83,7 +84,8 @@ def test_fused_4bit_layers_equal_their_parts_and_share_their_weights(tmp_path):
     from .test_quant import tiny_gguf_model
 
     model = tiny_gguf_model(tmp_path / "tiny.gguf", seed=1)
-    quantize_from_gguf(model, tmp_path / "tiny.gguf")
+    quantize_from_gguf(model, tmp_path / "tiny.gguf", kernel=kernel)
+    weight = "qmm_codes" if kernel == "qmm" else "packed_0"
     attn = model.model.layers[0].self_attn
     assert attn.k_proj.out_features % PACK_BLOCK_ROWS  # k and v (32 rows each) cannot both go first:
     assert not Int4Linear.can_fuse([attn.k_proj, attn.v_proj])  # AVX512 packs 64 rows per block
@@ -97,7 +99,7 @@ def test_fused_4bit_layers_equal_their_parts_and_share_their_weights(tmp_path):
     assert torch.equal(fused(x), torch.cat(before, dim=-1))
     for p, y in zip(parts, before):
         assert torch.equal(p(x), y)  # the parts now read views of the fused weight
-        assert p.packed_0.untyped_storage().data_ptr() == fused.packed_0.untyped_storage().data_ptr()
+        assert getattr(p, weight).untyped_storage().data_ptr() == getattr(fused, weight).untyped_storage().data_ptr()
     assert not Int4Linear.can_fuse([attn.q_proj, model.model.layers[0].mlp.down_proj])  # other in_features
     with pytest.raises(ValueError, match="one in_features"):
         Int4Linear.fuse([attn.q_proj, model.model.layers[0].mlp.down_proj])

@@ -1,6 +1,7 @@
-"""GGUF-native 4-bit weights: GGUF blocks -> PyTorch's CPU int4 layout -> the same de-quantised values,
-on a tiny GGUF written here; a verification forward computes each row as a one-row forward does, so
-greedy DART on the 4-bit target equals its autoregressive output."""
+"""GGUF-native 4-bit weights: GGUF blocks -> the kernels' layouts (dart-serve's qmm, PyTorch's CPU int4)
+-> the same de-quantised values, on a tiny GGUF written here; a verification forward computes each row
+as a one-row forward does, so greedy DART on the 4-bit target equals its autoregressive output, with
+either kernel."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from .conftest import VOCAB, OracleTreeSearch, tiny_config
 from .test_engine import prompts_of, random_head
 
 gguf = pytest.importorskip("gguf")
-from dart_core.quant import GGUFWeightsError, Int4Linear, can_int4, int4_parts, quantize_from_gguf  # noqa: E402
+from dart_core.quant import (GGUFWeightsError, Int4Linear, KERNELS, can_int4, int4_parts,  # noqa: E402
+                             quantize_from_gguf)
 
 pytestmark = pytest.mark.skipif(not can_int4(), reason="this PyTorch has no CPU int4 kernel")
 
@@ -39,36 +41,83 @@ def test_parts_reproduce_the_gguf_values(qtype):
     assert all(c.min() >= 0 and c.max() <= 15 for c, _, _ in parts)
     values = sum((c - 8) * np.repeat(s, 32, 1) + np.repeat(z, 32, 1) for c, s, z in parts)
     np.testing.assert_allclose(values, expected, rtol=1e-6, atol=1e-7)
-    # through the kernel: float32 activations see the GGUF's values, bfloat16 ones their rounding
-    exact = Int4Linear(parts, torch.float32, qtype)
-    np.testing.assert_allclose(exact.weight.numpy(), expected, rtol=1e-5, atol=1e-6)
     x = torch.from_numpy(rng.normal(size=(5, 96)).astype(np.float32))
-    np.testing.assert_allclose(exact(x).numpy(), x.numpy() @ expected.T, rtol=1e-4, atol=1e-4)
+    # qmm: the GGUF's values (Q4_1's fma(q, d, m) may round once where numpy rounds twice), float32 sums
+    exact = Int4Linear(parts, gguf_type=qtype, kernel="qmm")
+    assert exact.kernel == "qmm" and exact.compute_dtype == torch.float32
+    np.testing.assert_allclose(exact.weight.numpy(), expected, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(exact(x).numpy(), x.numpy() @ expected.T, rtol=1e-5, atol=1e-5)
+    # PyTorch's kernel: float32 activations see the GGUF's values, bfloat16 ones their rounding
+    aten = Int4Linear(parts, torch.float32, qtype, kernel="aten")
+    np.testing.assert_allclose(aten.weight.numpy(), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(aten(x).numpy(), x.numpy() @ expected.T, rtol=1e-4, atol=1e-4)
     fast = Int4Linear(parts, torch.bfloat16, qtype)
-    assert fast(x).dtype == torch.float32
+    assert fast.kernel == "aten" and fast(x).dtype == torch.float32
     rel = (fast.weight - torch.from_numpy(expected)).abs().max() / np.abs(expected).max()
     assert rel < 2 ** -6  # scales and zeros rounded to bfloat16
 
 
-def test_a_row_does_not_depend_on_the_other_rows():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_row_does_not_depend_on_the_other_rows(kernel):
     """What makes tree verification exact on the 4-bit target: the kernel computes each input row alike
-    whatever the number of rows in the call (1 for an autoregressive step, n for a tree)."""
+    whatever the number of rows in the call (1 for an autoregressive step, n for a tree; qmm changes
+    its code path at 2 and at 9 rows)."""
     rng = np.random.default_rng(1)
-    raw = _blocks(rng.normal(size=(160, 128)), Q.Q4_1)
-    layer = Int4Linear(int4_parts(raw, "Q4_1", (160, 128)))
-    x = torch.from_numpy(rng.normal(size=(19, 128)).astype(np.float32))
-    alone = torch.cat([layer(x[i:i + 1]) for i in range(19)])
-    for m in (2, 3, 4, 5, 8, 16, 19):
-        assert torch.equal(layer(x[:m]), alone[:m]), m
+    for qtype in ("Q4_1", "Q8_0"):
+        raw = _blocks(rng.normal(size=(160, 128)), Q[qtype])
+        layer = Int4Linear(int4_parts(raw, qtype, (160, 128)), kernel=kernel)
+        x = torch.from_numpy(rng.normal(size=(19, 128)).astype(np.float32))
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(19)])
+        for m in (2, 3, 4, 5, 8, 9, 13, 16, 19):
+            assert torch.equal(layer(x[:m]), alone[:m]), (qtype, m)
 
 
-def test_the_4bit_layer_computes_only_the_real_rows():
+def test_qmm_portable_loop_equals_its_vectorised_version():
+    """qmm's AVX-512 code and its portable loop do the same operations in the same order: the same bits
+    (the portable loop is what a CPU without AVX-512 would run)."""
+    from dart_core import _kernels
+
+    if not _kernels.qmm_vectorised():
+        pytest.skip("this CPU has no AVX-512: qmm has only its portable loop here")
+    rng = np.random.default_rng(6)
+    for qtype, n in (("Q4_0", 200), ("Q4_1", 64), ("Q8_0", 130)):  # output sizes off and on a 64-row block
+        layer = Int4Linear(int4_parts(_blocks(rng.normal(size=(n, 96)), Q[qtype]), qtype, (n, 96)), kernel="qmm")
+        codes, scale, minimum = layer._qmm_args
+        for m in (1, 3, 12):
+            x = rng.normal(size=(m, 96)).astype(np.float32)
+            fast, slow = np.empty((m, n), np.float32), np.empty((m, n), np.float32)
+            _kernels.qmm(x, codes, scale, minimum, n, layer.q8, fast)
+            _kernels.qmm(x, codes, scale, minimum, n, layer.q8, slow, portable=True)
+            assert np.array_equal(fast, slow), (qtype, m)
+
+
+def test_qmm_refuses_arrays_of_the_wrong_shape():
+    from dart_core import _kernels
+
+    rng = np.random.default_rng(7)
+    layer = Int4Linear(int4_parts(_blocks(rng.normal(size=(64, 64)), Q.Q4_1), "Q4_1", (64, 64)), kernel="qmm")
+    codes, scale, minimum = layer._qmm_args
+    x, out = np.zeros((2, 64), np.float32), np.zeros((2, 64), np.float32)
+    with pytest.raises(ValueError, match="codes must be"):
+        _kernels.qmm(x, codes[:, :32], scale, minimum, 64, False, out)
+    with pytest.raises(ValueError, match="need their minimums"):
+        _kernels.qmm(x, codes, scale, None, 64, False, out)
+    with pytest.raises(ValueError, match="out must be"):
+        _kernels.qmm(x, codes, scale, minimum, 64, False, np.zeros((3, 64), np.float32))
+    with pytest.raises(ValueError, match="computes in float32"):
+        Int4Linear(int4_parts(_blocks(rng.normal(size=(64, 64)), Q.Q4_1), "Q4_1", (64, 64)), torch.bfloat16,
+                   kernel="qmm")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_4bit_layer_computes_only_the_real_rows(kernel):
     """Inside real_rows (a padded batch of draft trees) only the selected rows are computed, each equal
     to its row outside the block; the padding rows are zero; another row count is computed in full."""
     from dart_core.target import real_rows
 
     rng = np.random.default_rng(2)
-    layer = Int4Linear(int4_parts(_blocks(rng.normal(size=(64, 96)), Q.Q8_0), "Q8_0", (64, 96)))  # two parts
+    layer = Int4Linear(int4_parts(_blocks(rng.normal(size=(64, 96)), Q.Q8_0), "Q8_0", (64, 96)),  # two parts
+                       kernel=kernel)
     x = torch.from_numpy(rng.normal(size=(2, 3, 96)).astype(np.float32))
     full = layer(x)
     assert full.shape == (2, 3, 64)
@@ -148,9 +197,11 @@ def test_conversion_from_a_gguf_file_keeps_every_layer_value(tmp_path, tied):
         assert isinstance(layer, Int4Linear)
         torch.testing.assert_close(layer.weight, weight, rtol=1e-5, atol=1e-6)  # q/k rows in the model's order
     from dart_core.bench.step_profile import weights_format
+    from dart_core.quant import default_kernel
 
     # what the step profile's report calls these weights (not the float32 of the remaining parameters)
-    assert weights_format(model) == ("4-bit GGUF Q4_1+Q8_0" if tied else "4-bit GGUF Q4_0+Q4_1")
+    assert weights_format(model) == ("4-bit GGUF Q4_1+Q8_0" if tied else "4-bit GGUF Q4_0+Q4_1") + \
+        f", {default_kernel()} kernel"
 
 
 def test_blocks_of_another_model_are_refused(tmp_path):
@@ -163,9 +214,10 @@ def test_blocks_of_another_model_are_refused(tmp_path):
         quantize_from_gguf(other, tmp_path / "c.gguf")
 
 
-def test_greedy_dart_on_the_4bit_target_equals_its_autoregressive_output(tmp_path):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_greedy_dart_on_the_4bit_target_equals_its_autoregressive_output(tmp_path, kernel):
     model = tiny_gguf_model(tmp_path / "tiny.gguf")
-    quantize_from_gguf(model, tmp_path / "tiny.gguf")  # bfloat16 activations, as served
+    quantize_from_gguf(model, tmp_path / "tiny.gguf", kernel=kernel)  # aten: bfloat16 activations
     target = TargetModel(model)
     assert target.packed  # verification computes only the real rows
     rng = np.random.default_rng(3)
@@ -186,16 +238,17 @@ def test_gguf_native_needs_a_gguf(tiny_model_dir):
         TargetModel.from_pretrained(tiny_model_dir, weights="int4")
 
 
-def test_a_verification_forward_computes_each_position_as_one_token_steps_do(tmp_path):
-    """Bit for bit: the 4-bit layers round activations to bfloat16, so attention must be row-exact as
-    well (TargetModel.row_exact), or last-bit differences grow into different logits."""
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_verification_forward_computes_each_position_as_one_token_steps_do(tmp_path, kernel):
+    """Bit for bit: the 4-bit layers are row-exact, so attention must be row-exact as well
+    (TargetModel.row_exact), or last-bit differences grow into different logits."""
     from dart_core.kv_cache import cache_mask
     from dart_core.target import TargetCache
 
     # SmolLM2's head size (64): float32 attention then differs in the last bits between row counts
     model = tiny_gguf_model(tmp_path / "tiny.gguf", seed=2, hidden_size=256, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=64)
-    quantize_from_gguf(model, tmp_path / "tiny.gguf")
+    quantize_from_gguf(model, tmp_path / "tiny.gguf", kernel=kernel)
     target = TargetModel(model)
     assert target.row_exact
     rng = np.random.default_rng(5)

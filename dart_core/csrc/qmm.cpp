@@ -1,0 +1,251 @@
+// Row-exact matrix product with a GGUF 4-bit or 8-bit weight, float32 activations and results.
+//
+// y[m, n] = sum over blocks g of 32 inputs of (d[g, n] * S + mn[g, n] * X), where
+// S = sum_{k in g} x[m, k] * q[n, k] (q the block's codes as floats: 0..15 for Q4_0 / Q4_1, the
+// int8 for Q8_0) and X = sum_{k in g} x[m, k]; the weight is w = q * d + mn (Q4_1 mn = m, Q4_0
+// mn = -8d; Q8_0 has no mn term).  The arithmetic is fixed: S is a float32 fused multiply-add
+// chain over k in order from +0, X a float32 chain of additions in order from +0, and the total
+// runs over the blocks in order from +0 as fma(d, S, total) then fma(mn, X, total).  So a row's
+// result depends only on its own x row: the same bits however many rows share the call (the
+// vectorised code takes rows four at a time and converts each code once for them), and in the
+// portable loop.  A draft tree verified in one call then equals one-token steps.  Factoring the
+// scale and minimum out of each block leaves one multiply-add per weight and row, and one
+// conversion per weight and four rows (llama.cpp sums its blocks the same way).
+//
+// Weight layout (built by dart_core.quant): output columns in blocks of 64 (N padded up to a
+// multiple of 64); block b holds, for every k, 32 bytes of 4-bit codes (byte j < 16: column j in
+// the low nibble, column 32 + j in the high one; byte 16 + j: columns 16 + j and 48 + j) or 64
+// int8 codes; scales and minimums float32 [NB, K/32, 64].
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // _mm512_undefined_ps inside GCC's own intrinsics
+#define DART_QMM_AVX512 1
+#define DART_AVX512 __attribute__((target("avx512f,fma")))
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr int kBlockN = 64;  // output columns per weight block
+constexpr int kGroup = 32;   // weights per GGUF block (one scale, one minimum)
+
+struct Weight {
+  const uint8_t* codes;
+  const float* scale;
+  const float* minimum;  // null for Q8_0
+  int64_t n, k, blocks;
+  bool q8;
+  size_t code_stride() const { return static_cast<size_t>(k) * (q8 ? 64 : 32); }
+  size_t scale_stride() const { return static_cast<size_t>(k / kGroup) * kBlockN; }
+};
+
+// X for every row and block: the sums of each row's inputs over each block of 32, [M, K/32].
+std::vector<float> block_sums(const float* x, int64_t m_rows, int64_t K) {
+  std::vector<float> sums(static_cast<size_t>(m_rows * (K / kGroup)));
+  for (int64_t r = 0; r < m_rows; ++r)
+    for (int64_t g = 0; g < K / kGroup; ++g) {
+      float s = 0.0f;
+      for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) s = s + x[r * K + k];
+      sums[r * (K / kGroup) + g] = s;
+    }
+  return sums;
+}
+
+inline float code_at(const Weight& w, const uint8_t* codes, int64_t k, int c) {
+  if (w.q8) return static_cast<float>(static_cast<int8_t>(codes[k * 64 + c]));
+  const uint8_t byte = codes[k * 32 + (c & 31)];
+  return static_cast<float>(c < 32 ? (byte & 15) : (byte >> 4));
+}
+
+// The portable version: the same operations, one output at a time.
+void qmm_portable(const float* x, int64_t m_rows, const Weight& w, const float* xsum, float* y, int64_t ldy) {
+  const int64_t G = w.k / kGroup;
+#pragma omp parallel for schedule(static) if (m_rows * w.n * w.k >= (1 << 16))
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    const uint8_t* codes = w.codes + b * w.code_stride();
+    const float* sc = w.scale + b * w.scale_stride();
+    const float* mn = w.q8 ? nullptr : w.minimum + b * w.scale_stride();
+    const int cols = static_cast<int>(std::min<int64_t>(kBlockN, w.n - b * kBlockN));
+    for (int64_t r = 0; r < m_rows; ++r) {
+      for (int c = 0; c < cols; ++c) {
+        float total = 0.0f;
+        for (int64_t g = 0; g < G; ++g) {
+          float s = 0.0f;
+          for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) s = std::fma(x[r * w.k + k], code_at(w, codes, k, c), s);
+          total = std::fma(sc[g * kBlockN + c], s, total);
+          if (!w.q8) total = std::fma(mn[g * kBlockN + c], xsum[r * G + g], total);
+        }
+        y[r * ldy + b * kBlockN + c] = total;
+      }
+    }
+  }
+}
+
+#ifdef DART_QMM_AVX512
+
+// Row k of a block's codes as floats, four vectors of 16 columns.
+template <bool kQ8>
+DART_AVX512 inline void codes_at(const uint8_t* p, __m512* q) {
+  if (kQ8) {
+    for (int c = 0; c < 4; ++c)
+      q[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * c))));
+    return;
+  }
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m512i lo = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(bytes));       // columns 0-15, 32-47
+  const __m512i hi = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(bytes, 1));  // columns 16-31, 48-63
+  const __m512i mask = _mm512_set1_epi32(15);
+  q[0] = _mm512_cvtepi32_ps(_mm512_and_si512(lo, mask));
+  q[1] = _mm512_cvtepi32_ps(_mm512_and_si512(hi, mask));
+  q[2] = _mm512_cvtepi32_ps(_mm512_srli_epi32(lo, 4));
+  q[3] = _mm512_cvtepi32_ps(_mm512_srli_epi32(hi, 4));
+}
+
+DART_AVX512 inline void store_cols(float* y, const __m512& v, int c, int cols) {
+  const int left = cols - 16 * c;
+  if (left <= 0) return;
+  _mm512_mask_storeu_ps(y + 16 * c, left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1), v);
+}
+
+// A block of 32 inputs finished for R rows and V column vectors: total = fma(d, S, total), then
+// fma(mn, X, total); S restarts from +0.
+template <bool kQ8, int R, int V>
+DART_AVX512 inline void close_group(__m512 (&total)[R][V], __m512 (&s)[R][V], const float* sc, const float* mins,
+                                    size_t stride, const float* xsum, int64_t G, int64_t g) {
+  for (int c = 0; c < V; ++c) {
+    const int64_t at = (c / 4) * static_cast<int64_t>(stride) + g * kBlockN + 16 * (c % 4);
+    const __m512 d = _mm512_loadu_ps(sc + at);
+    for (int r = 0; r < R; ++r) total[r][c] = _mm512_fmadd_ps(d, s[r][c], total[r][c]);
+    if (!kQ8) {
+      const __m512 mn = _mm512_loadu_ps(mins + at);
+      for (int r = 0; r < R; ++r) total[r][c] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[r * G + g]), total[r][c]);
+    }
+    for (int r = 0; r < R; ++r) s[r][c] = _mm512_setzero_ps();
+  }
+}
+
+constexpr int64_t kPrefetchGroups = 2;  // how many blocks of 32 inputs ahead the codes are prefetched
+
+// R rows of x against weight block b, the codes converted in registers.
+template <bool kQ8, int R>
+DART_AVX512 void direct(const float* x, int64_t ldx, const float* xsum, const Weight& w, int64_t b, float* y,
+                        int64_t ldy, int cols) {
+  const int64_t G = w.k / kGroup;
+  constexpr int64_t kRowBytes = kQ8 ? 64 : 32;
+  __m512 total[R][4], s[R][4], q[4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) total[r][c] = s[r][c] = _mm512_setzero_ps();
+  const uint8_t* codes = w.codes + b * w.code_stride();
+  const float* sc = w.scale + b * w.scale_stride();
+  const float* mins = kQ8 ? nullptr : w.minimum + b * w.scale_stride();
+  for (int64_t g = 0; g < G; ++g) {
+    if (g + kPrefetchGroups < G)  // a later group's codes, ahead of the hardware prefetcher
+      for (int64_t line = 0; line < kGroup * kRowBytes / 64; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(codes + (g + kPrefetchGroups) * kGroup * kRowBytes + 64 * line),
+                     _MM_HINT_T0);
+    for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) {
+      codes_at<kQ8>(codes + k * kRowBytes, q);
+      for (int r = 0; r < R; ++r) {
+        const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
+        for (int c = 0; c < 4; ++c) s[r][c] = _mm512_fmadd_ps(a, q[c], s[r][c]);
+      }
+    }
+    close_group<kQ8, R, 4>(total, s, sc, mins, w.scale_stride(), xsum, G, g);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) store_cols(y + r * ldy, total[r][c], c, cols);
+}
+
+template <bool kQ8>
+DART_AVX512 void qmm_avx512(const float* x, int64_t m_rows, const Weight& w, const float* xsum, float* y,
+                            int64_t ldy) {
+  const int64_t K = w.k, G = K / kGroup;
+#pragma omp parallel for schedule(static) if (w.blocks > 1)
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    const int cols = static_cast<int>(std::min<int64_t>(kBlockN, w.n - b * kBlockN));
+    for (int64_t r0 = 0; r0 < m_rows; r0 += 4) {  // four rows share each conversion of the codes
+      const float* xr = x + r0 * K;
+      const float* sr = xsum + r0 * G;
+      float* yr = y + r0 * ldy + b * kBlockN;
+      switch (std::min<int64_t>(4, m_rows - r0)) {
+        case 4: direct<kQ8, 4>(xr, K, sr, w, b, yr, ldy, cols); break;
+        case 3: direct<kQ8, 3>(xr, K, sr, w, b, yr, ldy, cols); break;
+        case 2: direct<kQ8, 2>(xr, K, sr, w, b, yr, ldy, cols); break;
+        default: direct<kQ8, 1>(xr, K, sr, w, b, yr, ldy, cols); break;
+      }
+    }
+  }
+}
+
+bool cpu_has_avx512() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma"); }
+#else
+bool cpu_has_avx512() { return false; }
+#endif
+
+using F32 = py::array_t<float, 0>;
+using U8 = py::array_t<uint8_t, 0>;
+
+void qmm(const F32& x, const U8& codes, const F32& scale, const py::object& minimum_obj, int64_t n, bool q8,
+         F32 out, bool portable) {
+  if (x.ndim() != 2 || !(x.flags() & py::array::c_style))
+    throw std::invalid_argument("qmm: x must be a C-contiguous [M, K] float32 array");
+  const int64_t m_rows = x.shape(0), K = x.shape(1);
+  const int64_t blocks = (n + kBlockN - 1) / kBlockN;
+  if (n <= 0 || K <= 0 || K % kGroup)
+    throw std::invalid_argument("qmm: N must be positive and K a positive multiple of 32");
+  if (codes.ndim() != 3 || codes.shape(0) != blocks || codes.shape(1) != K || codes.shape(2) != (q8 ? 64 : 32) ||
+      !(codes.flags() & py::array::c_style))
+    throw std::invalid_argument("qmm: codes must be C-contiguous [ceil(N/64), K, 32 (4-bit) or 64 (8-bit)] uint8");
+  auto block_params = [&](const F32& a, const char* name) {
+    if (a.ndim() != 3 || a.shape(0) != blocks || a.shape(1) != K / kGroup || a.shape(2) != kBlockN ||
+        !(a.flags() & py::array::c_style))
+      throw std::invalid_argument(std::string("qmm: ") + name + " must be C-contiguous [ceil(N/64), K/32, 64] float32");
+  };
+  block_params(scale, "scale");
+  const float* minimum = nullptr;
+  F32 minimum_arr;
+  if (!q8) {
+    if (minimum_obj.is_none()) throw std::invalid_argument("qmm: 4-bit weights need their minimums");
+    minimum_arr = minimum_obj.cast<F32>();
+    block_params(minimum_arr, "minimum");
+    minimum = minimum_arr.data();
+  }
+  if (out.ndim() != 2 || out.shape(0) != m_rows || out.shape(1) != n || !(out.flags() & py::array::c_style) ||
+      !out.writeable())
+    throw std::invalid_argument("qmm: out must be a writeable C-contiguous [M, N] float32 array");
+  const Weight w{codes.data(), scale.data(), minimum, n, K, blocks, q8};
+  const float* xp = x.data();
+  float* yp = out.mutable_data();
+  py::gil_scoped_release release;
+  const std::vector<float> xsum = block_sums(xp, m_rows, K);
+#ifdef DART_QMM_AVX512
+  if (!portable && cpu_has_avx512()) {
+    if (q8) qmm_avx512<true>(xp, m_rows, w, xsum.data(), yp, n);
+    else qmm_avx512<false>(xp, m_rows, w, xsum.data(), yp, n);
+    return;
+  }
+#endif
+  qmm_portable(xp, m_rows, w, xsum.data(), yp, n);
+}
+
+}  // namespace
+
+void register_qmm(py::module_& mod) {
+  mod.def("qmm", &qmm, py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("minimum"), py::arg("n"),
+          py::arg("q8"), py::arg("out"), py::arg("portable") = false,
+          "x [M, K] times a GGUF 4-bit or 8-bit weight's transpose, each row on its own (see dart_core.quant)");
+  mod.def("qmm_vectorised", &cpu_has_avx512, "whether qmm runs its AVX-512 version on this CPU");
+}
