@@ -3,27 +3,34 @@
 A GGUF such as the embedded SmolLM2-135M-Instruct (Q4_1 layers, a Q8_0
 token embedding tied to the output layer) is loaded by transformers as
 de-quantised float32 weights, so every forward streams 4 bytes per weight.
-Here each linear layer is rebuilt from the GGUF's own blocks as PyTorch's
-CPU int4 weight-only layout (``torch.ops.aten._convert_weight_to_int4pack_for_cpu``
-and ``_weight_int4pack_mm_for_cpu``, group size 32): about 0.6 bytes per weight.
+Here each linear layer is rebuilt from the GGUF's own blocks
+(:class:`Int4Linear`), about 0.6 to 0.75 bytes per weight, and run by one of
+two kernels (:func:`default_kernel` chooses; figures in BENCHMARKS.md,
+"GGUF-native target (CPU)"):
 
-How the GGUF block types map onto that kernel, whose weight for 4-bit code
-``q`` of group ``g`` is ``(q - 8) · scale[g] + zero[g]``:
+- **qmm** (``dart_core/csrc/qmm.cpp``, where the CPU has AVX-512): the
+  GGUF's codes, scales and minimums as they are (:func:`qmm_weight`), float32
+  activations; each block's scale and minimum are factored out of its 32
+  products, so the weights are the GGUF's de-quantised values.
+- **aten**: PyTorch's CPU int4 weight-only layout
+  (``torch.ops.aten._convert_weight_to_int4pack_for_cpu`` and
+  ``_weight_int4pack_mm_for_cpu``, group size 32), whose weight for 4-bit
+  code ``q`` of group ``g`` is ``(q - 8) · scale[g] + zero[g]``:
 
-- Q4_0 (``w = d · (q - 8)``): scale ``d``, zero 0.
-- Q4_1 (``w = d · q + m``): scale ``d``, zero ``m + 8d``.
-- Q8_0 (``w = d · q``, q an int8): two 4-bit parts, the high and the low
-  nibble of ``q + 128``: scale ``16d``, zero ``8d`` (high) plus scale
-  ``d``, zero 0 (low). The output layer of a tied GGUF is Q8_0.
+  - Q4_0 (``w = d · (q - 8)``): scale ``d``, zero 0.
+  - Q4_1 (``w = d · q + m``): scale ``d``, zero ``m + 8d``.
+  - Q8_0 (``w = d · q``, q an int8): two 4-bit parts, the high and the low
+    nibble of ``q + 128``: scale ``16d``, zero ``8d`` (high) plus scale
+    ``d``, zero 0 (low). The output layer of a tied GGUF is Q8_0.
 
-The codes are the GGUF's, never re-quantised. The kernel takes its scales
-and zeros in the activation dtype: with float32 activations the weights
-equal the GGUF's de-quantised values (to float32 rounding of ``m + 8d``);
-with bfloat16 activations scales and zeros are rounded to bfloat16, and
-every linear layer's input and output too. The activation dtype is
-bfloat16 by default, the one the kernel is fast with
-(:func:`default_compute_dtype`); figures in BENCHMARKS.md, "GGUF-native
-target (CPU)".
+  The kernel takes its scales and zeros in the activation dtype: with
+  float32 activations the weights equal the GGUF's de-quantised values (to
+  float32 rounding of ``m + 8d``); with bfloat16 activations (its default,
+  the one it is fast with) scales and zeros are rounded to bfloat16, and
+  every linear layer's input and output too.
+
+The codes are the GGUF's, never re-quantised (:func:`int4_parts` gives both
+kernels' inputs).
 """
 
 from __future__ import annotations
@@ -166,8 +173,9 @@ def qmm_weight(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
     return packed, by_block(d), None if minimum is None else by_block(minimum)
 
 
-#: output rows that PyTorch's CPU int4 packing interleaves as one block: 64 with AVX512, 32 with AVX2
-#: (``_convert_weight_to_int4pack_for_cpu``); fused layers' parts must end on the larger
+#: output rows held as one block: by qmm's layout (:func:`qmm_weight`), and by PyTorch's CPU int4 packing
+#: (``_convert_weight_to_int4pack_for_cpu``: 64 with AVX512, 32 with AVX2); fused layers' parts must end
+#: on a block
 PACK_BLOCK_ROWS = 64
 
 
@@ -176,12 +184,12 @@ class Int4Linear(torch.nn.Module):
     one of two row-exact CPU kernels (``kernel``):
 
     - ``"qmm"`` (:func:`default_kernel` where the CPU has AVX-512): dart-serve's own kernel
-      (``dart_core/csrc/qmm.cpp``). Float32 activations and results; each weight de-quantised
-      in registers as ``fma(q, d, m)`` (Q4_0: ``m = -8d``; Q8_0: ``q · d``, one 8-bit pass),
-      so the weights are the GGUF's de-quantised values (to float32 rounding of Q4_1's
-      ``m + 8d - 8d``); each output one float32 multiply-add chain over the input in order.
-      Few rows de-quantise in registers; from 9 rows on, each block of 64 output columns is
-      de-quantised once into a cached panel that every row reuses.
+      (``dart_core/csrc/qmm.cpp``). Float32 activations and results. The GGUF's codes are read
+      as they are (Q8_0 in one 8-bit pass) and each block's scale ``d`` and minimum ``m`` are
+      factored out of its 32 products: an output is ``Σ_blocks d · Σ x·q + m · Σ x`` in a fixed
+      order of float32 operations (Q4_0: ``m = -8d``; Q8_0: no ``m`` term), so the weights are
+      the GGUF's values (to float32 rounding of Q4_1's ``m + 8d - 8d``). Each conversion of
+      the codes serves four rows.
     - ``"aten"``: PyTorch's int4 weight-only kernel ``torch.ops.aten._weight_int4pack_mm_for_cpu``
       (group size 32) with ``compute_dtype`` activations (bfloat16 by default: scales, zeros and
       every input and output rounded to bfloat16); a Q8_0 tensor runs as two 4-bit passes.
