@@ -267,7 +267,10 @@ class Int4Linear(torch.nn.Module):
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "qmm":
-            x = x.detach().contiguous()  # inference only: no gradient flows through the kernel
+            if x.requires_grad:  # inference only: no gradient flows through the kernel
+                x = x.detach()
+            if not x.is_contiguous():
+                x = x.contiguous()
             y = torch.empty(x.shape[0], self.out_features)
             codes, scale, minimum = self._qmm_args
             _kernels.qmm(x.numpy(), codes, scale, minimum, self.out_features, self.q8, y.numpy())
@@ -352,13 +355,7 @@ class Int4Linear(torch.nn.Module):
             rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
             real = _REAL_ROWS.get()
             if real is None or real[1] != rows.shape[0]:  # every row: the kernel without Python around it
-                if rows.requires_grad:  # inference only: no gradient flows through the kernel
-                    rows = rows.detach()
-                if not rows.is_contiguous():
-                    rows = rows.contiguous()
-                y = torch.empty(rows.shape[0], self.out_features)
-                codes, scale, minimum = self._qmm_args
-                _kernels.qmm(rows.numpy(), codes, scale, minimum, self.out_features, self.q8, y.numpy())
+                y = self._mm(rows)
                 return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
         return over_real_rows(x, self.out_features, lambda rows: self._mm(rows.to(self.compute_dtype)).to(x.dtype))
 

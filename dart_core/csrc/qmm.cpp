@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -52,7 +53,8 @@ struct Weight {
   size_t scale_stride() const { return static_cast<size_t>(k / kGroup) * kBlockN; }
 };
 
-// X for every row and block: the sums of each row's inputs over each block of 32, [M, K/32].
+// X for every row and group: the sums of each row's inputs over each group of 32, [M, K/32] (4-bit
+// weights only: Q8_0 has no minimum term).
 std::vector<float> block_sums(const float* x, int64_t m_rows, int64_t K) {
   std::vector<float> sums(static_cast<size_t>(m_rows * (K / kGroup)));
   for (int64_t r = 0; r < m_rows; ++r)
@@ -120,13 +122,13 @@ DART_AVX512 inline void store_cols(float* y, const __m512& v, int c, int cols) {
   _mm512_mask_storeu_ps(y + 16 * c, left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1), v);
 }
 
-// A block of 32 inputs finished for R rows and V column vectors: total = fma(d, S, total), then
-// fma(mn, X, total); S restarts from +0.
-template <bool kQ8, int R, int V>
-DART_AVX512 inline void close_group(__m512 (&total)[R][V], __m512 (&s)[R][V], const float* sc, const float* mins,
-                                    size_t stride, const float* xsum, int64_t G, int64_t g) {
-  for (int c = 0; c < V; ++c) {
-    const int64_t at = (c / 4) * static_cast<int64_t>(stride) + g * kBlockN + 16 * (c % 4);
+// A group of 32 inputs finished for R rows: total = fma(d, S, total), then fma(mn, X, total); S
+// restarts from +0.
+template <bool kQ8, int R>
+DART_AVX512 inline void close_group(__m512 (&total)[R][4], __m512 (&s)[R][4], const float* sc, const float* mins,
+                                    const float* xsum, int64_t G, int64_t g) {
+  for (int c = 0; c < 4; ++c) {
+    const int64_t at = g * kBlockN + 16 * c;
     const __m512 d = _mm512_loadu_ps(sc + at);
     for (int r = 0; r < R; ++r) total[r][c] = _mm512_fmadd_ps(d, s[r][c], total[r][c]);
     if (!kQ8) {
@@ -163,7 +165,7 @@ DART_AVX512 void direct(const float* x, int64_t ldx, const float* xsum, const We
         for (int c = 0; c < 4; ++c) s[r][c] = _mm512_fmadd_ps(a, q[c], s[r][c]);
       }
     }
-    close_group<kQ8, R, 4>(total, s, sc, mins, w.scale_stride(), xsum, G, g);
+    close_group<kQ8, R>(total, s, sc, mins, xsum, G, g);
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) store_cols(y + r * ldy, total[r][c], c, cols);
@@ -178,7 +180,7 @@ DART_AVX512 void qmm_avx512(const float* x, int64_t m_rows, const Weight& w, con
     const int cols = static_cast<int>(std::min<int64_t>(kBlockN, w.n - b * kBlockN));
     for (int64_t r0 = 0; r0 < m_rows; r0 += 4) {  // four rows share each conversion of the codes
       const float* xr = x + r0 * K;
-      const float* sr = xsum + r0 * G;
+      const float* sr = kQ8 ? nullptr : xsum + r0 * G;  // Q8_0: no block sums
       float* yr = y + r0 * ldy + b * kBlockN;
       switch (std::min<int64_t>(4, m_rows - r0)) {
         case 4: direct<kQ8, 4>(xr, K, sr, w, b, yr, ldy, cols); break;
@@ -230,7 +232,7 @@ void qmm(const F32& x, const U8& codes, const F32& scale, const py::object& mini
   const float* xp = x.data();
   float* yp = out.mutable_data();
   py::gil_scoped_release release;
-  const std::vector<float> xsum = block_sums(xp, m_rows, K);
+  const std::vector<float> xsum = q8 ? std::vector<float>() : block_sums(xp, m_rows, K);
 #ifdef DART_QMM_AVX512
   if (!portable && cpu_has_avx512()) {
     if (q8) qmm_avx512<true>(xp, m_rows, w, xsum.data(), yp, n);
