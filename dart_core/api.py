@@ -136,6 +136,7 @@ class DartModel:
         *,
         dtype: torch.dtype | None = None,
         weights: str = "auto",
+        gguf_kernel: str | None = None,
         draft_dtype: torch.dtype | None = None,
         device: str | None = None,
         device_map=None,
@@ -171,6 +172,10 @@ class DartModel:
             weights: the target's weight format: ``"dense"`` (de-quantised to ``dtype``),
                 ``"gguf-native"`` (a GGUF's 4-bit blocks run as they are, CPU only:
                 :func:`dart_core.quant.quantize_from_gguf`) or ``"auto"``: :func:`default_weights`.
+            gguf_kernel: the kernel of GGUF-native layers (``"qmm-a8"``: 8-bit activations, llama.cpp's
+                arithmetic; ``"qmm"``: float32 activations, the de-quantised model's arithmetic;
+                ``"aten"``: PyTorch's int4 kernel); None: :func:`dart_core.quant.default_kernel`.
+                Ignored when the weights are dense.
             draft_dtype: the draft head's; default the target's, except bfloat16
                 beside a float32 target on a CPU with native bf16 matrix
                 multiplication (AVX512-BF16 / AMX; figures in docs/engine.md).  Output is
@@ -231,7 +236,8 @@ class DartModel:
         if weights == "auto":
             weights = default_weights(model, dtype=dtype, device=device, device_map=device_map)
         target = TargetModel.from_pretrained(model, dtype=dtype, device=device, device_map=device_map,
-                                             weights=weights)
+                                             weights=weights,
+                                             gguf_kernel=gguf_kernel if weights == "gguf-native" else None)
         if cuda_graphs:
             target.enable_static_cache()
         name = getattr(target.tokenizer, "dart_model_name", DEFAULT_MODEL)

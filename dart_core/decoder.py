@@ -20,17 +20,24 @@ and the rest is Python (module calls, keyword plumbing, output collection) and s
 Every operation is the one transformers' Llama applies, in the same order and dtypes, so the
 logits, the taps and the KV entries equal the stock forward's bit for bit (tested), and a row's
 result still does not depend on the other rows of the call (the row-exact property of the 4-bit
-target, docs/engine.md). Figures: BENCHMARKS.md, "GGUF-native target (CPU)".
+target, docs/engine.md).
+
+When every layer runs the ``qmm-a8`` kernel (:mod:`dart_core.quant`), the layers are one C++ call
+per forward (``_kernels.A8Layers``): RMS norm, SiLU-and-multiply and the residual additions happen
+inside the kernel calls (:meth:`Int4Linear.a8_into <dart_core.quant.Int4Linear.a8_into>`), with no
+Python between them. Those sums run in an order of their own, so this path is close to the stock
+forward rather than equal to it; it stays row-exact. Figures: BENCHMARKS.md, "GGUF-native target
+(CPU)".
 """
 
 from __future__ import annotations
 
 import torch
 
-from dart_core import kernels
+from dart_core import _kernels, kernels
 from dart_core.kv_cache import BufferedKVCache
 from dart_core.quant import Int4Linear
-from dart_core.target import _ROW_EXACT_QUERY, _grouped_sdpa
+from dart_core.target import _REAL_ROWS, _ROW_EXACT_QUERY, _grouped_sdpa
 
 __all__ = ["LlamaDecoder", "decoder_unsupported"]
 
@@ -123,6 +130,21 @@ class LlamaDecoder:
         self.inv_freq, self.rope_scale = rotary.inv_freq.float(), float(rotary.attention_scaling)
         self._cos = self._sin = torch.zeros(0, self.head_dim)
         self.row_exact = bool(getattr(self.layers[0].attn, "dart_row_exact", False))
+        # every layer's products on the qmm-a8 kernel: norms, SiLU and residual adds inside its calls
+        self.a8 = self.row_exact and all(
+            lin is not None and getattr(lin, "kernel", None) == "qmm-a8"
+            for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        self._a8_stack = None
+        if self.a8:  # the same layers as one C++ object: a forward's layers in one call
+            def product(lin):
+                return (*lin._qmm_args, lin.out_features, lin.q8)
+
+            scales = {float(layer.attn.scaling) for layer in self.layers}
+            if len(scales) == 1:
+                self._a8_stack = _kernels.A8Layers(
+                    [(product(x.qkv), product(x.o), product(x.gate_up), product(x.down), x.ln1.detach().numpy(),
+                      float(x.eps1), x.ln2.detach().numpy(), float(x.eps2)) for x in self.layers],
+                    self.heads, self.kv_heads, self.head_dim, scales.pop())
 
     def _rope(self, position_ids: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, Q, D] float32 for the positions (all below ``bound``, a host-side bound so no
@@ -160,6 +182,11 @@ class LlamaDecoder:
         n_qk = (self.heads + self.kv_heads) * self.head_dim
         fused = x.dtype == torch.float32 and isinstance(cache, BufferedKVCache)
         cos_np, sin_np = cos.view(b * q, -1).numpy(), sin.view(b * q, -1).numpy()  # read by the kernels
+        if self.a8 and fused and exact_mask is not False:
+            x, taps = self._a8_layers(x, cache, cos_np, sin_np, exact_mask)
+            if logit_index is not None:
+                x = x[torch.arange(b, device=x.device), logit_index][:, None]
+            return self.lm_head(_rms_norm(x, self.norm, self.norm_eps)).float(), taps
         inputs = {}  # layer index -> that layer's input (the taps)
         for i, layer in enumerate(self.layers):
             if i in self.tap_layers:
@@ -174,7 +201,7 @@ class LlamaDecoder:
                 kb, vb, t = kv.reserve(b, self.kv_heads, q, self.head_dim, self.head_dim, torch.float32, x.device)
             if kv is not None and exact_mask is not False:
                 # the 4-bit target: rotation, cache append and row-exact attention in one kernel call
-                out = kernels.rope_attend(qkv, cos_np, sin_np, self.heads, self.kv_heads, kb, vb, t, exact_mask,
+                out = kernels.rope_attend(qkv.view(b, q, -1), cos_np, sin_np, self.heads, self.kv_heads, kb, vb, t, exact_mask,
                                           layer.attn.scaling)
                 kv.commit(t + q)
             else:
@@ -203,3 +230,51 @@ class LlamaDecoder:
             x = x[torch.arange(b, device=x.device), logit_index][:, None]
         logits = self.lm_head(_rms_norm(x, self.norm, self.norm_eps)).float()
         return logits, taps
+
+    def _a8_layers(self, x: torch.Tensor, cache, cos_np, sin_np, exact_mask) -> tuple[torch.Tensor, list]:
+        """The decoder layers on the qmm-a8 kernel, five kernel calls a layer: RMS norm + q/k/v,
+        rotation + cache append + row-exact attention, o_proj added to the residual, RMS norm +
+        gate/up, SiLU-and-multiply + down_proj added to the residual (:meth:`Int4Linear.a8_into
+        <dart_core.quant.Int4Linear.a8_into>`). Each row is computed on its own, as in the other
+        path; inside :func:`~dart_core.target.real_rows` only the real rows go through the products.
+
+        Returns:
+            (x [B, Q, H] after the last layer, taps [B, Q, len(tap_layers)·H]: the tap layers' inputs
+            side by side in ``tap_layers`` order)."""
+        b, q, hidden = x.shape
+        real = _REAL_ROWS.get()
+        sel = real[0] if real is not None and real[1] == b * q else None
+        x = x.reshape(b * q, hidden).contiguous()
+        if sel is None and self._a8_stack is not None:  # every row: the layers in one kernel call
+            caches = [cache.layer(i) for i in range(len(self.layers))]
+            buffers = [kv.reserve(b, self.kv_heads, q, self.head_dim, self.head_dim, torch.float32, x.device)
+                       for kv in caches]
+            t = buffers[0][2]
+            taps = torch.empty(b * q, len(self.tap_layers) * hidden)
+            self._a8_stack.forward(x.numpy(), cos_np, sin_np, [kb.numpy() for kb, _, _ in buffers],
+                                   [vb.numpy() for _, vb, _ in buffers], t, b, q, exact_mask, list(self.tap_layers),
+                                   taps.numpy(), kernels.PARALLEL_WORK)
+            for kv in caches:
+                kv.commit(t + q)
+            return x.view(b, q, hidden), taps.view(b, q, -1)
+        work = x if sel is None else x.index_select(0, sel)  # the rows the products compute
+        m = work.shape[0]
+        taps = {}
+        for i, layer in enumerate(self.layers):
+            if i in self.tap_layers:
+                taps[i] = (work if sel is None else x.index_copy(0, sel, work)).clone().view(b, q, hidden)
+            qkv = layer.qkv.a8_into(work, torch.empty(m, layer.qkv.out_features), layer.ln1, layer.eps1)
+            if sel is not None:
+                qkv = qkv.new_zeros(b * q, layer.qkv.out_features).index_copy_(0, sel, qkv)
+            kv = cache.layer(i)
+            kb, vb, t = kv.reserve(b, self.kv_heads, q, self.head_dim, self.head_dim, torch.float32, x.device)
+            out = kernels.rope_attend(qkv.view(b, q, -1), cos_np, sin_np, self.heads, self.kv_heads, kb, vb, t, exact_mask,
+                                      layer.attn.scaling).reshape(b * q, -1)
+            kv.commit(t + q)
+            if sel is not None:
+                out = out.index_select(0, sel)
+            layer.o.a8_into(out, work, accumulate=True)
+            gate_up = layer.gate_up.a8_into(work, torch.empty(m, layer.gate_up.out_features), layer.ln2, layer.eps2)
+            layer.down.a8_into(gate_up, work, gated=True, accumulate=True)
+        x = work if sel is None else x.index_copy(0, sel, work)
+        return x.view(b, q, hidden), torch.cat([taps[i] for i in self.tap_layers], dim=-1)

@@ -5,9 +5,14 @@ token embedding tied to the output layer) is loaded by transformers as
 de-quantised float32 weights, so every forward streams 4 bytes per weight.
 Here each linear layer is rebuilt from the GGUF's own blocks
 (:class:`Int4Linear`), about 0.6 to 0.75 bytes per weight, and run by one of
-two kernels (:func:`default_kernel` chooses; figures in BENCHMARKS.md,
+three kernels (:func:`default_kernel` chooses; figures in BENCHMARKS.md,
 "GGUF-native target (CPU)"):
 
+- **qmm-a8** (``dart_core/csrc/qmm_a8.cpp``, where the CPU has AVX-512 VNNI):
+  the GGUF's codes and scales (:func:`qmm_a8_weight`) times activations
+  quantised to 8 bits per block of 32 inputs, integer dot products within a
+  block: the arithmetic of llama.cpp's CPU back end for these block types.
+  The weights are the GGUF's values; the activations are rounded to 8 bits.
 - **qmm** (``dart_core/csrc/qmm.cpp``, where the CPU has AVX-512): the
   GGUF's codes, scales and minimums as they are (:func:`qmm_weight`), float32
   activations; each block's scale and minimum are factored out of its 32
@@ -47,7 +52,7 @@ from dart_core.target import _REAL_ROWS, over_real_rows
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GGUFWeightsError", "Int4Linear", "int4_parts", "qmm_weight", "quantize_from_gguf", "can_int4",
+__all__ = ["GGUFWeightsError", "Int4Linear", "int4_parts", "qmm_weight", "qmm_a8_weight", "quantize_from_gguf", "can_int4",
            "default_compute_dtype", "default_kernel", "KERNELS", "GROUP_SIZE"]
 
 GROUP_SIZE = 32  # the GGUF block length of Q4_0, Q4_1 and Q8_0, and the kernel's group size
@@ -65,10 +70,11 @@ def can_int4() -> bool:
 
 
 def default_compute_dtype() -> torch.dtype:
-    """The activation dtype of :func:`default_kernel`: float32 for ``"qmm"``; bfloat16 for
+    """The activation dtype of :func:`default_kernel` (the dtype layer inputs and outputs have): float32
+    for ``"qmm-a8"`` and ``"qmm"``; bfloat16 for
     ``"aten"`` (on the AVX2-only CPU measured, torch 2.13 and SmolLM2's layer shapes, PyTorch's CPU
     int4 kernel was many times slower with float32 or float16 activations)."""
-    return torch.float32 if default_kernel() == "qmm" else torch.bfloat16
+    return torch.float32 if default_kernel() in _QMM else torch.bfloat16
 
 
 def _f16(raw: np.ndarray, at: int) -> np.ndarray:
@@ -115,16 +121,40 @@ def int4_parts(raw: np.ndarray, type_name: str, shape: tuple[int, int]
     return [(codes, d, _f16(blocks, 2) + 8 * d)]
 
 
-#: the two CPU kernels of :class:`Int4Linear`
-KERNELS = ("qmm", "aten")
+#: the three CPU kernels of :class:`Int4Linear`
+KERNELS = ("qmm-a8", "qmm", "aten")
+_QMM = ("qmm-a8", "qmm")  # dart-serve's own kernels: float32 layer inputs and outputs
 
 
 def default_kernel() -> str:
-    """``"qmm"`` (dart-serve's float32 kernel, :class:`Int4Linear`) where it runs vectorised (a CPU
-    with AVX-512), else ``"aten"`` (PyTorch's int4 kernel with bfloat16 activations). Chosen by
-    measurement on an AVX512-BF16 EPYC, at every row count a verification forward uses
-    (BENCHMARKS.md, "GGUF-native target (CPU)"); without AVX-512 only qmm's portable loop remains."""
+    """``"qmm-a8"`` (8-bit activations, :class:`Int4Linear`) where it runs vectorised (a CPU with
+    AVX-512 VNNI), else ``"qmm"`` (float32 activations) where the CPU has AVX-512, else ``"aten"``
+    (PyTorch's int4 kernel with bfloat16 activations). Chosen by measurement on an AVX512-BF16
+    EPYC, at every row count a verification forward uses (BENCHMARKS.md, "GGUF-native target
+    (CPU)"); without the instructions only the qmm kernels' portable loops remain."""
+    if _kernels.qmm_a8_vectorised():
+        return "qmm-a8"
     return "qmm" if _kernels.qmm_vectorised() else "aten"
+
+
+def _gguf_codes(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """:func:`int4_parts` -> (codes uint8 [N, K], scale d float32 [N, K/32], minimum float32 [N, K/32]
+    or None): one part (Q4_0, Q4_1: ``(q - 8)·s + z``) gives ``w = q·d + m`` with ``d = s``,
+    ``m = z - 8s``; two parts (Q8_0's high and low nibbles of ``q + 128``) give the codes ``q + 128``,
+    ``w = (code - 128)·d``, and no minimum.
+
+    Raises:
+        GGUFWeightsError: parts that are neither form."""
+    if len(parts) == 2:
+        (high, s_high, z_high), (low, d, z_low) = parts
+        if not (np.array_equal(s_high, 16 * d) and np.array_equal(z_high, 8 * d) and not z_low.any()):
+            raise GGUFWeightsError("two 4-bit parts that are not a Q8_0 tensor's")
+        return (16 * high.astype(np.int32) + low).astype(np.uint8), d, None
+    if len(parts) == 1:
+        (codes, d, zero), = parts
+        return codes.astype(np.uint8), d, (zero - 8 * d).astype(np.float32)
+    raise GGUFWeightsError(f"{len(parts)} 4-bit parts: no GGUF block type has that form")
 
 
 def qmm_weight(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
@@ -135,32 +165,16 @@ def qmm_weight(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
     int8 codes), scales and minimums float32 [ceil(N/64), K/32, 64] (None for Q8_0); padding columns
     have scale 0.
 
-    One part (Q4_0, Q4_1: ``(q - 8)·s + z``) becomes ``q·d + m`` with ``d = s``, ``m = z - 8s``; two
-    parts (Q8_0's high and low nibbles of ``q + 128``) become the int8 ``q`` with its scale ``d``.
+    The weight is ``q·d + m`` as :func:`_gguf_codes` reads the parts (Q8_0: its int8 ``q``, no ``m``).
 
     Raises:
         GGUFWeightsError: parts that are neither form."""
     n, k = parts[0][0].shape
     blocks = -(-n // PACK_BLOCK_ROWS)
     rows = blocks * PACK_BLOCK_ROWS
-    if len(parts) == 2:
-        (high, s_high, z_high), (low, d, z_low) = parts
-        if not (np.array_equal(s_high, 16 * d) and np.array_equal(z_high, 8 * d) and not z_low.any()):
-            raise GGUFWeightsError("two 4-bit parts that are not a Q8_0 tensor's")
-        q = (16 * high.astype(np.int32) + low - 128).astype(np.int8)
-        minimum = None
-    elif len(parts) == 1:
-        (codes, d, zero), = parts
-        q = codes.astype(np.uint8)
-        minimum = (zero - 8 * d).astype(np.float32)
-    else:
-        raise GGUFWeightsError(f"{len(parts)} 4-bit parts: no GGUF block type has that form")
-
-    def by_block(a: np.ndarray) -> np.ndarray:  # [N, K/32] -> [blocks, K/32, 64]
-        out = np.zeros((rows, a.shape[1]), np.float32)
-        out[:n] = a
-        return np.ascontiguousarray(out.reshape(blocks, PACK_BLOCK_ROWS, -1).transpose(0, 2, 1))
-
+    q, d, minimum = _gguf_codes(parts)
+    if minimum is None:
+        q = (q.astype(np.int16) - 128).astype(np.int8)  # Q8_0's own int8 codes
     padded = np.zeros((rows, k), q.dtype)
     padded[:n] = q
     cols = padded.reshape(blocks, PACK_BLOCK_ROWS, k).transpose(0, 2, 1)  # [blocks, K, 64]
@@ -170,7 +184,58 @@ def qmm_weight(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
         packed = np.empty((blocks, k, 32), np.uint8)
         packed[..., :16] = cols[..., 0:16] | (cols[..., 32:48] << 4)
         packed[..., 16:] = cols[..., 16:32] | (cols[..., 48:64] << 4)
-    return packed, by_block(d), None if minimum is None else by_block(minimum)
+    return packed, _by_block(d), None if minimum is None else _by_block(minimum)
+
+
+def qmm_a8_weight(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """:func:`int4_parts` of one [N, K] tensor -> the qmm-a8 kernel's weight
+    (``dart_core/csrc/qmm_a8.cpp``): codes uint8 [ceil(N/64), K/32, 1024] (4-bit: 0..15) or
+    [ceil(N/64), K/32, 2048] (Q8_0: ``q + 128``), each group of 32 inputs of 64 output columns in
+    the order [16-column slice][input quad][column][input within the quad] (4-bit codes: quads j
+    and j + 4 share a byte, low nibble j), one 64-byte vector per slice and quad (pair);
+    scales and minimums as :func:`qmm_weight` (float32 [ceil(N/64), K/32, 64], None for Q8_0;
+    padding columns scale 0).
+
+    Raises:
+        GGUFWeightsError: parts that are neither a 4-bit tensor's nor a Q8_0 tensor's."""
+    n, k = parts[0][0].shape
+    blocks, groups = -(-n // PACK_BLOCK_ROWS), k // GROUP_SIZE
+    codes, d, minimum = _gguf_codes(parts)
+    padded = np.zeros((blocks * PACK_BLOCK_ROWS, k), np.uint8)
+    padded[:n] = codes
+    # [block, slice, column, group, quad, t] -> [block, group, slice, quad, column, t]
+    order = padded.reshape(blocks, 4, 16, groups, 8, 4).transpose(0, 3, 1, 4, 2, 5)
+    if minimum is None:
+        packed = np.ascontiguousarray(order).reshape(blocks, groups, 2048)
+    else:
+        packed = np.ascontiguousarray(order[:, :, :, :4] | (order[:, :, :, 4:] << 4)).reshape(blocks, groups, 1024)
+    return packed, _by_block(d), None if minimum is None else _by_block(minimum)
+
+
+def _by_block(a: np.ndarray) -> np.ndarray:
+    """Per-block scales or minimums [N, K/32] -> float32 [ceil(N/64), K/32, 64] (padding columns 0)."""
+    n, blocks = a.shape[0], -(-a.shape[0] // PACK_BLOCK_ROWS)
+    out = np.zeros((blocks * PACK_BLOCK_ROWS, a.shape[1]), np.float32)
+    out[:n] = a
+    return np.ascontiguousarray(out.reshape(blocks, PACK_BLOCK_ROWS, -1).transpose(0, 2, 1))
+
+
+def _qmm_a8_values(codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None, n: int) -> np.ndarray:
+    """:func:`qmm_a8_weight`'s arrays -> the de-quantised weight, float32 [N, K] (``q·d + m``)."""
+    blocks, groups = codes.shape[:2]
+    if minimum is None:
+        q = codes.reshape(blocks, groups, 4, 8, 16, 4).astype(np.float32) - 128
+    else:
+        nibbles = codes.reshape(blocks, groups, 4, 4, 16, 4)
+        q = np.concatenate([nibbles & 15, nibbles >> 4], axis=3).astype(np.float32)
+    q = q.transpose(0, 2, 4, 1, 3, 5).reshape(blocks * PACK_BLOCK_ROWS, groups, GROUP_SIZE)  # [rows, G, 32]
+
+    def per_row(a: np.ndarray) -> np.ndarray:  # [blocks, G, 64] -> [rows, G, 1]
+        return a.transpose(0, 2, 1).reshape(blocks * PACK_BLOCK_ROWS, groups, 1)
+
+    w = q * per_row(scale) + (0 if minimum is None else per_row(minimum))
+    return np.ascontiguousarray(w.reshape(blocks * PACK_BLOCK_ROWS, -1)[:n], dtype=np.float32)
 
 
 #: output rows held as one block: by qmm's layout (:func:`qmm_weight`), and by PyTorch's CPU int4 packing
@@ -181,9 +246,16 @@ PACK_BLOCK_ROWS = 64
 
 class Int4Linear(torch.nn.Module):
     """A bias-free linear layer whose weight is a GGUF tensor's 4-bit (or 8-bit) blocks, applied by
-    one of two row-exact CPU kernels (``kernel``):
+    one of three row-exact CPU kernels (``kernel``):
 
-    - ``"qmm"`` (:func:`default_kernel` where the CPU has AVX-512): dart-serve's own kernel
+    - ``"qmm-a8"`` (:func:`default_kernel` where the CPU has AVX-512 VNNI): dart-serve's kernel with
+      8-bit activations (``dart_core/csrc/qmm_a8.cpp``), llama.cpp's arithmetic for these block
+      types. Each input row is quantised per block of 32 inputs (scale ``max |x| / 127``, round to
+      nearest even); a block's output is ``d·dx·Σ qw·qx + m·dx·Σ qx`` (integer sums, exact), added
+      over the blocks in a fixed order of float32 operations. The weights are the GGUF's values;
+      the activations carry 8-bit rounding (``layer(x)`` is within about 1% of ``x @ weight.T``).
+      Float32 inputs and outputs.
+    - ``"qmm"`` (where the CPU has AVX-512 but not VNNI): dart-serve's float32 kernel
       (``dart_core/csrc/qmm.cpp``). Float32 activations and results. The GGUF's codes are read
       as they are (Q8_0 in one 8-bit pass) and each block's scale ``d`` and minimum ``m`` are
       factored out of its 32 products: an output is ``Σ_blocks d · Σ x·q + m · Σ x`` in a fixed
@@ -203,14 +275,15 @@ class Int4Linear(torch.nn.Module):
 
     Args:
         parts: :func:`int4_parts` of the tensor (two parts: Q8_0).
-        compute_dtype: the activation dtype; None: float32 for ``"qmm"``, bfloat16 for ``"aten"``.
+        compute_dtype: the layer's input and output dtype; None: float32 for the qmm kernels,
+            bfloat16 for ``"aten"``.
         gguf_type: the GGUF block type, for reports.
-        kernel: ``"qmm"``, ``"aten"`` or None: ``"qmm"`` where :func:`default_kernel` says so and
+        kernel: one of :data:`KERNELS` or None: :func:`default_kernel` where it is a qmm kernel and
             ``compute_dtype`` is None or float32, else ``"aten"``.
 
     Raises:
         GGUFWeightsError: parts of different shapes, or sizes the kernel refuses.
-        ValueError: an unknown kernel, or ``"qmm"`` with a compute dtype other than float32.
+        ValueError: an unknown kernel, or a qmm kernel with a compute dtype other than float32.
     """
 
     honours_real_rows = True
@@ -221,13 +294,15 @@ class Int4Linear(torch.nn.Module):
                  kernel: str | None = None) -> None:
         super().__init__()
         if kernel is None:
-            kernel = "qmm" if default_kernel() == "qmm" and compute_dtype in (None, torch.float32) else "aten"
+            kernel = default_kernel()
+            if kernel in _QMM and compute_dtype not in (None, torch.float32):
+                kernel = "aten"
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, not {kernel!r}")
         if compute_dtype is None:
-            compute_dtype = torch.float32 if kernel == "qmm" else torch.bfloat16
-        if kernel == "qmm" and compute_dtype != torch.float32:
-            raise ValueError(f"the qmm kernel computes in float32, not {compute_dtype}")
+            compute_dtype = torch.float32 if kernel in _QMM else torch.bfloat16
+        if kernel in _QMM and compute_dtype != torch.float32:
+            raise ValueError(f"the {kernel} kernel takes float32 activations, not {compute_dtype}")
         self.gguf_type = gguf_type  # the GGUF block type the parts came from (for reports)
         self.kernel = kernel
         self.out_features, self.in_features = parts[0][0].shape
@@ -236,9 +311,9 @@ class Int4Linear(torch.nn.Module):
         for i, (codes, _, _) in enumerate(parts):
             if codes.shape != (self.out_features, self.in_features):
                 raise GGUFWeightsError(f"part {i} is {codes.shape}, part 0 {parts[0][0].shape}")
-        if kernel == "qmm":
+        if kernel in _QMM:
             self.q8 = self.n_parts == 2
-            codes, scale, minimum = qmm_weight(parts)
+            codes, scale, minimum = (qmm_a8_weight if kernel == "qmm-a8" else qmm_weight)(parts)
             self.register_buffer("qmm_codes", torch.from_numpy(codes), persistent=False)
             self.register_buffer("qmm_scale", torch.from_numpy(scale), persistent=False)
             self.register_buffer("qmm_minimum", None if minimum is None else torch.from_numpy(minimum),
@@ -266,14 +341,15 @@ class Int4Linear(torch.nn.Module):
                 f"kernel={self.kernel}, parts={self.n_parts}, compute_dtype={self.compute_dtype}")
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "qmm":
+        if self.kernel in _QMM:
             if x.requires_grad:  # inference only: no gradient flows through the kernel
                 x = x.detach()
             if not x.is_contiguous():
                 x = x.contiguous()
             y = torch.empty(x.shape[0], self.out_features)
             codes, scale, minimum = self._qmm_args
-            _kernels.qmm(x.numpy(), codes, scale, minimum, self.out_features, self.q8, y.numpy())
+            (_kernels.qmm_a8 if self.kernel == "qmm-a8" else _kernels.qmm)(
+                x.numpy(), codes, scale, minimum, self.out_features, self.q8, y.numpy())
             return y
         buffers = self._buffers  # read directly: Module.__getattr__ costs more than the small kernels
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, buffers["packed_0"], GROUP_SIZE, buffers["scales_zeros_0"])
@@ -281,6 +357,35 @@ class Int4Linear(torch.nn.Module):
             y.add_(torch.ops.aten._weight_int4pack_mm_for_cpu(x, buffers[f"packed_{i}"], GROUP_SIZE,
                                                               buffers[f"scales_zeros_{i}"]))
         return y
+
+    def a8_into(self, x: torch.Tensor, out: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0,
+                gated: bool = False, accumulate: bool = False) -> torch.Tensor:
+        """The ``"qmm-a8"`` kernel with the operations around a layer of a Llama decoder done in the same
+        call (:class:`~dart_core.decoder.LlamaDecoder`), every row on its own:
+
+        - ``norm`` (float32 [in_features]): the rows are RMS-normalised first,
+          ``norm · x / sqrt(mean(x²) + eps)`` (transformers' LlamaRMSNorm; its sum of squares in a
+          fixed order of its own, so equal to PyTorch's to float32 rounding, not bit for bit);
+        - ``gated``: x is [M, 2·in_features] (gate and up side by side) and the layer multiplies
+          ``silu(gate) · up``;
+        - ``accumulate``: the product is added to ``out`` (a residual connection) instead of written.
+
+        Args:
+            x: float32 C-contiguous [M, in_features] (or [M, 2·in_features] when ``gated``).
+            out: float32 C-contiguous [M, out_features], written or added to.
+
+        Returns:
+            ``out``.
+
+        Raises:
+            ValueError: another kernel, or shapes the kernel refuses."""
+        if self.kernel != "qmm-a8":
+            raise ValueError(f"a8_into runs the qmm-a8 kernel, this layer's is {self.kernel}")
+        codes, scale, minimum = self._qmm_args
+        _kernels.qmm_a8(x.numpy(), codes, scale, minimum, self.out_features, self.q8, out.numpy(),
+                        norm=None if norm is None else norm.detach().numpy(), eps=eps, gated=gated,
+                        accumulate=accumulate)
+        return out
 
     @staticmethod
     def can_fuse(layers: list[torch.nn.Module]) -> bool:
@@ -314,7 +419,7 @@ class Int4Linear(torch.nn.Module):
         fused.gguf_type = "+".join(sorted({str(x.gguf_type) for x in layers}))
         fused.out_features, fused.in_features = sum(x.out_features for x in layers), first.in_features
         fused.compute_dtype, fused.n_parts, fused.kernel = first.compute_dtype, first.n_parts, first.kernel
-        if first.kernel == "qmm":
+        if first.kernel in _QMM:
             fused.q8 = first.q8
             names = ["qmm_codes", "qmm_scale"] + ([] if first.q8 else ["qmm_minimum"])
             fused.register_buffer("qmm_minimum", None, persistent=False)
@@ -347,11 +452,13 @@ class Int4Linear(torch.nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
+        if self.kernel == "qmm-a8":  # read from the layout: 8-bit activations would round an identity
+            return torch.from_numpy(_qmm_a8_values(*self._qmm_args, self.out_features))
         eye = torch.eye(self.in_features, dtype=self.compute_dtype)
         return self._mm(eye).t().float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "qmm" and x.dtype == torch.float32:
+        if self.kernel in _QMM and x.dtype == torch.float32:
             rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
             real = _REAL_ROWS.get()
             if real is None or real[1] != rows.shape[0]:  # every row: the kernel without Python around it

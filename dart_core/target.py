@@ -412,7 +412,8 @@ class TargetModel:
     @classmethod
     def from_pretrained(cls, spec: str | None = None, *, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu", device_map=None,
-                        pack: bool | None = None, weights: str = "dense") -> "TargetModel":
+                        pack: bool | None = None, weights: str = "dense",
+                        gguf_kernel: str | None = None) -> "TargetModel":
         """Loads a local model (see :func:`dart_core.tokenizer.resolve_model`); never a hub.
 
         Args:
@@ -425,11 +426,14 @@ class TargetModel:
             weights: "dense" (the weights de-quantised to ``dtype``) or "gguf-native": a GGUF's
                 Q4_0 / Q4_1 / Q8_0 linear layers run from their own 4-bit blocks on the CPU
                 (:func:`dart_core.quant.quantize_from_gguf`; ``dtype`` float32 for the rest of the
-                model, bfloat16 activations in those layers).
+                model).
+            gguf_kernel: with "gguf-native", the 4-bit layers' kernel (one of
+                :data:`dart_core.quant.KERNELS`); None: :func:`dart_core.quant.default_kernel`.
 
         Raises:
             ValueError: ``pack=True`` together with a ``device_map``; "gguf-native" for a source that
-                is not a GGUF, off the CPU, with a ``device_map`` or another dtype than float32.
+                is not a GGUF, off the CPU, with a ``device_map`` or another dtype than float32; an
+                unknown ``gguf_kernel``, or one given without "gguf-native".
             dart_core.quant.GGUFWeightsError: a GGUF whose blocks do not match its de-quantised weights.
         """
         if pack and device_map is not None:
@@ -437,6 +441,13 @@ class TargetModel:
                              "linear layers; load without device_map to pack")
         if weights not in ("dense", "gguf-native"):
             raise ValueError(f"weights must be 'dense' or 'gguf-native', not {weights!r}")
+        if gguf_kernel is not None:
+            from dart_core.quant import KERNELS
+
+            if gguf_kernel not in KERNELS:
+                raise ValueError(f"gguf_kernel must be one of {', '.join(KERNELS)} (or None), not {gguf_kernel!r}")
+            if weights != "gguf-native":
+                raise ValueError(f"gguf_kernel={gguf_kernel!r} applies to weights='gguf-native' only")
         source = resolve_model(spec)
         if weights == "gguf-native":
             if not source.gguf_file:
@@ -459,7 +470,8 @@ class TargetModel:
         if weights == "gguf-native":
             from dart_core.quant import quantize_from_gguf
 
-            quantize_from_gguf(model, source.folder / source.gguf_file, cache=converted_cache(source, "int4"))
+            quantize_from_gguf(model, source.folder / source.gguf_file, cache=converted_cache(source, "int4"),
+                               kernel=gguf_kernel)
         return cls(model, load_tokenizer(spec), pack=pack if device_map is None else False)
 
     @property

@@ -1,4 +1,4 @@
-"""GGUF-native 4-bit weights: GGUF blocks -> the kernels' layouts (dart-serve's qmm, PyTorch's CPU int4)
+"""GGUF-native 4-bit weights: GGUF blocks -> the kernels' layouts (dart-serve's qmm-a8 and qmm, PyTorch's CPU int4)
 -> the same de-quantised values, on a tiny GGUF written here; a verification forward computes each row
 as a one-row forward does, so greedy DART on the 4-bit target equals its autoregressive output, with
 either kernel."""
@@ -47,6 +47,15 @@ def test_parts_reproduce_the_gguf_values(qtype):
     assert exact.kernel == "qmm" and exact.compute_dtype == torch.float32
     np.testing.assert_allclose(exact.weight.numpy(), expected, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(exact(x).numpy(), x.numpy() @ expected.T, rtol=1e-5, atol=1e-5)
+    # qmm-a8: the GGUF's values, activations rounded to 8 bits per block of 32 (llama.cpp's arithmetic)
+    a8 = Int4Linear(parts, gguf_type=qtype, kernel="qmm-a8")
+    assert a8.kernel == "qmm-a8" and a8.compute_dtype == torch.float32
+    np.testing.assert_array_equal(a8.weight.numpy(), expected)
+    groups = x.numpy().reshape(5, 3, 32)
+    step = np.abs(groups).max(-1, keepdims=True) / np.float32(127)
+    x8 = (np.rint(groups / step) * step).reshape(5, 96)  # the activations as the kernel rounds them
+    np.testing.assert_allclose(a8(x).numpy(), x8 @ expected.T, rtol=1e-4, atol=1e-4)
+    assert not np.allclose(a8(x).numpy(), x.numpy() @ expected.T, rtol=1e-5, atol=1e-5)
     # PyTorch's kernel: float32 activations see the GGUF's values, bfloat16 ones their rounding
     aten = Int4Linear(parts, torch.float32, qtype, kernel="aten")
     np.testing.assert_allclose(aten.weight.numpy(), expected, rtol=1e-5, atol=1e-6)
@@ -72,41 +81,49 @@ def test_a_row_does_not_depend_on_the_other_rows(kernel):
             assert torch.equal(layer(x[:m]), alone[:m]), (qtype, m)
 
 
-def test_qmm_portable_loop_equals_its_vectorised_version():
-    """qmm's AVX-512 code and its portable loop do the same operations in the same order: the same bits
-    (the portable loop is what a CPU without AVX-512 would run)."""
+@pytest.mark.parametrize("kernel", ["qmm-a8", "qmm"])
+def test_qmm_portable_loops_equal_their_vectorised_versions(kernel):
+    """The qmm kernels' AVX-512 code and their portable loops do the same operations in the same order:
+    the same bits (the portable loop is what a CPU without the instructions would run)."""
     from dart_core import _kernels
 
-    if not _kernels.qmm_vectorised():
-        pytest.skip("this CPU has no AVX-512: qmm has only its portable loop here")
+    vectorised, function = {"qmm": (_kernels.qmm_vectorised, _kernels.qmm),
+                            "qmm-a8": (_kernels.qmm_a8_vectorised, _kernels.qmm_a8)}[kernel]
+    if not vectorised():
+        pytest.skip(f"this CPU lacks {kernel}'s instructions (AVX-512; VNNI for qmm-a8): only its portable loop")
     rng = np.random.default_rng(6)
     for qtype, n in (("Q4_0", 200), ("Q4_1", 64), ("Q8_0", 130)):  # output sizes off and on a 64-row block
-        layer = Int4Linear(int4_parts(_blocks(rng.normal(size=(n, 96)), Q[qtype]), qtype, (n, 96)), kernel="qmm")
+        layer = Int4Linear(int4_parts(_blocks(rng.normal(size=(n, 96)), Q[qtype]), qtype, (n, 96)), kernel=kernel)
         codes, scale, minimum = layer._qmm_args
         for m in (1, 3, 12):
             x = rng.normal(size=(m, 96)).astype(np.float32)
+            x[0, :32] = 0  # a block of zeros: scale 0
             fast, slow = np.empty((m, n), np.float32), np.empty((m, n), np.float32)
-            _kernels.qmm(x, codes, scale, minimum, n, layer.q8, fast)
-            _kernels.qmm(x, codes, scale, minimum, n, layer.q8, slow, portable=True)
+            function(x, codes, scale, minimum, n, layer.q8, fast)
+            function(x, codes, scale, minimum, n, layer.q8, slow, portable=True)
             assert np.array_equal(fast, slow), (qtype, m)
 
 
-def test_qmm_refuses_arrays_of_the_wrong_shape():
+@pytest.mark.parametrize("kernel", ["qmm-a8", "qmm"])
+def test_qmm_refuses_arrays_of_the_wrong_shape(kernel):
     from dart_core import _kernels
 
+    function = _kernels.qmm_a8 if kernel == "qmm-a8" else _kernels.qmm
     rng = np.random.default_rng(7)
-    layer = Int4Linear(int4_parts(_blocks(rng.normal(size=(64, 64)), Q.Q4_1), "Q4_1", (64, 64)), kernel="qmm")
+    layer = Int4Linear(int4_parts(_blocks(rng.normal(size=(64, 64)), Q.Q4_1), "Q4_1", (64, 64)), kernel=kernel)
     codes, scale, minimum = layer._qmm_args
     x, out = np.zeros((2, 64), np.float32), np.zeros((2, 64), np.float32)
     with pytest.raises(ValueError, match="codes must be"):
-        _kernels.qmm(x, codes[:, :32], scale, minimum, 64, False, out)
+        function(x, codes[:, :1], scale, minimum, 64, False, out)
     with pytest.raises(ValueError, match="need their minimums"):
-        _kernels.qmm(x, codes, scale, None, 64, False, out)
+        function(x, codes, scale, None, 64, False, out)
     with pytest.raises(ValueError, match="out must be"):
-        _kernels.qmm(x, codes, scale, minimum, 64, False, np.zeros((3, 64), np.float32))
-    with pytest.raises(ValueError, match="computes in float32"):
+        function(x, codes, scale, minimum, 64, False, np.zeros((3, 64), np.float32))
+    with pytest.raises(ValueError, match="K a positive multiple of 32"):
+        function(np.zeros((2, 48), np.float32), codes, scale, minimum, 64, False, out)
+    with pytest.raises(ValueError, match="takes float32 activations"):
         Int4Linear(int4_parts(_blocks(rng.normal(size=(64, 64)), Q.Q4_1), "Q4_1", (64, 64)), torch.bfloat16,
-                   kernel="qmm")
+                   kernel=kernel)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -236,6 +253,10 @@ def test_gguf_native_needs_a_gguf(tiny_model_dir):
         TargetModel.from_pretrained(tiny_model_dir, weights="gguf-native")
     with pytest.raises(ValueError, match="'dense' or 'gguf-native'"):
         TargetModel.from_pretrained(tiny_model_dir, weights="int4")
+    with pytest.raises(ValueError, match="gguf_kernel must be one of qmm-a8, qmm, aten"):
+        TargetModel.from_pretrained(tiny_model_dir, weights="gguf-native", gguf_kernel="q4")
+    with pytest.raises(ValueError, match="applies to weights='gguf-native' only"):
+        TargetModel.from_pretrained(tiny_model_dir, gguf_kernel="qmm")
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

@@ -1,0 +1,402 @@
+// Row-exact matrix product with a GGUF 4-bit or 8-bit weight and 8-bit activations, float32 results
+// (the arithmetic llama.cpp's CPU back end uses for these block types: a Q4_0 / Q4_1 / Q8_0 weight
+// times activations quantised to 8 bits per block of 32, integer dot products within a block).
+//
+// Each row of x is quantised per group g of 32 inputs: a = max |x| over the group, dx = a / 127,
+// qx = round-to-nearest-even(x · (1 / dx)) (0 where a = 0), an int8 in -127..127, and
+// sx = dx · Σ qx.  For output n the group's integer dot product is P = Σ_k qw[n, k] · qx[k], with
+// qw the weight's codes: 0..15 for Q4_0 / Q4_1, q + 128 in 0..255 for Q8_0's int8 q (the hardware's
+// unsigned-by-signed product), whose offset is taken back exactly: P - 128 · Σ qx.  The group adds
+// fma(d · dx, float(P), total), then for 4-bit weights fma(mn, sx, total), where the weight is
+// w = qw · d + mn (Q4_1 mn = m, Q4_0 mn = -8d).  Integer sums are exact and the float32 operations
+// run in a fixed order from +0 over the groups, so a row's result depends only on its own x row: the
+// same bits however many rows share the call, and in the portable loop.  A draft tree verified in
+// one call then equals one-token steps (the property dart-serve's greedy losslessness rests on).
+//
+// Weight layout (built by dart_core.quant.qmm_a8_weight): output columns in blocks of 64 (N padded
+// up to a multiple of 64); for block b and group g, 1024 bytes (4-bit) or 2048 bytes (8-bit) in
+// the order [16-column slice c (4)][input quad j][column l within the slice (16)][t (4)], the code
+// of input k = 32g + 4j + t of column 64b + 16c + l: 4-bit codes hold quads j and j + 4 in one byte
+// (j < 4; low nibble quad j), 8-bit codes one quad per byte (j < 8).  Each 64-byte row of that order
+// is one vector of 16 columns × 4 inputs, the shape of the AVX-512 VNNI dot product.  Scales and
+// minimums float32 [NB, K/32, 64], as the float32-activation kernel (qmm.cpp).
+//
+// Around a Llama decoder layer's products the same call can first RMS-normalise its rows or take
+// silu(gate) · up of gate/up rows side by side, and add its product to the output (a residual
+// connection) instead of writing it: see prepare() and dart_core.decoder.
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "exp_nonpositive.h"
+#include "qmm_a8.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // _mm512_undefined_* inside GCC's own intrinsics
+#define DART_A8_VNNI 1
+#define DART_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr int kBlockN = 64;  // output columns per weight block
+constexpr int kGroup = 32;   // inputs per GGUF block (one scale, one minimum)
+
+struct Weight {
+  const uint8_t* codes;
+  const float* scale;
+  const float* minimum;  // null for Q8_0
+  int64_t n, k, blocks;
+  bool q8;
+  int64_t group_bytes() const { return q8 ? 2048 : 1024; }
+};
+
+// The activations quantised per row and group of 32.
+struct Quantised {
+  std::vector<int8_t> q;      // [M, K]
+  std::vector<float> dx;      // [M, G] the group's scale
+  std::vector<float> sx;      // [M, G] dx · Σ qx (the minimum's factor)
+  std::vector<int32_t> qsum;  // [M, G] Σ qx
+};
+
+// One group's scale and inverse, as both versions compute them.
+inline void group_scale(float amax, float& d, float& inv) {
+  d = amax / 127.0f;
+  inv = d != 0.0f ? 1.0f / d : 0.0f;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define DART_A8_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define DART_A8_CLONES
+#endif
+
+// What a layer multiplies, from the rows it is given (one function for both versions of the product,
+// its element-wise loops vectorised by the compiler in the same order on every build):
+// - norm: RMS normalisation, h = norm · (x · r) with r = 1 / sqrt(Σ x² / K + eps), the sum of
+//   squares in 16 fixed lanes added pairwise (transformers' LlamaRMSNorm, summed in another order);
+// - gated: x is [M, 2K], h = silu(x[:, :K]) · x[:, K:] with silu(g) = g · sigmoid(g), sigmoid from
+//   e^-|g| (the gated MLP's SiLU-and-multiply).
+DART_A8_CLONES
+void prepare(const float* x, int64_t m_rows, int64_t K, const float* norm, float eps, bool gated, float* h) {
+  for (int64_t r = 0; r < m_rows; ++r) {
+    float* out = h + r * K;
+    if (gated) {
+      const float* g = x + r * 2 * K;
+      const float* u = g + K;
+      for (int64_t d = 0; d < K; ++d) {
+        const float a = g[d] < 0.0f ? g[d] : -g[d];  // -|g|
+        const float e = dart_kernels::exp_nonpositive(a);
+        const float sig = g[d] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+        out[d] = (g[d] * sig) * u[d];
+      }
+      continue;
+    }
+    const float* row = x + r * K;
+    float acc[16] = {};
+    for (int64_t d = 0; d < K; d += 16)  // K is a multiple of 32
+      for (int j = 0; j < 16; ++j) acc[j] += row[d + j] * row[d + j];
+    float s8[8], s4[4];
+    for (int j = 0; j < 8; ++j) s8[j] = acc[j] + acc[j + 8];
+    for (int j = 0; j < 4; ++j) s4[j] = s8[j] + s8[j + 4];
+    const float sum = (s4[0] + s4[2]) + (s4[1] + s4[3]);
+    const float scale = 1.0f / std::sqrt(sum / static_cast<float>(K) + eps);
+    for (int64_t d = 0; d < K; ++d) out[d] = norm[d] * (row[d] * scale);
+  }
+}
+
+void quantise_portable(const float* x, int64_t m_rows, int64_t K, Quantised& out) {
+  const int64_t G = K / kGroup;
+  for (int64_t r = 0; r < m_rows; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* xg = x + r * K + g * kGroup;
+      float amax = 0.0f;
+      for (int i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(xg[i]));
+      float d, inv;
+      group_scale(amax, d, inv);
+      int32_t sum = 0;
+      for (int i = 0; i < kGroup; ++i) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(xg[i] * inv));  // default mode: nearest even
+        out.q[r * K + g * kGroup + i] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      out.dx[r * G + g] = d;
+      out.qsum[r * G + g] = sum;
+      out.sx[r * G + g] = d * static_cast<float>(sum);
+    }
+}
+
+inline int code_at(const Weight& w, const uint8_t* group, int c, int64_t k_in_group) {
+  const int j = static_cast<int>(k_in_group / 4), t = static_cast<int>(k_in_group % 4);
+  const int slice = c / 16, lane = c % 16;
+  if (w.q8) return group[((slice * 8 + j) * 16 + lane) * 4 + t];
+  const uint8_t byte = group[((slice * 4 + (j & 3)) * 16 + lane) * 4 + t];
+  return j < 4 ? (byte & 15) : (byte >> 4);
+}
+
+void qmm_a8_portable(const Quantised& xq, int64_t m_rows, const Weight& w, float* y, int64_t ldy, bool accumulate) {
+  const int64_t G = w.k / kGroup;
+#pragma omp parallel for schedule(static) if (m_rows * w.n * w.k >= (1 << 16))
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    const int cols = static_cast<int>(std::min<int64_t>(kBlockN, w.n - b * kBlockN));
+    for (int64_t r = 0; r < m_rows; ++r)
+      for (int c = 0; c < cols; ++c) {
+        float total = 0.0f;
+        for (int64_t g = 0; g < G; ++g) {
+          const uint8_t* group = w.codes + (b * G + g) * w.group_bytes();
+          int32_t p = 0;
+          for (int64_t i = 0; i < kGroup; ++i) p += code_at(w, group, c, i) * xq.q[r * w.k + g * kGroup + i];
+          if (w.q8) p -= 128 * xq.qsum[r * G + g];
+          const int64_t at = (b * G + g) * kBlockN + c;
+          total = std::fma(w.scale[at] * xq.dx[r * G + g], static_cast<float>(p), total);
+          if (!w.q8) total = std::fma(w.minimum[at], xq.sx[r * G + g], total);
+        }
+        float* out = y + r * ldy + b * kBlockN + c;
+        *out = accumulate ? *out + total : total;
+      }
+  }
+}
+
+#ifdef DART_A8_VNNI
+
+DART_VNNI void quantise_avx512(const float* x, int64_t m_rows, int64_t K, Quantised& out) {
+  const int64_t G = K / kGroup;
+  for (int64_t r = 0; r < m_rows; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* xg = x + r * K + g * kGroup;
+      const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      float d, inv;
+      group_scale(amax, d, inv);
+      const __m512 vinv = _mm512_set1_ps(inv);
+      const __m512i qa = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512i qb = _mm512_cvt_roundps_epi32(_mm512_mul_ps(b, vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      int8_t* dst = out.q.data() + r * K + g * kGroup;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qa));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qb));
+      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+      out.dx[r * G + g] = d;
+      out.qsum[r * G + g] = sum;
+      out.sx[r * G + g] = d * static_cast<float>(sum);
+    }
+}
+
+DART_VNNI inline void store_cols(float* y, const __m512& v, int c, int cols, bool accumulate) {
+  const int left = cols - 16 * c;
+  if (left <= 0) return;
+  const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+  const __m512 out = accumulate ? _mm512_add_ps(_mm512_maskz_loadu_ps(mask, y + 16 * c), v) : v;
+  _mm512_mask_storeu_ps(y + 16 * c, mask, out);
+}
+
+inline int32_t quad(const int8_t* q, int64_t at) {  // four int8 inputs as one 32-bit lane
+  int32_t v;
+  __builtin_memcpy(&v, q + at, 4);
+  return v;
+}
+
+constexpr int64_t kPrefetchGroups = 2;  // how many groups of 32 inputs ahead the codes are prefetched
+
+// R rows of the quantised x against weight block b: for each group, the integer dot products of
+// all 64 columns (each row's input quads broadcast once), then the group's scales.
+template <bool kQ8, int R>
+DART_VNNI void direct(const Quantised& xq, int64_t r0, const Weight& w, int64_t b, float* y, int64_t ldy, int cols,
+                      bool accumulate) {
+  const int64_t K = w.k, G = K / kGroup;
+  const int64_t gb = w.group_bytes();
+  __m512 total[R][4];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) total[r][c] = _mm512_setzero_ps();
+  const uint8_t* codes = w.codes + b * G * gb;
+  const float* sc = w.scale + b * G * kBlockN;
+  const float* mins = kQ8 ? nullptr : w.minimum + b * G * kBlockN;
+  const int8_t* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = xq.q.data() + (r0 + r) * K;
+  const __m512i low = _mm512_set1_epi8(15);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* cg = codes + g * gb;
+    if (g + kPrefetchGroups < G)
+      for (int64_t line = 0; line < gb / 64; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(cg + kPrefetchGroups * gb + 64 * line), _MM_HINT_T0);
+    const int64_t k0 = g * kGroup;
+    __m512i acc[R][4];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_si512();
+    if (kQ8) {
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        __m512i xj[R];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) xj[r] = _mm512_set1_epi32(quad(xr[r], k0 + 4 * j));
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) {
+          const __m512i wv = _mm512_loadu_si512(cg + (c * 8 + j) * 64);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], wv, xj[r]);
+        }
+      }
+    } else {
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        __m512i xlo[R], xhi[R];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          xlo[r] = _mm512_set1_epi32(quad(xr[r], k0 + 4 * j));
+          xhi[r] = _mm512_set1_epi32(quad(xr[r], k0 + 16 + 4 * j));
+        }
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) {
+          const __m512i wv = _mm512_loadu_si512(cg + (c * 4 + j) * 64);
+          const __m512i lo = _mm512_and_si512(wv, low);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], lo, xlo[r]);
+            acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], hi, xhi[r]);
+          }
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const int64_t rg = (r0 + r) * G + g;
+      const __m512 dx = _mm512_set1_ps(xq.dx[rg]);
+      const __m512i off = _mm512_set1_epi32(128 * xq.qsum[rg]);
+      const __m512 sx = kQ8 ? dx : _mm512_set1_ps(xq.sx[rg]);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const int64_t at = g * kBlockN + 16 * c;
+        const __m512i p = kQ8 ? _mm512_sub_epi32(acc[r][c], off) : acc[r][c];
+        total[r][c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(sc + at), dx), _mm512_cvtepi32_ps(p), total[r][c]);
+        if (!kQ8) total[r][c] = _mm512_fmadd_ps(_mm512_loadu_ps(mins + at), sx, total[r][c]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) store_cols(y + (r0 + r) * ldy + b * kBlockN, total[r][c], c, cols, accumulate);
+}
+
+template <bool kQ8>
+void qmm_a8_vnni(const Quantised& xq, int64_t m_rows, const Weight& w, float* y, int64_t ldy, bool accumulate) {
+#pragma omp parallel for schedule(static) if (w.blocks > 1)
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    const int cols = static_cast<int>(std::min<int64_t>(kBlockN, w.n - b * kBlockN));
+    for (int64_t r0 = 0; r0 < m_rows; r0 += 4) {  // four rows share each load of the codes
+      switch (std::min<int64_t>(4, m_rows - r0)) {
+        case 4: direct<kQ8, 4>(xq, r0, w, b, y, ldy, cols, accumulate); break;
+        case 3: direct<kQ8, 3>(xq, r0, w, b, y, ldy, cols, accumulate); break;
+        case 2: direct<kQ8, 2>(xq, r0, w, b, y, ldy, cols, accumulate); break;
+        default: direct<kQ8, 1>(xq, r0, w, b, y, ldy, cols, accumulate); break;
+      }
+    }
+  }
+}
+
+bool cpu_has_vnni() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma");
+}
+#else
+bool cpu_has_vnni() { return false; }
+#endif
+
+using F32 = py::array_t<float, 0>;
+using U8 = py::array_t<uint8_t, 0>;
+
+void qmm_a8(const F32& x, const U8& codes, const F32& scale, const py::object& minimum_obj, int64_t n, bool q8,
+            F32 out, bool portable, const py::object& norm_obj, float eps, bool gated, bool accumulate) {
+  if (x.ndim() != 2 || !(x.flags() & py::array::c_style))
+    throw std::invalid_argument("qmm_a8: x must be a C-contiguous [M, K] float32 array");
+  const int64_t m_rows = x.shape(0), K = gated ? x.shape(1) / 2 : x.shape(1);
+  const int64_t blocks = (n + kBlockN - 1) / kBlockN;
+  if (n <= 0 || K <= 0 || K % kGroup || (gated && x.shape(1) != 2 * K))
+    throw std::invalid_argument("qmm_a8: N must be positive and K a positive multiple of 32 (x [M, 2K] when gated)");
+  const int64_t G = K / kGroup;
+  if (codes.ndim() != 3 || codes.shape(0) != blocks || codes.shape(1) != G || codes.shape(2) != (q8 ? 2048 : 1024) ||
+      !(codes.flags() & py::array::c_style))
+    throw std::invalid_argument("qmm_a8: codes must be C-contiguous [ceil(N/64), K/32, 1024 (4-bit) or 2048 (8-bit)] uint8");
+  auto block_params = [&](const F32& a, const char* name) {
+    if (a.ndim() != 3 || a.shape(0) != blocks || a.shape(1) != G || a.shape(2) != kBlockN ||
+        !(a.flags() & py::array::c_style))
+      throw std::invalid_argument(std::string("qmm_a8: ") + name + " must be C-contiguous [ceil(N/64), K/32, 64] float32");
+  };
+  block_params(scale, "scale");
+  const float* minimum = nullptr;
+  F32 minimum_arr;
+  if (!q8) {
+    if (minimum_obj.is_none()) throw std::invalid_argument("qmm_a8: 4-bit weights need their minimums");
+    minimum_arr = minimum_obj.cast<F32>();
+    block_params(minimum_arr, "minimum");
+    minimum = minimum_arr.data();
+  }
+  F32 norm_arr;
+  const float* norm = nullptr;
+  if (!norm_obj.is_none()) {
+    norm_arr = norm_obj.cast<F32>();
+    if (norm_arr.ndim() != 1 || norm_arr.shape(0) != K || gated)
+      throw std::invalid_argument("qmm_a8: norm must be a float32 [K] array (and not combined with gated)");
+    norm = norm_arr.data();
+  }
+  if (out.ndim() != 2 || out.shape(0) != m_rows || out.shape(1) != n || !(out.flags() & py::array::c_style) ||
+      !out.writeable())
+    throw std::invalid_argument("qmm_a8: out must be a writeable C-contiguous [M, N] float32 array");
+  const dart_kernels::A8Weight w{codes.data(), scale.data(), minimum, n, K, q8};
+  const float* xp = x.data();
+  float* yp = out.mutable_data();
+  py::gil_scoped_release release;
+  dart_kernels::qmm_a8_run(xp, m_rows, w, yp, norm, eps, gated, accumulate, portable);
+}
+
+}  // namespace
+
+void dart_kernels::qmm_a8_run(const float* x, int64_t m_rows, const A8Weight& a8, float* y, const float* norm,
+                              float eps, bool gated, bool accumulate, bool portable) {
+  const int64_t K = a8.k, G = K / kGroup, n = a8.n;
+  const Weight w{a8.codes, a8.scale, a8.minimum, n, K, (n + kBlockN - 1) / kBlockN, a8.q8};
+  std::vector<float> h;
+  if (norm || gated) {
+    h.resize(static_cast<size_t>(m_rows * K));
+    prepare(x, m_rows, K, norm, eps, gated, h.data());
+    x = h.data();
+  }
+  Quantised xq{std::vector<int8_t>(static_cast<size_t>(m_rows * K)), std::vector<float>(static_cast<size_t>(m_rows * G)),
+               std::vector<float>(static_cast<size_t>(m_rows * G)), std::vector<int32_t>(static_cast<size_t>(m_rows * G))};
+#ifdef DART_A8_VNNI
+  if (!portable && cpu_has_vnni()) {
+    quantise_avx512(x, m_rows, K, xq);
+    if (w.q8) qmm_a8_vnni<true>(xq, m_rows, w, y, n, accumulate);
+    else qmm_a8_vnni<false>(xq, m_rows, w, y, n, accumulate);
+    return;
+  }
+#endif
+  quantise_portable(x, m_rows, K, xq);
+  qmm_a8_portable(xq, m_rows, w, y, n, accumulate);
+}
+
+void register_qmm_a8(py::module_& mod) {
+  mod.def("qmm_a8", &qmm_a8, py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("minimum"), py::arg("n"),
+          py::arg("q8"), py::arg("out"), py::arg("portable") = false, py::arg("norm") = py::none(),
+          py::arg("eps") = 0.0f, py::arg("gated") = false, py::arg("accumulate") = false,
+          "x [M, K] (RMS-normalised with norm, or silu(x[:, :K]) * x[:, K:] when gated) quantised to 8 bits per group "
+          "of 32, times a GGUF 4-bit or 8-bit weight's transpose, each row on its own, written to out or added to it "
+          "(accumulate; see dart_core.quant)");
+  mod.def("qmm_a8_vectorised", &cpu_has_vnni, "whether qmm_a8 runs its AVX-512 VNNI version on this CPU");
+}
