@@ -22,10 +22,10 @@ logits, the taps and the KV entries equal the stock forward's bit for bit (teste
 result still does not depend on the other rows of the call (the row-exact property of the 4-bit
 target, docs/engine.md).
 
-When every layer runs the ``qmm-a8`` kernel (:mod:`dart_core.quant`), the layers are one C++ call
-per forward (``_kernels.A8Layers``): RMS norm, SiLU-and-multiply and the residual additions happen
-inside the kernel calls (:meth:`Int4Linear.a8_into <dart_core.quant.Int4Linear.a8_into>`), with no
-Python between them. Those sums run in an order of their own, so this path is close to the stock
+When every layer runs one of dart-serve's kernels (``qmm-a8`` or ``qmm``, :mod:`dart_core.quant`),
+the layers are one C++ call per forward (``_kernels.GGUFLayers``): RMS norm, SiLU-and-multiply and
+the residual additions happen inside the kernel calls (:meth:`Int4Linear.fused_into
+<dart_core.quant.Int4Linear.fused_into>`), with no Python between them. Those sums run in an order of their own, so this path is close to the stock
 forward rather than equal to it; it stays row-exact. Figures: BENCHMARKS.md, "GGUF-native target
 (CPU)".
 """
@@ -130,21 +130,18 @@ class LlamaDecoder:
         self.inv_freq, self.rope_scale = rotary.inv_freq.float(), float(rotary.attention_scaling)
         self._cos = self._sin = torch.zeros(0, self.head_dim)
         self.row_exact = bool(getattr(self.layers[0].attn, "dart_row_exact", False))
-        # every layer's products on the qmm-a8 kernel: norms, SiLU and residual adds inside its calls
-        self.a8 = self.row_exact and all(
-            lin is not None and getattr(lin, "kernel", None) == "qmm-a8"
-            for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
-        self._a8_stack = None
-        if self.a8:  # the same layers as one C++ object: a forward's layers in one call
-            def product(lin):
-                return (*lin._qmm_args, lin.out_features, lin.q8)
-
-            scales = {float(layer.attn.scaling) for layer in self.layers}
-            if len(scales) == 1:
-                self._a8_stack = _kernels.A8Layers(
-                    [(product(x.qkv), product(x.o), product(x.gate_up), product(x.down), x.ln1.detach().numpy(),
-                      float(x.eps1), x.ln2.detach().numpy(), float(x.eps2)) for x in self.layers],
-                    self.heads, self.kv_heads, self.head_dim, scales.pop())
+        # every layer's products on one of dart-serve's kernels (qmm, qmm-a8): the norms, SiLU and
+        # residual adds inside its calls
+        kinds = {getattr(lin, "kernel", None) for layer in self.layers
+                 for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)}
+        self.fused_layers = self.row_exact and len(kinds) == 1 and kinds <= {"qmm", "qmm-a8"}
+        self._stack = None
+        scales = {float(layer.attn.scaling) for layer in self.layers}
+        if self.fused_layers and len(scales) == 1:  # the same layers as one C++ object: a forward's layers in one call
+            self._stack = _kernels.GGUFLayers(
+                [(x.qkv.kernel_args(), x.o.kernel_args(), x.gate_up.kernel_args(), x.down.kernel_args(),
+                  x.ln1.detach().numpy(), float(x.eps1), x.ln2.detach().numpy(), float(x.eps2)) for x in self.layers],
+                self.heads, self.kv_heads, self.head_dim, scales.pop())
 
     def _rope(self, position_ids: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, Q, D] float32 for the positions (all below ``bound``, a host-side bound so no
@@ -182,8 +179,8 @@ class LlamaDecoder:
         n_qk = (self.heads + self.kv_heads) * self.head_dim
         fused = x.dtype == torch.float32 and isinstance(cache, BufferedKVCache)
         cos_np, sin_np = cos.view(b * q, -1).numpy(), sin.view(b * q, -1).numpy()  # read by the kernels
-        if self.a8 and fused and exact_mask is not False:
-            x, taps = self._a8_layers(x, cache, cos_np, sin_np, exact_mask)
+        if self.fused_layers and fused and exact_mask is not False:
+            x, taps = self._fused_layers(x, cache, cos_np, sin_np, exact_mask)
             if logit_index is not None:
                 x = x[torch.arange(b, device=x.device), logit_index][:, None]
             return self.lm_head(_rms_norm(x, self.norm, self.norm_eps)).float(), taps
@@ -231,11 +228,11 @@ class LlamaDecoder:
         logits = self.lm_head(_rms_norm(x, self.norm, self.norm_eps)).float()
         return logits, taps
 
-    def _a8_layers(self, x: torch.Tensor, cache, cos_np, sin_np, exact_mask) -> tuple[torch.Tensor, list]:
-        """The decoder layers on the qmm-a8 kernel, five kernel calls a layer: RMS norm + q/k/v,
+    def _fused_layers(self, x: torch.Tensor, cache, cos_np, sin_np, exact_mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layers on a qmm kernel, five kernel calls a layer: RMS norm + q/k/v,
         rotation + cache append + row-exact attention, o_proj added to the residual, RMS norm +
-        gate/up, SiLU-and-multiply + down_proj added to the residual (:meth:`Int4Linear.a8_into
-        <dart_core.quant.Int4Linear.a8_into>`). Each row is computed on its own, as in the other
+        gate/up, SiLU-and-multiply + down_proj added to the residual (:meth:`Int4Linear.fused_into
+        <dart_core.quant.Int4Linear.fused_into>`), all in one C++ call (``_kernels.GGUFLayers``). Each row is computed on its own, as in the other
         path; inside :func:`~dart_core.target.real_rows` only the real rows go through the products.
 
         Returns:
@@ -245,13 +242,13 @@ class LlamaDecoder:
         real = _REAL_ROWS.get()
         sel = real[0] if real is not None and real[1] == b * q else None
         x = x.reshape(b * q, hidden).contiguous()
-        if sel is None and self._a8_stack is not None:  # every row: the layers in one kernel call
+        if sel is None and self._stack is not None:  # every row: the layers in one kernel call
             caches = [cache.layer(i) for i in range(len(self.layers))]
             buffers = [kv.reserve(b, self.kv_heads, q, self.head_dim, self.head_dim, torch.float32, x.device)
                        for kv in caches]
             t = buffers[0][2]
             taps = torch.empty(b * q, len(self.tap_layers) * hidden)
-            self._a8_stack.forward(x.numpy(), cos_np, sin_np, [kb.numpy() for kb, _, _ in buffers],
+            self._stack.forward(x.numpy(), cos_np, sin_np, [kb.numpy() for kb, _, _ in buffers],
                                    [vb.numpy() for _, vb, _ in buffers], t, b, q, exact_mask, list(self.tap_layers),
                                    taps.numpy(), kernels.PARALLEL_WORK)
             for kv in caches:
@@ -263,7 +260,7 @@ class LlamaDecoder:
         for i, layer in enumerate(self.layers):
             if i in self.tap_layers:
                 taps[i] = (work if sel is None else x.index_copy(0, sel, work)).clone().view(b, q, hidden)
-            qkv = layer.qkv.a8_into(work, torch.empty(m, layer.qkv.out_features), layer.ln1, layer.eps1)
+            qkv = layer.qkv.fused_into(work, torch.empty(m, layer.qkv.out_features), layer.ln1, layer.eps1)
             if sel is not None:
                 qkv = qkv.new_zeros(b * q, layer.qkv.out_features).index_copy_(0, sel, qkv)
             kv = cache.layer(i)
@@ -273,8 +270,8 @@ class LlamaDecoder:
             kv.commit(t + q)
             if sel is not None:
                 out = out.index_select(0, sel)
-            layer.o.a8_into(out, work, accumulate=True)
-            gate_up = layer.gate_up.a8_into(work, torch.empty(m, layer.gate_up.out_features), layer.ln2, layer.eps2)
-            layer.down.a8_into(gate_up, work, gated=True, accumulate=True)
+            layer.o.fused_into(out, work, accumulate=True)
+            gate_up = layer.gate_up.fused_into(work, torch.empty(m, layer.gate_up.out_features), layer.ln2, layer.eps2)
+            layer.down.fused_into(gate_up, work, gated=True, accumulate=True)
         x = work if sel is None else x.index_copy(0, sel, work)
         return x.view(b, q, hidden), torch.cat([taps[i] for i in self.tap_layers], dim=-1)

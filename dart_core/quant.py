@@ -131,7 +131,10 @@ def default_kernel() -> str:
     AVX-512 VNNI), else ``"qmm"`` (float32 activations) where the CPU has AVX-512, else ``"aten"``
     (PyTorch's int4 kernel with bfloat16 activations). Chosen by measurement on an AVX512-BF16
     EPYC, at every row count a verification forward uses (BENCHMARKS.md, "GGUF-native target
-    (CPU)"); without the instructions only the qmm kernels' portable loops remain."""
+    (CPU)"); without the instructions only the qmm kernels' portable loops remain. ``"qmm"``
+    keeps the greedy output of the de-quantised float32 model, ``"qmm-a8"`` rounds activations as
+    llama.cpp does and so departs from it as llama.cpp's output does (BENCHMARKS.md, the agreement
+    rows): ``gguf_kernel`` chooses another (``DartModel.from_pretrained``, the deployment config)."""
     if _kernels.qmm_a8_vectorised():
         return "qmm-a8"
     return "qmm" if _kernels.qmm_vectorised() else "aten"
@@ -358,16 +361,16 @@ class Int4Linear(torch.nn.Module):
                                                               buffers[f"scales_zeros_{i}"]))
         return y
 
-    def a8_into(self, x: torch.Tensor, out: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0,
-                gated: bool = False, accumulate: bool = False) -> torch.Tensor:
-        """The ``"qmm-a8"`` kernel with the operations around a layer of a Llama decoder done in the same
-        call (:class:`~dart_core.decoder.LlamaDecoder`), every row on its own:
+    def fused_into(self, x: torch.Tensor, out: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0,
+                   gated: bool = False, accumulate: bool = False) -> torch.Tensor:
+        """The ``"qmm-a8"`` or ``"qmm"`` kernel with the operations around a layer of a Llama decoder
+        done in the same call (:class:`~dart_core.decoder.LlamaDecoder`), every row on its own:
 
         - ``norm`` (float32 [in_features]): the rows are RMS-normalised first,
           ``norm · x / sqrt(mean(x²) + eps)`` (transformers' LlamaRMSNorm; its sum of squares in a
           fixed order of its own, so equal to PyTorch's to float32 rounding, not bit for bit);
         - ``gated``: x is [M, 2·in_features] (gate and up side by side) and the layer multiplies
-          ``silu(gate) · up``;
+          ``silu(gate) · up`` (SiLU from a written-out exponential: PyTorch's to float32 rounding);
         - ``accumulate``: the product is added to ``out`` (a residual connection) instead of written.
 
         Args:
@@ -378,14 +381,19 @@ class Int4Linear(torch.nn.Module):
             ``out``.
 
         Raises:
-            ValueError: another kernel, or shapes the kernel refuses."""
-        if self.kernel != "qmm-a8":
-            raise ValueError(f"a8_into runs the qmm-a8 kernel, this layer's is {self.kernel}")
+            ValueError: the ``"aten"`` kernel, or shapes the kernel refuses."""
+        if self.kernel not in _QMM:
+            raise ValueError(f"fused_into runs the qmm kernels, this layer's is {self.kernel}")
         codes, scale, minimum = self._qmm_args
-        _kernels.qmm_a8(x.numpy(), codes, scale, minimum, self.out_features, self.q8, out.numpy(),
-                        norm=None if norm is None else norm.detach().numpy(), eps=eps, gated=gated,
-                        accumulate=accumulate)
+        (_kernels.qmm_a8 if self.kernel == "qmm-a8" else _kernels.qmm)(
+            x.numpy(), codes, scale, minimum, self.out_features, self.q8, out.numpy(),
+            norm=None if norm is None else norm.detach().numpy(), eps=eps, gated=gated, accumulate=accumulate)
         return out
+
+    def kernel_args(self) -> tuple:
+        """(codes, scale, minimum or None, out_features, q8, a8): the layer as the C++ decoder layers
+        (``_kernels.GGUFLayers``) take it (a qmm kernel only)."""
+        return (*self._qmm_args, self.out_features, self.q8, self.kernel == "qmm-a8")
 
     @staticmethod
     def can_fuse(layers: list[torch.nn.Module]) -> bool:

@@ -51,10 +51,14 @@ def add_engine_arguments(ap, defaults) -> None:
 
 
 def add_weights_argument(ap, defaults) -> None:
-    """``--weights``: the target's weight format (``DartModel.from_pretrained(weights=...)``)."""
+    """``--weights`` and ``--gguf-kernel``: the target's weight format and GGUF kernel
+    (``DartModel.from_pretrained(weights=..., gguf_kernel=...)``)."""
     ap.add_argument("--weights", default=defaults.weights, choices=["auto", "dense", "gguf-native"],
                     help="the target's weights: a GGUF's own 4-bit blocks (gguf-native, CPU), de-quantised to "
                          "--dtype (dense), or auto [%(default)s: gguf-native for a GGUF on the CPU]")
+    ap.add_argument("--gguf-kernel", default="auto", choices=["auto", "qmm-a8", "qmm", "aten"],
+                    help="the kernel of GGUF-native layers (dart_core.quant.KERNELS) [%(default)s: "
+                         "dart_core.quant.default_kernel()]")
 
 
 def add_cuda_graphs_argument(ap) -> None:

@@ -67,6 +67,7 @@ class BatchingConfig:
     max_speculative_batch: int | None = 8
     dtype: str | None = None
     weights: str = "auto"  # the target's weights: "auto", "dense" or "gguf-native"
+    gguf_kernel: str = "auto"  # the GGUF-native layers' kernel: "auto" or one of dart_core.quant.KERNELS
     device: str | None = None
     threads: int | None = None  # torch CPU threads (default: torch's)
     cuda_graphs: bool = False  # CUDA: verification and draft replayed as CUDA graphs over static KV caches
@@ -167,7 +168,7 @@ def run_batching(cfg: BatchingConfig, *, progress: bool = True) -> dict:
     from dart_core.api import DartModel
     from dart_core.batcher import BatcherConfig, ContinuousBatcher, load_in_own_thread
     from dart_core.bench.datasets import load_prompts
-    from dart_core.bench.decoding import hardware
+    from dart_core.bench.decoding import gguf_kernel, hardware
     from dart_core.request import GenerationRequest
 
     if set(cfg.modes) - set(MODES) or not cfg.modes:
@@ -188,7 +189,7 @@ def run_batching(cfg: BatchingConfig, *, progress: bool = True) -> dict:
     # as the Serve deployment loads it: on a thread that ends (load_in_own_thread says why)
     model = load_in_own_thread(lambda: DartModel.from_pretrained(
         cfg.model, head=cfg.head, trie=trie, budget=budget, dtype=getattr(torch, cfg.dtype) if cfg.dtype else None,
-        weights=cfg.weights, device=cfg.device, cuda_graphs=cfg.cuda_graphs))
+        weights=cfg.weights, gguf_kernel=gguf_kernel(cfg), device=cfg.device, cuda_graphs=cfg.cuda_graphs))
     if not cfg.gate:
         model.engine.gate = None
     model.engine.pooled_budget = cfg.pooled_budget

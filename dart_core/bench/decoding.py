@@ -92,6 +92,7 @@ class DecodingConfig:
     grpc_timeout_ms: float = 1000.0
     dtype: str | None = None  # default: bfloat16 on CUDA, float32 on CPU
     weights: str = "auto"  # the target's weights: "auto", "dense" or "gguf-native" (DartModel.from_pretrained)
+    gguf_kernel: str = "auto"  # the GGUF-native layers' kernel: "auto" or one of dart_core.quant.KERNELS
     device: str | None = None
     threads: int | None = None  # torch CPU threads (default: torch's)
     cuda_graphs: bool = False  # CUDA: verification and draft replayed as CUDA graphs over static KV caches
@@ -208,8 +209,8 @@ class _Bench:
         self.trie_path = None if trie in (None, "none", "auto") else str(trie)
         dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
         self.model = DartModel.from_pretrained(cfg.model, head=cfg.head, trie=self.trie_path, budget=budget,
-                                               dtype=dtype, weights=cfg.weights, device=cfg.device,
-                                               cuda_graphs=cfg.cuda_graphs)
+                                               dtype=dtype, weights=cfg.weights, gguf_kernel=gguf_kernel(cfg),
+                                               device=cfg.device, cuda_graphs=cfg.cuda_graphs)
         self.engine = self.model.engine
         self.skipped: dict[str, str] = {}  # method -> why it did not run
         self.dense = self.llama = self.llama_lookup = None
@@ -409,6 +410,11 @@ def run_decoding(cfg: DecodingConfig, *, progress: bool = True) -> dict:
             "weights": _weights(target), "skipped": bench.skipped,
             "prompts": {d: len(p) for d, p in prompts.items()}, "rows": rows,
             "seconds": round(time.perf_counter() - started, 1)}
+
+
+def gguf_kernel(cfg) -> str | None:
+    """A benchmark config's ``gguf_kernel`` as ``DartModel.from_pretrained`` takes it ("auto": None)."""
+    return None if cfg.gguf_kernel == "auto" else cfg.gguf_kernel
 
 
 def _weights(target) -> str:

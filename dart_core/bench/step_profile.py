@@ -77,6 +77,7 @@ class StepProfileConfig:
     modes: list[str] = field(default_factory=lambda: ["autoregressive", "dart"])  # or any of MODES
     dtype: str | None = None  # default: bfloat16 on CUDA, float32 on CPU
     weights: str = "auto"  # the target's weights: "auto", "dense" or "gguf-native"
+    gguf_kernel: str = "auto"  # the GGUF-native layers' kernel: "auto" or one of dart_core.quant.KERNELS
     device: str | None = None
     threads: int | None = None
     cuda_graphs: bool = False  # CUDA: verification and draft replayed as CUDA graphs over static KV caches
@@ -296,7 +297,7 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
 
     from dart_core.api import DartModel
     from dart_core.bench.datasets import load_prompts
-    from dart_core.bench.decoding import hardware
+    from dart_core.bench.decoding import gguf_kernel, hardware
     from dart_core.engine import _sync
 
     if not cfg.modes or set(cfg.modes) - set(MODES):
@@ -316,7 +317,8 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
     budget = cfg.budget if cfg.budget == "auto" else int(cfg.budget)
     model = DartModel.from_pretrained(cfg.model, head=cfg.head, trie=trie, budget=budget, dtype=dtype,
-                                      weights=cfg.weights, device=cfg.device, cuda_graphs=cfg.cuda_graphs)
+                                      weights=cfg.weights, gguf_kernel=gguf_kernel(cfg), device=cfg.device,
+                                      cuda_graphs=cfg.cuda_graphs)
     device = model.engine.target.device
     weights = weight_bytes(model.engine.target.model)
     bandwidth = measure_bandwidth(device, cfg.copy_mib)

@@ -27,7 +27,7 @@
 #include <vector>
 
 #include "exp_nonpositive.h"
-#include "qmm_a8.h"
+#include "qmm.h"
 
 namespace py = pybind11;
 
@@ -296,38 +296,42 @@ void rope_attend(const F32& qkv, const F32& cos, const F32& sin, int64_t H, int6
   attend_views(qv, kv, vv, m.data ? &m : nullptr, scale, out, parallel_work);
 }
 
-// The decoder layers of a Llama-family target whose linear layers all run the qmm-a8 kernel, in one
-// call (dart_core.decoder.LlamaDecoder): per layer, RMS norm + q/k/v product, rotation + KV-cache
-// append + row-exact attention, o product added to the residual, RMS norm + gate/up product,
-// SiLU-and-multiply + down product added to the residual: the same kernel calls, in the same order,
-// as the decoder's Python loop over Int4Linear.a8_into, so the same bits.
-class A8Layers {
+// The decoder layers of a Llama-family target whose linear layers all run one of dart-serve's GGUF
+// kernels (qmm or qmm-a8), in one call (dart_core.decoder.LlamaDecoder): per layer, RMS norm + q/k/v
+// product, rotation + KV-cache append + row-exact attention, o product added to the residual, RMS
+// norm + gate/up product, SiLU-and-multiply + down product added to the residual: the same kernel
+// calls, in the same order, as the decoder's Python loop over Int4Linear.fused_into, so the same bits.
+class GGUFLayers {
  public:
+  struct Product {
+    dart_kernels::QWeight w;
+    bool a8;  // the qmm-a8 kernel (else qmm)
+  };
   struct Layer {
-    dart_kernels::A8Weight qkv, o, gate_up, down;
+    Product qkv, o, gate_up, down;
     const float *ln1, *ln2;
     float eps1, eps2;
   };
 
   // layers: per layer a tuple (qkv, o, gate_up, down, ln1, eps1, ln2, eps2), each product a tuple
-  // (codes, scale, minimum or None, out_features, q8) as Int4Linear holds it.
-  A8Layers(const py::list& layers, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale)
+  // (codes, scale, minimum or None, out_features, q8, a8) as Int4Linear holds it.
+  GGUFLayers(const py::list& layers, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), scale_(scale) {
     for (const auto& item : layers) {
       const auto t = item.cast<py::tuple>();
-      if (t.size() != 8) throw std::invalid_argument("A8Layers: a layer is (qkv, o, gate_up, down, ln1, eps1, ln2, eps2)");
+      if (t.size() != 8) throw std::invalid_argument("GGUFLayers: a layer is (qkv, o, gate_up, down, ln1, eps1, ln2, eps2)");
       Layer l{weight(t[0]), weight(t[1]), weight(t[2]), weight(t[3]), nullptr, nullptr, t[5].cast<float>(),
               t[7].cast<float>()};
-      const int64_t hidden = l.qkv.k;
+      const int64_t hidden = l.qkv.w.k;
       l.ln1 = vector(t[4], hidden);
       l.ln2 = vector(t[6], hidden);
-      if (l.qkv.n != (heads + 2 * kv_heads) * head_dim || l.o.k != heads * head_dim || l.o.n != hidden ||
-          l.gate_up.k != hidden || l.gate_up.n % 2 || l.down.k != l.gate_up.n / 2 || l.down.n != hidden ||
-          (!layers_.empty() && hidden != layers_.front().qkv.k))
-        throw std::invalid_argument("A8Layers: the layers' shapes do not form a Llama decoder layer");
+      if (l.qkv.w.n != (heads + 2 * kv_heads) * head_dim || l.o.w.k != heads * head_dim || l.o.w.n != hidden ||
+          l.gate_up.w.k != hidden || l.gate_up.w.n % 2 || l.down.w.k != l.gate_up.w.n / 2 || l.down.w.n != hidden ||
+          (!layers_.empty() && hidden != layers_.front().qkv.w.k))
+        throw std::invalid_argument("GGUFLayers: the layers' shapes do not form a Llama decoder layer");
       layers_.push_back(l);
     }
-    if (layers_.empty()) throw std::invalid_argument("A8Layers: no layers");
+    if (layers_.empty()) throw std::invalid_argument("GGUFLayers: no layers");
   }
 
   // x [B·Q, H] float32, updated in place to the last layer's output; cos/sin [B·Q, D]; keys/values:
@@ -338,17 +342,17 @@ class A8Layers {
                const py::list& tap_list, py::array_t<float, 0> taps_arr, int64_t parallel_work) {
     std::vector<int64_t> tap_layers;
     for (const auto& i : tap_list) tap_layers.push_back(i.cast<int64_t>());
-    const int64_t M = B * Q, hidden = layers_[0].qkv.k;
+    const int64_t M = B * Q, hidden = layers_[0].qkv.w.k;
     const int64_t L = static_cast<int64_t>(layers_.size());
     if (x_arr.ndim() != 2 || x_arr.shape(0) != M || x_arr.shape(1) != hidden || !(x_arr.flags() & py::array::c_style) ||
         !x_arr.writeable())
-      throw std::invalid_argument("A8Layers: x must be a writeable C-contiguous [B*Q, H] float32 array");
+      throw std::invalid_argument("GGUFLayers: x must be a writeable C-contiguous [B*Q, H] float32 array");
     const int64_t n_taps = static_cast<int64_t>(tap_layers.size());
     if (taps_arr.ndim() != 2 || taps_arr.shape(0) != M || taps_arr.shape(1) != n_taps * hidden ||
         !(taps_arr.flags() & py::array::c_style) || !taps_arr.writeable())
-      throw std::invalid_argument("A8Layers: taps must be a writeable C-contiguous [B*Q, taps*H] float32 array");
+      throw std::invalid_argument("GGUFLayers: taps must be a writeable C-contiguous [B*Q, taps*H] float32 array");
     if (static_cast<int64_t>(keys.size()) != L || static_cast<int64_t>(values.size()) != L)
-      throw std::invalid_argument("A8Layers: one key and one value buffer per layer");
+      throw std::invalid_argument("GGUFLayers: one key and one value buffer per layer");
     std::vector<py::array_t<float, 0>> kbufs, vbufs;
     std::vector<RopeArgs> ropes;
     for (int64_t i = 0; i < L; ++i) {
@@ -356,7 +360,7 @@ class A8Layers {
       vbufs.push_back(values[i].cast<py::array_t<float, 0>>());
     }
     // each layer's q/k/v rows go to one buffer before their rotation: the rotations' arguments point at it
-    py::array_t<float, 0> qkv_arr({M, layers_[0].qkv.n});
+    py::array_t<float, 0> qkv_arr({M, layers_[0].qkv.w.n});
     for (int64_t i = 0; i < L; ++i)
       ropes.push_back(rope_args(qkv_arr, cos, sin, B, Q, heads_, kv_heads_, kbufs[i], vbufs[i], t));
     float* qkv = qkv_arr.mutable_data();
@@ -366,7 +370,7 @@ class A8Layers {
     float* taps = taps_arr.mutable_data();
     py::gil_scoped_release release;
     std::vector<float> query(static_cast<size_t>(M * heads_ * head_dim_)), attn(query.size());
-    std::vector<float> gate_up(static_cast<size_t>(M * layers_[0].gate_up.n));
+    std::vector<float> gate_up(static_cast<size_t>(M * layers_[0].gate_up.w.n));
     const int64_t D = head_dim_, T = t + Q;
     for (int64_t i = 0; i < L; ++i) {
       const Layer& l = layers_[i];
@@ -374,49 +378,59 @@ class A8Layers {
         if (tap_layers[j] == i)
           for (int64_t r = 0; r < M; ++r)
             std::memcpy(taps + (r * n_taps + j) * hidden, x + r * hidden, static_cast<size_t>(hidden) * sizeof(float));
-      dart_kernels::qmm_a8_run(x, M, l.qkv, qkv, l.ln1, l.eps1, false, false);
+      run(l.qkv, x, M, qkv, l.ln1, l.eps1, false, false);
       const RopeArgs& a = ropes[i];
       rope_core(a, query.data());
       const Strided4 qv{query.data(), {B, heads_, Q, D}, {Q * heads_ * D, D, heads_ * D, 1}};
       const Strided4 kv{a.key, {B, kv_heads_, T, D}, {a.ks[0], a.ks[1], a.ks[2], 1}};
       const Strided4 vv{a.value, {B, kv_heads_, T, D}, {a.vs[0], a.vs[1], a.vs[2], 1}};
       attend_views(qv, kv, vv, m.data ? &m : nullptr, scale_, attn.data(), parallel_work);
-      dart_kernels::qmm_a8_run(attn.data(), M, l.o, x, nullptr, 0.0f, false, true);
-      dart_kernels::qmm_a8_run(x, M, l.gate_up, gate_up.data(), l.ln2, l.eps2, false, false);
-      dart_kernels::qmm_a8_run(gate_up.data(), M, l.down, x, nullptr, 0.0f, true, true);
+      run(l.o, attn.data(), M, x, nullptr, 0.0f, false, true);
+      run(l.gate_up, x, M, gate_up.data(), l.ln2, l.eps2, false, false);
+      run(l.down, gate_up.data(), M, x, nullptr, 0.0f, true, true);
     }
   }
 
  private:
-  dart_kernels::A8Weight weight(const py::handle& h) {
+  static void run(const Product& p, const float* x, int64_t m, float* y, const float* norm, float eps, bool gated,
+                  bool accumulate) {
+    if (p.a8) dart_kernels::qmm_a8_run(x, m, p.w, y, norm, eps, gated, accumulate);
+    else dart_kernels::qmm_run(x, m, p.w, y, norm, eps, gated, accumulate);
+  }
+
+  Product weight(const py::handle& h) {
     const auto t = h.cast<py::tuple>();
+    if (t.size() != 6) throw std::invalid_argument("GGUFLayers: a product is (codes, scale, minimum, n, q8, a8)");
     auto codes = t[0].cast<py::array_t<uint8_t, 0>>();
     auto scale = t[1].cast<F32>();
-    const bool q8 = t[4].cast<bool>();
     const int64_t n = t[3].cast<int64_t>();
+    const bool q8 = t[4].cast<bool>(), a8 = t[5].cast<bool>();
+    // qmm-a8: codes [NB, K/32, 1024 | 2048]; qmm: [NB, K, 32 | 64]
+    const int64_t groups = a8 ? codes.shape(1) : codes.shape(1) / 32;
+    const int64_t row_bytes = a8 ? (q8 ? 2048 : 1024) : (q8 ? 64 : 32);
     if (codes.ndim() != 3 || scale.ndim() != 3 || !(codes.flags() & py::array::c_style) ||
-        !(scale.flags() & py::array::c_style) || codes.shape(2) != (q8 ? 2048 : 1024) ||
-        scale.shape(0) != codes.shape(0) || scale.shape(1) != codes.shape(1) || scale.shape(2) != 64 ||
-        codes.shape(0) * 64 < n || (codes.shape(0) - 1) * 64 >= n)
-      throw std::invalid_argument("A8Layers: a product's arrays are not in qmm-a8's layout");
+        !(scale.flags() & py::array::c_style) || codes.shape(2) != row_bytes || scale.shape(0) != codes.shape(0) ||
+        scale.shape(1) != groups || scale.shape(2) != 64 || codes.shape(0) * 64 < n || (codes.shape(0) - 1) * 64 >= n ||
+        (!a8 && codes.shape(1) % 32))
+      throw std::invalid_argument("GGUFLayers: a product's arrays are not in its kernel's layout");
     const float* minimum = nullptr;
     if (!q8) {
       auto mins = t[2].cast<F32>();
       if (mins.ndim() != 3 || mins.shape(0) != scale.shape(0) || mins.shape(1) != scale.shape(1) ||
           mins.shape(2) != 64 || !(mins.flags() & py::array::c_style))
-        throw std::invalid_argument("A8Layers: 4-bit weights need minimums in qmm-a8's layout");
+        throw std::invalid_argument("GGUFLayers: 4-bit weights need minimums in their kernel's layout");
       minimum = mins.data();
       keep_.push_back(mins);
     }
     keep_.push_back(codes);
     keep_.push_back(scale);
-    return {codes.data(), scale.data(), minimum, n, codes.shape(1) * 32, q8};
+    return {{codes.data(), scale.data(), minimum, n, groups * 32, q8}, a8};
   }
 
   const float* vector(const py::handle& h, int64_t size) {
     auto a = h.cast<F32>();
     if (a.ndim() != 1 || a.shape(0) != size)
-      throw std::invalid_argument("A8Layers: a norm weight must be float32 [H]");
+      throw std::invalid_argument("GGUFLayers: a norm weight must be float32 [H]");
     keep_.push_back(a);
     return a.data();
   }
@@ -436,10 +450,11 @@ PYBIND11_MODULE(_kernels, mod) {
   mod.doc() = "dart_core's CPU kernels (see dart_core/kernels.py)";
   register_qmm(mod);
   register_qmm_a8(mod);
-  py::class_<A8Layers>(mod, "A8Layers", "the decoder layers of a Llama target on the qmm-a8 kernel (dart_core.decoder)")
+  py::class_<GGUFLayers>(mod, "GGUFLayers",
+                         "the decoder layers of a Llama target on the qmm or qmm-a8 kernel (dart_core.decoder)")
       .def(py::init<const py::list&, int64_t, int64_t, int64_t, float>(), py::arg("layers"), py::arg("heads"),
            py::arg("kv_heads"), py::arg("head_dim"), py::arg("scale"))
-      .def("forward", &A8Layers::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("keys"),
+      .def("forward", &GGUFLayers::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("keys"),
            py::arg("values"), py::arg("t"), py::arg("batch"), py::arg("query_len"), py::arg("mask"),
            py::arg("tap_layers"), py::arg("taps"), py::arg("parallel_work"));
   mod.def("row_exact_attention", &attention, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("mask"),

@@ -16,6 +16,10 @@
 // multiple of 64); block b holds, for every k, 32 bytes of 4-bit codes (byte j < 16: column j in
 // the low nibble, column 32 + j in the high one; byte 16 + j: columns 16 + j and 48 + j) or 64
 // int8 codes; scales and minimums float32 [NB, K/32, 64].
+//
+// Around a Llama decoder layer's products the same call can first RMS-normalise its rows or take
+// silu(gate) · up of gate/up rows side by side (dart_kernels::prepare_rows, shared with qmm-a8), and
+// add its product to the output (a residual connection) instead of writing it: see dart_core.decoder.
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -28,6 +32,8 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "qmm.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -73,7 +79,8 @@ inline float code_at(const Weight& w, const uint8_t* codes, int64_t k, int c) {
 }
 
 // The portable version: the same operations, one output at a time.
-void qmm_portable(const float* x, int64_t m_rows, const Weight& w, const float* xsum, float* y, int64_t ldy) {
+void qmm_portable(const float* x, int64_t m_rows, const Weight& w, const float* xsum, float* y, int64_t ldy,
+                  bool accumulate) {
   const int64_t G = w.k / kGroup;
 #pragma omp parallel for schedule(static) if (m_rows * w.n * w.k >= (1 << 16))
   for (int64_t b = 0; b < w.blocks; ++b) {
@@ -90,7 +97,8 @@ void qmm_portable(const float* x, int64_t m_rows, const Weight& w, const float* 
           total = std::fma(sc[g * kBlockN + c], s, total);
           if (!w.q8) total = std::fma(mn[g * kBlockN + c], xsum[r * G + g], total);
         }
-        y[r * ldy + b * kBlockN + c] = total;
+        float* out = y + r * ldy + b * kBlockN + c;
+        *out = accumulate ? *out + total : total;
       }
     }
   }
@@ -116,10 +124,12 @@ DART_AVX512 inline void codes_at(const uint8_t* p, __m512* q) {
   q[3] = _mm512_cvtepi32_ps(_mm512_srli_epi32(hi, 4));
 }
 
-DART_AVX512 inline void store_cols(float* y, const __m512& v, int c, int cols) {
+DART_AVX512 inline void store_cols(float* y, const __m512& v, int c, int cols, bool accumulate) {
   const int left = cols - 16 * c;
   if (left <= 0) return;
-  _mm512_mask_storeu_ps(y + 16 * c, left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1), v);
+  const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+  const __m512 out = accumulate ? _mm512_add_ps(_mm512_maskz_loadu_ps(mask, y + 16 * c), v) : v;
+  _mm512_mask_storeu_ps(y + 16 * c, mask, out);
 }
 
 // A group of 32 inputs finished for R rows: total = fma(d, S, total), then fma(mn, X, total); S
@@ -144,7 +154,7 @@ constexpr int64_t kPrefetchGroups = 2;  // how many blocks of 32 inputs ahead th
 // R rows of x against weight block b, the codes converted in registers.
 template <bool kQ8, int R>
 DART_AVX512 void direct(const float* x, int64_t ldx, const float* xsum, const Weight& w, int64_t b, float* y,
-                        int64_t ldy, int cols) {
+                        int64_t ldy, int cols, bool accumulate) {
   const int64_t G = w.k / kGroup;
   constexpr int64_t kRowBytes = kQ8 ? 64 : 32;
   __m512 total[R][4], s[R][4], q[4];
@@ -168,12 +178,12 @@ DART_AVX512 void direct(const float* x, int64_t ldx, const float* xsum, const We
     close_group<kQ8, R>(total, s, sc, mins, xsum, G, g);
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c) store_cols(y + r * ldy, total[r][c], c, cols);
+    for (int c = 0; c < 4; ++c) store_cols(y + r * ldy, total[r][c], c, cols, accumulate);
 }
 
 template <bool kQ8>
 DART_AVX512 void qmm_avx512(const float* x, int64_t m_rows, const Weight& w, const float* xsum, float* y,
-                            int64_t ldy) {
+                            int64_t ldy, bool accumulate) {
   const int64_t K = w.k, G = K / kGroup;
 #pragma omp parallel for schedule(static) if (w.blocks > 1)
   for (int64_t b = 0; b < w.blocks; ++b) {
@@ -183,10 +193,10 @@ DART_AVX512 void qmm_avx512(const float* x, int64_t m_rows, const Weight& w, con
       const float* sr = kQ8 ? nullptr : xsum + r0 * G;  // Q8_0: no block sums
       float* yr = y + r0 * ldy + b * kBlockN;
       switch (std::min<int64_t>(4, m_rows - r0)) {
-        case 4: direct<kQ8, 4>(xr, K, sr, w, b, yr, ldy, cols); break;
-        case 3: direct<kQ8, 3>(xr, K, sr, w, b, yr, ldy, cols); break;
-        case 2: direct<kQ8, 2>(xr, K, sr, w, b, yr, ldy, cols); break;
-        default: direct<kQ8, 1>(xr, K, sr, w, b, yr, ldy, cols); break;
+        case 4: direct<kQ8, 4>(xr, K, sr, w, b, yr, ldy, cols, accumulate); break;
+        case 3: direct<kQ8, 3>(xr, K, sr, w, b, yr, ldy, cols, accumulate); break;
+        case 2: direct<kQ8, 2>(xr, K, sr, w, b, yr, ldy, cols, accumulate); break;
+        default: direct<kQ8, 1>(xr, K, sr, w, b, yr, ldy, cols, accumulate); break;
       }
     }
   }
@@ -201,13 +211,13 @@ using F32 = py::array_t<float, 0>;
 using U8 = py::array_t<uint8_t, 0>;
 
 void qmm(const F32& x, const U8& codes, const F32& scale, const py::object& minimum_obj, int64_t n, bool q8,
-         F32 out, bool portable) {
+         F32 out, bool portable, const py::object& norm_obj, float eps, bool gated, bool accumulate) {
   if (x.ndim() != 2 || !(x.flags() & py::array::c_style))
     throw std::invalid_argument("qmm: x must be a C-contiguous [M, K] float32 array");
-  const int64_t m_rows = x.shape(0), K = x.shape(1);
+  const int64_t m_rows = x.shape(0), K = gated ? x.shape(1) / 2 : x.shape(1);
   const int64_t blocks = (n + kBlockN - 1) / kBlockN;
-  if (n <= 0 || K <= 0 || K % kGroup)
-    throw std::invalid_argument("qmm: N must be positive and K a positive multiple of 32");
+  if (n <= 0 || K <= 0 || K % kGroup || (gated && x.shape(1) != 2 * K))
+    throw std::invalid_argument("qmm: N must be positive and K a positive multiple of 32 (x [M, 2K] when gated)");
   if (codes.ndim() != 3 || codes.shape(0) != blocks || codes.shape(1) != K || codes.shape(2) != (q8 ? 64 : 32) ||
       !(codes.flags() & py::array::c_style))
     throw std::invalid_argument("qmm: codes must be C-contiguous [ceil(N/64), K, 32 (4-bit) or 64 (8-bit)] uint8");
@@ -225,29 +235,52 @@ void qmm(const F32& x, const U8& codes, const F32& scale, const py::object& mini
     block_params(minimum_arr, "minimum");
     minimum = minimum_arr.data();
   }
+  F32 norm_arr;
+  const float* norm = nullptr;
+  if (!norm_obj.is_none()) {
+    norm_arr = norm_obj.cast<F32>();
+    if (norm_arr.ndim() != 1 || norm_arr.shape(0) != K || gated)
+      throw std::invalid_argument("qmm: norm must be a float32 [K] array (and not combined with gated)");
+    norm = norm_arr.data();
+  }
   if (out.ndim() != 2 || out.shape(0) != m_rows || out.shape(1) != n || !(out.flags() & py::array::c_style) ||
       !out.writeable())
     throw std::invalid_argument("qmm: out must be a writeable C-contiguous [M, N] float32 array");
-  const Weight w{codes.data(), scale.data(), minimum, n, K, blocks, q8};
+  const dart_kernels::QWeight w{codes.data(), scale.data(), minimum, n, K, q8};
   const float* xp = x.data();
   float* yp = out.mutable_data();
   py::gil_scoped_release release;
-  const std::vector<float> xsum = q8 ? std::vector<float>() : block_sums(xp, m_rows, K);
-#ifdef DART_QMM_AVX512
-  if (!portable && cpu_has_avx512()) {
-    if (q8) qmm_avx512<true>(xp, m_rows, w, xsum.data(), yp, n);
-    else qmm_avx512<false>(xp, m_rows, w, xsum.data(), yp, n);
-    return;
-  }
-#endif
-  qmm_portable(xp, m_rows, w, xsum.data(), yp, n);
+  dart_kernels::qmm_run(xp, m_rows, w, yp, norm, eps, gated, accumulate, portable);
 }
 
 }  // namespace
 
+void dart_kernels::qmm_run(const float* x, int64_t m_rows, const QWeight& q, float* y, const float* norm, float eps,
+                           bool gated, bool accumulate, bool portable) {
+  const int64_t K = q.k, n = q.n;
+  const Weight w{q.codes, q.scale, q.minimum, n, K, (n + kBlockN - 1) / kBlockN, q.q8};
+  std::vector<float> h;
+  if (norm || gated) {
+    h.resize(static_cast<size_t>(m_rows * K));
+    prepare_rows(x, m_rows, K, norm, eps, gated, h.data());
+    x = h.data();
+  }
+  const std::vector<float> xsum = q.q8 ? std::vector<float>() : block_sums(x, m_rows, K);
+#ifdef DART_QMM_AVX512
+  if (!portable && cpu_has_avx512()) {
+    if (q.q8) qmm_avx512<true>(x, m_rows, w, xsum.data(), y, n, accumulate);
+    else qmm_avx512<false>(x, m_rows, w, xsum.data(), y, n, accumulate);
+    return;
+  }
+#endif
+  qmm_portable(x, m_rows, w, xsum.data(), y, n, accumulate);
+}
+
 void register_qmm(py::module_& mod) {
   mod.def("qmm", &qmm, py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("minimum"), py::arg("n"),
-          py::arg("q8"), py::arg("out"), py::arg("portable") = false,
-          "x [M, K] times a GGUF 4-bit or 8-bit weight's transpose, each row on its own (see dart_core.quant)");
+          py::arg("q8"), py::arg("out"), py::arg("portable") = false, py::arg("norm") = py::none(),
+          py::arg("eps") = 0.0f, py::arg("gated") = false, py::arg("accumulate") = false,
+          "x [M, K] (RMS-normalised with norm, or silu(x[:, :K]) * x[:, K:] when gated) times a GGUF 4-bit or 8-bit "
+          "weight's transpose, each row on its own, written to out or added to it (accumulate; see dart_core.quant)");
   mod.def("qmm_vectorised", &cpu_has_avx512, "whether qmm runs its AVX-512 version on this CPU");
 }

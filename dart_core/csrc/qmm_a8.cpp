@@ -38,7 +38,7 @@
 #include <vector>
 
 #include "exp_nonpositive.h"
-#include "qmm_a8.h"
+#include "qmm.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -358,7 +358,7 @@ void qmm_a8(const F32& x, const U8& codes, const F32& scale, const py::object& m
   if (out.ndim() != 2 || out.shape(0) != m_rows || out.shape(1) != n || !(out.flags() & py::array::c_style) ||
       !out.writeable())
     throw std::invalid_argument("qmm_a8: out must be a writeable C-contiguous [M, N] float32 array");
-  const dart_kernels::A8Weight w{codes.data(), scale.data(), minimum, n, K, q8};
+  const dart_kernels::QWeight w{codes.data(), scale.data(), minimum, n, K, q8};
   const float* xp = x.data();
   float* yp = out.mutable_data();
   py::gil_scoped_release release;
@@ -367,7 +367,12 @@ void qmm_a8(const F32& x, const U8& codes, const F32& scale, const py::object& m
 
 }  // namespace
 
-void dart_kernels::qmm_a8_run(const float* x, int64_t m_rows, const A8Weight& a8, float* y, const float* norm,
+void dart_kernels::prepare_rows(const float* x, int64_t m_rows, int64_t K, const float* norm, float eps, bool gated,
+                                float* h) {
+  prepare(x, m_rows, K, norm, eps, gated, h);
+}
+
+void dart_kernels::qmm_a8_run(const float* x, int64_t m_rows, const QWeight& a8, float* y, const float* norm,
                               float eps, bool gated, bool accumulate, bool portable) {
   const int64_t K = a8.k, G = K / kGroup, n = a8.n;
   const Weight w{a8.codes, a8.scale, a8.minimum, n, K, (n + kBlockN - 1) / kBlockN, a8.q8};

@@ -102,6 +102,30 @@ def test_qmm_portable_loops_equal_their_vectorised_versions(kernel):
             function(x, codes, scale, minimum, n, layer.q8, fast)
             function(x, codes, scale, minimum, n, layer.q8, slow, portable=True)
             assert np.array_equal(fast, slow), (qtype, m)
+            # with a decoder layer's operations around the product: RMS norm, SiLU-and-multiply, residual add
+            norm, gate_up = rng.normal(size=96).astype(np.float32), rng.normal(size=(m, 192)).astype(np.float32)
+            for kwargs, inp in ((dict(norm=norm, eps=1e-5), x), (dict(gated=True, accumulate=True), gate_up)):
+                fast2, slow2 = fast.copy(), fast.copy()
+                function(inp, codes, scale, minimum, n, layer.q8, fast2, **kwargs)
+                function(inp, codes, scale, minimum, n, layer.q8, slow2, portable=True, **kwargs)
+                assert np.array_equal(fast2, slow2), (qtype, m, kwargs)
+
+
+@pytest.mark.parametrize("kernel", ["qmm-a8", "qmm"])
+def test_fused_into_applies_the_decoder_layer_operations(kernel):
+    """fused_into's RMS norm, SiLU-and-multiply and residual add are transformers' LlamaRMSNorm, SiLU times
+    up and x + y, to float32 rounding (and, with qmm-a8, the 8-bit rounding of the activations)."""
+    rng = np.random.default_rng(8)
+    layer = Int4Linear(int4_parts(_blocks(rng.normal(size=(128, 64)), Q.Q4_1), "Q4_1", (128, 64)), kernel=kernel)
+    x, residual = torch.randn(5, 64), torch.randn(5, 128)
+    norm = torch.rand(64) + 0.5
+    tol = dict(rtol=0.05, atol=0.05) if kernel == "qmm-a8" else dict(rtol=1e-5, atol=1e-5)
+    normed = norm * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(layer.fused_into(x, torch.empty(5, 128), norm, 1e-6), layer(normed), **tol)
+    gate_up = torch.randn(5, 128)
+    expected = residual + layer(torch.nn.functional.silu(gate_up[:, :64]) * gate_up[:, 64:])
+    torch.testing.assert_close(layer.fused_into(gate_up, residual.clone(), gated=True, accumulate=True), expected,
+                               **tol)
 
 
 @pytest.mark.parametrize("kernel", ["qmm-a8", "qmm"])

@@ -1,0 +1,32 @@
+// dart_core's GGUF-weight products for other C++ code of dart_core._kernels (the decoder layers in
+// attention.cpp): qmm (float32 activations, qmm.cpp) and qmm-a8 (8-bit activations, qmm_a8.cpp).
+#pragma once
+
+#include <cstdint>
+
+namespace dart_kernels {
+
+// A GGUF weight in one kernel's layout: qmm codes [ceil(N/64), K, 32 or 64], qmm-a8 codes
+// [ceil(N/64), K/32, 1024 or 2048] (uint8); scale and minimum [ceil(N/64), K/32, 64] float32 (minimum
+// null for Q8_0).
+struct QWeight {
+  const uint8_t* codes;
+  const float* scale;
+  const float* minimum;
+  int64_t n, k;
+  bool q8;
+};
+
+// The rows a layer multiplies (qmm_a8.cpp): x [M, K] RMS-normalised by norm [K] and eps, or
+// silu(gate) · up of x [M, 2K] when gated; h [M, K] written.  Either kernel's prepared rows.
+void prepare_rows(const float* x, int64_t m_rows, int64_t K, const float* norm, float eps, bool gated, float* h);
+
+// y [M, N] (row stride N) = or += the product of x's rows (prepared as prepare_rows says when norm or
+// gated, else x [M, K] as it is) with the weight.  Run with or without the GIL; use OpenMP.
+// portable: the portable loop instead of the vectorised code (the same bits).
+void qmm_run(const float* x, int64_t m_rows, const QWeight& w, float* y, const float* norm, float eps, bool gated,
+             bool accumulate, bool portable = false);
+void qmm_a8_run(const float* x, int64_t m_rows, const QWeight& w, float* y, const float* norm, float eps, bool gated,
+                bool accumulate, bool portable = false);
+
+}  // namespace dart_kernels
