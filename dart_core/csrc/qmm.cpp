@@ -46,8 +46,8 @@ namespace py = pybind11;
 
 namespace {
 
-constexpr int kBlockN = 64;  // output columns per weight block
-constexpr int kGroup = 32;   // weights per GGUF block (one scale, one minimum)
+using dart_kernels::kBlockN;
+using dart_kernels::kGroup;
 
 struct Weight {
   const uint8_t* codes;
@@ -210,27 +210,32 @@ bool cpu_has_avx512() { return false; }
 using F32 = py::array_t<float, 0>;
 using U8 = py::array_t<uint8_t, 0>;
 
-void qmm(const F32& x, const U8& codes, const F32& scale, const py::object& minimum_obj, int64_t n, bool q8,
-         F32 out, bool portable, const py::object& norm_obj, float eps, bool gated, bool accumulate) {
-  if (x.ndim() != 2 || !(x.flags() & py::array::c_style))
-    throw std::invalid_argument("qmm: x must be a C-contiguous [M, K] float32 array");
+// The Python face of both kernels (qmm, and qmm-a8 with a8): checks the arrays against the kernel's
+// layout, then runs it without the GIL.
+void call(bool a8, const F32& x, const U8& codes, const F32& scale, const py::object& minimum_obj, int64_t n, bool q8,
+          F32 out, bool portable, const py::object& norm_obj, float eps, bool gated, bool accumulate) {
+  const std::string name = a8 ? "qmm_a8: " : "qmm: ";
+  auto fail = [&](const std::string& what) { throw std::invalid_argument(name + what); };
+  if (x.ndim() != 2 || !(x.flags() & py::array::c_style)) fail("x must be a C-contiguous [M, K] float32 array");
   const int64_t m_rows = x.shape(0), K = gated ? x.shape(1) / 2 : x.shape(1);
-  const int64_t blocks = (n + kBlockN - 1) / kBlockN;
+  const int64_t blocks = (n + kBlockN - 1) / kBlockN, G = K / kGroup;
   if (n <= 0 || K <= 0 || K % kGroup || (gated && x.shape(1) != 2 * K))
-    throw std::invalid_argument("qmm: N must be positive and K a positive multiple of 32 (x [M, 2K] when gated)");
-  if (codes.ndim() != 3 || codes.shape(0) != blocks || codes.shape(1) != K || codes.shape(2) != (q8 ? 64 : 32) ||
+    fail("N must be positive and K a positive multiple of 32 (x [M, 2K] when gated)");
+  const int64_t rows = a8 ? G : K, row_bytes = a8 ? (q8 ? 2048 : 1024) : (q8 ? 64 : 32);
+  if (codes.ndim() != 3 || codes.shape(0) != blocks || codes.shape(1) != rows || codes.shape(2) != row_bytes ||
       !(codes.flags() & py::array::c_style))
-    throw std::invalid_argument("qmm: codes must be C-contiguous [ceil(N/64), K, 32 (4-bit) or 64 (8-bit)] uint8");
-  auto block_params = [&](const F32& a, const char* name) {
-    if (a.ndim() != 3 || a.shape(0) != blocks || a.shape(1) != K / kGroup || a.shape(2) != kBlockN ||
+    fail(a8 ? "codes must be C-contiguous [ceil(N/64), K/32, 1024 (4-bit) or 2048 (8-bit)] uint8"
+            : "codes must be C-contiguous [ceil(N/64), K, 32 (4-bit) or 64 (8-bit)] uint8");
+  auto block_params = [&](const F32& a, const char* what) {
+    if (a.ndim() != 3 || a.shape(0) != blocks || a.shape(1) != G || a.shape(2) != kBlockN ||
         !(a.flags() & py::array::c_style))
-      throw std::invalid_argument(std::string("qmm: ") + name + " must be C-contiguous [ceil(N/64), K/32, 64] float32");
+      fail(std::string(what) + " must be C-contiguous [ceil(N/64), K/32, 64] float32");
   };
   block_params(scale, "scale");
   const float* minimum = nullptr;
   F32 minimum_arr;
   if (!q8) {
-    if (minimum_obj.is_none()) throw std::invalid_argument("qmm: 4-bit weights need their minimums");
+    if (minimum_obj.is_none()) fail("4-bit weights need their minimums");
     minimum_arr = minimum_obj.cast<F32>();
     block_params(minimum_arr, "minimum");
     minimum = minimum_arr.data();
@@ -240,17 +245,18 @@ void qmm(const F32& x, const U8& codes, const F32& scale, const py::object& mini
   if (!norm_obj.is_none()) {
     norm_arr = norm_obj.cast<F32>();
     if (norm_arr.ndim() != 1 || norm_arr.shape(0) != K || gated)
-      throw std::invalid_argument("qmm: norm must be a float32 [K] array (and not combined with gated)");
+      fail("norm must be a float32 [K] array (and not combined with gated)");
     norm = norm_arr.data();
   }
   if (out.ndim() != 2 || out.shape(0) != m_rows || out.shape(1) != n || !(out.flags() & py::array::c_style) ||
       !out.writeable())
-    throw std::invalid_argument("qmm: out must be a writeable C-contiguous [M, N] float32 array");
+    fail("out must be a writeable C-contiguous [M, N] float32 array");
   const dart_kernels::QWeight w{codes.data(), scale.data(), minimum, n, K, q8};
   const float* xp = x.data();
   float* yp = out.mutable_data();
   py::gil_scoped_release release;
-  dart_kernels::qmm_run(xp, m_rows, w, yp, norm, eps, gated, accumulate, portable);
+  if (a8) dart_kernels::qmm_a8_run(xp, m_rows, w, yp, norm, eps, gated, accumulate, portable);
+  else dart_kernels::qmm_run(xp, m_rows, w, yp, norm, eps, gated, accumulate, portable);
 }
 
 }  // namespace
@@ -260,11 +266,7 @@ void dart_kernels::qmm_run(const float* x, int64_t m_rows, const QWeight& q, flo
   const int64_t K = q.k, n = q.n;
   const Weight w{q.codes, q.scale, q.minimum, n, K, (n + kBlockN - 1) / kBlockN, q.q8};
   std::vector<float> h;
-  if (norm || gated) {
-    h.resize(static_cast<size_t>(m_rows * K));
-    prepare_rows(x, m_rows, K, norm, eps, gated, h.data());
-    x = h.data();
-  }
+  x = prepare_rows(x, m_rows, K, norm, eps, gated, h);
   const std::vector<float> xsum = q.q8 ? std::vector<float>() : block_sums(x, m_rows, K);
 #ifdef DART_QMM_AVX512
   if (!portable && cpu_has_avx512()) {
@@ -277,10 +279,23 @@ void dart_kernels::qmm_run(const float* x, int64_t m_rows, const QWeight& q, flo
 }
 
 void register_qmm(py::module_& mod) {
-  mod.def("qmm", &qmm, py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("minimum"), py::arg("n"),
-          py::arg("q8"), py::arg("out"), py::arg("portable") = false, py::arg("norm") = py::none(),
-          py::arg("eps") = 0.0f, py::arg("gated") = false, py::arg("accumulate") = false,
-          "x [M, K] (RMS-normalised with norm, or silu(x[:, :K]) * x[:, K:] when gated) times a GGUF 4-bit or 8-bit "
-          "weight's transpose, each row on its own, written to out or added to it (accumulate; see dart_core.quant)");
+  for (const bool a8 : {false, true}) {
+    const auto run = [a8](const F32& x, const U8& codes, const F32& scale, const py::object& minimum, int64_t n,
+                          bool q8, F32 out, bool portable, const py::object& norm, float eps, bool gated,
+                          bool accumulate) {
+      call(a8, x, codes, scale, minimum, n, q8, out, portable, norm, eps, gated, accumulate);
+    };
+    mod.def(a8 ? "qmm_a8" : "qmm", run, py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("minimum"),
+            py::arg("n"), py::arg("q8"), py::arg("out"), py::arg("portable") = false, py::arg("norm") = py::none(),
+            py::arg("eps") = 0.0f, py::arg("gated") = false, py::arg("accumulate") = false,
+            a8 ? "x [M, K] (RMS-normalised with norm, or silu(x[:, :K]) * x[:, K:] when gated) quantised to 8 bits per "
+                 "group of 32, times a GGUF 4-bit or 8-bit weight's transpose, each row on its own, written to out or "
+                 "added to it (accumulate; see dart_core.quant)"
+               : "x [M, K] (RMS-normalised with norm, or silu(x[:, :K]) * x[:, K:] when gated) times a GGUF 4-bit or "
+                 "8-bit weight's transpose, each row on its own, written to out or added to it (accumulate; see "
+                 "dart_core.quant)");
+  }
   mod.def("qmm_vectorised", &cpu_has_avx512, "whether qmm runs its AVX-512 version on this CPU");
+  mod.def("qmm_a8_vectorised", &dart_kernels::qmm_a8_vectorised,
+          "whether qmm_a8 runs its AVX-512 VNNI version on this CPU");
 }

@@ -3,8 +3,12 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace dart_kernels {
+
+constexpr int kBlockN = 64;  // output columns per weight block, in both kernels' layouts
+constexpr int kGroup = 32;   // inputs per GGUF block (one scale, one minimum)
 
 // A GGUF weight in one kernel's layout: qmm codes [ceil(N/64), K, 32 or 64], qmm-a8 codes
 // [ceil(N/64), K/32, 1024 or 2048] (uint8); scale and minimum [ceil(N/64), K/32, 64] float32 (minimum
@@ -17,9 +21,11 @@ struct QWeight {
   bool q8;
 };
 
-// The rows a layer multiplies (qmm_a8.cpp): x [M, K] RMS-normalised by norm [K] and eps, or
-// silu(gate) · up of x [M, 2K] when gated; h [M, K] written.  Either kernel's prepared rows.
-void prepare_rows(const float* x, int64_t m_rows, int64_t K, const float* norm, float eps, bool gated, float* h);
+// The rows a layer multiplies (qmm_a8.cpp), for either kernel: x itself without norm or gated, else
+// x [M, K] RMS-normalised by norm [K] and eps, or silu(gate) · up of x [M, 2K] when gated, written to
+// h (resized to [M, K]) and returned.
+const float* prepare_rows(const float* x, int64_t m_rows, int64_t K, const float* norm, float eps, bool gated,
+                          std::vector<float>& h);
 
 // y [M, N] (row stride N) = or += the product of x's rows (prepared as prepare_rows says when norm or
 // gated, else x [M, K] as it is) with the weight.  Run with or without the GIL; use OpenMP.
@@ -28,5 +34,8 @@ void qmm_run(const float* x, int64_t m_rows, const QWeight& w, float* y, const f
              bool accumulate, bool portable = false);
 void qmm_a8_run(const float* x, int64_t m_rows, const QWeight& w, float* y, const float* norm, float eps, bool gated,
                 bool accumulate, bool portable = false);
+
+// Whether qmm_a8_run runs its AVX-512 VNNI version on this CPU (else its portable loop).
+bool qmm_a8_vectorised();
 
 }  // namespace dart_kernels

@@ -25,9 +25,6 @@
 // silu(gate) · up of gate/up rows side by side, and add its product to the output (a residual
 // connection) instead of writing it: see prepare() and dart_core.decoder.
 
-#include <pybind11/numpy.h>
-#include <pybind11/pybind11.h>
-
 #include <omp.h>
 
 #include <algorithm>
@@ -47,12 +44,10 @@
 #define DART_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
 #endif
 
-namespace py = pybind11;
-
 namespace {
 
-constexpr int kBlockN = 64;  // output columns per weight block
-constexpr int kGroup = 32;   // inputs per GGUF block (one scale, one minimum)
+using dart_kernels::kBlockN;
+using dart_kernels::kGroup;
 
 struct Weight {
   const uint8_t* codes;
@@ -318,58 +313,14 @@ bool cpu_has_vnni() {
 bool cpu_has_vnni() { return false; }
 #endif
 
-using F32 = py::array_t<float, 0>;
-using U8 = py::array_t<uint8_t, 0>;
-
-void qmm_a8(const F32& x, const U8& codes, const F32& scale, const py::object& minimum_obj, int64_t n, bool q8,
-            F32 out, bool portable, const py::object& norm_obj, float eps, bool gated, bool accumulate) {
-  if (x.ndim() != 2 || !(x.flags() & py::array::c_style))
-    throw std::invalid_argument("qmm_a8: x must be a C-contiguous [M, K] float32 array");
-  const int64_t m_rows = x.shape(0), K = gated ? x.shape(1) / 2 : x.shape(1);
-  const int64_t blocks = (n + kBlockN - 1) / kBlockN;
-  if (n <= 0 || K <= 0 || K % kGroup || (gated && x.shape(1) != 2 * K))
-    throw std::invalid_argument("qmm_a8: N must be positive and K a positive multiple of 32 (x [M, 2K] when gated)");
-  const int64_t G = K / kGroup;
-  if (codes.ndim() != 3 || codes.shape(0) != blocks || codes.shape(1) != G || codes.shape(2) != (q8 ? 2048 : 1024) ||
-      !(codes.flags() & py::array::c_style))
-    throw std::invalid_argument("qmm_a8: codes must be C-contiguous [ceil(N/64), K/32, 1024 (4-bit) or 2048 (8-bit)] uint8");
-  auto block_params = [&](const F32& a, const char* name) {
-    if (a.ndim() != 3 || a.shape(0) != blocks || a.shape(1) != G || a.shape(2) != kBlockN ||
-        !(a.flags() & py::array::c_style))
-      throw std::invalid_argument(std::string("qmm_a8: ") + name + " must be C-contiguous [ceil(N/64), K/32, 64] float32");
-  };
-  block_params(scale, "scale");
-  const float* minimum = nullptr;
-  F32 minimum_arr;
-  if (!q8) {
-    if (minimum_obj.is_none()) throw std::invalid_argument("qmm_a8: 4-bit weights need their minimums");
-    minimum_arr = minimum_obj.cast<F32>();
-    block_params(minimum_arr, "minimum");
-    minimum = minimum_arr.data();
-  }
-  F32 norm_arr;
-  const float* norm = nullptr;
-  if (!norm_obj.is_none()) {
-    norm_arr = norm_obj.cast<F32>();
-    if (norm_arr.ndim() != 1 || norm_arr.shape(0) != K || gated)
-      throw std::invalid_argument("qmm_a8: norm must be a float32 [K] array (and not combined with gated)");
-    norm = norm_arr.data();
-  }
-  if (out.ndim() != 2 || out.shape(0) != m_rows || out.shape(1) != n || !(out.flags() & py::array::c_style) ||
-      !out.writeable())
-    throw std::invalid_argument("qmm_a8: out must be a writeable C-contiguous [M, N] float32 array");
-  const dart_kernels::QWeight w{codes.data(), scale.data(), minimum, n, K, q8};
-  const float* xp = x.data();
-  float* yp = out.mutable_data();
-  py::gil_scoped_release release;
-  dart_kernels::qmm_a8_run(xp, m_rows, w, yp, norm, eps, gated, accumulate, portable);
-}
-
 }  // namespace
 
-void dart_kernels::prepare_rows(const float* x, int64_t m_rows, int64_t K, const float* norm, float eps, bool gated,
-                                float* h) {
-  prepare(x, m_rows, K, norm, eps, gated, h);
+const float* dart_kernels::prepare_rows(const float* x, int64_t m_rows, int64_t K, const float* norm, float eps,
+                                        bool gated, std::vector<float>& h) {
+  if (!norm && !gated) return x;
+  h.resize(static_cast<size_t>(m_rows * K));
+  prepare(x, m_rows, K, norm, eps, gated, h.data());
+  return h.data();
 }
 
 void dart_kernels::qmm_a8_run(const float* x, int64_t m_rows, const QWeight& a8, float* y, const float* norm,
@@ -377,11 +328,7 @@ void dart_kernels::qmm_a8_run(const float* x, int64_t m_rows, const QWeight& a8,
   const int64_t K = a8.k, G = K / kGroup, n = a8.n;
   const Weight w{a8.codes, a8.scale, a8.minimum, n, K, (n + kBlockN - 1) / kBlockN, a8.q8};
   std::vector<float> h;
-  if (norm || gated) {
-    h.resize(static_cast<size_t>(m_rows * K));
-    prepare(x, m_rows, K, norm, eps, gated, h.data());
-    x = h.data();
-  }
+  x = dart_kernels::prepare_rows(x, m_rows, K, norm, eps, gated, h);
   Quantised xq{std::vector<int8_t>(static_cast<size_t>(m_rows * K)), std::vector<float>(static_cast<size_t>(m_rows * G)),
                std::vector<float>(static_cast<size_t>(m_rows * G)), std::vector<int32_t>(static_cast<size_t>(m_rows * G))};
 #ifdef DART_A8_VNNI
@@ -396,12 +343,4 @@ void dart_kernels::qmm_a8_run(const float* x, int64_t m_rows, const QWeight& a8,
   qmm_a8_portable(xq, m_rows, w, y, n, accumulate);
 }
 
-void register_qmm_a8(py::module_& mod) {
-  mod.def("qmm_a8", &qmm_a8, py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("minimum"), py::arg("n"),
-          py::arg("q8"), py::arg("out"), py::arg("portable") = false, py::arg("norm") = py::none(),
-          py::arg("eps") = 0.0f, py::arg("gated") = false, py::arg("accumulate") = false,
-          "x [M, K] (RMS-normalised with norm, or silu(x[:, :K]) * x[:, K:] when gated) quantised to 8 bits per group "
-          "of 32, times a GGUF 4-bit or 8-bit weight's transpose, each row on its own, written to out or added to it "
-          "(accumulate; see dart_core.quant)");
-  mod.def("qmm_a8_vectorised", &cpu_has_vnni, "whether qmm_a8 runs its AVX-512 VNNI version on this CPU");
-}
+bool dart_kernels::qmm_a8_vectorised() { return cpu_has_vnni(); }

@@ -62,22 +62,29 @@ def test_the_decoder_equals_the_stock_forward_on_the_float32_target():
     _assert_same_as_stock(target)
 
 
-@pytest.mark.parametrize("kernel", ["qmm-a8", "qmm", "aten"])
-def test_the_decoder_equals_the_stock_forward_on_the_4bit_target(tmp_path, kernel):
-    """aten: bit for bit. qmm and qmm-a8: the decoder's layers run as five kernel calls with the RMS norms
-    and SiLU inside (summed in another order than PyTorch's): float32 rounding apart with qmm; with
-    qmm-a8, 8-bit activations round those slightly different inputs, so further apart."""
+def _tiny_4bit_target(tmp_path, kernel: str, seed: int) -> TargetModel:
+    """A tiny Llama written as a GGUF with SmolLM2's head size (64), loaded GGUF-native with ``kernel``."""
     pytest.importorskip("gguf")
-    from dart_core.quant import Int4Linear, can_int4, quantize_from_gguf
+    from dart_core.quant import can_int4, quantize_from_gguf
 
     if not can_int4():
         pytest.skip("this PyTorch has no CPU int4 kernel")
     from .test_quant import tiny_gguf_model
 
-    model = tiny_gguf_model(tmp_path / "tiny.gguf", seed=5, hidden_size=128, num_attention_heads=2,
+    model = tiny_gguf_model(tmp_path / "tiny.gguf", seed=seed, hidden_size=128, num_attention_heads=2,
                             num_key_value_heads=1, head_dim=64)
     quantize_from_gguf(model, tmp_path / "tiny.gguf", kernel=kernel)
-    target = TargetModel(model)
+    return TargetModel(model)
+
+
+@pytest.mark.parametrize("kernel", ["qmm-a8", "qmm", "aten"])
+def test_the_decoder_equals_the_stock_forward_on_the_4bit_target(tmp_path, kernel):
+    """aten: bit for bit. qmm and qmm-a8: the decoder's layers run as five kernel calls with the RMS norms
+    and SiLU inside (summed in another order than PyTorch's): float32 rounding apart with qmm; with
+    qmm-a8, 8-bit activations round those slightly different inputs, so further apart."""
+    from dart_core.quant import Int4Linear
+
+    target = _tiny_4bit_target(tmp_path, kernel, seed=5)
     assert target.row_exact and isinstance(target.decoder.layers[0].qkv, Int4Linear)
     assert target.decoder.fused_layers == (kernel != "aten")
     _assert_same_as_stock(target, tol={"qmm-a8": 0.02, "qmm": 1e-5, "aten": 0.0}[kernel])
@@ -87,18 +94,9 @@ def test_the_decoder_equals_the_stock_forward_on_the_4bit_target(tmp_path, kerne
 def test_the_fused_decoder_computes_only_the_real_rows_and_each_alike(tmp_path, kernel):
     """Inside real_rows the fused layers (from Python) compute the real rows only, each equal to its value
     in a forward of every row (one C++ call): the padded batch of draft trees of the batched engine."""
-    pytest.importorskip("gguf")
-    from dart_core.quant import can_int4, quantize_from_gguf
     from dart_core.target import real_rows
 
-    if not can_int4():
-        pytest.skip("this PyTorch has no CPU int4 kernel")
-    from .test_quant import tiny_gguf_model
-
-    model = tiny_gguf_model(tmp_path / "tiny.gguf", seed=4, hidden_size=128, num_attention_heads=2,
-                            num_key_value_heads=1, head_dim=64)
-    quantize_from_gguf(model, tmp_path / "tiny.gguf", kernel=kernel)
-    target = TargetModel(model)
+    target = _tiny_4bit_target(tmp_path, kernel, seed=4)
     assert target.decoder.fused_layers
     rng = np.random.default_rng(9)
     prompts = [rng.integers(0, VOCAB, 7).tolist(), rng.integers(0, VOCAB, 5).tolist()]
