@@ -24,6 +24,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "exp_nonpositive.h"
@@ -65,12 +66,17 @@ inline __attribute__((always_inline)) float dot(const float* a, const float* b, 
 // is the same for all of them, so they visit the same keys; sharing the visit only saves loads.
 // With GCC on x86-64, compiled for AVX-512, AVX2 and baseline x86-64, and the CPU's best runs
 // (every version does the same operations in the same order: a row's bits do not depend on it).
-template <int kD>
+// kG > 0: the group size known at compile time (its loops unrolled, the value sums held in
+// registers, the same operations in the same order: the same bits as kG = 0); 0: read from g_rows.
+template <int kD, int kG>
 DART_ISA_CLONES
-void attend_group(const float* const* qrows, int G, const float* mrow, int64_t mstride, const float* kbase,
+void attend_group(const float* const* qrows, int g_rows, const float* mrow, int64_t mstride, const float* kbase,
                   int64_t kstride, const float* vbase, int64_t vstride, int64_t T, int64_t n_dim, float scale,
-                  float* scores, int64_t* kept, float* acc, float* const* orows) {
+                  float* scores, int64_t* kept, float* acc_buffer, float* const* orows) {
   const int64_t D = kD > 0 ? kD : n_dim;
+  const int G = kG > 0 ? kG : g_rows;
+  float acc_local[kG > 0 && kD > 0 ? kG * kD : 1];
+  float* const acc = kG > 0 && kD > 0 ? acc_local : acc_buffer;
   const float lowest = std::numeric_limits<float>::lowest();
   float best[kMaxGroup];
   for (int g = 0; g < G; ++g) best[g] = -std::numeric_limits<float>::infinity();
@@ -159,12 +165,19 @@ void attend_views(const Strided4& q, const Strided4& k, const Strided4& v, const
       const float* kb = k.data + b * k.stride[0] + hk * k.stride[1];
       const float* vb = v.data + b * v.stride[0] + hk * v.stride[1];
       const int64_t ms = m ? m->stride[3] : 0;
-      if (D == 64)
-        attend_group<64>(qrows, G, mrow, ms, kb, k.stride[2], vb, v.stride[2], T, D, scale, scores.data(),
-                         kept.data(), acc.data(), orows);
-      else
-        attend_group<0>(qrows, G, mrow, ms, kb, k.stride[2], vb, v.stride[2], T, D, scale, scores.data(),
-                        kept.data(), acc.data(), orows);
+      // head size 64 with 1 to 4 query heads per key/value head (SmolLM2: 3) unrolled; others generic
+      const auto run = [&](auto group) {
+        constexpr int kG = decltype(group)::value;
+        attend_group<64, kG>(qrows, G, mrow, ms, kb, k.stride[2], vb, v.stride[2], T, D,
+                             scale, scores.data(), kept.data(), acc.data(), orows);
+      };
+      if (D != 64) attend_group<0, 0>(qrows, G, mrow, ms, kb, k.stride[2], vb, v.stride[2], T, D, scale,
+                                      scores.data(), kept.data(), acc.data(), orows);
+      else if (G == 1) run(std::integral_constant<int, 1>());
+      else if (G == 2) run(std::integral_constant<int, 2>());
+      else if (G == 3) run(std::integral_constant<int, 3>());
+      else if (G == 4) run(std::integral_constant<int, 4>());
+      else run(std::integral_constant<int, 0>());
     }
   }
 }
