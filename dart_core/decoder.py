@@ -25,9 +25,9 @@ target, docs/engine.md).
 When every layer runs one of dart-serve's kernels (``qmm-a8`` or ``qmm``, :mod:`dart_core.quant`),
 the layers are one C++ call per forward (``_kernels.GGUFLayers``): RMS norm, SiLU-and-multiply and
 the residual additions happen inside the kernel calls (:meth:`Int4Linear.fused_into
-<dart_core.quant.Int4Linear.fused_into>`), with no Python between them. Those sums run in an order of their own, so this path is close to the stock
-forward rather than equal to it; it stays row-exact. Figures: BENCHMARKS.md, "GGUF-native target
-(CPU)".
+<dart_core.quant.Int4Linear.fused_into>`), with no Python between them. Those sums run in an order
+of their own, so this path is close to the stock forward rather than equal to it; it stays
+row-exact. Figures: BENCHMARKS.md, "GGUF-native target (CPU)".
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class LlamaDecoder:
         self.fused_layers = self.row_exact and len(kinds) == 1 and kinds <= {"qmm", "qmm-a8"}
         self._stack = None
         scales = {float(layer.attn.scaling) for layer in self.layers}
-        if self.fused_layers and len(scales) == 1:  # the same layers as one C++ object: a forward's layers in one call
+        if self.fused_layers and len(scales) == 1:  # the layers as one C++ object: a forward in one call
             self._stack = _kernels.GGUFLayers(
                 [(x.qkv.kernel_args(), x.o.kernel_args(), x.gate_up.kernel_args(), x.down.kernel_args(),
                   x.ln1.detach().numpy(), float(x.eps1), x.ln2.detach().numpy(), float(x.eps2)) for x in self.layers],
@@ -198,7 +198,7 @@ class LlamaDecoder:
                 kb, vb, t = kv.reserve(b, self.kv_heads, q, self.head_dim, self.head_dim, torch.float32, x.device)
             if kv is not None and exact_mask is not False:
                 # the 4-bit target: rotation, cache append and row-exact attention in one kernel call
-                out = kernels.rope_attend(qkv.view(b, q, -1), cos_np, sin_np, self.heads, self.kv_heads, kb, vb, t, exact_mask,
+                out = kernels.rope_attend(qkv, cos_np, sin_np, self.heads, self.kv_heads, kb, vb, t, exact_mask,
                                           layer.attn.scaling)
                 kv.commit(t + q)
             else:
@@ -228,12 +228,15 @@ class LlamaDecoder:
         logits = self.lm_head(_rms_norm(x, self.norm, self.norm_eps)).float()
         return logits, taps
 
-    def _fused_layers(self, x: torch.Tensor, cache, cos_np, sin_np, exact_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    def _fused_layers(self, x: torch.Tensor, cache, cos_np, sin_np,
+                      exact_mask) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder layers on a qmm kernel, five kernel calls a layer: RMS norm + q/k/v,
         rotation + cache append + row-exact attention, o_proj added to the residual, RMS norm +
         gate/up, SiLU-and-multiply + down_proj added to the residual (:meth:`Int4Linear.fused_into
-        <dart_core.quant.Int4Linear.fused_into>`), all in one C++ call (``_kernels.GGUFLayers``). Each row is computed on its own, as in the other
-        path; inside :func:`~dart_core.target.real_rows` only the real rows go through the products.
+        <dart_core.quant.Int4Linear.fused_into>`), all in one C++ call (``_kernels.GGUFLayers``).
+        Each row is computed on its own, as in the other path; inside
+        :func:`~dart_core.target.real_rows` the same kernel calls run from Python on the real rows
+        only (the same bits).
 
         Returns:
             (x [B, Q, H] after the last layer, taps [B, Q, len(tap_layers)·H]: the tap layers' inputs
@@ -249,8 +252,8 @@ class LlamaDecoder:
             t = buffers[0][2]
             taps = torch.empty(b * q, len(self.tap_layers) * hidden)
             self._stack.forward(x.numpy(), cos_np, sin_np, [kb.numpy() for kb, _, _ in buffers],
-                                   [vb.numpy() for _, vb, _ in buffers], t, b, q, exact_mask, list(self.tap_layers),
-                                   taps.numpy(), kernels.PARALLEL_WORK)
+                                [vb.numpy() for _, vb, _ in buffers], t, b, q, exact_mask, list(self.tap_layers),
+                                taps.numpy(), kernels.PARALLEL_WORK)
             for kv in caches:
                 kv.commit(t + q)
             return x.view(b, q, hidden), taps.view(b, q, -1)
@@ -265,13 +268,14 @@ class LlamaDecoder:
                 qkv = qkv.new_zeros(b * q, layer.qkv.out_features).index_copy_(0, sel, qkv)
             kv = cache.layer(i)
             kb, vb, t = kv.reserve(b, self.kv_heads, q, self.head_dim, self.head_dim, torch.float32, x.device)
-            out = kernels.rope_attend(qkv.view(b, q, -1), cos_np, sin_np, self.heads, self.kv_heads, kb, vb, t, exact_mask,
-                                      layer.attn.scaling).reshape(b * q, -1)
+            out = kernels.rope_attend(qkv.view(b, q, -1), cos_np, sin_np, self.heads, self.kv_heads, kb, vb, t,
+                                      exact_mask, layer.attn.scaling).reshape(b * q, -1)
             kv.commit(t + q)
             if sel is not None:
                 out = out.index_select(0, sel)
             layer.o.fused_into(out, work, accumulate=True)
-            gate_up = layer.gate_up.fused_into(work, torch.empty(m, layer.gate_up.out_features), layer.ln2, layer.eps2)
+            gate_up = layer.gate_up.fused_into(work, torch.empty(m, layer.gate_up.out_features), layer.ln2,
+                                               layer.eps2)
             layer.down.fused_into(gate_up, work, gated=True, accumulate=True)
         x = work if sel is None else x.index_copy(0, sel, work)
         return x.view(b, q, hidden), torch.cat([taps[i] for i in self.tap_layers], dim=-1)

@@ -52,7 +52,8 @@ from dart_core.target import _REAL_ROWS, over_real_rows
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GGUFWeightsError", "Int4Linear", "int4_parts", "qmm_weight", "qmm_a8_weight", "quantize_from_gguf", "can_int4",
+__all__ = ["GGUFWeightsError", "Int4Linear", "int4_parts", "qmm_weight", "qmm_a8_weight", "quantize_from_gguf",
+           "can_int4",
            "default_compute_dtype", "default_kernel", "KERNELS", "GROUP_SIZE"]
 
 GROUP_SIZE = 32  # the GGUF block length of Q4_0, Q4_1 and Q8_0, and the kernel's group size
@@ -256,9 +257,10 @@ class Int4Linear(torch.nn.Module):
       types. Each input row is quantised per block of 32 inputs (scale ``max |x| / 127``, round to
       nearest even); a block's output is ``d·dx·Σ qw·qx + m·dx·Σ qx`` (integer sums, exact), added
       over the blocks in a fixed order of float32 operations. The weights are the GGUF's values;
-      the activations carry 8-bit rounding (``layer(x)`` is within about 1% of ``x @ weight.T``).
-      Float32 inputs and outputs.
-    - ``"qmm"`` (where the CPU has AVX-512 but not VNNI): dart-serve's float32 kernel
+      the activations carry 8-bit rounding (each input off by up to half of its block's
+      ``max |x| / 127``). Float32 inputs and outputs.
+    - ``"qmm"`` (the default where the CPU has AVX-512 but not VNNI; elsewhere the choice that keeps
+      the de-quantised model's arithmetic): dart-serve's float32 kernel
       (``dart_core/csrc/qmm.cpp``). Float32 activations and results. The GGUF's codes are read
       as they are (Q8_0 in one 8-bit pass) and each block's scale ``d`` and minimum ``m`` are
       factored out of its 32 products: an output is ``Σ_blocks d · Σ x·q + m · Σ x`` in a fixed
@@ -270,7 +272,7 @@ class Int4Linear(torch.nn.Module):
       every input and output rounded to bfloat16); a Q8_0 tensor runs as two 4-bit passes.
 
     Shapes: x [..., in_features] (any float dtype; cast to ``compute_dtype`` for the kernel and
-    back) → [..., out_features]. With either kernel a row's result does not depend on the other
+    back) → [..., out_features]. With every kernel a row's result does not depend on the other
     rows of the call, so a verification forward computes each position as a one-token forward
     does. Honours :func:`dart_core.target.real_rows` like :class:`~dart_core.target.PackedLinear`.
     ``weight`` gives the de-quantised weight (float32 [out, in]) for code that reads it; the
@@ -399,7 +401,7 @@ class Int4Linear(torch.nn.Module):
     def can_fuse(layers: list[torch.nn.Module]) -> bool:
         """Whether :meth:`fuse` accepts ``layers``: Int4Linear layers of one input size, kernel,
         compute dtype and part count, each but the last with a multiple of ``PACK_BLOCK_ROWS``
-        output rows (both kernels' layouts hold output rows in blocks of 64, so a part must end
+        output rows (every kernel's layout holds output rows in blocks of 64, so a part must end
         where a block does)."""
         first = layers[0]
         return all(type(x) is Int4Linear and x.in_features == first.in_features and x.n_parts == first.n_parts

@@ -47,8 +47,8 @@ def _assert_same_as_stock(target: TargetModel, tol: float = 0.0) -> None:
     assert target.decoder is not None
     ours, our_cache = _steps(target, stock=False)
     stock, stock_cache = _steps(target, stock=True)
-    pairs = list(zip(ours, stock)) + [(a.keys, b.keys) for a, b in zip(our_cache.cache.layers, stock_cache.cache.layers)] \
-        + [(a.values, b.values) for a, b in zip(our_cache.cache.layers, stock_cache.cache.layers)]
+    layers = list(zip(our_cache.cache.layers, stock_cache.cache.layers))
+    pairs = list(zip(ours, stock)) + [(a.keys, b.keys) for a, b in layers] + [(a.values, b.values) for a, b in layers]
     for a, b in pairs:
         if tol == 0:
             assert torch.equal(a, b)
