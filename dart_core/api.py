@@ -172,9 +172,10 @@ class DartModel:
             weights: the target's weight format: ``"dense"`` (de-quantised to ``dtype``),
                 ``"gguf-native"`` (a GGUF's 4-bit blocks run as they are, CPU only:
                 :func:`dart_core.quant.quantize_from_gguf`) or ``"auto"``: :func:`default_weights`.
-            gguf_kernel: the kernel of GGUF-native layers (``"qmm-a8"``: 8-bit activations, llama.cpp's
-                arithmetic; ``"qmm"``: float32 activations, the de-quantised model's arithmetic;
-                ``"aten"``: PyTorch's int4 kernel); None: :func:`dart_core.quant.default_kernel`.
+            gguf_kernel: the kernel of GGUF-native layers (``"qmm"``: float32 activations, the
+                de-quantised model's arithmetic; ``"qmm-a8"``: 8-bit activations, llama.cpp's
+                arithmetic, faster; ``"aten"``: PyTorch's int4 kernel); None:
+                :func:`dart_core.quant.default_kernel`.
                 Ignored when the weights are dense.
             draft_dtype: the draft head's; default the target's, except bfloat16
                 beside a float32 target on a CPU with native bf16 matrix

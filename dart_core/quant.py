@@ -5,15 +5,16 @@ token embedding tied to the output layer) is loaded by transformers as
 de-quantised float32 weights, so every forward streams 4 bytes per weight.
 Here each linear layer is rebuilt from the GGUF's own blocks
 (:class:`Int4Linear`), about 0.6 to 0.75 bytes per weight, and run by one of
-three kernels (:func:`default_kernel` chooses; figures in BENCHMARKS.md,
-"GGUF-native target (CPU)"):
+three kernels (:func:`default_kernel` chooses, ``gguf_kernel`` overrides; figures
+in BENCHMARKS.md, "GGUF-native target (CPU)"):
 
-- **qmm-a8** (``dart_core/csrc/qmm_a8.cpp``, where the CPU has AVX-512 VNNI):
+- **qmm-a8** (``dart_core/csrc/qmm_a8.cpp``, where the CPU has AVX-512 VNNI;
+  opt-in):
   the GGUF's codes and scales (:func:`qmm_a8_weight`) times activations
   quantised to 8 bits per block of 32 inputs, integer dot products within a
   block: the arithmetic of llama.cpp's CPU back end for these block types.
   The weights are the GGUF's values; the activations are rounded to 8 bits.
-- **qmm** (``dart_core/csrc/qmm.cpp``, where the CPU has AVX-512): the
+- **qmm** (``dart_core/csrc/qmm.cpp``, the default where the CPU has AVX-512): the
   GGUF's codes, scales and minimums as they are (:func:`qmm_weight`), float32
   activations; each block's scale and minimum are factored out of its 32
   products, so the weights are the GGUF's de-quantised values.
@@ -128,16 +129,14 @@ _QMM = ("qmm-a8", "qmm")  # dart-serve's own kernels: float32 layer inputs and o
 
 
 def default_kernel() -> str:
-    """``"qmm-a8"`` (8-bit activations, :class:`Int4Linear`) where it runs vectorised (a CPU with
-    AVX-512 VNNI), else ``"qmm"`` (float32 activations) where the CPU has AVX-512, else ``"aten"``
-    (PyTorch's int4 kernel with bfloat16 activations). Chosen by measurement on an AVX512-BF16
-    EPYC, at every row count a verification forward uses (BENCHMARKS.md, "GGUF-native target
-    (CPU)"); without the instructions only the qmm kernels' portable loops remain. ``"qmm"``
-    keeps the greedy output of the de-quantised float32 model, ``"qmm-a8"`` rounds activations as
-    llama.cpp does and so departs from it as llama.cpp's output does (BENCHMARKS.md, the agreement
-    rows): ``gguf_kernel`` chooses another (``DartModel.from_pretrained``, the deployment config)."""
-    if _kernels.qmm_a8_vectorised():
-        return "qmm-a8"
+    """``"qmm"`` (float32 activations, :class:`Int4Linear`) where it runs vectorised (a CPU with
+    AVX-512), else ``"aten"`` (PyTorch's int4 kernel with bfloat16 activations): the fastest kernel
+    whose greedy output is the de-quantised float32 model's (so ``weights: gguf-native`` and
+    ``dense`` give the same text), measured on an AVX512-BF16 EPYC (BENCHMARKS.md, "GGUF-native
+    target (CPU)"). ``"qmm-a8"`` (8-bit activations, AVX-512 VNNI) is faster still but rounds the
+    activations as llama.cpp does, so its text departs from the float32 model's as llama.cpp's
+    does (the agreement rows there): ``gguf_kernel`` chooses it (``DartModel.from_pretrained``,
+    the deployment config). Without AVX-512 only the qmm kernels' portable loops remain."""
     return "qmm" if _kernels.qmm_vectorised() else "aten"
 
 
@@ -252,15 +251,14 @@ class Int4Linear(torch.nn.Module):
     """A bias-free linear layer whose weight is a GGUF tensor's 4-bit (or 8-bit) blocks, applied by
     one of three row-exact CPU kernels (``kernel``):
 
-    - ``"qmm-a8"`` (:func:`default_kernel` where the CPU has AVX-512 VNNI): dart-serve's kernel with
+    - ``"qmm-a8"`` (where the CPU has AVX-512 VNNI, chosen with ``gguf_kernel``): dart-serve's kernel with
       8-bit activations (``dart_core/csrc/qmm_a8.cpp``), llama.cpp's arithmetic for these block
       types. Each input row is quantised per block of 32 inputs (scale ``max |x| / 127``, round to
       nearest even); a block's output is ``d·dx·Σ qw·qx + m·dx·Σ qx`` (integer sums, exact), added
       over the blocks in a fixed order of float32 operations. The weights are the GGUF's values;
       the activations carry 8-bit rounding (each input off by up to half of its block's
       ``max |x| / 127``). Float32 inputs and outputs.
-    - ``"qmm"`` (the default where the CPU has AVX-512 but not VNNI; elsewhere the choice that keeps
-      the de-quantised model's arithmetic): dart-serve's float32 kernel
+    - ``"qmm"`` (:func:`default_kernel` where the CPU has AVX-512): dart-serve's float32 kernel
       (``dart_core/csrc/qmm.cpp``). Float32 activations and results. The GGUF's codes are read
       as they are (Q8_0 in one 8-bit pass) and each block's scale ``d`` and minimum ``m`` are
       factored out of its 32 products: an output is ``Σ_blocks d · Σ x·q + m · Σ x`` in a fixed

@@ -67,10 +67,11 @@ class AppConfig(BaseModel):
         "auto", description='the target\'s weights: "gguf-native" runs a GGUF\'s own 4-bit blocks on the CPU, '
                             '"dense" de-quantises them to dtype; "auto" = gguf-native for a GGUF on the CPU')
     gguf_kernel: Literal["auto", "qmm-a8", "qmm", "aten"] = Field(
-        "auto", description='kernel of the GGUF-native layers: "qmm-a8" (8-bit activations, llama.cpp\'s arithmetic), '
-                            '"qmm" (float32 activations, the de-quantised model\'s arithmetic; slower), "aten" '
-                            '(PyTorch\'s int4 kernel, bfloat16 activations); "auto" = qmm-a8 where the CPU has '
-                            "AVX-512 VNNI, qmm with AVX-512, else aten. Ignored with dense weights")
+        "auto", description='kernel of the GGUF-native layers: "qmm" (float32 activations: the de-quantised '
+                            'model\'s greedy text), "qmm-a8" (8-bit activations, llama.cpp\'s arithmetic: faster, '
+                            'its text departs from the float32 model\'s as llama.cpp\'s does; needs AVX-512 VNNI), '
+                            '"aten" (PyTorch\'s int4 kernel, bfloat16 activations); "auto" = qmm where the CPU has '
+                            "AVX-512, else aten. Ignored with dense weights")
     cuda_graphs: bool = Field(False, description="CUDA only: verify and draft over static KV caches replayed as "
                                                  "CUDA graphs (dart_core.cuda_graphs); refused off CUDA")
     budget: Budget = Field("auto", description='draft nodes per tree: "auto" adapts the tree to the measured '

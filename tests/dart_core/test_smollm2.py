@@ -120,8 +120,9 @@ def test_gguf_special_tokens_come_from_the_file():
 def test_greedy_dart_is_exact_on_the_gguf_native_4bit_target():
     """The served default on a CPU: the GGUF's own Q4_1 / Q8_0 blocks (the default kernel). A batch of
     3 with a random head and the requests' own context, then the repeated span alone (trees of up to
-    60 nodes accepted deeply, over the first 16 tokens: the part the 4-bit target repeats verbatim with
-    8-bit activations, as llama.cpp does): every token equals the 4-bit target's autoregressive output."""
+    60 nodes accepted deeply, over the first 16 tokens: the part every kernel's 4-bit target repeats
+    verbatim; with 8-bit activations, as with llama.cpp, the repetition breaks after 18): every token
+    equals the 4-bit target's autoregressive output."""
     from dart_core.quant import Int4Linear
 
     target = TargetModel.from_pretrained(weights="gguf-native")
