@@ -136,7 +136,7 @@ class DartModel:
         *,
         dtype: torch.dtype | None = None,
         weights: str = "auto",
-        gguf_kernel: str | None = None,
+        gguf_kernel: str = "auto",
         draft_dtype: torch.dtype | None = None,
         device: str | None = None,
         device_map=None,
@@ -174,9 +174,8 @@ class DartModel:
                 :func:`dart_core.quant.quantize_from_gguf`) or ``"auto"``: :func:`default_weights`.
             gguf_kernel: the kernel of GGUF-native layers (``"qmm"``: float32 activations, the
                 de-quantised model's arithmetic; ``"qmm-a8"``: 8-bit activations, llama.cpp's
-                arithmetic, faster; ``"aten"``: PyTorch's int4 kernel); None:
-                :func:`dart_core.quant.default_kernel`.
-                Ignored when the weights are dense.
+                arithmetic, faster; ``"aten"``: PyTorch's int4 kernel) or ``"auto"``:
+                :func:`dart_core.quant.default_kernel`. Ignored when the weights are dense.
             draft_dtype: the draft head's; default the target's, except bfloat16
                 beside a float32 target on a CPU with native bf16 matrix
                 multiplication (AVX512-BF16 / AMX; figures in docs/engine.md).  Output is
@@ -238,7 +237,8 @@ class DartModel:
             weights = default_weights(model, dtype=dtype, device=device, device_map=device_map)
         target = TargetModel.from_pretrained(model, dtype=dtype, device=device, device_map=device_map,
                                              weights=weights,
-                                             gguf_kernel=gguf_kernel if weights == "gguf-native" else None)
+                                             gguf_kernel=None if gguf_kernel == "auto" or weights != "gguf-native"
+                                             else gguf_kernel)
         if cuda_graphs:
             target.enable_static_cache()
         name = getattr(target.tokenizer, "dart_model_name", DEFAULT_MODEL)

@@ -54,8 +54,7 @@ from dart_core.target import _REAL_ROWS, over_real_rows
 logger = logging.getLogger(__name__)
 
 __all__ = ["GGUFWeightsError", "Int4Linear", "int4_parts", "qmm_weight", "qmm_a8_weight", "quantize_from_gguf",
-           "can_int4",
-           "default_compute_dtype", "default_kernel", "KERNELS", "GROUP_SIZE"]
+           "can_int4", "default_compute_dtype", "default_kernel", "KERNELS", "GROUP_SIZE"]
 
 GROUP_SIZE = 32  # the GGUF block length of Q4_0, Q4_1 and Q8_0, and the kernel's group size
 
@@ -349,11 +348,7 @@ class Int4Linear(torch.nn.Module):
                 x = x.detach()
             if not x.is_contiguous():
                 x = x.contiguous()
-            y = torch.empty(x.shape[0], self.out_features)
-            codes, scale, minimum = self._qmm_args
-            (_kernels.qmm_a8 if self.kernel == "qmm-a8" else _kernels.qmm)(
-                x.numpy(), codes, scale, minimum, self.out_features, self.q8, y.numpy())
-            return y
+            return self.fused_into(x, torch.empty(x.shape[0], self.out_features))
         buffers = self._buffers  # read directly: Module.__getattr__ costs more than the small kernels
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, buffers["packed_0"], GROUP_SIZE, buffers["scales_zeros_0"])
         for i in range(1, self.n_parts):

@@ -168,7 +168,7 @@ def run_batching(cfg: BatchingConfig, *, progress: bool = True) -> dict:
     from dart_core.api import DartModel
     from dart_core.batcher import BatcherConfig, ContinuousBatcher, load_in_own_thread
     from dart_core.bench.datasets import load_prompts
-    from dart_core.bench.decoding import gguf_kernel, hardware
+    from dart_core.bench.decoding import hardware
     from dart_core.request import GenerationRequest
 
     if set(cfg.modes) - set(MODES) or not cfg.modes:
@@ -189,7 +189,7 @@ def run_batching(cfg: BatchingConfig, *, progress: bool = True) -> dict:
     # as the Serve deployment loads it: on a thread that ends (load_in_own_thread says why)
     model = load_in_own_thread(lambda: DartModel.from_pretrained(
         cfg.model, head=cfg.head, trie=trie, budget=budget, dtype=getattr(torch, cfg.dtype) if cfg.dtype else None,
-        weights=cfg.weights, gguf_kernel=gguf_kernel(cfg), device=cfg.device, cuda_graphs=cfg.cuda_graphs))
+        weights=cfg.weights, gguf_kernel=cfg.gguf_kernel, device=cfg.device, cuda_graphs=cfg.cuda_graphs))
     if not cfg.gate:
         model.engine.gate = None
     model.engine.pooled_budget = cfg.pooled_budget

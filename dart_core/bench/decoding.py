@@ -209,7 +209,7 @@ class _Bench:
         self.trie_path = None if trie in (None, "none", "auto") else str(trie)
         dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
         self.model = DartModel.from_pretrained(cfg.model, head=cfg.head, trie=self.trie_path, budget=budget,
-                                               dtype=dtype, weights=cfg.weights, gguf_kernel=gguf_kernel(cfg),
+                                               dtype=dtype, weights=cfg.weights, gguf_kernel=cfg.gguf_kernel,
                                                device=cfg.device, cuda_graphs=cfg.cuda_graphs)
         self.engine = self.model.engine
         self.skipped: dict[str, str] = {}  # method -> why it did not run
@@ -410,11 +410,6 @@ def run_decoding(cfg: DecodingConfig, *, progress: bool = True) -> dict:
             "weights": _weights(target), "skipped": bench.skipped,
             "prompts": {d: len(p) for d, p in prompts.items()}, "rows": rows,
             "seconds": round(time.perf_counter() - started, 1)}
-
-
-def gguf_kernel(cfg) -> str | None:
-    """A benchmark config's ``gguf_kernel`` as ``DartModel.from_pretrained`` takes it ("auto": None)."""
-    return None if cfg.gguf_kernel == "auto" else cfg.gguf_kernel
 
 
 def _weights(target) -> str:

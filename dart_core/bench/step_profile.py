@@ -297,7 +297,7 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
 
     from dart_core.api import DartModel
     from dart_core.bench.datasets import load_prompts
-    from dart_core.bench.decoding import gguf_kernel, hardware
+    from dart_core.bench.decoding import hardware
     from dart_core.engine import _sync
 
     if not cfg.modes or set(cfg.modes) - set(MODES):
@@ -317,7 +317,7 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
     budget = cfg.budget if cfg.budget == "auto" else int(cfg.budget)
     model = DartModel.from_pretrained(cfg.model, head=cfg.head, trie=trie, budget=budget, dtype=dtype,
-                                      weights=cfg.weights, gguf_kernel=gguf_kernel(cfg), device=cfg.device,
+                                      weights=cfg.weights, gguf_kernel=cfg.gguf_kernel, device=cfg.device,
                                       cuda_graphs=cfg.cuda_graphs)
     device = model.engine.target.device
     weights = weight_bytes(model.engine.target.model)

@@ -49,15 +49,11 @@ namespace {
 using dart_kernels::kBlockN;
 using dart_kernels::kGroup;
 
-struct Weight {
-  const uint8_t* codes;
-  const float* scale;
-  const float* minimum;  // null for Q8_0
-  int64_t n, k, blocks;
-  bool q8;
-  size_t code_stride() const { return static_cast<size_t>(k) * (q8 ? 64 : 32); }
-  size_t scale_stride() const { return static_cast<size_t>(k / kGroup) * kBlockN; }
-};
+using Weight = dart_kernels::QWeight;
+
+// Elements from one block of 64 output columns to the next: codes, and scales or minimums.
+inline size_t code_stride(const Weight& w) { return static_cast<size_t>(w.k) * (w.q8 ? 64 : 32); }
+inline size_t scale_stride(const Weight& w) { return static_cast<size_t>(w.k / kGroup) * kBlockN; }
 
 // X for every row and group: the sums of each row's inputs over each group of 32, [M, K/32] (4-bit
 // weights only: Q8_0 has no minimum term).
@@ -83,10 +79,10 @@ void qmm_portable(const float* x, int64_t m_rows, const Weight& w, const float* 
                   bool accumulate) {
   const int64_t G = w.k / kGroup;
 #pragma omp parallel for schedule(static) if (m_rows * w.n * w.k >= (1 << 16))
-  for (int64_t b = 0; b < w.blocks; ++b) {
-    const uint8_t* codes = w.codes + b * w.code_stride();
-    const float* sc = w.scale + b * w.scale_stride();
-    const float* mn = w.q8 ? nullptr : w.minimum + b * w.scale_stride();
+  for (int64_t b = 0; b < w.blocks(); ++b) {
+    const uint8_t* codes = w.codes + b * code_stride(w);
+    const float* sc = w.scale + b * scale_stride(w);
+    const float* mn = w.q8 ? nullptr : w.minimum + b * scale_stride(w);
     const int cols = static_cast<int>(std::min<int64_t>(kBlockN, w.n - b * kBlockN));
     for (int64_t r = 0; r < m_rows; ++r) {
       for (int c = 0; c < cols; ++c) {
@@ -160,9 +156,9 @@ DART_AVX512 void direct(const float* x, int64_t ldx, const float* xsum, const We
   __m512 total[R][4], s[R][4], q[4];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) total[r][c] = s[r][c] = _mm512_setzero_ps();
-  const uint8_t* codes = w.codes + b * w.code_stride();
-  const float* sc = w.scale + b * w.scale_stride();
-  const float* mins = kQ8 ? nullptr : w.minimum + b * w.scale_stride();
+  const uint8_t* codes = w.codes + b * code_stride(w);
+  const float* sc = w.scale + b * scale_stride(w);
+  const float* mins = kQ8 ? nullptr : w.minimum + b * scale_stride(w);
   for (int64_t g = 0; g < G; ++g) {
     if (g + kPrefetchGroups < G)  // a later group's codes, ahead of the hardware prefetcher
       for (int64_t line = 0; line < kGroup * kRowBytes / 64; ++line)
@@ -185,8 +181,8 @@ template <bool kQ8>
 DART_AVX512 void qmm_avx512(const float* x, int64_t m_rows, const Weight& w, const float* xsum, float* y,
                             int64_t ldy, bool accumulate) {
   const int64_t K = w.k, G = K / kGroup;
-#pragma omp parallel for schedule(static) if (w.blocks > 1)
-  for (int64_t b = 0; b < w.blocks; ++b) {
+#pragma omp parallel for schedule(static) if (w.blocks() > 1)
+  for (int64_t b = 0; b < w.blocks(); ++b) {
     const int cols = static_cast<int>(std::min<int64_t>(kBlockN, w.n - b * kBlockN));
     for (int64_t r0 = 0; r0 < m_rows; r0 += 4) {  // four rows share each conversion of the codes
       const float* xr = x + r0 * K;
@@ -261,16 +257,15 @@ void call(bool a8, const F32& x, const U8& codes, const F32& scale, const py::ob
 
 }  // namespace
 
-void dart_kernels::qmm_run(const float* x, int64_t m_rows, const QWeight& q, float* y, const float* norm, float eps,
+void dart_kernels::qmm_run(const float* x, int64_t m_rows, const QWeight& w, float* y, const float* norm, float eps,
                            bool gated, bool accumulate, bool portable) {
-  const int64_t K = q.k, n = q.n;
-  const Weight w{q.codes, q.scale, q.minimum, n, K, (n + kBlockN - 1) / kBlockN, q.q8};
+  const int64_t K = w.k, n = w.n;
   std::vector<float> h;
   x = prepare_rows(x, m_rows, K, norm, eps, gated, h);
-  const std::vector<float> xsum = q.q8 ? std::vector<float>() : block_sums(x, m_rows, K);
+  const std::vector<float> xsum = w.q8 ? std::vector<float>() : block_sums(x, m_rows, K);
 #ifdef DART_QMM_AVX512
   if (!portable && cpu_has_avx512()) {
-    if (q.q8) qmm_avx512<true>(x, m_rows, w, xsum.data(), y, n, accumulate);
+    if (w.q8) qmm_avx512<true>(x, m_rows, w, xsum.data(), y, n, accumulate);
     else qmm_avx512<false>(x, m_rows, w, xsum.data(), y, n, accumulate);
     return;
   }

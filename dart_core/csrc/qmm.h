@@ -19,6 +19,7 @@ struct QWeight {
   const float* minimum;
   int64_t n, k;
   bool q8;
+  int64_t blocks() const { return (n + kBlockN - 1) / kBlockN; }  // blocks of 64 output columns
 };
 
 // The rows a layer multiplies (qmm_a8.cpp), for either kernel: x itself without norm or gated, else

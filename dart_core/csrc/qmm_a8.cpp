@@ -49,14 +49,10 @@ namespace {
 using dart_kernels::kBlockN;
 using dart_kernels::kGroup;
 
-struct Weight {
-  const uint8_t* codes;
-  const float* scale;
-  const float* minimum;  // null for Q8_0
-  int64_t n, k, blocks;
-  bool q8;
-  int64_t group_bytes() const { return q8 ? 2048 : 1024; }
-};
+using Weight = dart_kernels::QWeight;
+
+// Bytes of one group of 32 inputs of a block of 64 output columns (the layout above).
+inline int64_t group_bytes(const Weight& w) { return w.q8 ? 2048 : 1024; }
 
 // The activations quantised per row and group of 32.
 struct Quantised {
@@ -144,13 +140,13 @@ inline int code_at(const Weight& w, const uint8_t* group, int c, int64_t k_in_gr
 void qmm_a8_portable(const Quantised& xq, int64_t m_rows, const Weight& w, float* y, int64_t ldy, bool accumulate) {
   const int64_t G = w.k / kGroup;
 #pragma omp parallel for schedule(static) if (m_rows * w.n * w.k >= (1 << 16))
-  for (int64_t b = 0; b < w.blocks; ++b) {
+  for (int64_t b = 0; b < w.blocks(); ++b) {
     const int cols = static_cast<int>(std::min<int64_t>(kBlockN, w.n - b * kBlockN));
     for (int64_t r = 0; r < m_rows; ++r)
       for (int c = 0; c < cols; ++c) {
         float total = 0.0f;
         for (int64_t g = 0; g < G; ++g) {
-          const uint8_t* group = w.codes + (b * G + g) * w.group_bytes();
+          const uint8_t* group = w.codes + (b * G + g) * group_bytes(w);
           int32_t p = 0;
           for (int64_t i = 0; i < kGroup; ++i) p += code_at(w, group, c, i) * xq.q[r * w.k + g * kGroup + i];
           if (w.q8) p -= 128 * xq.qsum[r * G + g];
@@ -210,7 +206,7 @@ template <bool kQ8, int R>
 DART_VNNI void direct(const Quantised& xq, int64_t r0, const Weight& w, int64_t b, float* y, int64_t ldy, int cols,
                       bool accumulate) {
   const int64_t K = w.k, G = K / kGroup;
-  const int64_t gb = w.group_bytes();
+  const int64_t gb = group_bytes(w);
   __m512 total[R][4];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
@@ -291,8 +287,8 @@ DART_VNNI void direct(const Quantised& xq, int64_t r0, const Weight& w, int64_t 
 
 template <bool kQ8>
 void qmm_a8_vnni(const Quantised& xq, int64_t m_rows, const Weight& w, float* y, int64_t ldy, bool accumulate) {
-#pragma omp parallel for schedule(static) if (w.blocks > 1)
-  for (int64_t b = 0; b < w.blocks; ++b) {
+#pragma omp parallel for schedule(static) if (w.blocks() > 1)
+  for (int64_t b = 0; b < w.blocks(); ++b) {
     const int cols = static_cast<int>(std::min<int64_t>(kBlockN, w.n - b * kBlockN));
     for (int64_t r0 = 0; r0 < m_rows; r0 += 4) {  // four rows share each load of the codes
       switch (std::min<int64_t>(4, m_rows - r0)) {
@@ -323,10 +319,9 @@ const float* dart_kernels::prepare_rows(const float* x, int64_t m_rows, int64_t 
   return h.data();
 }
 
-void dart_kernels::qmm_a8_run(const float* x, int64_t m_rows, const QWeight& a8, float* y, const float* norm,
+void dart_kernels::qmm_a8_run(const float* x, int64_t m_rows, const QWeight& w, float* y, const float* norm,
                               float eps, bool gated, bool accumulate, bool portable) {
-  const int64_t K = a8.k, G = K / kGroup, n = a8.n;
-  const Weight w{a8.codes, a8.scale, a8.minimum, n, K, (n + kBlockN - 1) / kBlockN, a8.q8};
+  const int64_t K = w.k, G = K / kGroup, n = w.n;
   std::vector<float> h;
   x = dart_kernels::prepare_rows(x, m_rows, K, norm, eps, gated, h);
   Quantised xq{std::vector<int8_t>(static_cast<size_t>(m_rows * K)), std::vector<float>(static_cast<size_t>(m_rows * G)),
