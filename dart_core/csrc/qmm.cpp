@@ -120,13 +120,7 @@ DART_AVX512 inline void codes_at(const uint8_t* p, __m512* q) {
   q[3] = _mm512_cvtepi32_ps(_mm512_srli_epi32(hi, 4));
 }
 
-DART_AVX512 inline void store_cols(float* y, const __m512& v, int c, int cols, bool accumulate) {
-  const int left = cols - 16 * c;
-  if (left <= 0) return;
-  const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-  const __m512 out = accumulate ? _mm512_add_ps(_mm512_maskz_loadu_ps(mask, y + 16 * c), v) : v;
-  _mm512_mask_storeu_ps(y + 16 * c, mask, out);
-}
+using dart_kernels::store_cols;
 
 // A group of 32 inputs finished for R rows: total = fma(d, S, total), then fma(mn, X, total); S
 // restarts from +0.

@@ -5,6 +5,10 @@
 #include <cstdint>
 #include <vector>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 namespace dart_kernels {
 
 constexpr int kBlockN = 64;  // output columns per weight block, in both kernels' layouts
@@ -21,6 +25,18 @@ struct QWeight {
   bool q8;
   int64_t blocks() const { return (n + kBlockN - 1) / kBlockN; }  // blocks of 64 output columns
 };
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// Vector c (16 columns) of a block's 64 outputs, written to y (or added to it with accumulate); only
+// the block's first cols columns exist.  For both kernels' AVX-512 code.
+__attribute__((target("avx512f"))) inline void store_cols(float* y, const __m512& v, int c, int cols, bool accumulate) {
+  const int left = cols - 16 * c;
+  if (left <= 0) return;
+  const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+  const __m512 out = accumulate ? _mm512_add_ps(_mm512_maskz_loadu_ps(mask, y + 16 * c), v) : v;
+  _mm512_mask_storeu_ps(y + 16 * c, mask, out);
+}
+#endif
 
 // The rows a layer multiplies (qmm_a8.cpp), for either kernel: x itself without norm or gated, else
 // x [M, K] RMS-normalised by norm [K] and eps, or silu(gate) · up of x [M, 2K] when gated, written to

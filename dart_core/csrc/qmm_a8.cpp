@@ -184,13 +184,7 @@ DART_VNNI void quantise_avx512(const float* x, int64_t m_rows, int64_t K, Quanti
     }
 }
 
-DART_VNNI inline void store_cols(float* y, const __m512& v, int c, int cols, bool accumulate) {
-  const int left = cols - 16 * c;
-  if (left <= 0) return;
-  const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-  const __m512 out = accumulate ? _mm512_add_ps(_mm512_maskz_loadu_ps(mask, y + 16 * c), v) : v;
-  _mm512_mask_storeu_ps(y + 16 * c, mask, out);
-}
+using dart_kernels::store_cols;
 
 inline int32_t quad(const int8_t* q, int64_t at) {  // four int8 inputs as one 32-bit lane
   int32_t v;
