@@ -191,6 +191,11 @@ def _cancel_unless_done(handle: RequestHandle):
             handle.cancel()
 
 
+def _ends(item: GenerationChunk | BaseException) -> bool:
+    """The last item a request's sink receives: its final chunk, or an exception."""
+    return isinstance(item, BaseException) or item.finish_reason is not None
+
+
 def _unwrap(item: "GenerationChunk | BaseException") -> GenerationChunk:
     if isinstance(item, BaseException):
         raise item
@@ -351,15 +356,51 @@ class ContinuousBatcher:
     async def agenerate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """:meth:`generate` for asyncio: the chunks arrive on the running event loop; a
         consumer that stops early (or is cancelled) cancels the request."""
+        async for batch in self.agenerate_batches(request):
+            for chunk in batch:
+                yield chunk
+
+    async def agenerate_batches(self, request: GenerationRequest, interval_s: float = 0.0
+                                ) -> AsyncIterator[list[GenerationChunk]]:
+        """:meth:`agenerate`, with the chunks grouped into lists for a consumer that pays per
+        message (a Ray Serve stream pays one object per item, in the sending and in every
+        receiving process): the first chunk goes out alone at once (time to first token is not
+        delayed); after that, each list holds the chunks that arrive until ``interval_s`` seconds
+        have passed since the previous list went out, and the last chunk goes out as soon as it
+        arrives.  With ``interval_s`` 0 a list holds what is already queued when the consumer
+        asks (nothing waits).  Ray Serve LLM groups its streamed responses the same way
+        (``stream_batching_interval_ms``).  Every chunk keeps its own step figures.
+
+        Raises:
+            InvalidRequest: before the first list.
+            RuntimeError: the generation failed in the engine (after the chunks before the failure).
+        """
         loop = asyncio.get_running_loop()
         if request.grammar is not None:  # compiled off the event loop (then cached for submit)
             await asyncio.to_thread(self.grammar, request)
         box: asyncio.Queue = asyncio.Queue()
         with _cancel_unless_done(self.submit(request, lambda item: loop.call_soon_threadsafe(box.put_nowait, item))):
+            sent_at = float("-inf")
             while True:
-                chunk = _unwrap(await box.get())
-                yield chunk
-                if chunk.finish_reason is not None:
+                items = [await box.get()]
+                deadline = sent_at + interval_s
+                while not _ends(items[-1]):
+                    if not box.empty():
+                        items.append(box.get_nowait())
+                        continue
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        break
+                    try:
+                        items.append(await asyncio.wait_for(box.get(), remaining))
+                    except asyncio.TimeoutError:
+                        break
+                chunks = [c for c in items if not isinstance(c, BaseException)]
+                if chunks:
+                    yield chunks
+                    sent_at = loop.time()
+                _unwrap(items[-1])
+                if _ends(items[-1]):
                     return
 
     def stats(self) -> dict:

@@ -97,6 +97,12 @@ class AppConfig(BaseModel):
                                                             "that takes longer to compile is refused (400)")
     max_grammar_chars: int = Field(65536, ge=1, description="structured output: longer schemas, regexes or "
                                                            "choice lists are refused (400)")
+    stream_interval_ms: float = Field(50.0, ge=0, le=1000,
+                                      description="streaming: after a request's first chunk, the engine replica "
+                                                  "sends its chunks to the ingress in groups, one group per this "
+                                                  "many milliseconds (0: only what is already waiting); each "
+                                                  "chunk keeps its own step figures (docs/serving.md, 'Stream "
+                                                  "interval')")
     api_key_env: str = Field("DART_API_KEY", description="environment variable with an optional API key; when set, "
                                                          "requests need `Authorization: Bearer <key>`")
     # the rest of dart_core.speculative.SpeculativeConfig: null keeps its default; validated there (below)

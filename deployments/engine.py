@@ -8,7 +8,7 @@ which falls back to the in-process logits-only search whenever the service is
 away — a request never fails because of the trie), and hands everything else
 to the batcher: queueing, admission, cancellation, detokenisation, stop
 strings.  What this class adds is Serve's: the handle method
-:meth:`DartEngineDeployment.generate` streaming
+:meth:`DartEngineDeployment.generate` streaming lists of
 :class:`~dart_core.request.GenerationChunk` s, Prometheus metrics fed by the
 batcher's observer hooks, and the health check.
 """
@@ -147,14 +147,17 @@ class DartEngineDeployment:
     def model_name(self) -> str:
         return self.name
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        """Streams one completion, chunk by chunk (see :meth:`ContinuousBatcher.agenerate`).
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[list[GenerationChunk]]:
+        """Streams one completion as lists of chunks: the first chunk alone and at once, then the
+        chunks of each ``stream_interval_ms`` together (see
+        :meth:`ContinuousBatcher.agenerate_batches`), so that the Serve stream carries one object
+        per interval rather than one per decoding step.
 
         Raises:
-            InvalidRequest: before the first chunk, for any invalid field.
+            InvalidRequest: before the first list, for any invalid field.
         """
-        async for chunk in self.batcher.agenerate(request):
-            yield chunk
+        async for batch in self.batcher.agenerate_batches(request, self.cfg.stream_interval_ms / 1000.0):
+            yield batch
 
     def stats(self) -> dict:
         """Counters for tests and operators: running and queued requests, steps by mode, n-gram

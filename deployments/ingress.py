@@ -558,8 +558,9 @@ class OpenAIIngress:
                                     request=request)
 
     async def _start(self, gen: GenerationRequest):
-        """Sends the request to the engine; returns (stream, first chunk).  The engine validates
-        before its first chunk, so errors surface here, before any response is committed."""
+        """Sends the request to the engine; returns (stream, first list of chunks).  The engine
+        streams lists of chunks (:meth:`DartEngineDeployment.generate`) and validates before its
+        first list, so errors surface here, before any response is committed."""
         stream = self.engine.generate.options(stream=True).remote(gen)
         try:
             return stream, await stream.__anext__()
@@ -583,16 +584,18 @@ class OpenAIIngress:
             every = opts is not None and opts.continuous_usage_stats
             return StreamingResponse(self._sse(stream, first, rid, created, name, chat, usage, request, every),
                                      media_type="text/event-stream")
-        chunks = [first]
-        async for chunk in stream:
-            chunks.append(chunk)
+        chunks = list(first)
+        async for batch in stream:
+            chunks += batch
         text = "".join(c.text for c in chunks)
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": name, "choices": [_choice(chat, text, chunks[-1].finish_reason, chunks, full=True)],
                 "usage": _usage(chunks[-1])}
 
-    async def _sse(self, stream, first: GenerationChunk, rid, created, name, chat, usage: bool, request: Request,
-                   every_chunk_usage: bool = False):
+    async def _sse(self, stream, first: list[GenerationChunk], rid, created, name, chat, usage: bool,
+                   request: Request, every_chunk_usage: bool = False):
+        """The SSE events of a streamed completion: one event per engine chunk (one decoding step),
+        the events of one list of chunks written together."""
         kind = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": rid, "object": kind, "created": created, "model": name}
         try:
@@ -600,19 +603,22 @@ class OpenAIIngress:
                 yield _sse(head | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                 "logprobs": None, "finish_reason": None}]})
             last, offset = None, 0
-            chunk = first
-            while chunk is not None:
-                last = chunk
+            batch = first
+            while batch is not None:
                 if await request.is_disconnected():
                     stream.cancel()
                     return
-                body = head | {"choices": [_choice(chat, chunk.text, chunk.finish_reason, [chunk], full=False,
-                                                   offset=offset)], "dart": _step_stats(chunk)}
-                if every_chunk_usage:  # vLLM's continuous_usage_stats: the counts so far on every chunk
-                    body["usage"] = _usage(chunk)
-                yield _sse(body)
-                offset += len(chunk.text)
-                chunk = await anext(stream, None)
+                events = []
+                for chunk in batch:
+                    last = chunk
+                    body = head | {"choices": [_choice(chat, chunk.text, chunk.finish_reason, [chunk], full=False,
+                                                       offset=offset)], "dart": _step_stats(chunk)}
+                    if every_chunk_usage:  # vLLM's continuous_usage_stats: the counts so far on every chunk
+                        body["usage"] = _usage(chunk)
+                    events.append(_sse(body))
+                    offset += len(chunk.text)
+                yield "".join(events)
+                batch = await anext(stream, None)
             if usage:
                 yield _sse(head | {"choices": [], "usage": _usage(last)})
             yield "data: [DONE]\n\n"
@@ -648,9 +654,11 @@ class OpenAIIngress:
                 context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED if busy else grpc.StatusCode.INVALID_ARGUMENT)
                 context.set_details(message)
             raise InvalidRequest(message) from None  # a plain exception the proxy can unpickle
-        yield first
-        async for chunk in stream:
+        for chunk in first:
             yield chunk
+        async for batch in stream:
+            for chunk in batch:
+                yield chunk
 
     async def GenerateStream(self, request, grpc_context=None):  # noqa: N802 - the gRPC method name
         from deployments._proto import dart_pb2

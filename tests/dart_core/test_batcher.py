@@ -382,3 +382,59 @@ def test_a_model_loaded_in_its_own_thread_leaves_no_openmp_pool_behind():
     finally:
         stop.set()
         stays.join()
+
+
+@pytest.mark.parametrize("interval_s", [0.0, 0.05, 10.0])
+def test_grouped_streaming_keeps_every_chunk_and_sends_the_first_alone(model, interval_s):
+    """agenerate_batches (what the Serve deployment streams): the same chunks as generate, in
+    order, grouped into lists; the first list is the prefill's chunk alone, and with an interval
+    longer than the whole generation the rest arrive as one list that ends with the last chunk
+    (the last chunk is not held back for the interval)."""
+    import asyncio
+
+    n = 12
+    with ContinuousBatcher(model.engine, model.tokenizer) as b:
+        want = list(b.generate(GenerationRequest(prompt=PROMPTS[2], max_tokens=n)))
+
+        async def collect():
+            started = time.perf_counter()
+            lists = [batch async for batch in b.agenerate_batches(GenerationRequest(prompt=PROMPTS[2], max_tokens=n),
+                                                                  interval_s)]
+            return lists, time.perf_counter() - started
+
+        lists, seconds = asyncio.run(collect())
+    chunks = [c for batch in lists for c in batch]
+    assert [c.token_ids for c in chunks] == [c.token_ids for c in want]
+    assert [c.text for c in chunks] == [c.text for c in want] and chunks[-1].finish_reason == "length"
+    assert all(batch for batch in lists) and len(lists[0]) == 1 and lists[0][0].steps == 0
+    if interval_s == 10.0:
+        assert len(lists) == 2 and seconds < interval_s
+
+
+def test_grouped_streaming_raises_after_the_chunks_before_a_failure(model, monkeypatch):
+    """A generation that fails in the engine after some steps: the chunks before the failure
+    arrive, then the error; an invalid request raises before any list."""
+    import asyncio
+
+    real = model.engine.generate_stream
+
+    def failing(*args, **kwargs):
+        for i, step in enumerate(real(*args, **kwargs)):
+            if i == 3:
+                raise RuntimeError("boom")
+            yield step
+
+    with ContinuousBatcher(model.engine, model.tokenizer) as b:
+        monkeypatch.setattr(model.engine, "generate_stream", failing)
+
+        async def collect(request):
+            got = []
+            with pytest.raises((RuntimeError, InvalidRequest)) as e:
+                async for batch in b.agenerate_batches(request, 10.0):
+                    got.append(batch)
+            return got, e.value
+
+        got, error = asyncio.run(collect(GenerationRequest(prompt=PROMPTS[0], max_tokens=20)))
+        assert "boom" in str(error) and [len(batch) for batch in got] == [1, 2]  # the prefill, then 2 steps
+        got, error = asyncio.run(collect(GenerationRequest(prompt="x", max_tokens=10 ** 6)))
+        assert isinstance(error, InvalidRequest) and got == []

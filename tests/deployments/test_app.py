@@ -546,3 +546,24 @@ def test_smollm2_app_serves_the_targets_greedy_text(app):
         assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == want
     finally:
         serve.delete("smol")
+
+
+def test_the_engine_streams_chunks_in_groups(app):
+    """The engine replica's stream (what the ingress reads) groups chunks by ``stream_interval_ms``:
+    the prefill's chunk alone first, fewer Ray items than decoding steps, every step still its own
+    chunk (the tokens add up, one chunk per step)."""
+    from dart_core.request import GenerationRequest
+
+    engine = serve.get_deployment_handle("DartEngine", app_name="dart")
+
+    async def collect():
+        return [batch async for batch in engine.generate.options(stream=True).remote(
+            GenerationRequest(prompt="Once upon a time", max_tokens=32, ignore_eos=True, speculative=False))]
+
+    import asyncio
+
+    lists = asyncio.run(collect())
+    chunks = [c for batch in lists for c in batch]
+    assert len(lists[0]) == 1 and lists[0][0].steps == 0
+    assert sum(len(c.token_ids) for c in chunks) == 32 and len(chunks) == 32  # one token per step, speculation off
+    assert len(lists) < len(chunks) and chunks[-1].finish_reason == "length"
