@@ -1,7 +1,7 @@
 """BENCHMARKS.md's sections that come from one-off measurements, rendered from their result files:
 ``python -m dart_core.bench.sections`` (``--check`` exits 1 where the page is not what the files give).
 
-Six sections of the page hold results that are not re-measured by the report itself:
+Seven sections of the page hold results that are not re-measured by the report itself:
 
 - "Continuous batching without Ray": ``bench/results/batching_cpu/batching.json``
   (:mod:`dart_core.bench.batching`);
@@ -15,7 +15,9 @@ Six sections of the page hold results that are not re-measured by the report its
 - "The speculation gate, replayed": the engine's debug logs of :data:`GATE_LOGS`
   (:mod:`dart_core.bench.gate_replay`);
 - "Prefill and freed memory (CPU)": ``bench/results/cpu_memory/*.json`` (:mod:`dart_core.bench.batching`
-  run by three engine versions, :func:`render_cpu_memory`).
+  run by three engine versions, :func:`render_cpu_memory`);
+- "Stream interval": ``bench/results/stream_interval/*.json`` (:mod:`dart_core.bench.serving` against
+  ``serve run deployments/dart.yaml`` with the engine's stream grouping varied, :func:`render_stream_interval`).
 
 Each is written between its own markers; the page's text around them (what the figures mean)
 cites the tables and copies none of their numbers. Derived rows (per-core capacity, the
@@ -33,7 +35,8 @@ import sys
 from pathlib import Path
 
 __all__ = ["render_batching", "render_reference_import", "render_billion_trie", "render_serving_threads",
-           "render_gate_replay", "render_cpu_memory", "GATE_LOGS", "CPU_MEMORY_VARIANTS", "SECTIONS", "write_sections", "main"]
+           "render_gate_replay", "render_cpu_memory", "render_stream_interval", "GATE_LOGS", "CPU_MEMORY_VARIANTS",
+           "STREAM_VARIANTS", "SECTIONS", "write_sections", "main"]
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
@@ -256,6 +259,50 @@ def render_serving_threads(results: Path = RESULTS) -> str:
                      + [line for _, line in sorted(table)])
 
 
+#: the stream settings of "Stream interval", in table order: (file prefix, heading)
+STREAM_VARIANTS = (("per-step", "one item per step"), ("interval-0", "0 ms"), ("interval-20", "20 ms"),
+                   ("interval-50", "50 ms"))
+
+
+def render_stream_interval(results: Path = RESULTS) -> str:
+    """``serve run deployments/dart.yaml`` with the engine replica streaming one item per decoding
+    step (the engine before ``stream_interval_ms``) and with chunks grouped at 0, 20 and 50 ms:
+    per level and mode, the median over runs of tokens/s and of the median time to first token,
+    from ``stream_interval/<variant>-<run>.json`` (:mod:`dart_core.bench.serving` results).
+
+    Raises:
+        FileNotFoundError: a variant without result files.
+    """
+    runs: dict[str, list[dict]] = {}
+    for prefix, _ in STREAM_VARIANTS:
+        files = sorted((results / "stream_interval").glob(f"{prefix}-r[0-9]*.json"))
+        if not files:
+            raise FileNotFoundError(f"no results {results / 'stream_interval' / prefix}-r<run>.json")
+        runs[prefix] = [json.loads(f.read_text()) for f in files]
+    c = runs[STREAM_VARIANTS[0][0]][0]["config"]
+
+    def median(prefix: str, level: int, mode: str, key) -> float:
+        return statistics.median(key(r) for run in runs[prefix] for r in run["rows"]
+                                 if r["concurrency"] == level and r["mode"] == mode)
+
+    heads = [h for _, h in STREAM_VARIANTS]
+    first, last = STREAM_VARIANTS[0][0], STREAM_VARIANTS[-1][0]
+    lines = [f"`python -m dart_core.bench.serving --concurrency {' '.join(map(str, c['concurrency']))} "
+             f"--requests-per-client {c['requests_per_client']} --max-tokens {c['max_tokens']} --dataset "
+             f"{c['dataset']}` against `serve run deployments/dart.yaml`; runs per setting: "
+             f"{', '.join(f'{h} {len(runs[p])}' for p, h in STREAM_VARIANTS)}. Medians over runs.", "",
+             "| clients | mode | " + " | ".join(f"tokens/s, {h}" for h in heads) + f" | {heads[-1]} ÷ {heads[0]} | "
+             + f"TTFT p50 ms, {heads[0]} | TTFT p50 ms, {heads[-1]} |",
+             "|---:|---|" + "---:|" * (len(heads) + 3)]
+    for level in c["concurrency"]:
+        for mode in c["modes"]:
+            tps = [median(p, level, mode, lambda r: r["tokens_per_s"]) for p, _ in STREAM_VARIANTS]
+            ttft = [median(p, level, mode, lambda r: r["ttft_ms"]["p50"]) for p in (first, last)]
+            lines.append(f"| {level} | {mode} | " + " | ".join(f"{x:.1f}" for x in tps) + f" | {tps[-1] / tps[0]:.2f}× | "
+                         + " | ".join(f"{x:.0f}" for x in ttft) + " |")
+    return "\n".join(lines)
+
+
 #: (title, log files under bench/results) of the gate replays: one engine debug log set per machine
 GATE_LOGS = (("CPU: 2-core AMD EPYC with AVX512-BF16, the 4-bit target, AlpacaEval instructions (the tuning set), one "
               "client (`python -m dart_core.bench.batching --concurrency 1 --requests-per-client 4 --max-tokens 128 "
@@ -331,7 +378,8 @@ def render_cpu_memory(results: Path = RESULTS) -> str:
 #: (marker name, renderer) of every section this module writes
 SECTIONS = (("batching-cpu", render_batching), ("reference-import", render_reference_import),
             ("billion-trie", render_billion_trie), ("serving-threads", render_serving_threads),
-            ("gate-replay", render_gate_replay), ("cpu-memory", render_cpu_memory))
+            ("gate-replay", render_gate_replay), ("cpu-memory", render_cpu_memory),
+            ("stream-interval", render_stream_interval))
 
 
 def _block(name: str, body: str) -> str:
