@@ -663,6 +663,31 @@ def test_the_serving_threads_table_reads_loader_threads_and_run_from_file_names(
         render_serving_threads(tmp_path / "nowhere")
 
 
+def test_the_stream_interval_table_takes_medians_over_runs_per_setting(tmp_path):
+    import json
+
+    from dart_core.bench.sections import STREAM_VARIANTS, render_stream_interval
+
+    folder = tmp_path / "stream_interval"
+    folder.mkdir()
+    config = {"concurrency": [1], "requests_per_client": 4, "max_tokens": 128, "modes": ["no-speculation"],
+              "dataset": "alpacaeval"}
+
+    def run(tps, ttft):
+        return json.dumps({"config": config, "rows": [{"concurrency": 1, "mode": "no-speculation",
+                                                       "tokens_per_s": tps, "ttft_ms": {"p50": ttft}}]})
+
+    for prefix, _ in STREAM_VARIANTS[:-1]:
+        (folder / f"{prefix}-r1.json").write_text(run(100.0, 80.0))
+    with pytest.raises(FileNotFoundError, match="interval-50"):
+        render_stream_interval(tmp_path)
+    for i, tps in enumerate((120.0, 150.0, 130.0), 1):  # median 130
+        (folder / f"interval-50-r{i}.json").write_text(run(tps, 70.0 + i))
+    table = render_stream_interval(tmp_path)
+    assert "| 1 | no-speculation | 100.0 | 100.0 | 100.0 | 130.0 | 1.30× | 80 | 72 |" in table
+    assert "50 ms 3" in table
+
+
 def test_log_level_option_sets_dart_serves_own_loggers(tmp_path):
     """``--log-level debug`` (every in-process benchmark CLI) turns on the engine's step-by-step gate log and
     leaves other libraries' loggers alone."""
