@@ -42,7 +42,8 @@ from ngram_service.tree_search import SearchParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DartModel", "Completion", "GenerateOutput", "StreamChunk", "SHIPPED_HEADS", "default_weights"]
+__all__ = ["DartModel", "Completion", "GenerateOutput", "StreamChunk", "SHIPPED_HEADS", "DRAFT_WEIGHTS", "default_weights",
+           "default_draft_weights"]
 
 Message = dict  # {"role": ..., "content": ...}
 Prompt = Union[str, Sequence[int], Sequence[Message]]
@@ -94,6 +95,37 @@ def default_draft_dtype(target: TargetModel) -> torch.dtype:
     return target.dtype
 
 
+#: the values of ``DartModel.from_pretrained(draft_weights=...)``
+DRAFT_WEIGHTS = ("auto", "dense", "q8_0")
+
+
+def default_draft_weights(target: TargetModel) -> str:
+    """``draft_weights="auto"``: ``"q8_0"`` beside a float32 CPU target where the CPU runs the qmm kernel
+    (AVX-512: :func:`dart_core.quant.default_kernel`), where the head's weights read from memory
+    after each target forward are half their bf16 bytes (docs/engine.md, "Draft weights");
+    ``"dense"`` otherwise."""
+    from dart_core.quant import default_kernel
+
+    on_cpu = target.device.type == "cpu" and target.dtype == torch.float32
+    return "q8_0" if on_cpu and default_kernel() == "qmm" else "dense"
+
+
+def resolve_draft_weights(draft_weights: str, target: TargetModel) -> str:
+    """``draft_weights`` checked, with ``"auto"`` resolved (:func:`default_draft_weights`).
+
+    Raises:
+        ValueError: an unknown value, or ``"q8_0"`` off the CPU or on a CPU without AVX-512."""
+    from dart_core.quant import default_kernel
+
+    if draft_weights not in DRAFT_WEIGHTS:
+        raise ValueError(f"draft_weights must be one of {DRAFT_WEIGHTS}, not {draft_weights!r}")
+    if draft_weights == "auto":
+        return default_draft_weights(target)
+    if draft_weights == "q8_0" and (target.device.type != "cpu" or default_kernel() != "qmm"):
+        raise ValueError("draft_weights='q8_0' runs on a CPU with AVX-512 (the qmm kernel) only")
+    return draft_weights
+
+
 def default_weights(model: str | None = None, *, dtype: torch.dtype | None = None, device: str | None = None,
                     device_map=None) -> str:
     """``DartModel.from_pretrained``'s ``weights="auto"``: ``"gguf-native"`` for a GGUF model (the
@@ -138,6 +170,7 @@ class DartModel:
         weights: str = "auto",
         gguf_kernel: str = "auto",
         draft_dtype: torch.dtype | None = None,
+        draft_weights: str = "auto",
         device: str | None = None,
         device_map=None,
         search_params: SearchParams | None = None,
@@ -180,6 +213,11 @@ class DartModel:
                 beside a float32 target on a CPU with native bf16 matrix
                 multiplication (AVX512-BF16 / AMX; figures in docs/engine.md).  Output is
                 exact either way: the target verifies.
+            draft_weights: the draft head's linear layers: ``"dense"`` (``draft_dtype``),
+                ``"q8_0"`` (quantised to Q8_0 blocks at load and run by the float32 qmm kernel,
+                CPU with AVX-512 only: :func:`dart_core.quant.quantize_linears`; the rest of the
+                head in float32) or ``"auto"``: :func:`default_draft_weights`.  Output is exact
+                either way.
             device: default CUDA when available; ignored with ``device_map``. A CPU target also
                 keeps freed tensor memory mapped for reuse (:func:`~dart_core.allocator.keep_freed_memory`).
             device_map: forwarded to transformers/accelerate for targets larger than one device.
@@ -213,7 +251,8 @@ class DartModel:
             HeadLoadError: the head does not fit the target.
             TokenizerMismatchError: the trie was built with another tokenizer.
             ValueError: ``cuda_graphs`` off CUDA; an unknown ``weights``, or "gguf-native" where it
-                does not apply (see :meth:`TargetModel.from_pretrained`).
+                does not apply (see :meth:`TargetModel.from_pretrained`); an unknown
+                ``draft_weights``, or "q8_0" off the CPU or without AVX-512.
             GGUFWeightsError: a GGUF whose 4-bit blocks do not match its de-quantised weights.
         """
         if speculative_config is None:
@@ -242,8 +281,14 @@ class DartModel:
         if cuda_graphs:
             target.enable_static_cache()
         name = getattr(target.tokenizer, "dart_model_name", DEFAULT_MODEL)
-        draft = cls._load_head(head, name, target, draft_dtype or default_draft_dtype(target))
-        if draft is not None and can_pack(draft):  # a float32 head on a CPU: oneDNN-packed like the target
+        draft_weights = resolve_draft_weights(draft_weights, target)
+        draft = cls._load_head(head, name, target, torch.float32 if draft_weights == "q8_0"
+                               else draft_dtype or default_draft_dtype(target))
+        if draft is not None and draft_weights == "q8_0":
+            from dart_core.quant import quantize_linears
+
+            logger.info("quantised %d linear layers of the draft head to Q8_0", quantize_linears(draft))
+        elif draft is not None and can_pack(draft):  # a float32 head on a CPU: oneDNN-packed like the target
             logger.info("packed %d linear layers of the draft head for oneDNN", pack_linears(draft))
         params = spec.search_params
         eos = target.tokenizer.eos_token_id if target.tokenizer is not None else None

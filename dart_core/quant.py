@@ -53,7 +53,8 @@ from dart_core.target import _REAL_ROWS, over_real_rows
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GGUFWeightsError", "Int4Linear", "int4_parts", "qmm_weight", "qmm_a8_weight", "quantize_from_gguf",
+__all__ = ["GGUFWeightsError", "Int4Linear", "int4_parts", "quantize_linears", "qmm_weight", "qmm_a8_weight",
+           "quantize_from_gguf",
            "can_int4", "default_compute_dtype", "default_kernel", "KERNELS", "GROUP_SIZE"]
 
 GROUP_SIZE = 32  # the GGUF block length of Q4_0, Q4_1 and Q8_0, and the kernel's group size
@@ -120,6 +121,42 @@ def int4_parts(raw: np.ndarray, type_name: str, shape: tuple[int, int]
     if type_name == "Q4_0":
         return [(codes, d, np.zeros_like(d))]
     return [(codes, d, _f16(blocks, 2) + 8 * d)]
+
+
+def quantize_linears(module: torch.nn.Module, kernel: str | None = None) -> int:
+    """Replaces every ``nn.Linear`` of ``module`` (in place; bias-free layers only) by an
+    :class:`Int4Linear` over its weight's Q8_0 blocks (the ``gguf`` package's quantiser, ggml's:
+    per block of 32 inputs ``d = max |w| / 127``, codes ``round(w / d)``), run by a qmm kernel
+    (``kernel``, default :func:`default_kernel`); returns how many.  For inference: the new layers
+    take float32 inputs and hold no parameters.  The draft head uses it on a CPU with AVX-512
+    (``DartModel.from_pretrained(draft_weights="q8_0")``; docs/engine.md, "Draft weights").
+
+    Raises:
+        ValueError: a linear layer with a bias, or ``kernel`` not a qmm kernel (this CPU has none:
+            :func:`default_kernel` is ``"aten"``).
+        GGUFWeightsError: an in_features that is not a multiple of 32.
+    """
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    kernel = kernel or default_kernel()
+    if kernel not in _QMM:
+        raise ValueError(f"Q8_0 linear layers need a qmm kernel (AVX-512), not {kernel!r}")
+    count = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear:
+                if child.bias is not None:
+                    raise ValueError(f"{name}: Q8_0 layers here have no bias")
+                if child.in_features % GROUP_SIZE:
+                    raise GGUFWeightsError(f"{name}: in_features {child.in_features} is not a multiple of the "
+                                           f"block length {GROUP_SIZE}")
+                w = child.weight.detach().float().numpy()
+                raw = quantize(w, GGMLQuantizationType.Q8_0)
+                layer = Int4Linear(int4_parts(raw, "Q8_0", tuple(w.shape)), gguf_type="Q8_0", kernel=kernel)
+                setattr(parent, name, layer)
+                count += 1
+    return count
 
 
 #: the three CPU kernels of :class:`Int4Linear`

@@ -72,6 +72,10 @@ class AppConfig(BaseModel):
                             'its text departs from the float32 model\'s as llama.cpp\'s does; needs AVX-512 VNNI), '
                             '"aten" (PyTorch\'s int4 kernel, bfloat16 activations); "auto" = qmm where the CPU has '
                             "AVX-512, else aten. Ignored with dense weights")
+    draft_weights: Literal["auto", "dense", "q8_0"] = Field(
+        "auto", description='the draft head\'s linear layers: "q8_0" (quantised at load to Q8_0 blocks, run by the '
+                            'float32 qmm kernel; CPU with AVX-512), "dense" (dtype of the head: bfloat16 beside a '
+                            'float32 target where the CPU has native bf16); "auto" = q8_0 where the CPU has AVX-512')
     cuda_graphs: bool = Field(False, description="CUDA only: verify and draft over static KV caches replayed as "
                                                  "CUDA graphs (dart_core.cuda_graphs); refused off CUDA")
     budget: Budget = Field("auto", description='draft nodes per tree: "auto" adapts the tree to the measured '

@@ -124,7 +124,7 @@ class DartEngineDeployment:
         # loaded on a thread that ends, so that the batcher's engine thread owns the only OpenMP pool
         self.model = load_in_own_thread(lambda: DartModel.from_pretrained(
             cfg.model, head=cfg.head, trie=None, dtype=dtype, weights=cfg.weights,
-            gguf_kernel=cfg.gguf_kernel,
+            gguf_kernel=cfg.gguf_kernel, draft_weights=cfg.draft_weights,
             speculative_config=cfg.speculative_config()))
         self.tree_search = None
         if self._ngram is not None:

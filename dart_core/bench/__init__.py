@@ -51,14 +51,18 @@ def add_engine_arguments(ap, defaults) -> None:
 
 
 def add_weights_argument(ap, defaults) -> None:
-    """``--weights`` and ``--gguf-kernel``: the target's weight format and GGUF kernel
-    (``DartModel.from_pretrained(weights=..., gguf_kernel=...)``)."""
+    """``--weights``, ``--gguf-kernel`` and ``--draft-weights``: the target's weight format and GGUF
+    kernel, and the draft head's weights (``DartModel.from_pretrained(weights=..., gguf_kernel=...,
+    draft_weights=...)``)."""
     ap.add_argument("--weights", default=defaults.weights, choices=["auto", "dense", "gguf-native"],
                     help="the target's weights: a GGUF's own 4-bit blocks (gguf-native, CPU), de-quantised to "
                          "--dtype (dense), or auto [%(default)s: gguf-native for a GGUF on the CPU]")
     ap.add_argument("--gguf-kernel", default="auto", choices=["auto", "qmm-a8", "qmm", "aten"],
                     help="the kernel of GGUF-native layers (dart_core.quant.KERNELS) [%(default)s: "
                          "dart_core.quant.default_kernel()]")
+    ap.add_argument("--draft-weights", default="auto", choices=["auto", "dense", "q8_0"],
+                    help="the draft head's linear layers: Q8_0 blocks run by the qmm kernel (CPU with AVX-512), "
+                         "dense, or auto [%(default)s: dart_core.api.default_draft_weights()]")
 
 
 def add_cuda_graphs_argument(ap) -> None:

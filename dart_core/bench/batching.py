@@ -68,6 +68,7 @@ class BatchingConfig:
     dtype: str | None = None
     weights: str = "auto"  # the target's weights: "auto", "dense" or "gguf-native"
     gguf_kernel: str = "auto"  # the GGUF-native layers' kernel: "auto" or one of dart_core.quant.KERNELS
+    draft_weights: str = "auto"  # the draft head's linear layers: "auto" or one of dart_core.api.DRAFT_WEIGHTS
     device: str | None = None
     threads: int | None = None  # torch CPU threads (default: torch's)
     cuda_graphs: bool = False  # CUDA: verification and draft replayed as CUDA graphs over static KV caches
@@ -189,7 +190,8 @@ def run_batching(cfg: BatchingConfig, *, progress: bool = True) -> dict:
     # as the Serve deployment loads it: on a thread that ends (load_in_own_thread says why)
     model = load_in_own_thread(lambda: DartModel.from_pretrained(
         cfg.model, head=cfg.head, trie=trie, budget=budget, dtype=getattr(torch, cfg.dtype) if cfg.dtype else None,
-        weights=cfg.weights, gguf_kernel=cfg.gguf_kernel, device=cfg.device, cuda_graphs=cfg.cuda_graphs))
+        weights=cfg.weights, gguf_kernel=cfg.gguf_kernel,
+        draft_weights=cfg.draft_weights, device=cfg.device, cuda_graphs=cfg.cuda_graphs))
     if not cfg.gate:
         model.engine.gate = None
     model.engine.pooled_budget = cfg.pooled_budget

@@ -93,6 +93,7 @@ class DecodingConfig:
     dtype: str | None = None  # default: bfloat16 on CUDA, float32 on CPU
     weights: str = "auto"  # the target's weights: "auto", "dense" or "gguf-native" (DartModel.from_pretrained)
     gguf_kernel: str = "auto"  # the GGUF-native layers' kernel: "auto" or one of dart_core.quant.KERNELS
+    draft_weights: str = "auto"  # the draft head's linear layers: "auto" or one of dart_core.api.DRAFT_WEIGHTS
     device: str | None = None
     threads: int | None = None  # torch CPU threads (default: torch's)
     cuda_graphs: bool = False  # CUDA: verification and draft replayed as CUDA graphs over static KV caches
@@ -210,7 +211,8 @@ class _Bench:
         dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
         self.model = DartModel.from_pretrained(cfg.model, head=cfg.head, trie=self.trie_path, budget=budget,
                                                dtype=dtype, weights=cfg.weights, gguf_kernel=cfg.gguf_kernel,
-                                               device=cfg.device, cuda_graphs=cfg.cuda_graphs)
+                                               draft_weights=cfg.draft_weights, device=cfg.device,
+                                               cuda_graphs=cfg.cuda_graphs)
         self.engine = self.model.engine
         self.skipped: dict[str, str] = {}  # method -> why it did not run
         self.dense = self.llama = self.llama_lookup = None

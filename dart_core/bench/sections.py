@@ -1,7 +1,7 @@
 """BENCHMARKS.md's sections that come from one-off measurements, rendered from their result files:
 ``python -m dart_core.bench.sections`` (``--check`` exits 1 where the page is not what the files give).
 
-Seven sections of the page hold results that are not re-measured by the report itself:
+Eight sections of the page hold results that are not re-measured by the report itself:
 
 - "Continuous batching without Ray": ``bench/results/batching_cpu/batching.json``
   (:mod:`dart_core.bench.batching`);
@@ -17,7 +17,9 @@ Seven sections of the page hold results that are not re-measured by the report i
 - "Prefill and freed memory (CPU)": ``bench/results/cpu_memory/*.json`` (:mod:`dart_core.bench.batching`
   run by three engine versions, :func:`render_cpu_memory`);
 - "Stream interval": ``bench/results/stream_interval/*.json`` (:mod:`dart_core.bench.serving` against
-  ``serve run deployments/dart.yaml`` with the engine's stream grouping varied, :func:`render_stream_interval`).
+  ``serve run deployments/dart.yaml`` with the engine's stream grouping varied, :func:`render_stream_interval`);
+- "Draft weights": ``bench/results/draft_weights/*.json`` (:mod:`dart_core.bench.decoding` with the draft head
+  dense and in Q8_0 blocks, :func:`render_draft_weights`).
 
 Each is written between its own markers; the page's text around them (what the figures mean)
 cites the tables and copies none of their numbers. Derived rows (per-core capacity, the
@@ -35,8 +37,8 @@ import sys
 from pathlib import Path
 
 __all__ = ["render_batching", "render_reference_import", "render_billion_trie", "render_serving_threads",
-           "render_gate_replay", "render_cpu_memory", "render_stream_interval", "GATE_LOGS", "CPU_MEMORY_VARIANTS",
-           "STREAM_VARIANTS", "SECTIONS", "write_sections", "main"]
+           "render_gate_replay", "render_cpu_memory", "render_stream_interval", "render_draft_weights", "GATE_LOGS",
+           "CPU_MEMORY_VARIANTS", "STREAM_VARIANTS", "DRAFT_WEIGHT_SETTINGS", "SECTIONS", "write_sections", "main"]
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
@@ -303,6 +305,57 @@ def render_stream_interval(results: Path = RESULTS) -> str:
     return "\n".join(lines)
 
 
+#: the draft-head weight settings of "Draft weights", in table order
+DRAFT_WEIGHT_SETTINGS = ("dense", "q8_0")
+
+
+def render_draft_weights(results: Path = RESULTS) -> str:
+    """The decoding benchmark with the draft head's linear layers dense (bf16 on this kind of CPU)
+    and in Q8_0 blocks, runs alternating: per setting the median over runs of DART's tokens/s, of
+    autoregressive tokens/s, of DART ÷ autoregressive (each run's own ratio), of the draft's and the
+    whole step's ms and of τ, from ``draft_weights/<setting>-r<run>.json``; and τ at a fixed budget
+    of 60 nodes from ``draft_weights/tau60-<setting>.json`` (:mod:`dart_core.bench.decoding` results).
+
+    Raises:
+        FileNotFoundError: a setting without result files.
+    """
+    from dart_core.bench import decoding
+
+    runs: dict[str, list[dict]] = {}
+    for setting in DRAFT_WEIGHT_SETTINGS:
+        files = sorted((results / "draft_weights").glob(f"{setting}-r[0-9]*.json"))
+        tau = results / "draft_weights" / f"tau60-{setting}.json"
+        if not files or not tau.is_file():
+            raise FileNotFoundError(f"no results {results / 'draft_weights' / setting}-r<run>.json and {tau}")
+        runs[setting] = [json.loads(f.read_text()) for f in files]
+    first = runs[DRAFT_WEIGHT_SETTINGS[0]][0]
+    c = first["config"]
+
+    def row(run: dict, method: str) -> dict:
+        return next(r for r in run["rows"] if r["method"] == method)
+
+    def median(setting: str, key) -> float:
+        return statistics.median(key(run) for run in runs[setting])
+
+    lines = [f"Measured on {decoding.hardware_line(first['hardware'])}; `python -m dart_core.bench --datasets "
+             f"{' '.join(c['datasets'])} --num-prompts {c['num_prompts']} --max-new-tokens {c['max_new_tokens']} "
+             f"--threads {c['threads']} --methods autoregressive dart-context --draft-weights <setting>` (budget "
+             f"`{c['budget']}`), runs per setting: "
+             f"{', '.join(f'{s} {len(runs[s])}' for s in DRAFT_WEIGHT_SETTINGS)}, alternating. Medians over runs; "
+             "τ at budget 60 from one run with `--budget 60 --methods dart-context`.", "",
+             "| draft weights | DART tokens/s | autoregressive tokens/s | DART ÷ autoregressive | draft ms per step "
+             "| step ms | τ | τ at budget 60 |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in DRAFT_WEIGHT_SETTINGS:
+        tau60 = row(json.loads((results / "draft_weights" / f"tau60-{s}.json").read_text()), "dart-context")["tau"]
+        lines.append(f"| {s} | {median(s, lambda r: row(r, 'dart-context')['tokens_per_s']):.1f} | "
+                     f"{median(s, lambda r: row(r, 'autoregressive')['tokens_per_s']):.1f} | "
+                     f"{median(s, lambda r: row(r, 'dart-context')['speedup']):.2f}× | "
+                     f"{median(s, lambda r: row(r, 'dart-context')['ms_per_step']['draft']):.2f} | "
+                     f"{median(s, lambda r: row(r, 'dart-context')['ms_per_step']['total']):.2f} | "
+                     f"{median(s, lambda r: row(r, 'dart-context')['tau']):.2f} | {tau60:.2f} |")
+    return "\n".join(lines)
+
+
 #: (title, log files under bench/results) of the gate replays: one engine debug log set per machine
 GATE_LOGS = (("CPU: 2-core AMD EPYC with AVX512-BF16, the 4-bit target, AlpacaEval instructions (the tuning set), one "
               "client (`python -m dart_core.bench.batching --concurrency 1 --requests-per-client 4 --max-tokens 128 "
@@ -379,7 +432,7 @@ def render_cpu_memory(results: Path = RESULTS) -> str:
 SECTIONS = (("batching-cpu", render_batching), ("reference-import", render_reference_import),
             ("billion-trie", render_billion_trie), ("serving-threads", render_serving_threads),
             ("gate-replay", render_gate_replay), ("cpu-memory", render_cpu_memory),
-            ("stream-interval", render_stream_interval))
+            ("stream-interval", render_stream_interval), ("draft-weights", render_draft_weights))
 
 
 def _block(name: str, body: str) -> str:

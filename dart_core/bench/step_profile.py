@@ -78,6 +78,7 @@ class StepProfileConfig:
     dtype: str | None = None  # default: bfloat16 on CUDA, float32 on CPU
     weights: str = "auto"  # the target's weights: "auto", "dense" or "gguf-native"
     gguf_kernel: str = "auto"  # the GGUF-native layers' kernel: "auto" or one of dart_core.quant.KERNELS
+    draft_weights: str = "auto"  # the draft head's linear layers: "auto" or one of dart_core.api.DRAFT_WEIGHTS
     device: str | None = None
     threads: int | None = None
     cuda_graphs: bool = False  # CUDA: verification and draft replayed as CUDA graphs over static KV caches
@@ -317,7 +318,8 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
     budget = cfg.budget if cfg.budget == "auto" else int(cfg.budget)
     model = DartModel.from_pretrained(cfg.model, head=cfg.head, trie=trie, budget=budget, dtype=dtype,
-                                      weights=cfg.weights, gguf_kernel=cfg.gguf_kernel, device=cfg.device,
+                                      weights=cfg.weights, gguf_kernel=cfg.gguf_kernel,
+                                      draft_weights=cfg.draft_weights, device=cfg.device,
                                       cuda_graphs=cfg.cuda_graphs)
     device = model.engine.target.device
     weights = weight_bytes(model.engine.target.model)

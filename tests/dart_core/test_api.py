@@ -189,3 +189,22 @@ def test_reference_names_are_checked(tmp_path, tiny_folder):
     with pytest.raises(FileNotFoundError, match="nothing is downloaded"):
         DartModel.from_pretrained(str(tiny_folder), head="random", ngram_model_name_or_path="fvliang/dart-ngram",
                                   device="cpu")
+
+
+def test_draft_weights_choose_the_heads_linear_layers(tiny_folder):
+    """``draft_weights``: "auto" is Q8_0 beside a float32 CPU target where the qmm kernel runs (else
+    dense); "dense" keeps nn.Linear; an unknown value is refused. Output is the same either way."""
+    from dart_core.quant import Int4Linear, default_kernel
+
+    dense = DartModel.from_pretrained(str(tiny_folder), head="random", trie=None, budget=4, device="cpu",
+                                      draft_weights="dense")
+    assert type(dense.engine.head.fc) is not Int4Linear
+    auto = DartModel.from_pretrained(str(tiny_folder), head="random", trie=None, budget=4, device="cpu")
+    assert (type(auto.engine.head.lm_head) is Int4Linear) == (default_kernel() == "qmm")
+    assert auto.generate([1, 2, 3], max_new_tokens=8, stop_token_ids=[])[0].token_ids == \
+        dense.generate([1, 2, 3], max_new_tokens=8, stop_token_ids=[])[0].token_ids
+    with pytest.raises(ValueError, match="draft_weights"):
+        DartModel.from_pretrained(str(tiny_folder), head="random", trie=None, device="cpu", draft_weights="q4")
+    if default_kernel() != "qmm":
+        with pytest.raises(ValueError, match="AVX-512"):
+            DartModel.from_pretrained(str(tiny_folder), head="random", trie=None, device="cpu", draft_weights="q8_0")

@@ -688,6 +688,35 @@ def test_the_stream_interval_table_takes_medians_over_runs_per_setting(tmp_path)
     assert "50 ms 3" in table
 
 
+def test_the_draft_weights_table_takes_medians_over_runs_per_setting(tmp_path):
+    import json
+
+    from dart_core.bench.sections import DRAFT_WEIGHT_SETTINGS, render_draft_weights
+
+    folder = tmp_path / "draft_weights"
+    folder.mkdir()
+    config = {"datasets": ["alpacaeval"], "num_prompts": 4, "max_new_tokens": 32, "threads": 2, "budget": "auto"}
+    hardware = {"cpu": "Test CPU", "cpu_count": 2, "cpu_flags": [], "torch": "x", "threads": 2, "python": "3",
+                "transformers": "y"}
+
+    def run(dart_tps, speedup, tau=1.5):
+        steps = {"draft": 1.0, "tree_search": 0.1, "verify": 5.0, "total": 6.5}
+        return json.dumps({"config": config, "hardware": hardware, "rows": [
+            {"method": "autoregressive", "tokens_per_s": 100.0, "speedup": 1.0, "tau": 1.0, "ms_per_step": steps},
+            {"method": "dart-context", "tokens_per_s": dart_tps, "speedup": speedup, "tau": tau,
+             "ms_per_step": steps}]})
+
+    for setting in DRAFT_WEIGHT_SETTINGS:
+        for i, tps in enumerate((110.0, 130.0, 120.0), 1):  # median 120
+            (folder / f"{setting}-r{i}.json").write_text(run(tps, tps / 100))
+    with pytest.raises(FileNotFoundError, match="tau60"):
+        render_draft_weights(tmp_path)
+    for setting in DRAFT_WEIGHT_SETTINGS:
+        (folder / f"tau60-{setting}.json").write_text(run(50.0, 0.5, tau=2.5))
+    table = render_draft_weights(tmp_path)
+    assert "| q8_0 | 120.0 | 100.0 | 1.20× | 1.00 | 6.50 | 1.50 | 2.50 |" in table
+
+
 def test_log_level_option_sets_dart_serves_own_loggers(tmp_path):
     """``--log-level debug`` (every in-process benchmark CLI) turns on the engine's step-by-step gate log and
     leaves other libraries' loggers alone."""

@@ -14,12 +14,12 @@ from dart_core.engine import DartEngine
 from dart_core.sampling import SamplingParams
 from dart_core.target import TargetModel
 
-from .conftest import VOCAB, OracleTreeSearch, tiny_config
+from .conftest import VOCAB, OracleTreeSearch, tiny_config, tiny_target
 from .test_engine import prompts_of, random_head
 
 gguf = pytest.importorskip("gguf")
-from dart_core.quant import (GGUFWeightsError, Int4Linear, KERNELS, can_int4, int4_parts,  # noqa: E402
-                             quantize_from_gguf)
+from dart_core.quant import (GGUFWeightsError, Int4Linear, KERNELS, can_int4, default_kernel,  # noqa: E402
+                             int4_parts, quantize_from_gguf, quantize_linears)
 
 pytestmark = pytest.mark.skipif(not can_int4(), reason="this PyTorch has no CPU int4 kernel")
 
@@ -350,3 +350,57 @@ def test_checked_parts_are_cached_and_a_damaged_cache_is_rebuilt(tmp_path, caplo
     third = tiny_gguf_model(tmp_path / "third.gguf")
     assert quantize_from_gguf(third, tmp_path / "third.gguf", cache=cache) == kinds
     assert "ignoring the 4-bit cache" in caplog.text
+
+
+qmm_cpu = pytest.mark.skipif(default_kernel() == "aten", reason="the qmm kernels need AVX-512 (this CPU has none)")
+
+
+@qmm_cpu
+def test_quantize_linears_gives_q8_0_layers_with_ggmls_values():
+    """Every bias-free nn.Linear becomes a Q8_0 Int4Linear holding the gguf package's Q8_0 values
+    of its weight; biases, odd widths and a CPU without a qmm kernel are refused."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(64, 96, bias=False), torch.nn.ReLU(),
+                                 torch.nn.Linear(96, 32, bias=False))
+    dense = [m.weight.detach().numpy().copy() for m in module if isinstance(m, torch.nn.Linear)]
+    x = torch.randn(3, 64)
+    want = module(x).detach()
+    assert quantize_linears(module) == 2
+    layers = [m for m in module if isinstance(m, Int4Linear)]
+    assert len(layers) == 2 and all(m.gguf_type == "Q8_0" and m.kernel == default_kernel() for m in layers)
+    for layer, w in zip(layers, dense):
+        expected = gguf.quants.dequantize(_blocks(w, Q.Q8_0), Q.Q8_0)
+        np.testing.assert_allclose(layer.weight.numpy(), expected, rtol=1e-6, atol=1e-7)
+    got = module(x)
+    assert got.dtype == torch.float32 and torch.allclose(got, want, rtol=0.02, atol=0.02)
+    with pytest.raises(ValueError, match="bias"):
+        quantize_linears(torch.nn.Sequential(torch.nn.Linear(64, 8)))
+    with pytest.raises(GGUFWeightsError, match="multiple of"):
+        quantize_linears(torch.nn.Sequential(torch.nn.Linear(40, 8, bias=False)))
+    with pytest.raises(ValueError, match="qmm kernel"):
+        quantize_linears(torch.nn.Sequential(torch.nn.Linear(64, 8, bias=False)), kernel="aten")
+
+
+@qmm_cpu
+def test_greedy_dart_with_a_q8_0_draft_head_equals_autoregressive_output():
+    """The draft head's linear layers in Q8_0 (the CPU default where the qmm kernel runs): its drafts
+    change, the output does not, sequences joining mid-run included."""
+    from dart_core.engine import NewSequence
+    from ngram_service.tree_search import SearchParams
+
+    target = tiny_target("llama", seed=4)
+    rng = np.random.default_rng(5)
+    prompts = prompts_of(rng, [6, 3, 8])
+    sp = SamplingParams(max_new_tokens=20)
+    ar = DartEngine(target).generate(prompts, sp, speculative=False).token_ids
+    head = random_head(target, seed=1)
+    assert quantize_linears(head) == 9  # fc, q, k, v, o, gate, up, down, lm_head
+    engine = DartEngine(target, head, search_params=SearchParams(top_k=8, beam_width=4, budget=12))
+    joined = iter([[], [NewSequence(prompts[2], sp)]])
+    out: dict[int, list[int]] = {}
+    drafted = 0
+    for step in engine.generate_stream(prompts[:2], sp, admit=lambda: next(joined, [])):
+        drafted += sum(step.draft_nodes)
+        for sid, toks in zip(step.seq_ids, step.new_tokens):
+            out.setdefault(sid, []).extend(toks)
+    assert [out[i] for i in range(3)] == ar and drafted > 0
