@@ -275,17 +275,11 @@ def render_stream_interval(results: Path = RESULTS) -> str:
     Raises:
         FileNotFoundError: a variant without result files.
     """
-    runs: dict[str, list[dict]] = {}
-    for prefix, _ in STREAM_VARIANTS:
-        files = sorted((results / "stream_interval").glob(f"{prefix}-r[0-9]*.json"))
-        if not files:
-            raise FileNotFoundError(f"no results {results / 'stream_interval' / prefix}-r<run>.json")
-        runs[prefix] = [json.loads(f.read_text()) for f in files]
+    runs = _variant_runs(results / "stream_interval", [p for p, _ in STREAM_VARIANTS], "{prefix}-r[0-9]*.json")
     c = runs[STREAM_VARIANTS[0][0]][0]["config"]
 
     def median(prefix: str, level: int, mode: str, key) -> float:
-        return statistics.median(key(r) for run in runs[prefix] for r in run["rows"]
-                                 if r["concurrency"] == level and r["mode"] == mode)
+        return _level_median(runs[prefix], level, mode, key)
 
     heads = [h for _, h in STREAM_VARIANTS]
     first, last = STREAM_VARIANTS[0][0], STREAM_VARIANTS[-1][0]
@@ -321,13 +315,11 @@ def render_draft_weights(results: Path = RESULTS) -> str:
     """
     from dart_core.bench import decoding
 
-    runs: dict[str, list[dict]] = {}
+    runs = _variant_runs(results / "draft_weights", DRAFT_WEIGHT_SETTINGS, "{prefix}-r[0-9]*.json")
     for setting in DRAFT_WEIGHT_SETTINGS:
-        files = sorted((results / "draft_weights").glob(f"{setting}-r[0-9]*.json"))
         tau = results / "draft_weights" / f"tau60-{setting}.json"
-        if not files or not tau.is_file():
-            raise FileNotFoundError(f"no results {results / 'draft_weights' / setting}-r<run>.json and {tau}")
-        runs[setting] = [json.loads(f.read_text()) for f in files]
+        if not tau.is_file():
+            raise FileNotFoundError(f"no results {tau}")
     first = runs[DRAFT_WEIGHT_SETTINGS[0]][0]
     c = first["config"]
 
@@ -382,6 +374,26 @@ def render_gate_replay(results: Path = RESULTS) -> str:
     return "\n\n".join(parts)
 
 
+def _variant_runs(folder: Path, prefixes, pattern: str) -> dict[str, list[dict]]:
+    """Each variant's result files under ``folder`` (``pattern`` with ``{prefix}``), read, in name order.
+
+    Raises:
+        FileNotFoundError: a variant without result files."""
+    runs: dict[str, list[dict]] = {}
+    for prefix in prefixes:
+        files = sorted(folder.glob(pattern.format(prefix=prefix)))
+        if not files:
+            raise FileNotFoundError(f"no results {folder / prefix}-<run>.json")
+        runs[prefix] = [json.loads(f.read_text()) for f in files]
+    return runs
+
+
+def _level_median(runs: list[dict], level: int, mode: str, key) -> float:
+    """The median over ``runs`` (benchmark results with per-level ``rows``) of ``key(row)`` at one level and mode."""
+    return statistics.median(key(r) for run in runs for r in run["rows"]
+                             if r["concurrency"] == level and r["mode"] == mode)
+
+
 #: the engine versions of "Prefill and freed memory (CPU)", in table order: (file prefix, heading)
 CPU_MEMORY_VARIANTS = (("before", "before"), ("after-off", "prefill fix only"), ("after", "both"))
 
@@ -397,18 +409,12 @@ def render_cpu_memory(results: Path = RESULTS) -> str:
     """
     from dart_core.bench import decoding
 
-    runs: dict[str, list[dict]] = {}
-    for prefix, _ in CPU_MEMORY_VARIANTS:
-        files = sorted((results / "cpu_memory").glob(f"{prefix}-[0-9]*.json"))
-        if not files:
-            raise FileNotFoundError(f"no results {results / 'cpu_memory' / prefix}-<run>.json")
-        runs[prefix] = [json.loads(f.read_text()) for f in files]
+    runs = _variant_runs(results / "cpu_memory", [p for p, _ in CPU_MEMORY_VARIANTS], "{prefix}-[0-9]*.json")
     first = runs[CPU_MEMORY_VARIANTS[0][0]][0]
     c = first["config"]
 
     def median(prefix: str, level: int, mode: str, key) -> float:
-        return statistics.median(key(r) for run in runs[prefix] for r in run["rows"]
-                                 if r["concurrency"] == level and r["mode"] == mode)
+        return _level_median(runs[prefix], level, mode, key)
 
     heads = [h for _, h in CPU_MEMORY_VARIANTS]
     lines = [f"Measured on {decoding.hardware_line(first['hardware'])}; `python -m dart_core.bench.batching "

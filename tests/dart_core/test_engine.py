@@ -338,11 +338,10 @@ def test_held_draft_inputs_are_folded_into_the_head_cache_while_steps_do_not_dra
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_a_bf16_head_beside_an_fp32_target_stays_exact(arch):
-    """The CPU default pairs an fp32 target with a bf16 draft head (api.default_draft_dtype):
-    the head's inputs and KV cache take its dtype (the taps it has not read yet are held in it, half
-    the bytes to copy when sequences join and leave), sequences join mid-run, output stays exact."""
-    from dart_core.engine import NewSequence
-
+    """A dense head on a CPU with native bf16 pairs an fp32 target with a bf16 draft head
+    (api.default_draft_dtype): the head's inputs and KV cache take its dtype (the taps it has not
+    read yet are held in it, half the bytes to copy when sequences join and leave), sequences join
+    mid-run, output stays exact."""
     target = tiny_target(arch, seed=4)
     rng = np.random.default_rng(4)
     prompts = prompts_of(rng, [6, 3, 8])
@@ -352,15 +351,24 @@ def test_a_bf16_head_beside_an_fp32_target_stays_exact(arch):
     engine = DartEngine(target, head, search_params=SearchParams(top_k=8, beam_width=4, budget=12))
     held, draft = [], engine._draft
     engine._draft = lambda taps, *a, **kw: held.append(taps.dtype) or draft(taps, *a, **kw)
-    joined = iter([[], [NewSequence(prompts[2], sp)]])
+    outputs, drafted = run_with_a_late_join(engine, prompts, sp)
+    assert outputs == ar
+    assert drafted > 0 and held and set(held) == {torch.bfloat16}
+
+
+def run_with_a_late_join(engine: DartEngine, prompts, sp) -> tuple[list[list[int]], int]:
+    """Decodes all prompts but the last, the last joining at the second step: (each prompt's
+    output, draft nodes verified in all)."""
+    from dart_core.engine import NewSequence
+
+    joined = iter([[], [NewSequence(prompts[-1], sp)]])
     out: dict[int, list[int]] = {}
     drafted = 0
-    for step in engine.generate_stream(prompts[:2], sp, admit=lambda: next(joined, [])):
+    for step in engine.generate_stream(prompts[:-1], sp, admit=lambda: next(joined, [])):
         drafted += sum(step.draft_nodes)
         for sid, toks in zip(step.seq_ids, step.new_tokens):
             out.setdefault(sid, []).extend(toks)
-    assert [out[i] for i in range(3)] == ar
-    assert drafted > 0 and held and set(held) == {torch.bfloat16}
+    return [out[i] for i in range(len(prompts))], drafted
 
 
 class DepthRecordingSearch(InProcessTreeSearch):

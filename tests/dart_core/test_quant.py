@@ -15,7 +15,7 @@ from dart_core.sampling import SamplingParams
 from dart_core.target import TargetModel
 
 from .conftest import VOCAB, OracleTreeSearch, tiny_config, tiny_target
-from .test_engine import prompts_of, random_head
+from .test_engine import prompts_of, random_head, run_with_a_late_join
 
 gguf = pytest.importorskip("gguf")
 from dart_core.quant import (GGUFWeightsError, Int4Linear, KERNELS, can_int4, default_kernel,  # noqa: E402
@@ -385,7 +385,6 @@ def test_quantize_linears_gives_q8_0_layers_with_ggmls_values():
 def test_greedy_dart_with_a_q8_0_draft_head_equals_autoregressive_output():
     """The draft head's linear layers in Q8_0 (the CPU default where the qmm kernel runs): its drafts
     change, the output does not, sequences joining mid-run included."""
-    from dart_core.engine import NewSequence
     from ngram_service.tree_search import SearchParams
 
     target = tiny_target("llama", seed=4)
@@ -396,11 +395,5 @@ def test_greedy_dart_with_a_q8_0_draft_head_equals_autoregressive_output():
     head = random_head(target, seed=1)
     assert quantize_linears(head) == 9  # fc, q, k, v, o, gate, up, down, lm_head
     engine = DartEngine(target, head, search_params=SearchParams(top_k=8, beam_width=4, budget=12))
-    joined = iter([[], [NewSequence(prompts[2], sp)]])
-    out: dict[int, list[int]] = {}
-    drafted = 0
-    for step in engine.generate_stream(prompts[:2], sp, admit=lambda: next(joined, [])):
-        drafted += sum(step.draft_nodes)
-        for sid, toks in zip(step.seq_ids, step.new_tokens):
-            out.setdefault(sid, []).extend(toks)
-    assert [out[i] for i in range(3)] == ar and drafted > 0
+    outputs, drafted = run_with_a_late_join(engine, prompts, sp)
+    assert outputs == ar and drafted > 0
