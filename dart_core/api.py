@@ -110,19 +110,23 @@ def default_draft_weights(target: TargetModel) -> str:
     return "q8_0" if on_cpu and default_kernel() == "qmm" else "dense"
 
 
-def resolve_draft_weights(draft_weights: str, target: TargetModel) -> str:
-    """``draft_weights`` checked, with ``"auto"`` resolved (:func:`default_draft_weights`).
+def resolve_draft_weights(draft_weights: str, target: TargetModel, draft_dtype: torch.dtype | None = None) -> str:
+    """``draft_weights`` checked, with ``"auto"`` resolved: ``"dense"`` when ``draft_dtype`` is given
+    (a dtype is a choice of dense weights), else :func:`default_draft_weights`.
 
     Raises:
-        ValueError: an unknown value, or ``"q8_0"`` off the CPU or on a CPU without AVX-512."""
+        ValueError: an unknown value; ``"q8_0"`` off the CPU, on a CPU without AVX-512, or with a
+            ``draft_dtype`` other than float32 (its layers take float32 inputs)."""
     from dart_core.quant import default_kernel
 
     if draft_weights not in DRAFT_WEIGHTS:
         raise ValueError(f"draft_weights must be one of {DRAFT_WEIGHTS}, not {draft_weights!r}")
     if draft_weights == "auto":
-        return default_draft_weights(target)
+        return "dense" if draft_dtype is not None else default_draft_weights(target)
     if draft_weights == "q8_0" and (target.device.type != "cpu" or default_kernel() != "qmm"):
         raise ValueError("draft_weights='q8_0' runs on a CPU with AVX-512 (the qmm kernel) only")
+    if draft_weights == "q8_0" and draft_dtype not in (None, torch.float32):
+        raise ValueError(f"draft_weights='q8_0' computes in float32; draft_dtype={draft_dtype} needs dense weights")
     return draft_weights
 
 
@@ -216,8 +220,8 @@ class DartModel:
             draft_weights: the draft head's linear layers: ``"dense"`` (``draft_dtype``),
                 ``"q8_0"`` (quantised to Q8_0 blocks at load and run by the float32 qmm kernel,
                 CPU with AVX-512 only: :func:`dart_core.quant.quantize_linears`; the rest of the
-                head in float32) or ``"auto"``: :func:`default_draft_weights`.  Output is exact
-                either way.
+                head in float32) or ``"auto"``: ``"dense"`` when ``draft_dtype`` is given, else
+                :func:`default_draft_weights`.  Output is exact either way.
             device: default CUDA when available; ignored with ``device_map``. A CPU target also
                 keeps freed tensor memory mapped for reuse (:func:`~dart_core.allocator.keep_freed_memory`).
             device_map: forwarded to transformers/accelerate for targets larger than one device.
@@ -252,7 +256,7 @@ class DartModel:
             TokenizerMismatchError: the trie was built with another tokenizer.
             ValueError: ``cuda_graphs`` off CUDA; an unknown ``weights``, or "gguf-native" where it
                 does not apply (see :meth:`TargetModel.from_pretrained`); an unknown
-                ``draft_weights``, or "q8_0" off the CPU or without AVX-512.
+                ``draft_weights``, or "q8_0" off the CPU, without AVX-512 or with a non-float32 ``draft_dtype``.
             GGUFWeightsError: a GGUF whose 4-bit blocks do not match its de-quantised weights.
         """
         if speculative_config is None:
@@ -281,7 +285,7 @@ class DartModel:
         if cuda_graphs:
             target.enable_static_cache()
         name = getattr(target.tokenizer, "dart_model_name", DEFAULT_MODEL)
-        draft_weights = resolve_draft_weights(draft_weights, target)
+        draft_weights = resolve_draft_weights(draft_weights, target, draft_dtype)
         draft = cls._load_head(head, name, target, torch.float32 if draft_weights == "q8_0"
                                else draft_dtype or default_draft_dtype(target))
         if draft is not None and draft_weights == "q8_0":

@@ -193,7 +193,8 @@ def test_reference_names_are_checked(tmp_path, tiny_folder):
 
 def test_draft_weights_choose_the_heads_linear_layers(tiny_folder):
     """``draft_weights``: "auto" is Q8_0 beside a float32 CPU target where the qmm kernel runs (else
-    dense); "dense" keeps nn.Linear; an unknown value is refused. Output is the same either way."""
+    dense, and dense when a draft dtype is given); "dense" keeps nn.Linear; an unknown value is
+    refused. Output is the same either way."""
     from dart_core.quant import Int4Linear, default_kernel
 
     dense = DartModel.from_pretrained(str(tiny_folder), head="random", trie=None, budget=4, device="cpu",
@@ -205,6 +206,14 @@ def test_draft_weights_choose_the_heads_linear_layers(tiny_folder):
         dense.generate([1, 2, 3], max_new_tokens=8, stop_token_ids=[])[0].token_ids
     with pytest.raises(ValueError, match="draft_weights"):
         DartModel.from_pretrained(str(tiny_folder), head="random", trie=None, device="cpu", draft_weights="q4")
+    # an explicit draft dtype is a choice of dense weights: "auto" keeps them, "q8_0" refuses it
+    bf16 = DartModel.from_pretrained(str(tiny_folder), head="random", trie=None, budget=4, device="cpu",
+                                     draft_dtype=torch.bfloat16)
+    assert bf16.engine.head.fc.weight.dtype == torch.bfloat16
+    if default_kernel() == "qmm":
+        with pytest.raises(ValueError, match="draft_dtype"):
+            DartModel.from_pretrained(str(tiny_folder), head="random", trie=None, device="cpu", draft_weights="q8_0",
+                                      draft_dtype=torch.bfloat16)
     if default_kernel() != "qmm":
         with pytest.raises(ValueError, match="AVX-512"):
             DartModel.from_pretrained(str(tiny_folder), head="random", trie=None, device="cpu", draft_weights="q8_0")

@@ -92,3 +92,24 @@ def test_step_metrics_record_the_verification_budget(monkeypatch):
     m.on_step(spec, prefill=False)
     m.on_step(StepOutput([0, 1], [[5], [6]], [None, None], [1, 1], [0, 0], 1, 0.0, 0.0, 1.0, 1.0), False)
     assert m.verified.seen == [5] and m.accepted.seen == [3] and m.padding.seen == [0.375]
+
+
+def test_the_torch_free_copies_of_the_kernel_and_draft_weight_choices_match_the_engines():
+    """deployments.config (imported by the ingress, without torch) and the benchmarks' CLI spell out
+    ``gguf_kernel`` and ``draft_weights`` values; they must be the engine's own."""
+    import argparse
+    import typing
+
+    from dart_core.api import DRAFT_WEIGHTS
+    from dart_core.bench import add_weights_argument
+    from dart_core.quant import KERNELS
+    from deployments.config import AppConfig
+
+    kernels, drafts = {"auto", *KERNELS}, set(DRAFT_WEIGHTS)
+    fields = AppConfig.model_fields
+    assert set(typing.get_args(fields["gguf_kernel"].annotation)) == kernels
+    assert set(typing.get_args(fields["draft_weights"].annotation)) == drafts
+    ap = argparse.ArgumentParser()
+    add_weights_argument(ap, argparse.Namespace(weights="auto"))
+    choices = {a.dest: set(a.choices) for a in ap._actions if a.choices}
+    assert choices["gguf_kernel"] == kernels and choices["draft_weights"] == drafts
