@@ -192,7 +192,10 @@ class DartModel:
         The DART reference's call, ``from_pretrained(base_model_name_or_path=...,
         dart_model_name_or_path=..., ngram_model_name_or_path=...)`` (or the same three
         positionally), works as it is: those names are aliases of ``model``, ``head`` and
-        ``trie``, and a reference head or n-gram model drafts as in the reference.
+        ``trie``, and a reference head or n-gram model drafts as in the reference (its head's weights
+        as given with ``draft_weights="dense"`` and ``draft_dtype=torch.float32``; the CPU defaults,
+        Q8_0 or bf16 head layers, draft close to the reference's drafts, not equal: output is exact
+        either way).
 
         Args:
             model: None for the embedded SmolLM2-135M-Instruct, a model folder or a .gguf file.
