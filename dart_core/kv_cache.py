@@ -19,12 +19,14 @@ same buffer.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-__all__ = ["compact_", "compaction_plan", "compaction_plan_host", "apply_compaction", "HeadKVCache", "cache_mask", "BufferedKVLayer", "BufferedKVCache",
+__all__ = ["compact_", "compaction_plan", "compaction_plan_host", "apply_compaction", "compact_layers", "HeadKVCache", "cache_mask", "BufferedKVLayer", "BufferedKVCache",
            "is_leading_view", "KVPool"]
 
 
@@ -77,15 +79,47 @@ def compaction_plan_host(lengths: list[int], offset: int, paths: list[list[int]]
     """
     counts = np.array([len(p) for p in paths], dtype=np.int64)
     new_len = int((np.asarray(lengths, dtype=np.int64) + counts).max()) if paths else 0
+    total = int(counts.sum())
     rows = np.repeat(np.arange(len(paths)), counts)
-    j = np.concatenate([np.arange(c) for c in counts]) if paths else np.zeros(0, dtype=np.int64)
-    src = offset + np.concatenate([np.asarray(p, dtype=np.int64) for p in paths]) if paths else j
+    j = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)  # each entry's index in its path
+    src = offset + np.fromiter(itertools.chain.from_iterable(paths), dtype=np.int64, count=total)
     dst = np.asarray(lengths, dtype=np.int64)[rows] + j
     move = src != dst
     if not move.any():
         return None, new_len
     idx = torch.from_numpy(np.stack([rows[move], dst[move], src[move]])).to(device)
     return (idx[0], idx[1], idx[2]), new_len
+
+
+def compact_layers(layers, plan: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, int]) -> None:
+    """:func:`apply_compaction` for every layer of a cache (objects with ``keys`` and ``values``
+    [B, H_kv, T, D]), each layer's keys and values then cropped to the plan's new length.
+
+    On a CPU the moves of every layer are one C++ call (``dart_core/csrc/kv_compact.cpp``: a
+    memmove per layer, move and head, in place) instead of four indexing operators per layer;
+    elsewhere (CUDA, a layer whose head dimension is strided, or moves that in-order copies
+    would not reproduce, see below) each layer goes through :func:`apply_compaction`.  The
+    entries are the same either way.
+
+    In-order copies equal :func:`apply_compaction`'s gather-then-scatter when the moves are
+    grouped by row, each row's sources increase and no destination is after its source: then
+    no move overwrites an entry a later move reads.  :func:`compaction_plan_host` and
+    :func:`compaction_plan` make such plans from increasing accepted paths (every engine path)."""
+    moves, new_len = plan
+    if moves is not None:
+        tensors = [t for layer in layers for t in (layer.keys, layer.values)]
+        if all(t.device.type == "cpu" and t.dim() == 4 and t.stride(3) == 1 for t in tensors):
+            from dart_core import _kernels
+
+            rows, dst, src = (x.numpy() for x in moves)
+            same = rows[1:] == rows[:-1]
+            if (dst <= src).all() and (rows[1:] >= rows[:-1]).all() and (src[1:][same] > src[:-1][same]).all():
+                # bfloat16 / float16 entries move as their 16-bit patterns (numpy has no bfloat16)
+                _kernels.compact_cache([(t.view(torch.int16) if t.element_size() == 2 else t).numpy()
+                                        for t in tensors], rows, dst, src)
+                moves = None
+    for layer in layers:
+        layer.keys, layer.values = apply_compaction(layer.keys, layer.values, (moves, new_len))
 
 
 def apply_compaction(keys: torch.Tensor, values: torch.Tensor,

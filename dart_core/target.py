@@ -29,7 +29,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from dart_core.attention import attention_backend, grouped_query_sdpa, use_grouped_query
-from dart_core.kv_cache import BufferedKVCache, KVPool, apply_compaction, cache_mask, compaction_plan
+from dart_core.kv_cache import BufferedKVCache, KVPool, cache_mask, compact_layers, compaction_plan
 from dart_core.tokenizer import converted_cache, load_tokenizer, resolve_model, save_converted
 
 if TYPE_CHECKING:
@@ -79,8 +79,7 @@ class TargetCache:
         if self.pool is not None and self.pool.holds(layers):
             self.pool.compact(layers, plan)
         else:
-            for layer in layers:
-                layer.keys, layer.values = apply_compaction(layer.keys, layer.values, plan)
+            compact_layers(layers, plan)
         self.lengths = self.lengths + counts
 
     def select(self, rows: torch.Tensor) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from transformers.cache_utils import DynamicLayer
@@ -223,3 +224,55 @@ def test_the_pool_compacts_every_layer_in_one_pass_as_each_layer_would():
     layers[1].keys = layers[1].keys.clone()
     assert not pool.holds(layers)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_compaction_of_every_layer_equals_the_per_layer_gather(dtype):
+    """compact_layers (the C++ in-order copies, every layer in one call) against apply_compaction
+    layer by layer: ragged trees whose accepted paths skip nodes, entries moving over entries that
+    are themselves moved, strided views of larger buffers (BufferedKVLayer), float32 and bfloat16
+    entries; a plan without moves only crops; a plan whose sources run backwards (not one the
+    engine makes) takes the gather path and still equals it."""
+    from types import SimpleNamespace
+
+    from dart_core.kv_cache import apply_compaction, compact_layers, compaction_plan_host
+
+    g = torch.Generator().manual_seed(5)
+    offset = 7
+    cases = (([3, 7, 5, 0], [[0, 2, 3, 6], [0, 1, 4], [0], [0, 1, 2]], True),
+             ([7, 7], [[0, 1], [0]], False))
+    for lengths, paths, moves in cases:
+        b = len(lengths)
+        buffers = [torch.randn(b, 3, 32, 8, generator=g).to(dtype) for _ in range(4)]
+        layers = [SimpleNamespace(keys=buffers[2 * i][:, :, :offset + 7], values=buffers[2 * i + 1][:, :, :offset + 7])
+                  for i in range(2)]
+        plan = compaction_plan_host(lengths, offset, paths, "cpu")
+        assert (plan[0] is not None) == moves
+        expected = [apply_compaction(x.keys.clone(), x.values.clone(), plan) for x in layers]
+        compact_layers(layers, plan)
+        for i, (layer, (k, v)) in enumerate(zip(layers, expected)):
+            assert layer.keys.shape == k.shape == (b, 3, max(n + len(p) for n, p in zip(lengths, paths)), 8)
+            assert layer.keys.data_ptr() == buffers[2 * i].data_ptr()  # in place: still a view of its buffer
+            assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+    # sources that run backwards within a row: in-order copies would read an overwritten entry
+    layers = [SimpleNamespace(keys=torch.randn(1, 2, 6, 4, generator=g).to(dtype),
+                              values=torch.randn(1, 2, 6, 4, generator=g).to(dtype))]
+    plan = ((torch.tensor([0, 0]), torch.tensor([1, 2]), torch.tensor([2, 1])), 3)
+    expected = apply_compaction(layers[0].keys.clone(), layers[0].values.clone(), plan)
+    compact_layers(layers, plan)
+    assert torch.equal(layers[0].keys, expected[0]) and torch.equal(layers[0].values, expected[1])
+
+
+def test_the_compaction_kernel_refuses_moves_outside_the_cache():
+    """compact_cache checks every move against every array before copying anything."""
+    from dart_core import _kernels
+
+    keys = np.zeros((2, 1, 4, 3), dtype=np.float32)
+    keys[1, 0, 3] = 1.0
+    with pytest.raises(IndexError, match="outside a cache of 2 rows and 4 positions"):
+        _kernels.compact_cache([keys], np.array([1, 1]), np.array([0, 1]), np.array([3, 4]))
+    assert keys[1, 0, 0].sum() == 0  # nothing moved
+    with pytest.raises(ValueError, match="same length"):
+        _kernels.compact_cache([keys], np.array([1]), np.array([0, 1]), np.array([3]))
+    with pytest.raises(ValueError, match=r"\[B, H_kv, T, D\]"):
+        _kernels.compact_cache([np.zeros((2, 4, 3), dtype=np.float32)], np.array([0]), np.array([0]), np.array([1]))
