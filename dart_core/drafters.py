@@ -85,7 +85,7 @@ class NoDraft(Drafter):
     """Trees of only the root: an autoregressive step through the same verify and accept phases."""
 
     def propose(self, engine: "DartEngine", state: "_BatchState") -> Proposal:
-        return Proposal([DraftTree.from_parents([t[-1]], [-1], [0], [0.0], [1.0]) for t in state.tokens], kind="none")
+        return Proposal([DraftTree.root(t[-1]) for t in state.tokens], kind="none")
 
 
 class LookupDrafter(Drafter):
@@ -184,8 +184,15 @@ class DraftBatch:
 
     @classmethod
     def pack(cls, trees: list[DraftTree], device: torch.device) -> "DraftBatch":
-        """One host array per field, filled tree by tree, then one copy each to ``device``."""
+        """One host array per field, filled tree by tree, then one copy each to ``device`` (roots
+        alone, an autoregressive step: the root tokens in one copy, the other fields made there)."""
         b, n = len(trees), max(tr.num_nodes for tr in trees)
+        if n == 1:
+            tokens = torch.tensor([int(tr.tokens[0]) for tr in trees], device=device)[:, None]
+            zeros = torch.zeros_like(tokens)
+            return cls(list(trees), tokens, zeros, zeros, torch.ones(b, 1, device=device),
+                       torch.ones(b, dtype=torch.long, device=device),
+                       torch.ones(b, 1, 1, dtype=torch.bool, device=device), 1, 0)
         ints = np.zeros((3, b, n), dtype=np.int64)  # tokens, parents, depths
         probs = np.zeros((b, n), dtype=np.float64)
         mask = np.broadcast_to(np.eye(n, dtype=bool), (b, n, n)).copy()

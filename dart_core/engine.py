@@ -413,10 +413,11 @@ class DartEngine:
                      for tr, g in zip(trees, state.constraints)]
         if proposal.kind == "tree" and self.budget is not None:
             trees, predicted = self.budget.select_batch(trees, packed=self.packed_verification)
-        # never draft past max_new_tokens or the context window
-        trees = [tr.clip_depth(min(state.samplings[i].max_new_tokens - state.produced[i] - 1,
-                                   self.target.max_context - len(state.tokens[i])))
-                 for i, tr in enumerate(trees)]
+        # never draft past max_new_tokens or the context window (a root alone never does)
+        if proposal.kind != "none":
+            trees = [tr.clip_depth(min(state.samplings[i].max_new_tokens - state.produced[i] - 1,
+                                       self.target.max_context - len(state.tokens[i])))
+                     for i, tr in enumerate(trees)]
         return DraftBatch.pack(trees, self.target.device), predicted
 
     def _verify(self, state: "_BatchState", draft: DraftBatch):
@@ -637,6 +638,10 @@ class DartEngine:
         its walk visits: :func:`~dart_core.verify.accept_constrained`)."""
         device = logits.device
         if all(g is None for g in constraints):
+            if batch.num_nodes == 1 and all(s.greedy for s in samplings):  # roots alone: the bonus is the argmax
+                bonus = logits[:, 0].argmax(-1).cpu().numpy()  # one read
+                return [Acceptance([0], int(x)) for x in bonus], torch.zeros(len(trees), 1, dtype=torch.long,
+                                                                             device=device)
             if all(s.greedy for s in samplings):
                 path, counts, bonus = accept_greedy_batch(batch.tokens, batch.parents, batch.depths, batch.counts,
                                                           batch.tree_mask, logits.argmax(-1))

@@ -84,3 +84,24 @@ def test_draft_batch_fields():
     assert batch.tree_mask[1].equal(torch.eye(4, dtype=torch.bool))  # padding sees only itself
     roots = NoDraft().propose(None, type("S", (), {"tokens": [[1, 2], [3]]})())
     assert roots.kind == "none" and [t.tokens.tolist() for t in roots.trees] == [[2], [3]]
+
+
+def test_root_only_trees_and_their_batch_equal_the_general_ones():
+    """DraftTree.root equals from_parents of a lone root, field by field, and its shared fields are
+    read-only; DraftBatch.pack of roots alone (the autoregressive step's shortcut) gives the fields
+    the general packing gives a batch of one-node trees."""
+    fast, slow = DraftTree.root(42), DraftTree.from_parents([42], [-1], [0], [0.0], [1.0])
+    for name in ("tokens", "parents", "depths", "scores", "tree_mask", "retrieve_indices", "probs"):
+        a, b = getattr(fast, name), getattr(slow, name)
+        assert a.dtype == b.dtype and np.array_equal(a, b), name
+    assert not fast.parents.flags.writeable and not fast.tree_mask.flags.writeable
+    assert fast.clip_depth(0) is fast
+    roots = [DraftTree.root(t) for t in (3, 1, 4)]
+    batch = DraftBatch.pack(roots, torch.device("cpu"))
+    # the general path, forced by one tree of two nodes, then cut back to the first column
+    general = DraftBatch.pack(roots + [make_tree([5, 6], [-1, 0])], torch.device("cpu"))
+    assert batch.num_nodes == 1 and batch.max_depth == 0
+    for name in ("tokens", "parents", "depths", "estimates"):
+        a, b = getattr(batch, name), getattr(general, name)[:3, :1]
+        assert a.dtype == b.dtype and a.equal(b), name
+    assert batch.counts.equal(general.counts[:3]) and batch.tree_mask.equal(general.tree_mask[:3, :1, :1])
