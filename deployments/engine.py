@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import AsyncIterator
 
 from ray import serve
@@ -63,24 +64,52 @@ class _Metrics:
         self.wait = metrics.Histogram("dart_queue_wait_ms", description="time from arrival to joining the batch",
                                       boundaries=_MS_BUCKETS)
         self._fallbacks_seen = 0
+        self.flush_s = 1.0  # seconds between hand-overs of the summed counters (on_step)
+        self._flushed = time.monotonic()
+        self._pending_tokens = 0
+        self._pending_steps = [0, 0]  # autoregressive, speculative steps not yet counted
+        self._batch_size: int | None = None  # the last step's, not yet set
 
     def on_admit(self, wait_ms: float, queued: int) -> None:
         self.wait.observe(wait_ms)
         self.queue.set(queued)
 
     def on_step(self, step, prefill: bool) -> None:
-        self.tokens.inc(sum(len(t) for t in step.new_tokens))
+        """Histograms observe every step; the counters and the batch-size gauge are summed here and
+        handed to Ray at most once per ``flush_s`` and at every request's end (:meth:`flush`): every
+        Ray metric call is Python work on the engine thread, between two decoding steps (a served
+        step's profile on a CPU found them a visible share of it).  An autoregressive step has no
+        draft or tree-search phase to observe."""
+        self._pending_tokens += sum(len(t) for t in step.new_tokens)
         if not prefill:
-            self.batch.set(len(step.seq_ids))
-            mode = "speculative" if step.speculated else "autoregressive"
-            self.steps.inc(tags={"mode": mode})
-            if mode == "speculative":
+            self._batch_size = len(step.seq_ids)
+            if step.speculated:
+                self._pending_steps[1] += 1
                 self.verified.observe(step.verified_tokens)
                 self.accepted.observe(sum(step.accepted_lengths))
                 self.padding.observe(1 - step.verified_tokens / max(1, step.padded_tokens))
-            for name, ms in (("draft", step.draft_ms), ("tree_search", step.tree_search_ms),
-                             ("verify", step.verify_ms), ("step", step.step_ms)):
-                self.phase.observe(ms, tags={"phase": name})
+                self.phase.observe(step.draft_ms, tags={"phase": "draft"})
+                self.phase.observe(step.tree_search_ms, tags={"phase": "tree_search"})
+            else:
+                self._pending_steps[0] += 1
+            self.phase.observe(step.verify_ms, tags={"phase": "verify"})
+            self.phase.observe(step.step_ms, tags={"phase": "step"})
+        if time.monotonic() - self._flushed >= self.flush_s:
+            self.flush()
+
+    def flush(self) -> None:
+        """Hands the summed counters, the last batch size and new n-gram fallbacks to Ray."""
+        self._flushed = time.monotonic()
+        if self._pending_tokens:
+            self.tokens.inc(self._pending_tokens)
+            self._pending_tokens = 0
+        for i, mode in enumerate(("autoregressive", "speculative")):
+            if self._pending_steps[i]:
+                self.steps.inc(self._pending_steps[i], tags={"mode": mode})
+                self._pending_steps[i] = 0
+        if self._batch_size is not None:
+            self.batch.set(self._batch_size)
+            self._batch_size = None
         fallbacks = getattr(self.tree_search, "fallbacks", 0)
         if fallbacks > self._fallbacks_seen:
             self.fallbacks.inc(fallbacks - self._fallbacks_seen)
@@ -89,6 +118,7 @@ class _Metrics:
     def on_finish(self, chunk: GenerationChunk) -> None:
         if chunk.tau is not None:
             self.tau.observe(chunk.tau)
+        self.flush()
 
 
 def grpc_tree_search(cfg: NgramConfig, resolver, vocab_hash: str):

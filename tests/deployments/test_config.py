@@ -65,7 +65,9 @@ def test_the_engines_grpc_client_is_a_tree_search_client():
 
 def test_step_metrics_record_the_verification_budget(monkeypatch):
     """The engine replica's Prometheus hooks: per speculative step the verified tokens, the tokens
-    emitted and the padding share of the tree layout; autoregressive steps add none of these."""
+    emitted and the padding share of the tree layout; autoregressive steps add none of these, nor
+    draft or tree-search phases. Counters and the batch gauge are summed and handed to Ray at a
+    request's end (or once a second), not at every step."""
     import types
 
     from dart_core.engine import StepOutput
@@ -76,10 +78,10 @@ def test_step_metrics_record_the_verification_budget(monkeypatch):
             self.name, self.seen = name, []
 
         def observe(self, value, tags=None):
-            self.seen.append(value)
+            self.seen.append(value if tags is None else (tags["phase"], value))
 
         def inc(self, value=1, tags=None):
-            self.seen.append(value)
+            self.seen.append(value if tags is None else (tags["mode"], value))
 
         def set(self, value):
             self.seen.append(value)
@@ -91,7 +93,19 @@ def test_step_metrics_record_the_verification_budget(monkeypatch):
     spec = StepOutput([0, 1], [[5], [6, 7]], [None, None], [1, 2], [0, 3], 4, 1.0, 1.0, 1.0, 4.0)
     m.on_step(spec, prefill=False)
     m.on_step(StepOutput([0, 1], [[5], [6]], [None, None], [1, 1], [0, 0], 1, 0.0, 0.0, 1.0, 1.0), False)
+    m.on_step(StepOutput([1], [[8]], [None], [1], [0], 1, 0.0, 0.0, 2.0, 2.5), False)
     assert m.verified.seen == [5] and m.accepted.seen == [3] and m.padding.seen == [0.375]
+    assert m.phase.seen == [("draft", 1.0), ("tree_search", 1.0), ("verify", 1.0), ("step", 4.0),
+                            ("verify", 1.0), ("step", 1.0), ("verify", 2.0), ("step", 2.5)]
+    assert m.tokens.seen == m.steps.seen == m.batch.seen == []  # not yet handed over
+    m.on_finish(types.SimpleNamespace(tau=1.5))
+    assert m.tau.seen == [1.5] and m.tokens.seen == [6] and m.batch.seen == [1]
+    assert m.steps.seen == [("autoregressive", 2), ("speculative", 1)]
+    m.flush()  # nothing new: nothing sent
+    assert m.tokens.seen == [6] and len(m.steps.seen) == 2 and m.batch.seen == [1]
+    m.flush_s = 0.0  # a flush after every step
+    m.on_step(StepOutput([1], [[9]], [None], [1], [0], 1, 0.0, 0.0, 2.0, 2.5), False)
+    assert m.tokens.seen == [6, 1] and m.steps.seen[-1] == ("autoregressive", 1)
 
 
 def test_the_torch_free_copies_of_the_kernel_and_draft_weight_choices_match_the_engines():
