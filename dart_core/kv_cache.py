@@ -119,6 +119,10 @@ def compact_layers(layers, plan: tuple[tuple[torch.Tensor, torch.Tensor, torch.T
                                         for t in tensors], rows, dst, src)
                 moves = None
     for layer in layers:
+        if moves is None and isinstance(layer, BufferedKVLayer) and layer.holds_last_commit():
+            if layer.keys.shape[2] != new_len:  # cropped through the buffers: still the layer's own views
+                layer.commit(new_len)
+            continue
         layer.keys, layer.values = apply_compaction(layer.keys, layer.values, (moves, new_len))
 
 
@@ -331,9 +335,7 @@ class BufferedKVLayer(DynamicLayer):
             self.lazy_initialization(torch.empty(batch, heads, 0, key_dim, dtype=dtype, device=device),
                                      torch.empty(batch, heads, 0, value_dim, dtype=dtype, device=device))
         t = self.keys.shape[-2] if self.keys.dim() == 4 else 0
-        # the views set by the last commit are still leading views (cheap identity test), else check
-        backed = self._views is not None and self._views[0] is self.keys and self._views[1] is self.values
-        if not (backed or self._backed()) or t + n > self._key_buffer.shape[2]:
+        if not (self.holds_last_commit() or self._backed()) or t + n > self._key_buffer.shape[2]:
             cap = -(-2 * (t + n) // self.granule) * self.granule
             kb = torch.empty(batch, heads, cap, key_dim, dtype=dtype, device=device)
             vb = torch.empty(batch, heads, cap, value_dim, dtype=dtype, device=device)
@@ -342,6 +344,11 @@ class BufferedKVLayer(DynamicLayer):
                 vb[:, :, :t] = self.values
             self._key_buffer, self._value_buffer = kb, vb
         return self._key_buffer, self._value_buffer, t
+
+    def holds_last_commit(self) -> bool:
+        """Whether ``keys``/``values`` are still the views the last :meth:`commit` set (an identity
+        test, cheaper than :meth:`_backed`'s: nothing replaced or cropped them since)."""
+        return self._views is not None and self._views[0] is self.keys and self._views[1] is self.values
 
     def commit(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """After :meth:`reserve`: the cache is the first ``length`` positions of the buffers; returns the

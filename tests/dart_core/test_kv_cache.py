@@ -276,3 +276,21 @@ def test_the_compaction_kernel_refuses_moves_outside_the_cache():
         _kernels.compact_cache([keys], np.array([1]), np.array([0, 1]), np.array([3]))
     with pytest.raises(ValueError, match=r"\[B, H_kv, T, D\]"):
         _kernels.compact_cache([np.zeros((2, 4, 3), dtype=np.float32)], np.array([0]), np.array([0]), np.array([1]))
+
+
+def test_compaction_keeps_buffered_layers_on_their_own_views():
+    """After compact_layers a BufferedKVLayer still holds the views of its last commit (the next
+    step's append then needs only the identity test), with or without moves, and its entries equal
+    apply_compaction's."""
+    from dart_core.kv_cache import apply_compaction, compact_layers, compaction_plan_host
+
+    g = torch.Generator().manual_seed(11)
+    for lengths, paths in (([4, 2], [[0, 2], [0]]), ([4, 4], [[0], [0]])):
+        layer = BufferedKVLayer()
+        layer.update(torch.randn(2, 3, 4, 8, generator=g), torch.randn(2, 3, 4, 8, generator=g))
+        layer.update(torch.randn(2, 3, 3, 8, generator=g), torch.randn(2, 3, 3, 8, generator=g))  # a step's 3 nodes
+        plan = compaction_plan_host(lengths, 4, paths, "cpu")
+        expected = apply_compaction(layer.keys.clone(), layer.values.clone(), plan)
+        compact_layers([layer], plan)
+        assert layer.holds_last_commit() and layer.keys.shape[2] == plan[1]
+        assert torch.equal(layer.keys, expected[0]) and torch.equal(layer.values, expected[1])
