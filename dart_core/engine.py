@@ -304,7 +304,7 @@ class DartEngine:
                 next_id += len(pending)
                 prefilling, pending = pending, []
                 for lo, hi in _prefill_groups([len(x.prompt) for x in prefilling], self.max_prefill_tokens):
-                    step = self._prefill(state, ids[lo:hi], prefilling[lo:hi])
+                    step = self._prefill(state, ids[lo:hi], prefilling[lo:hi], speculative)
                     yield step
                     state.keep([i for i, r in enumerate(state.reasons) if r is None])
                 continue
@@ -336,8 +336,11 @@ class DartEngine:
                                  "" if typical else ", not measured", self.gate.speedup(len(state.seq_ids)))
             state.keep([i for i, r in enumerate(state.reasons) if r is None])
 
-    def _prefill(self, state: "_BatchState", ids: list[int], joining: list["NewSequence"]) -> StepOutput:
-        """Prefills new sequences in their own cache and merges them into the running batch."""
+    def _prefill(self, state: "_BatchState", ids: list[int], joining: list["NewSequence"],
+                 speculative: bool = True) -> StepOutput:
+        """Prefills new sequences in their own cache and merges them into the running batch.
+        Sequences that will never speculate (``speculative`` False for the whole call, or their own
+        ``NewSequence.speculative`` False) keep no context index: nothing would read it."""
         target, device = self.target, self.target.device
         t0 = time.perf_counter()
         prompts = [list(map(int, x.prompt)) for x in joining]
@@ -357,7 +360,8 @@ class DartEngine:
                           pend_count=torch.zeros(len(prompts), dtype=torch.long, device=device),
                           head_cache=None, reasons=[None] * len(prompts),
                           spec_ok=[x.speculative for x in joining],
-                          context=[self._new_context(p) for p in prompts], constraints=constraints)
+                          context=[self._new_context(p) if speculative and x.speculative else None
+                                   for p, x in zip(prompts, joining)], constraints=constraints)
         # the prompt's positions feed the first draft (rows that opted out keep none)
         new.add_pending(out.taps, torch.arange(out.taps.shape[1], device=device)[None, :].expand(len(prompts), -1),
                         cache.lengths, [p[1:] + [f] for p, f in zip(prompts, first)])

@@ -12,7 +12,7 @@ from scipy import stats
 
 from dart_core.budget import AdaptiveBudget, SpeculationGate, VerifyCostCurve
 from dart_core.draft_head import DartDraftHead, DraftHeadConfig
-from dart_core.engine import DartEngine
+from dart_core.engine import DartEngine, NewSequence
 from dart_core.sampling import SamplingParams, target_probs
 from ngram_service.client import InProcessTreeSearch
 from ngram_service.build import build_trie
@@ -72,6 +72,26 @@ def test_context_chains_keep_output_exact_and_get_accepted(arch):
     assert taus[0.0] < 1.5 and taus[1.0] > 2.0, taus
     for p, out in zip(prompts, ar.token_ids):
         assert out == hf_greedy(target, p, 96)
+
+
+def test_only_sequences_that_may_speculate_keep_a_context_index():
+    """A call with speculation off, and a sequence that opts out, index nothing (nothing would read
+    the index); the others index their prompt and output as before, with the output unchanged."""
+    target = tiny_target("llama")
+    prompts = prompts_of(np.random.default_rng(2), [6, 9])
+    sp = SamplingParams(max_new_tokens=24)
+    engine = DartEngine(target, random_head(target), InProcessTreeSearch(None),
+                        SearchParams(top_k=10, beam_width=6, budget=8, context_weight=1.0), context_order=3)
+    made = []
+    new_context = engine._new_context
+    engine._new_context = lambda prompt: made.append(len(prompt)) or new_context(prompt)
+    ar = engine.generate(prompts, sp, speculative=False)
+    assert made == []
+    assert engine.generate(prompts, sp).token_ids == ar.token_ids and made == [6, 9]
+    made.clear()
+    joined = iter([[NewSequence(prompts[1], sp, speculative=False)]])
+    out = list(engine.generate_stream([prompts[0]], sp, admit=lambda: next(joined, [])))
+    assert made == [6] and out
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
