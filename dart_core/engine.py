@@ -634,7 +634,9 @@ class DartEngine:
                 ) -> tuple[list[Acceptance], torch.Tensor]:
         """Each sequence's accepted path and bonus token, and the paths [B, N] on the device.
 
-        An unconstrained batch is accepted on the device, greedy and sampling rows alike
+        A greedy unconstrained batch of roots alone (an autoregressive step) takes each root's
+        argmax as its bonus token, read in one copy.  An unconstrained batch is accepted on the
+        device, greedy and sampling rows alike
         (:func:`~dart_core.verify.accept_greedy_batch`, or
         :func:`~dart_core.verify.accept_sampling_batch` with each sampling row's uniforms drawn
         from its own generator), and read back in one copy; a batch with a constrained row (a
