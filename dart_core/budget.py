@@ -494,7 +494,7 @@ class SpeculationGate:
         ValueError: settings out of range.
     """
 
-    def __init__(self, ema: float = 0.05, probe_every: int = 64, probe_steps: int = 4, warmup: int = 8,
+    def __init__(self, ema: float = 0.02, probe_every: int = 64, probe_steps: int = 4, warmup: int = 8,
                  max_probe_every: int = 1024, outlier: float = 8.0) -> None:
         if (not (0 < ema <= 1) or not (2 <= probe_steps < probe_every <= max_probe_every) or warmup < 1
                 or not outlier > 1):

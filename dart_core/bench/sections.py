@@ -351,7 +351,7 @@ def render_draft_weights(results: Path = RESULTS) -> str:
 #: (title, log files under bench/results) of the gate replays: one engine debug log set per machine
 GATE_LOGS = (("CPU: 2-core AMD EPYC with AVX512-BF16, the 4-bit target, AlpacaEval instructions (the tuning set), one "
               "client (`python -m dart_core.bench.batching --concurrency 1 --requests-per-client 4 --max-tokens 128 "
-              "--dataset alpacaeval --log-level debug`, two runs)", "gate/cpu-*.log"),
+              "--dataset alpacaeval --threads 2 --modes dart --log-level debug`, two runs, the engine of 2026-11-28)", "gate/cpu-*.log"),
              ("GPU: one H200, bf16, CUDA graphs, the same kind of run (`scripts/gpu_session/bench.sh gate-bf16-graphs`)",
               "gpu-h200-7/gate-bf16-graphs.log"))
 
