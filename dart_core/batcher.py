@@ -384,7 +384,8 @@ class ContinuousBatcher:
             while True:
                 items = [await box.get()]
                 deadline = sent_at + interval_s
-                while not _ends(items[-1]):
+                # the first chunk goes out alone, even when the next one is already queued
+                while sent_at != float("-inf") and not _ends(items[-1]):
                     if not box.empty():
                         items.append(box.get_nowait())
                         continue
