@@ -70,7 +70,7 @@ native = Pybind11Extension(
 kernels = Pybind11Extension(
     "dart_core._kernels",
     sources=["dart_core/csrc/attention.cpp", "dart_core/csrc/qmm.cpp", "dart_core/csrc/qmm_a8.cpp",
-             "dart_core/csrc/kv_compact.cpp"],
+             "dart_core/csrc/kv_compact.cpp", "dart_core/csrc/accept.cpp"],
     cxx_std=17,
     # Exact IEEE arithmetic (row-exact attention: the same bits for a row however it is batched);
     # -fno-trapping-math changes no result, it lets the compiler vectorise the exp's clamp.

@@ -156,7 +156,8 @@ class LlamaDecoder:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-                cache, logit_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                cache, logit_index: torch.Tensor | None = None, greedy: bool = False
+                ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """One forward of new tokens after the cached prefix; appends their KV entries to ``cache``.
 
         Args:
@@ -165,10 +166,15 @@ class LlamaDecoder:
             cache: the target's ``BufferedKVCache`` (``TargetCache.cache``).
             logit_index: int64 [B] or None: one query position per row whose logits are computed
                 (logits [B, 1, V]); None computes all.
+            greedy: only each position's argmax is wanted: an output layer with a fused argmax
+                (:attr:`fused_argmax`) then returns it instead of the logits.
 
         Returns:
-            (logits [B, Q, V] (or [B, 1, V]) float32, taps [B, Q, 3H] float32), as
-            :meth:`TargetModel.model_forward <dart_core.target.TargetModel.model_forward>`.
+            (logits [B, Q, V] (or [B, 1, V]) float32 or None, taps [B, Q, 3H] float32, argmax [B, Q]
+            (or [B, 1]) int64 or None): the logits, or with ``greedy`` and :attr:`fused_argmax` their
+            argmax alone (:meth:`Int4Linear.argmax <dart_core.quant.Int4Linear.argmax>`, the same index
+            as the logits' argmax), as :meth:`TargetModel.model_forward
+            <dart_core.target.TargetModel.model_forward>`.
         """
         b, q = input_ids.shape
         x = self.embed(input_ids)
@@ -183,7 +189,7 @@ class LlamaDecoder:
             x, taps = self._fused_layers(x, cache, cos_np, sin_np, exact_mask)
             if logit_index is not None:
                 x = x[torch.arange(b, device=x.device), logit_index][:, None]
-            return self.lm_head(_rms_norm(x, self.norm, self.norm_eps)).float(), taps
+            return self._outputs(x, taps, greedy)
         inputs = {}  # layer index -> that layer's input (the taps)
         for i, layer in enumerate(self.layers):
             if i in self.tap_layers:
@@ -225,8 +231,23 @@ class LlamaDecoder:
         taps = torch.cat([inputs[i] for i in self.tap_layers], dim=-1)
         if logit_index is not None:
             x = x[torch.arange(b, device=x.device), logit_index][:, None]
-        logits = self.lm_head(_rms_norm(x, self.norm, self.norm_eps)).float()
-        return logits, taps
+        return self._outputs(x, taps, greedy)
+
+    @property
+    def fused_argmax(self) -> bool:
+        """Whether the output layer computes an argmax without writing the logits (a float32 4-bit
+        output layer on one of dart-serve's kernels: :meth:`Int4Linear.argmax
+        <dart_core.quant.Int4Linear.argmax>`)."""
+        return bool(getattr(self.lm_head, "fused_argmax", False)) and self.norm.dtype == torch.float32
+
+    def _outputs(self, x: torch.Tensor, taps: torch.Tensor, greedy: bool
+                 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """The final norm and the output layer over x [B, Q, H]: (logits, taps, None), or with
+        ``greedy`` and :attr:`fused_argmax` (None, taps, argmax [B, Q])."""
+        h = _rms_norm(x, self.norm, self.norm_eps)
+        if greedy and self.fused_argmax:
+            return None, taps, self.lm_head.argmax(h)
+        return self.lm_head(h).float(), taps, None
 
     def _fused_layers(self, x: torch.Tensor, cache, cos_np, sin_np,
                       exact_mask) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,7 @@ Shipped drafters:
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -164,53 +165,66 @@ class DraftBatch:
         parents: [B, N] int64 parent node indices (the root's given as 0).
         depths: [B, N] int64 node depths (the root 0); a node's position is the sequence's cached
             length plus its depth.
-        estimates: [B, N] float32 acceptance estimates, the product of ``DraftTree.probs`` along
-            each node's path, as :func:`~dart_core.budget.node_acceptance_estimates` (the root 1).
         counts: [B] int64 real nodes per tree.
         tree_mask: [B, N, N] bool, ``[b, i, j]``: node j is node i or one of its ancestors (tree
             attention).
         num_nodes: N.  max_depth: the deepest node of any tree.
+        estimates: [B, N] float32 acceptance estimates, the product of ``DraftTree.probs`` along
+            each node's path, as :func:`~dart_core.budget.node_acceptance_estimates` (the root 1,
+            padding 0); computed from ``trees`` when first read (no phase of the engine's step reads
+            it today, so the step does not pay for it).
     """
 
     trees: list[DraftTree]
     tokens: torch.Tensor
     parents: torch.Tensor
     depths: torch.Tensor
-    estimates: torch.Tensor
     counts: torch.Tensor
     tree_mask: torch.Tensor
     num_nodes: int
     max_depth: int
 
+    @functools.cached_property
+    def estimates(self) -> torch.Tensor:
+        b, n = len(self.trees), self.num_nodes
+        parents = np.zeros((b, n), dtype=np.int64)
+        depths = np.zeros((b, n), dtype=np.int64)
+        probs = np.zeros((b, n), dtype=np.float64)
+        for i, tr in enumerate(self.trees):
+            m = tr.num_nodes
+            parents[i, 1:m], depths[i, :m], probs[i, :m] = tr.parents[1:], tr.depths, tr.probs
+        # path products level by level (a parent is one level up), as node_acceptance_estimates
+        real = np.arange(n)[None, :] < np.array([tr.num_nodes for tr in self.trees])[:, None]
+        est = np.where(depths == 0, 1.0, 0.0)
+        for level in range(1, int(depths.max()) + 1):
+            at = (depths == level) & real
+            est = np.where(at, np.take_along_axis(est, parents, axis=1) * probs, est)
+        return torch.from_numpy(np.where(real, est, 0.0).astype(np.float32)).to(self.tokens.device)
+
     @classmethod
     def pack(cls, trees: list[DraftTree], device: torch.device) -> "DraftBatch":
         """One host array per field, filled tree by tree, then one copy each to ``device`` (roots
         alone, an autoregressive step: the root tokens in one copy, the other fields made there)."""
-        b, n = len(trees), max(tr.num_nodes for tr in trees)
+        b = len(trees)
+        sizes = [tr.num_nodes for tr in trees]
+        n = max(sizes)
         if n == 1:
             tokens = torch.tensor([int(tr.tokens[0]) for tr in trees], device=device)[:, None]
             zeros = torch.zeros_like(tokens)
-            return cls(list(trees), tokens, zeros, zeros, torch.ones(b, 1, device=device),
-                       torch.ones(b, dtype=torch.long, device=device),
+            return cls(list(trees), tokens, zeros, zeros, torch.ones(b, dtype=torch.long, device=device),
                        torch.ones(b, 1, 1, dtype=torch.bool, device=device), 1, 0)
-        ints = np.zeros((3, b, n), dtype=np.int64)  # tokens, parents, depths
-        probs = np.zeros((b, n), dtype=np.float64)
+        ints = np.zeros((4, b, n), dtype=np.int64)  # tokens, parents, depths; counts in [3, :, 0]
         mask = np.broadcast_to(np.eye(n, dtype=bool), (b, n, n)).copy()
+        max_depth = 0
         for i, tr in enumerate(trees):
-            m = tr.num_nodes
+            m = sizes[i]
             ints[0, i, :m] = tr.tokens
             ints[1, i, 1:m] = tr.parents[1:]
             ints[2, i, :m] = tr.depths
-            probs[i, :m] = tr.probs
             mask[i, :m, :m] = tr.tree_mask
-        # path products level by level (a parent is one level up), as node_acceptance_estimates
-        real = np.arange(n)[None, :] < np.array([tr.num_nodes for tr in trees])[:, None]
-        est = np.where(ints[2] == 0, 1.0, 0.0)
-        for level in range(1, int(ints[2].max()) + 1):
-            at = (ints[2] == level) & real
-            est = np.where(at, np.take_along_axis(est, ints[1], axis=1) * probs, est)
-        est = np.where(real, est, 0.0).astype(np.float32)
+            max_depth = max(max_depth, int(tr.depths[-1]))
+        ints[3, :, 0] = sizes
         ints_d = torch.from_numpy(ints).to(device)
-        return cls(list(trees), ints_d[0], ints_d[1], ints_d[2], torch.from_numpy(est).to(device),
-                   torch.tensor([tr.num_nodes for tr in trees], device=device), torch.from_numpy(mask).to(device),
-                   n, max(int(tr.depths[-1]) for tr in trees))
+        return cls(list(trees), ints_d[0], ints_d[1], ints_d[2], ints_d[3, :, 0].contiguous(),
+                   torch.from_numpy(mask).to(device),
+                   n, max_depth)

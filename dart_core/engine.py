@@ -38,11 +38,11 @@ from dart_core.cuda_graphs import DEFAULT_DRAFT_WIDTHS, StaticDrafter
 from dart_core.draft_head import DartDraftHead
 from dart_core.drafters import DartDrafter, DraftBatch, Drafter, NoDraft, Proposal
 from dart_core.grammar import row_constraint
-from dart_core.kv_cache import HeadKVCache, cache_mask, compaction_plan_host, zero_pad
+from dart_core.kv_cache import HeadKVCache, cache_mask, zero_pad
 from dart_core.sampling import SamplingParams, target_probs
-from dart_core.target import TargetCache, TargetModel, padded_rows
+from dart_core.target import TargetCache, TargetModel, TargetOutput, padded_rows
 from dart_core.target import sync_device as _sync
-from dart_core.verify import (Acceptance, accept_constrained, accept_greedy, accept_greedy_batch, accept_sampling,
+from dart_core.verify import (Acceptance, accept_constrained, accept_greedy, accept_greedy_batch, accept_greedy_cpu, accept_sampling,
                               accept_sampling_batch, uniform_draws)
 from ngram_service.client import InProcessTreeSearch, TreeSearchClient
 from ngram_service.context import ContextIndex
@@ -196,7 +196,8 @@ class DartEngine:
         self.budget = budget
         self.gate = gate
         # reading a device tensor costs no sync (a CPU target): a sampling walk stops once every row
-        # has ended instead of warping max_depth + 1 distributions per row (verify.accept_sampling_batch)
+        # has ended instead of warping max_depth + 1 distributions per row (verify.accept_sampling_batch),
+        # and greedy acceptance walks the trees in one C++ call (verify.accept_greedy_cpu)
         self.cheap_host_reads = self.target.device.type == "cpu"
         # one verification budget pooled across the batch, verified without computing padding
         # (packed_verification); off by default: not measured faster yet (bench/results/pooled_budget)
@@ -425,11 +426,16 @@ class DartEngine:
         return DraftBatch.pack(trees, self.target.device), predicted
 
     def _verify(self, state: "_BatchState", draft: DraftBatch):
-        """One target forward over every sequence's tree, with tree attention over its cached prefix."""
+        """One target forward over every sequence's tree, with tree attention over its cached prefix.
+        A batch that needs no logits (every row greedy and unconstrained, no logprobs) asks for the
+        argmax alone, which a 4-bit output layer computes without writing the logits
+        (:attr:`TargetModel.fused_argmax <dart_core.target.TargetModel.fused_argmax>`)."""
         cache = state.cache
         mask = cache_mask(cache.lengths, cache.padded_length, draft.tree_mask, self.target.dtype)
+        greedy = (all(s.greedy and s.logprobs is None for s in state.samplings)
+                  and all(g is None for g in state.constraints))
         return self.target.forward(draft.tokens, cache.lengths[:, None] + draft.depths, mask, cache,
-                                   rows=self._real_rows(draft.trees, draft.num_nodes))
+                                   rows=self._real_rows(draft.trees, draft.num_nodes), greedy=greedy)
 
     def _accept_step(self, state: "_BatchState", proposal: Proposal, draft: DraftBatch, predicted: list | None,
                      out, padded_len: int, t_step: float, t_verify: float) -> StepOutput:
@@ -439,15 +445,14 @@ class DartEngine:
         trees, n, b_size = draft.trees, draft.num_nodes, len(state.seq_ids)
         speculative, lookup = proposal.kind != "none", proposal.kind == "lookup"
         cache = state.cache
-        accepted, path = self._accept(trees, draft, out.logits, state.samplings, state.generators, state.constraints)
+        accepted, path = self._accept(trees, draft, out, state.samplings, state.generators, state.constraints)
         counts_host = [len(acc.path) for acc in accepted]
         a_max = max(counts_host)
         path = path[:, :a_max]  # [B, A] accepted node indices (0 past each row's count)
         counts = torch.tensor(counts_host, device=device)
         old_lengths = cache.lengths
         # the cache holds every token but the root: its lengths are known here without a read
-        cache.compact_planned(compaction_plan_host([len(t) - 1 for t in state.tokens], padded_len,
-                                                   [acc.path for acc in accepted], device), counts)
+        cache.compact_paths([len(t) - 1 for t in state.tokens], padded_len, [acc.path for acc in accepted], counts)
         new_tokens, acc_lens, nexts, logprobs = [], [], [], []
         for i, (tr, acc) in enumerate(zip(trees, accepted)):
             drafted = [int(tr.tokens[j]) for j in acc.path[1:]]
@@ -629,28 +634,37 @@ class DartEngine:
         host = torch.stack([ids.to(torch.int32), probs.contiguous().view(torch.int32)]).cpu().numpy()
         return host[0].astype(np.int64), host[1].view(np.float32)
 
-    def _accept(self, trees: list[DraftTree], batch: DraftBatch, logits: torch.Tensor,
+    def _accept(self, trees: list[DraftTree], batch: DraftBatch, out: TargetOutput,
                 samplings: list[SamplingParams], generators: list[torch.Generator], constraints: list
                 ) -> tuple[list[Acceptance], torch.Tensor]:
-        """Each sequence's accepted path and bonus token, and the paths [B, N] on the device.
+        """Each sequence's accepted path and bonus token, and the paths [B, N] on the device, from the
+        verification forward's output (its logits, or for a greedy batch possibly its fused argmax
+        alone: :meth:`TargetOutput.greedy_tokens <dart_core.target.TargetOutput.greedy_tokens>`).
 
         A greedy unconstrained batch of roots alone (an autoregressive step) takes each root's
-        argmax as its bonus token, read in one copy.  An unconstrained batch is accepted on the
-        device, greedy and sampling rows alike
+        argmax as its bonus token, read in one copy.  On a CPU (:attr:`cheap_host_reads`) a greedy
+        unconstrained batch of trees is walked in one C++ call over its host tensors
+        (:func:`~dart_core.verify.accept_greedy_cpu`, no read).  Otherwise an unconstrained batch is
+        accepted on the device, greedy and sampling rows alike
         (:func:`~dart_core.verify.accept_greedy_batch`, or
         :func:`~dart_core.verify.accept_sampling_batch` with each sampling row's uniforms drawn
         from its own generator), and read back in one copy; a batch with a constrained row (a
         grammar, min_tokens) goes through the host, row by row (a constrained row masks the nodes
         its walk visits: :func:`~dart_core.verify.accept_constrained`)."""
-        device = logits.device
+        logits, device = out.logits, out.taps.device
         if all(g is None for g in constraints):
             if batch.num_nodes == 1 and all(s.greedy for s in samplings):  # roots alone: the bonus is the argmax
-                bonus = logits[:, 0].argmax(-1).cpu().numpy()  # one read
+                bonus = (out.argmax[:, 0] if out.argmax is not None else logits[:, 0].argmax(-1)).cpu().numpy()
                 return [Acceptance([0], int(x)) for x in bonus], torch.zeros(len(trees), 1, dtype=torch.long,
-                                                                             device=device)
+                                                                             device=device)  # one read above
+            if all(s.greedy for s in samplings) and self.cheap_host_reads and device.type == "cpu":  # no read
+                path, counts, bonus = accept_greedy_cpu(batch.tokens, batch.parents, batch.counts,
+                                                        out.greedy_tokens())
+                return ([Acceptance(path[i, :c].tolist(), int(x)) for i, (c, x) in enumerate(zip(counts, bonus))],
+                        torch.from_numpy(path))
             if all(s.greedy for s in samplings):
                 path, counts, bonus = accept_greedy_batch(batch.tokens, batch.parents, batch.depths, batch.counts,
-                                                          batch.tree_mask, logits.argmax(-1))
+                                                          batch.tree_mask, out.greedy_tokens())
             else:
                 levels = batch.max_depth + 1
                 uniforms = torch.stack([torch.ones(levels, dtype=torch.float64) if s.greedy else

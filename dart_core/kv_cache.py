@@ -26,7 +26,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-__all__ = ["compact_", "compaction_plan", "compaction_plan_host", "apply_compaction", "compact_layers", "HeadKVCache", "cache_mask", "BufferedKVLayer", "BufferedKVCache",
+__all__ = ["compact_", "compaction_plan", "compaction_plan_host", "apply_compaction", "compact_layers",
+           "compact_buffered", "HeadKVCache", "cache_mask", "BufferedKVLayer", "BufferedKVCache",
            "is_leading_view", "KVPool"]
 
 
@@ -126,6 +127,31 @@ def compact_layers(layers, plan: tuple[tuple[torch.Tensor, torch.Tensor, torch.T
         layer.keys, layer.values = apply_compaction(layer.keys, layer.values, (moves, new_len))
 
 
+def compact_buffered(layers, lengths: list[int], offset: int, paths: list[list[int]]) -> bool:
+    """:func:`compact_layers` of :func:`compaction_plan_host`'s plan, planned and applied in one C++
+    call (``_kernels.compact_paths``) on the layers' whole CPU buffers, when every layer is a
+    :class:`BufferedKVLayer` still holding its last commit on the CPU; then each layer is cropped to
+    the new length.  Returns False, touching nothing, where that does not hold.
+
+    Args: as :func:`compaction_plan_host` (each path increasing, ``lengths[b] <= offset``).
+
+    Raises:
+        ValueError: a path that does not increase, or counts that do not match the paths."""
+    if not layers or not all(isinstance(layer, BufferedKVLayer) and layer.holds_last_commit() for layer in layers) \
+            or layers[0].keys.device.type != "cpu":
+        return False
+    from dart_core import _kernels
+
+    counts = np.fromiter(map(len, paths), dtype=np.int64, count=len(paths))
+    lengths = np.asarray(lengths, dtype=np.int64)
+    flat = np.fromiter(itertools.chain.from_iterable(paths), dtype=np.int64, count=int(counts.sum()))
+    _kernels.compact_paths([a for layer in layers for a in layer.buffer_arrays()], lengths, offset, flat, counts)
+    new_len = int((lengths + counts).max()) if len(paths) else 0
+    for layer in layers:
+        layer.commit(new_len)
+    return True
+
+
 def apply_compaction(keys: torch.Tensor, values: torch.Tensor,
                      plan: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, int]
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,11 +197,13 @@ def cache_mask(lengths: torch.Tensor, cache_len: int, tree_mask: torch.Tensor, d
         [B, 1, N, T + N] with 0 where attention is allowed and the dtype's minimum elsewhere.
     """
     b, n, _ = tree_mask.shape
-    k_idx = torch.arange(cache_len, device=lengths.device)
-    prefix = (k_idx[None, :] < lengths[:, None])[:, None, :].expand(b, n, cache_len)
-    allowed = torch.cat([prefix, tree_mask], dim=2)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=lengths.device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    device = lengths.device
+    zero, low = torch.zeros((), dtype=dtype, device=device), torch.full((), torch.finfo(dtype).min, dtype=dtype,
+                                                                        device=device)
+    mask = torch.empty(b, n, cache_len + n, dtype=dtype, device=device)
+    prefix = torch.arange(cache_len, device=device)[None, None, :] < lengths[:, None, None]  # [B, 1, T]
+    mask[:, :, :cache_len] = torch.where(prefix, zero, low)
+    mask[:, :, cache_len:] = torch.where(tree_mask, zero, low)
     return mask[:, None]
 
 
@@ -296,9 +324,12 @@ class BufferedKVLayer(DynamicLayer):
 
     _views: tuple[torch.Tensor, torch.Tensor] | None = None  # what the last commit set keys/values to
 
+    _arrays: tuple[np.ndarray, np.ndarray] | None = None  # numpy views of the buffers (buffer_arrays)
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self._key_buffer = self._value_buffer = None
+        self._arrays = None
         self._views = None
 
     def _backed(self) -> bool:
@@ -343,7 +374,17 @@ class BufferedKVLayer(DynamicLayer):
                 kb[:, :, :t] = self.keys
                 vb[:, :, :t] = self.values
             self._key_buffer, self._value_buffer = kb, vb
+            self._arrays = None
         return self._key_buffer, self._value_buffer, t
+
+    def buffer_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """numpy views of the whole key and value buffers [B, H_kv, capacity, D] (CPU; 2-byte dtypes
+        as their int16 patterns, numpy having no bfloat16), made once per buffer: what the C++
+        compaction (:func:`compact_buffered`) writes through."""
+        if self._arrays is None:
+            self._arrays = tuple((b.view(torch.int16) if b.element_size() == 2 else b).numpy()
+                                 for b in (self._key_buffer, self._value_buffer))
+        return self._arrays
 
     def holds_last_commit(self) -> bool:
         """Whether ``keys``/``values`` are still the views the last :meth:`commit` set (an identity
@@ -360,7 +401,7 @@ class BufferedKVLayer(DynamicLayer):
 
     def reset(self) -> None:
         self._key_buffer = self._value_buffer = None
-        self._views = None
+        self._views = self._arrays = None
         super().reset()
 
 

@@ -422,6 +422,41 @@ class Int4Linear(torch.nn.Module):
             norm=None if norm is None else norm.detach().numpy(), eps=eps, gated=gated, accumulate=accumulate)
         return out
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax over the layer's outputs, the outputs never written: ``self(x).argmax(-1)``
+        (an output layer at temperature 0 wants only this).  The ``"qmm-a8"`` and ``"qmm"`` kernels
+        compute the outputs block by block into a small per-thread buffer and keep each row's best
+        (``_kernels.qmm_argmax``): the outputs' own bits, so the same index as torch.argmax over them,
+        ties to the first and a NaN above every number.  Inside :func:`~dart_core.target.real_rows`
+        only the selected rows are computed, the others get 0.
+
+        Args:
+            x: float32 [..., in_features].
+
+        Returns:
+            int64 [...].
+
+        Raises:
+            ValueError: the ``"aten"`` kernel (no fused argmax: use ``self(x).argmax(-1)``)."""
+        if self.kernel not in _QMM:
+            raise ValueError(f"argmax runs the qmm kernels, this layer's is {self.kernel}")
+        rows = x.reshape(-1, self.in_features)
+        real = _REAL_ROWS.get()
+        sel = real[0] if real is not None and real[1] == rows.shape[0] else None
+        work = (rows if sel is None else rows.index_select(0, sel)).detach().float().contiguous()
+        out = torch.empty(work.shape[0], dtype=torch.int64)
+        codes, scale, minimum = self._qmm_args
+        (_kernels.qmm_a8_argmax if self.kernel == "qmm-a8" else _kernels.qmm_argmax)(
+            work.numpy(), codes, scale, minimum, self.out_features, self.q8, out.numpy())
+        if sel is not None:
+            out = out.new_zeros(rows.shape[0]).index_copy_(0, sel, out)
+        return out.view(x.shape[:-1])
+
+    @property
+    def fused_argmax(self) -> bool:
+        """Whether :meth:`argmax` runs (the qmm kernels)."""
+        return self.kernel in _QMM
+
     def kernel_args(self) -> tuple:
         """(codes, scale, minimum or None, out_features, q8, a8): the layer as the C++ decoder layers
         (``_kernels.GGUFLayers``) take it (a qmm kernel only)."""

@@ -29,7 +29,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from dart_core.attention import attention_backend, grouped_query_sdpa, use_grouped_query
-from dart_core.kv_cache import BufferedKVCache, KVPool, cache_mask, compact_layers, compaction_plan
+from dart_core.kv_cache import (BufferedKVCache, KVPool, cache_mask, compact_buffered, compact_layers,
+                                compaction_plan, compaction_plan_host)
 from dart_core.tokenizer import converted_cache, load_tokenizer, resolve_model, save_converted
 
 if TYPE_CHECKING:
@@ -43,8 +44,16 @@ __all__ = ["TargetModel", "TargetOutput", "TargetCache", "PackedLinear", "can_pa
 
 @dataclass(frozen=True)
 class TargetOutput:
-    logits: torch.Tensor  # [B, Q, V] float32
+    """A target forward's outputs: the logits (or, for a ``greedy`` forward whose output layer fuses
+    the argmax, the argmax alone) and the taps the draft head reads."""
+
+    logits: torch.Tensor | None  # [B, Q, V] float32; None when only ``argmax`` was computed
     taps: torch.Tensor  # [B, Q, 3H] low|mid|high hidden states
+    argmax: torch.Tensor | None = None  # [B, Q] int64: each position's greedy token, when fused
+
+    def greedy_tokens(self) -> torch.Tensor:
+        """[B, Q] int64: each position's argmax over the vocabulary (the fused one, else the logits')."""
+        return self.argmax if self.argmax is not None else self.logits.argmax(-1)
 
 
 class TargetCache:
@@ -81,6 +90,18 @@ class TargetCache:
         else:
             compact_layers(layers, plan)
         self.lengths = self.lengths + counts
+
+    def compact_paths(self, lengths: list[int], offset: int, paths: list[list[int]], counts: torch.Tensor) -> None:
+        """:meth:`compact_planned` with :func:`~dart_core.kv_cache.compaction_plan_host`'s plan
+        (``lengths``: the valid lengths before the step, ``offset``: the cache's padded length before
+        it, ``paths``: each row's kept entries as increasing offsets from ``offset``; counts [B] their
+        numbers on the device), planned and applied in one C++ call where the layers are CPU buffers
+        (:func:`~dart_core.kv_cache.compact_buffered`), else through the plan."""
+        layers = self.cache.layers
+        if (self.pool is None or not self.pool.holds(layers)) and compact_buffered(layers, lengths, offset, paths):
+            self.lengths = self.lengths + counts
+            return
+        self.compact_planned(compaction_plan_host(lengths, offset, paths, self.lengths.device), counts)
 
     def select(self, rows: torch.Tensor) -> None:
         """Keeps only the given batch rows, cropped to their longest prefix."""
@@ -492,7 +513,7 @@ class TargetModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                 cache: TargetCache, rows: torch.Tensor | None = None,
-                logit_index: torch.Tensor | None = None) -> TargetOutput:
+                logit_index: torch.Tensor | None = None, greedy: bool = False) -> TargetOutput:
         """One forward of new tokens after the cached prefix; appends their KV entries.
 
         Args:
@@ -503,6 +524,9 @@ class TargetModel:
                 meaningless (zero or finite garbage), their KV entries too.  Ignored otherwise.
             logit_index: as :meth:`model_forward` (logits [B, 1, V]); such a forward never takes
                 the static cache's path.
+            greedy: only each position's argmax is wanted (every row at temperature 0, no
+                logprobs): where the output layer fuses the argmax (:attr:`fused_argmax`) the output
+                holds ``argmax`` [B, Q] and no logits; elsewhere the logits as usual.
 
         With :meth:`enable_static_cache`, a forward that fits the static cache returns views
         valid until the next forward.
@@ -513,22 +537,31 @@ class TargetModel:
                 return TargetOutput(logits=static[0], taps=static[1])
         if rows is not None and self.packed:
             with real_rows(rows, input_ids.numel()):
-                return self.model_forward(input_ids, position_ids, attention_mask, cache, logit_index)
-        return self.model_forward(input_ids, position_ids, attention_mask, cache, logit_index)
+                return self.model_forward(input_ids, position_ids, attention_mask, cache, logit_index, greedy)
+        return self.model_forward(input_ids, position_ids, attention_mask, cache, logit_index, greedy)
+
+    @property
+    def fused_argmax(self) -> bool:
+        """Whether a ``greedy`` forward returns the argmax without the logits (the output layer on
+        one of dart-serve's 4-bit kernels, through :attr:`decoder`: :meth:`Int4Linear.argmax
+        <dart_core.quant.Int4Linear.argmax>`); a static-cache forward (CUDA graphs) never does."""
+        return self.decoder is not None and self.decoder.fused_argmax
 
     @torch.inference_mode()
     def model_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      cache: TargetCache, logit_index: torch.Tensor | None = None) -> TargetOutput:
+                      cache: TargetCache, logit_index: torch.Tensor | None = None,
+                      greedy: bool = False) -> TargetOutput:
         """The model's forward behind :meth:`forward` (no static cache): logits and the taps, from
         :attr:`decoder` where there is one, else from the stock model's forward (equal bit for bit).
 
         ``logit_index``: int64 [B], one query position per row: the logits are then [B, 1, V], that
-        position's only (the output layer runs on B rows instead of B · Q; the taps stay [B, Q, 3H])."""
+        position's only (the output layer runs on B rows instead of B · Q; the taps stay [B, Q, 3H]).
+        ``greedy``: as :meth:`forward`."""
         with attention_backend(input_ids.device):  # an explicit SDPA choice (dart_core.attention)
             if self.decoder is not None:
-                logits, taps = self.decoder.forward(input_ids, position_ids, attention_mask, cache.cache,
-                                                    logit_index=logit_index)
-                return TargetOutput(logits=logits, taps=taps)
+                logits, taps, argmax = self.decoder.forward(input_ids, position_ids, attention_mask, cache.cache,
+                                                            logit_index=logit_index, greedy=greedy)
+                return TargetOutput(logits=logits, taps=taps, argmax=argmax)
             keep = {}
             if logit_index is not None:  # the distinct positions, then each row's own among them
                 positions, own = torch.unique(logit_index, return_inverse=True)

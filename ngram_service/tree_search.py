@@ -151,7 +151,10 @@ class DraftTree:
                          probs=self.probs[idx])
 
     def clip_depth(self, max_depth: int) -> "DraftTree":
-        """Without the nodes deeper than ``max_depth`` (the root alone for ``max_depth`` ≤ 0)."""
+        """Without the nodes deeper than ``max_depth`` (the root alone for ``max_depth`` ≤ 0);
+        ``self`` when no node is (nodes are in depth order: the last is the deepest)."""
+        if int(self.depths[-1]) <= max_depth:
+            return self
         return self.select(self.depths <= max(max_depth, 0))
 
     @classmethod

@@ -458,11 +458,13 @@ class GGUFLayers {
 
 void register_qmm(py::module_& mod);  // qmm.cpp: qmm and qmm_a8
 void register_kv_compact(py::module_& mod);  // kv_compact.cpp: compact_cache
+void register_accept(py::module_& mod);  // accept.cpp: accept_greedy
 
 PYBIND11_MODULE(_kernels, mod) {
   mod.doc() = "dart_core's CPU kernels (see dart_core/kernels.py)";
   register_qmm(mod);
   register_kv_compact(mod);
+  register_accept(mod);
   py::class_<GGUFLayers>(mod, "GGUFLayers",
                          "the decoder layers of a Llama target on the qmm or qmm-a8 kernel (dart_core.decoder)")
       .def(py::init<const py::list&, int64_t, int64_t, int64_t, float>(), py::arg("layers"), py::arg("heads"),

@@ -76,14 +76,18 @@ inline float code_at(const Weight& w, const uint8_t* codes, int64_t k, int c) {
 
 // The portable version: the same operations, one output at a time.
 void qmm_portable(const float* x, int64_t m_rows, const Weight& w, const float* xsum, float* y, int64_t ldy,
-                  bool accumulate) {
+                  bool accumulate, dart_kernels::ArgmaxSink* sink) {
   const int64_t G = w.k / kGroup;
+  if (sink) accumulate = false;
 #pragma omp parallel for schedule(static) if (m_rows * w.n * w.k >= (1 << 16))
   for (int64_t b = 0; b < w.blocks(); ++b) {
     const uint8_t* codes = w.codes + b * code_stride(w);
     const float* sc = w.scale + b * scale_stride(w);
     const float* mn = w.q8 ? nullptr : w.minimum + b * scale_stride(w);
     const int cols = static_cast<int>(std::min<int64_t>(kBlockN, w.n - b * kBlockN));
+    const int t = omp_get_thread_num();
+    float* yb = sink ? sink->rows(t) : y + b * kBlockN;  // the block's outputs, row stride ldb
+    const int64_t ldb = sink ? dart_kernels::ArgmaxSink::kStride : ldy;
     for (int64_t r = 0; r < m_rows; ++r) {
       for (int c = 0; c < cols; ++c) {
         float total = 0.0f;
@@ -93,10 +97,11 @@ void qmm_portable(const float* x, int64_t m_rows, const Weight& w, const float* 
           total = std::fma(sc[g * kBlockN + c], s, total);
           if (!w.q8) total = std::fma(mn[g * kBlockN + c], xsum[r * G + g], total);
         }
-        float* out = y + r * ldy + b * kBlockN + c;
+        float* out = yb + r * ldb + c;
         *out = accumulate ? *out + total : total;
       }
     }
+    if (sink) sink->take(t, b, cols);
   }
 }
 
@@ -173,22 +178,27 @@ DART_AVX512 void direct(const float* x, int64_t ldx, const float* xsum, const We
 
 template <bool kQ8>
 DART_AVX512 void qmm_avx512(const float* x, int64_t m_rows, const Weight& w, const float* xsum, float* y,
-                            int64_t ldy, bool accumulate) {
+                            int64_t ldy, bool accumulate, dart_kernels::ArgmaxSink* sink) {
   const int64_t K = w.k, G = K / kGroup;
+  if (sink) accumulate = false;
 #pragma omp parallel for schedule(static) if (w.blocks() > 1)
   for (int64_t b = 0; b < w.blocks(); ++b) {
     const int cols = static_cast<int>(std::min<int64_t>(kBlockN, w.n - b * kBlockN));
+    const int t = omp_get_thread_num();
+    float* yb = sink ? sink->rows(t) : y + b * kBlockN;  // the block's outputs, row stride ldb
+    const int64_t ldb = sink ? dart_kernels::ArgmaxSink::kStride : ldy;
     for (int64_t r0 = 0; r0 < m_rows; r0 += 4) {  // four rows share each conversion of the codes
       const float* xr = x + r0 * K;
       const float* sr = kQ8 ? nullptr : xsum + r0 * G;  // Q8_0: no block sums
-      float* yr = y + r0 * ldy + b * kBlockN;
+      float* yr = yb + r0 * ldb;
       switch (std::min<int64_t>(4, m_rows - r0)) {
-        case 4: direct<kQ8, 4>(xr, K, sr, w, b, yr, ldy, cols, accumulate); break;
-        case 3: direct<kQ8, 3>(xr, K, sr, w, b, yr, ldy, cols, accumulate); break;
-        case 2: direct<kQ8, 2>(xr, K, sr, w, b, yr, ldy, cols, accumulate); break;
-        default: direct<kQ8, 1>(xr, K, sr, w, b, yr, ldy, cols, accumulate); break;
+        case 4: direct<kQ8, 4>(xr, K, sr, w, b, yr, ldb, cols, accumulate); break;
+        case 3: direct<kQ8, 3>(xr, K, sr, w, b, yr, ldb, cols, accumulate); break;
+        case 2: direct<kQ8, 2>(xr, K, sr, w, b, yr, ldb, cols, accumulate); break;
+        default: direct<kQ8, 1>(xr, K, sr, w, b, yr, ldb, cols, accumulate); break;
       }
     }
+    if (sink) sink->take(t, b, cols);
   }
 }
 
@@ -201,10 +211,12 @@ using F32 = py::array_t<float, 0>;
 using U8 = py::array_t<uint8_t, 0>;
 
 // The Python face of both kernels (qmm, and qmm-a8 with a8): checks the arrays against the kernel's
-// layout, then runs it without the GIL.
+// layout, then runs it without the GIL, writing out [M, N] (float32) or, with argmax, each row's
+// argmax to out [M] (int64).
 void call(bool a8, const F32& x, const U8& codes, const F32& scale, const py::object& minimum_obj, int64_t n, bool q8,
-          F32 out, bool portable, const py::object& norm_obj, float eps, bool gated, bool accumulate) {
-  const std::string name = a8 ? "qmm_a8: " : "qmm: ";
+          py::array out, bool portable, const py::object& norm_obj, float eps, bool gated, bool accumulate,
+          bool argmax) {
+  const std::string name = std::string(a8 ? "qmm_a8" : "qmm") + (argmax ? "_argmax: " : ": ");
   auto fail = [&](const std::string& what) { throw std::invalid_argument(name + what); };
   if (x.ndim() != 2 || !(x.flags() & py::array::c_style)) fail("x must be a C-contiguous [M, K] float32 array");
   const int64_t m_rows = x.shape(0), K = gated ? x.shape(1) / 2 : x.shape(1);
@@ -238,41 +250,51 @@ void call(bool a8, const F32& x, const U8& codes, const F32& scale, const py::ob
       fail("norm must be a float32 [K] array (and not combined with gated)");
     norm = norm_arr.data();
   }
-  if (out.ndim() != 2 || out.shape(0) != m_rows || out.shape(1) != n || !(out.flags() & py::array::c_style) ||
-      !out.writeable())
-    fail("out must be a writeable C-contiguous [M, N] float32 array");
+  const bool right_type = argmax ? py::isinstance<py::array_t<int64_t>>(out) : py::isinstance<py::array_t<float>>(out);
+  if (!right_type || out.ndim() != (argmax ? 1 : 2) || out.shape(0) != m_rows || (!argmax && out.shape(1) != n) ||
+      !(out.flags() & py::array::c_style) || !out.writeable())
+    fail(argmax ? "out must be a writeable C-contiguous [M] int64 array"
+                : "out must be a writeable C-contiguous [M, N] float32 array");
   const dart_kernels::QWeight w{codes.data(), scale.data(), minimum, n, K, q8};
   const float* xp = x.data();
-  float* yp = out.mutable_data();
+  void* op = out.mutable_data();
   py::gil_scoped_release release;
-  if (a8) dart_kernels::qmm_a8_run(xp, m_rows, w, yp, norm, eps, gated, accumulate, portable);
-  else dart_kernels::qmm_run(xp, m_rows, w, yp, norm, eps, gated, accumulate, portable);
+  if (!argmax) {
+    float* yp = static_cast<float*>(op);
+    if (a8) dart_kernels::qmm_a8_run(xp, m_rows, w, yp, norm, eps, gated, accumulate, portable);
+    else dart_kernels::qmm_run(xp, m_rows, w, yp, norm, eps, gated, accumulate, portable);
+    return;
+  }
+  dart_kernels::ArgmaxSink sink(m_rows, omp_get_max_threads());
+  if (a8) dart_kernels::qmm_a8_run(xp, m_rows, w, nullptr, norm, eps, gated, false, portable, &sink);
+  else dart_kernels::qmm_run(xp, m_rows, w, nullptr, norm, eps, gated, false, portable, &sink);
+  sink.finish(static_cast<int64_t*>(op));
 }
 
 }  // namespace
 
 void dart_kernels::qmm_run(const float* x, int64_t m_rows, const QWeight& w, float* y, const float* norm, float eps,
-                           bool gated, bool accumulate, bool portable) {
+                           bool gated, bool accumulate, bool portable, ArgmaxSink* sink) {
   const int64_t K = w.k, n = w.n;
   std::vector<float> h;
   x = prepare_rows(x, m_rows, K, norm, eps, gated, h);
   const std::vector<float> xsum = w.q8 ? std::vector<float>() : block_sums(x, m_rows, K);
 #ifdef DART_QMM_AVX512
   if (!portable && cpu_has_avx512()) {
-    if (w.q8) qmm_avx512<true>(x, m_rows, w, xsum.data(), y, n, accumulate);
-    else qmm_avx512<false>(x, m_rows, w, xsum.data(), y, n, accumulate);
+    if (w.q8) qmm_avx512<true>(x, m_rows, w, xsum.data(), y, n, accumulate, sink);
+    else qmm_avx512<false>(x, m_rows, w, xsum.data(), y, n, accumulate, sink);
     return;
   }
 #endif
-  qmm_portable(x, m_rows, w, xsum.data(), y, n, accumulate);
+  qmm_portable(x, m_rows, w, xsum.data(), y, n, accumulate, sink);
 }
 
 void register_qmm(py::module_& mod) {
   for (const bool a8 : {false, true}) {
     const auto run = [a8](const F32& x, const U8& codes, const F32& scale, const py::object& minimum, int64_t n,
-                          bool q8, F32 out, bool portable, const py::object& norm, float eps, bool gated,
-                          bool accumulate) {
-      call(a8, x, codes, scale, minimum, n, q8, out, portable, norm, eps, gated, accumulate);
+                          bool q8, py::array out, bool portable, const py::object& norm, float eps, bool gated,
+                          bool accumulate) {  // out unconverted: a copy would take the writes
+      call(a8, x, codes, scale, minimum, n, q8, out, portable, norm, eps, gated, accumulate, false);
     };
     mod.def(a8 ? "qmm_a8" : "qmm", run, py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("minimum"),
             py::arg("n"), py::arg("q8"), py::arg("out"), py::arg("portable") = false, py::arg("norm") = py::none(),
@@ -283,6 +305,16 @@ void register_qmm(py::module_& mod) {
                : "x [M, K] (RMS-normalised with norm, or silu(x[:, :K]) * x[:, K:] when gated) times a GGUF 4-bit or "
                  "8-bit weight's transpose, each row on its own, written to out or added to it (accumulate; see "
                  "dart_core.quant)");
+    const auto arg = [a8](const F32& x, const U8& codes, const F32& scale, const py::object& minimum, int64_t n,
+                          bool q8, py::array out, bool portable, const py::object& norm, float eps) {
+      call(a8, x, codes, scale, minimum, n, q8, out, portable, norm, eps, false, false, true);
+    };
+    mod.def(a8 ? "qmm_a8_argmax" : "qmm_argmax", arg, py::arg("x"), py::arg("codes"), py::arg("scale"),
+            py::arg("minimum"), py::arg("n"), py::arg("q8"), py::arg("out"), py::arg("portable") = false,
+            py::arg("norm") = py::none(), py::arg("eps") = 0.0f,
+            "out [M] int64 = each row's argmax over the outputs the product without argmax would write (the "
+            "first of equal maxima, a NaN above every number, as torch.argmax), computed block by block without "
+            "writing the [M, N] outputs");
   }
   mod.def("qmm_vectorised", &cpu_has_avx512, "whether qmm runs its AVX-512 version on this CPU");
   mod.def("qmm_a8_vectorised", &dart_kernels::qmm_a8_vectorised,

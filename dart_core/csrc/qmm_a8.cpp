@@ -137,11 +137,16 @@ inline int code_at(const Weight& w, const uint8_t* group, int c, int64_t k_in_gr
   return j < 4 ? (byte & 15) : (byte >> 4);
 }
 
-void qmm_a8_portable(const Quantised& xq, int64_t m_rows, const Weight& w, float* y, int64_t ldy, bool accumulate) {
+void qmm_a8_portable(const Quantised& xq, int64_t m_rows, const Weight& w, float* y, int64_t ldy, bool accumulate,
+                     dart_kernels::ArgmaxSink* sink) {
   const int64_t G = w.k / kGroup;
+  if (sink) accumulate = false;
 #pragma omp parallel for schedule(static) if (m_rows * w.n * w.k >= (1 << 16))
   for (int64_t b = 0; b < w.blocks(); ++b) {
     const int cols = static_cast<int>(std::min<int64_t>(kBlockN, w.n - b * kBlockN));
+    const int t = omp_get_thread_num();
+    float* yb = sink ? sink->rows(t) : y + b * kBlockN;  // the block's outputs, row stride ldb
+    const int64_t ldb = sink ? dart_kernels::ArgmaxSink::kStride : ldy;
     for (int64_t r = 0; r < m_rows; ++r)
       for (int c = 0; c < cols; ++c) {
         float total = 0.0f;
@@ -154,9 +159,10 @@ void qmm_a8_portable(const Quantised& xq, int64_t m_rows, const Weight& w, float
           total = std::fma(w.scale[at] * xq.dx[r * G + g], static_cast<float>(p), total);
           if (!w.q8) total = std::fma(w.minimum[at], xq.sx[r * G + g], total);
         }
-        float* out = y + r * ldy + b * kBlockN + c;
+        float* out = yb + r * ldb + c;
         *out = accumulate ? *out + total : total;
       }
+    if (sink) sink->take(t, b, cols);
   }
 }
 
@@ -195,9 +201,10 @@ inline int32_t quad(const int8_t* q, int64_t at) {  // four int8 inputs as one 3
 constexpr int64_t kPrefetchGroups = 2;  // how many groups of 32 inputs ahead the codes are prefetched
 
 // R rows of the quantised x against weight block b: for each group, the integer dot products of
-// all 64 columns (each row's input quads broadcast once), then the group's scales.
+// all 64 columns (each row's input quads broadcast once), then the group's scales.  yb: the block's
+// outputs (row r0 + r at yb + (r0 + r) · ldy).
 template <bool kQ8, int R>
-DART_VNNI void direct(const Quantised& xq, int64_t r0, const Weight& w, int64_t b, float* y, int64_t ldy, int cols,
+DART_VNNI void direct(const Quantised& xq, int64_t r0, const Weight& w, int64_t b, float* yb, int64_t ldy, int cols,
                       bool accumulate) {
   const int64_t K = w.k, G = K / kGroup;
   const int64_t gb = group_bytes(w);
@@ -276,22 +283,28 @@ DART_VNNI void direct(const Quantised& xq, int64_t r0, const Weight& w, int64_t 
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) store_cols(y + (r0 + r) * ldy + b * kBlockN, total[r][c], c, cols, accumulate);
+    for (int c = 0; c < 4; ++c) store_cols(yb + (r0 + r) * ldy, total[r][c], c, cols, accumulate);
 }
 
 template <bool kQ8>
-void qmm_a8_vnni(const Quantised& xq, int64_t m_rows, const Weight& w, float* y, int64_t ldy, bool accumulate) {
+void qmm_a8_vnni(const Quantised& xq, int64_t m_rows, const Weight& w, float* y, int64_t ldy, bool accumulate,
+                 dart_kernels::ArgmaxSink* sink) {
+  if (sink) accumulate = false;
 #pragma omp parallel for schedule(static) if (w.blocks() > 1)
   for (int64_t b = 0; b < w.blocks(); ++b) {
     const int cols = static_cast<int>(std::min<int64_t>(kBlockN, w.n - b * kBlockN));
+    const int t = omp_get_thread_num();
+    float* yb = sink ? sink->rows(t) : y + b * kBlockN;  // the block's outputs, row stride ldb
+    const int64_t ldb = sink ? dart_kernels::ArgmaxSink::kStride : ldy;
     for (int64_t r0 = 0; r0 < m_rows; r0 += 4) {  // four rows share each load of the codes
       switch (std::min<int64_t>(4, m_rows - r0)) {
-        case 4: direct<kQ8, 4>(xq, r0, w, b, y, ldy, cols, accumulate); break;
-        case 3: direct<kQ8, 3>(xq, r0, w, b, y, ldy, cols, accumulate); break;
-        case 2: direct<kQ8, 2>(xq, r0, w, b, y, ldy, cols, accumulate); break;
-        default: direct<kQ8, 1>(xq, r0, w, b, y, ldy, cols, accumulate); break;
+        case 4: direct<kQ8, 4>(xq, r0, w, b, yb, ldb, cols, accumulate); break;
+        case 3: direct<kQ8, 3>(xq, r0, w, b, yb, ldb, cols, accumulate); break;
+        case 2: direct<kQ8, 2>(xq, r0, w, b, yb, ldb, cols, accumulate); break;
+        default: direct<kQ8, 1>(xq, r0, w, b, yb, ldb, cols, accumulate); break;
       }
     }
+    if (sink) sink->take(t, b, cols);
   }
 }
 
@@ -314,7 +327,7 @@ const float* dart_kernels::prepare_rows(const float* x, int64_t m_rows, int64_t 
 }
 
 void dart_kernels::qmm_a8_run(const float* x, int64_t m_rows, const QWeight& w, float* y, const float* norm,
-                              float eps, bool gated, bool accumulate, bool portable) {
+                              float eps, bool gated, bool accumulate, bool portable, ArgmaxSink* sink) {
   const int64_t K = w.k, G = K / kGroup, n = w.n;
   std::vector<float> h;
   x = dart_kernels::prepare_rows(x, m_rows, K, norm, eps, gated, h);
@@ -323,13 +336,13 @@ void dart_kernels::qmm_a8_run(const float* x, int64_t m_rows, const QWeight& w, 
 #ifdef DART_A8_VNNI
   if (!portable && cpu_has_vnni()) {
     quantise_avx512(x, m_rows, K, xq);
-    if (w.q8) qmm_a8_vnni<true>(xq, m_rows, w, y, n, accumulate);
-    else qmm_a8_vnni<false>(xq, m_rows, w, y, n, accumulate);
+    if (w.q8) qmm_a8_vnni<true>(xq, m_rows, w, y, n, accumulate, sink);
+    else qmm_a8_vnni<false>(xq, m_rows, w, y, n, accumulate, sink);
     return;
   }
 #endif
   quantise_portable(x, m_rows, K, xq);
-  qmm_a8_portable(xq, m_rows, w, y, n, accumulate);
+  qmm_a8_portable(xq, m_rows, w, y, n, accumulate, sink);
 }
 
 bool dart_kernels::qmm_a8_vectorised() { return cpu_has_vnni(); }

@@ -90,6 +90,37 @@ def test_the_decoder_equals_the_stock_forward_on_the_4bit_target(tmp_path, kerne
     _assert_same_as_stock(target, tol={"qmm-a8": 0.02, "qmm": 1e-5, "aten": 0.0}[kernel])
 
 
+@pytest.mark.parametrize("kernel", ["qmm-a8", "qmm", "aten"])
+def test_a_greedy_forward_returns_the_argmax_of_the_logits(tmp_path, kernel):
+    """``greedy=True`` on a 4-bit output layer of dart-serve's kernels: the argmax alone, equal to the
+    argmax of the logits an ordinary forward of the same cache computes (prefill, a tree step, inside
+    real_rows); the aten kernel and a float32 target return their logits as usual."""
+    target = _tiny_4bit_target(tmp_path, kernel, seed=6)
+    assert target.fused_argmax == (kernel != "aten")
+    assert not tiny_target("llama", seed=3).fused_argmax
+    rng = np.random.default_rng(10)
+    prompts = [rng.integers(0, VOCAB, 9).tolist(), rng.integers(0, VOCAB, 4).tolist()]
+    ids = torch.from_numpy(rng.integers(0, VOCAB, (2, 3)))
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)[None].expand(2, 3, 3)
+    for rows in (None, torch.tensor([0, 1, 2, 3])):
+        outs = []
+        for greedy in (False, True):
+            cache = TargetCache(2, "cpu")
+            target.prefill(prompts, cache)
+            pos = cache.lengths[:, None] + torch.tensor([0, 1, 1])[None]
+            mask = cache_mask(cache.lengths, cache.padded_length, tree, target.dtype)
+            outs.append(target.forward(ids, pos, mask, cache, rows=rows, greedy=greedy))
+        plain, greedy = outs
+        assert plain.argmax is None and torch.equal(plain.greedy_tokens(), plain.logits.argmax(-1))
+        if kernel == "aten":
+            assert greedy.argmax is None and torch.equal(greedy.logits, plain.logits)
+            continue
+        assert greedy.logits is None and greedy.argmax.shape == (2, 3) and greedy.argmax.dtype == torch.int64
+        real = slice(None) if rows is None else [0, 1, 2, 3]
+        assert torch.equal(greedy.greedy_tokens().view(-1)[real], plain.logits.argmax(-1).view(-1)[real])
+        assert torch.equal(greedy.taps.view(6, -1)[real], plain.taps.view(6, -1)[real])
+
+
 @pytest.mark.parametrize("kernel", ["qmm-a8", "qmm"])
 def test_the_fused_decoder_computes_only_the_real_rows_and_each_alike(tmp_path, kernel):
     """Inside real_rows the fused layers (from Python) compute the real rows only, each equal to its value

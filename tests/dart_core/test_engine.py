@@ -562,7 +562,8 @@ def test_a_step_reads_device_tensors_at_most_twice(batch, temperature):
     for speculative, budget, most in ((False, 8, 1), (True, 4, 2), (True, 12, 2)):
         engine = DartEngine(target, random_head(target), InProcessTreeSearch(None),
                             SearchParams(top_k=8, beam_width=4, budget=budget))
-        engine.cheap_host_reads = False  # count what a GPU would (a CPU's sampling walk may read per level)
+        # count what a GPU would (a CPU's sampling walk may read per level; its greedy walk reads nothing)
+        engine.cheap_host_reads = False
         sampling = SamplingParams(max_new_tokens=40, temperature=temperature, top_k=20 * (temperature > 0),
                                   top_p=0.9 if temperature else 1.0, seed=1)
         steps = engine.generate_stream(prompts, sampling, speculative=speculative)

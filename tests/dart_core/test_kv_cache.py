@@ -294,3 +294,47 @@ def test_compaction_keeps_buffered_layers_on_their_own_views():
         compact_layers([layer], plan)
         assert layer.holds_last_commit() and layer.keys.shape[2] == plan[1]
         assert torch.equal(layer.keys, expected[0]) and torch.equal(layer.values, expected[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compaction_from_the_paths_in_one_call_equals_the_plan(dtype):
+    """compact_buffered (the moves made and applied by one C++ call on the layers' whole buffers) against
+    apply_compaction of compaction_plan_host's plan: ragged paths that skip nodes, a row already in
+    place, float32 and bfloat16; layers that are not buffered are left to the plan (False, untouched);
+    a path that does not increase is refused before anything moves."""
+    from types import SimpleNamespace
+
+    from dart_core.kv_cache import apply_compaction, compact_buffered, compaction_plan_host
+
+    g = torch.Generator().manual_seed(13)
+    lengths, offset, paths = [3, 7, 5, 0, 7], 7, [[0, 2, 3, 6], [0, 1, 4], [0], [0, 1, 2], [0, 1]]
+    layers = []
+    for _ in range(3):
+        layer = BufferedKVLayer()
+        layer.update(torch.randn(5, 2, offset, 8, generator=g).to(dtype), torch.randn(5, 2, offset, 8, generator=g).to(dtype))
+        layer.update(torch.randn(5, 2, 7, 8, generator=g).to(dtype), torch.randn(5, 2, 7, 8, generator=g).to(dtype))
+        layers.append(layer)
+    plan = compaction_plan_host(lengths, offset, paths, "cpu")
+    expected = [apply_compaction(x.keys.clone(), x.values.clone(), plan) for x in layers]
+    assert compact_buffered(layers, lengths, offset, paths)
+    for layer, (k, v) in zip(layers, expected):
+        assert layer.holds_last_commit() and layer.keys.shape[2] == plan[1] == 10
+        assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+    plain = [SimpleNamespace(keys=torch.zeros(1, 1, 4, 2), values=torch.zeros(1, 1, 4, 2))]
+    assert not compact_buffered(plain, [1], 2, [[0, 1]])
+    before = layers[0].keys.clone()
+    with pytest.raises(ValueError, match="does not increase"):
+        compact_buffered(layers, [1, 1, 1, 0, 1], 2, [[0, 2], [0], [0, 3, 1], [0], [0]])
+    assert torch.equal(layers[0].keys, before)
+
+
+def test_the_additive_mask_in_every_dtype():
+    """cache_mask: 0 where a new token may attend (its sequence's valid prefix, its tree's ancestors and
+    itself), the dtype's lowest value elsewhere (not -inf: float64 included)."""
+    g = torch.Generator().manual_seed(2)
+    lengths, tree = torch.tensor([3, 0, 5]), torch.rand(3, 4, 4, generator=g) > 0.5
+    allowed = torch.cat([(torch.arange(6)[None, :] < lengths[:, None])[:, None, :].expand(3, 4, 6), tree], dim=2)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        mask = cache_mask(lengths, 6, tree, dtype)
+        assert mask.shape == (3, 1, 4, 10) and mask.dtype == dtype
+        assert torch.equal(mask[:, 0] == 0, allowed) and (mask[:, 0][~allowed] == torch.finfo(dtype).min).all()

@@ -112,6 +112,47 @@ def test_qmm_portable_loops_equal_their_vectorised_versions(kernel):
 
 
 @pytest.mark.parametrize("kernel", ["qmm-a8", "qmm"])
+def test_the_fused_argmax_is_the_argmax_of_the_outputs(kernel):
+    """Int4Linear.argmax (the outputs folded block by block, never written) against torch.argmax of the
+    layer's own outputs: output sizes on and off a 64-column block, 1 to 40 rows (thread splits of the
+    blocks), a tie across blocks (the first wins), with qmm rows of NaN and -inf outputs (the first
+    NaN), the portable loop, and real_rows (the rows not selected get 0)."""
+    from dart_core import _kernels
+    from dart_core.target import real_rows
+
+    rng = np.random.default_rng(12)
+    function = {"qmm": _kernels.qmm_argmax, "qmm-a8": _kernels.qmm_a8_argmax}[kernel]
+    for qtype, n in (("Q4_0", 200), ("Q4_1", 4100), ("Q8_0", 130)):
+        w = rng.normal(size=(n, 96)).astype(np.float32)
+        w[n - 3] = w[5]  # the same row twice: equal outputs in columns 5 and n - 3
+        layer = Int4Linear(int4_parts(_blocks(w, Q[qtype]), qtype, (n, 96)), kernel=kernel)
+        codes, scale, minimum = layer._qmm_args
+        for m in (1, 3, 7, 17, 40):
+            x = torch.from_numpy(rng.normal(size=(m, 96)).astype(np.float32))
+            x[0] = torch.from_numpy(w[5]) * 4  # column 5 wins, tied with column n - 3
+            if m > 2 and kernel == "qmm":  # float32 activations carry NaN and -inf into the outputs
+                x[1, 7] = float("nan")  # every output NaN
+                x[2] = float("-inf")  # -inf and NaN outputs
+            full = layer(x)
+            got = layer.argmax(x)
+            assert torch.equal(got, full.argmax(-1)), (qtype, m)
+            assert int(got[0]) == 5
+            slow = np.empty(m, np.int64)
+            function(x.numpy(), codes, scale, minimum, n, layer.q8, slow, portable=True)
+            assert np.array_equal(slow, got.numpy()), (qtype, m)
+        x = torch.from_numpy(rng.normal(size=(6, 96)).astype(np.float32))
+        with real_rows(torch.tensor([1, 4]), 6):
+            part = layer.argmax(x.view(2, 3, 96))
+        assert part.shape == (2, 3) and part.view(-1)[[0, 2, 3, 5]].tolist() == [0, 0, 0, 0]
+        assert part.view(-1)[[1, 4]].tolist() == layer(x[[1, 4]]).argmax(-1).tolist()
+    with pytest.raises(ValueError, match=r"\[M\] int64"):
+        function(x.numpy(), codes, scale, minimum, n, layer.q8, np.empty(6, np.int32))
+    aten = Int4Linear(int4_parts(_blocks(w[:128], Q.Q4_1), "Q4_1", (128, 96)), kernel="aten")
+    with pytest.raises(ValueError, match="argmax runs the qmm kernels"):
+        aten.argmax(x)
+
+
+@pytest.mark.parametrize("kernel", ["qmm-a8", "qmm"])
 def test_fused_into_applies_the_decoder_layer_operations(kernel):
     """fused_into's RMS norm, SiLU-and-multiply and residual add are transformers' LlamaRMSNorm, SiLU times
     up and x + y, to float32 rounding (and, with qmm-a8, the 8-bit rounding of the activations)."""

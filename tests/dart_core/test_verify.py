@@ -10,7 +10,7 @@ from scipy import stats
 
 from dart_core.drafters import DraftBatch
 from dart_core.sampling import SamplingParams, sample_token, target_probs
-from dart_core.verify import accept_greedy_batch, accept_sampling_batch, children_lists
+from dart_core.verify import accept_greedy, accept_greedy_batch, accept_greedy_cpu, accept_sampling_batch, children_lists
 
 from .conftest import make_tree
 
@@ -68,6 +68,30 @@ def test_greedy_rows_walk_as_the_greedy_batch():
     for w, g in zip(want, got):
         assert torch.equal(w, g)
     assert int(want[1].max()) > 2  # paths longer than one draft node were accepted
+
+
+def test_the_cpu_greedy_walk_equals_the_batched_and_the_reference_one():
+    """accept_greedy_cpu (one C++ call) against accept_greedy_batch and accept_greedy per tree, on random
+    trees padded to one size, with acceptance likely; bad shapes and node counts are refused."""
+    rng = np.random.default_rng(3)
+    trees = random_trees(rng, 24)
+    batch = DraftBatch.pack(trees, torch.device("cpu"))
+    argmax = torch.from_numpy(rng.integers(0, VOCAB, (24, batch.num_nodes)))
+    for b, tr in enumerate(trees):  # the argmax after a node is often one of its children
+        for c in range(1, tr.num_nodes):
+            if rng.random() < 0.7:
+                argmax[b, tr.parents[c]] = int(tr.tokens[c])
+    path, counts, bonus = accept_greedy_cpu(batch.tokens, batch.parents, batch.counts, argmax)
+    want = accept_greedy_batch(batch.tokens, batch.parents, batch.depths, batch.counts, batch.tree_mask, argmax)
+    assert np.array_equal(path, want[0].numpy()) and np.array_equal(counts, want[1].numpy())
+    assert np.array_equal(bonus, want[2].numpy()) and counts.max() > 2
+    for b, tr in enumerate(trees):
+        ref = accept_greedy(tr.tokens, tr.parents, argmax[b, : tr.num_nodes].numpy())
+        assert path[b, : counts[b]].tolist() == list(ref.path) and bonus[b] == ref.bonus
+    with pytest.raises(ValueError, match="has 0 nodes"):
+        accept_greedy_cpu(batch.tokens, batch.parents, torch.zeros(24, dtype=torch.long), argmax)
+    with pytest.raises(ValueError, match=r"\[B, N\] int64 like tokens"):
+        accept_greedy_cpu(batch.tokens, batch.parents, batch.counts, argmax[:, :1])
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
