@@ -226,5 +226,4 @@ class DraftBatch:
         ints[3, :, 0] = sizes
         ints_d = torch.from_numpy(ints).to(device)
         return cls(list(trees), ints_d[0], ints_d[1], ints_d[2], ints_d[3, :, 0].contiguous(),
-                   torch.from_numpy(mask).to(device),
-                   n, max_depth)
+                   torch.from_numpy(mask).to(device), n, max_depth)

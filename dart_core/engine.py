@@ -42,8 +42,8 @@ from dart_core.kv_cache import HeadKVCache, cache_mask, zero_pad
 from dart_core.sampling import SamplingParams, target_probs
 from dart_core.target import TargetCache, TargetModel, TargetOutput, padded_rows
 from dart_core.target import sync_device as _sync
-from dart_core.verify import (Acceptance, accept_constrained, accept_greedy, accept_greedy_batch, accept_greedy_cpu, accept_sampling,
-                              accept_sampling_batch, uniform_draws)
+from dart_core.verify import (Acceptance, accept_constrained, accept_greedy, accept_greedy_batch, accept_greedy_cpu,
+                              accept_sampling, accept_sampling_batch, uniform_draws)
 from ngram_service.client import InProcessTreeSearch, TreeSearchClient
 from ngram_service.context import ContextIndex
 from ngram_service.tree_search import DraftTree, SearchParams

@@ -311,8 +311,8 @@ def test_compaction_from_the_paths_in_one_call_equals_the_plan(dtype):
     layers = []
     for _ in range(3):
         layer = BufferedKVLayer()
-        layer.update(torch.randn(5, 2, offset, 8, generator=g).to(dtype), torch.randn(5, 2, offset, 8, generator=g).to(dtype))
-        layer.update(torch.randn(5, 2, 7, 8, generator=g).to(dtype), torch.randn(5, 2, 7, 8, generator=g).to(dtype))
+        for n in (offset, 7):  # the prefix, then a step's 7 nodes
+            layer.update(*(torch.randn(5, 2, n, 8, generator=g).to(dtype) for _ in range(2)))
         layers.append(layer)
     plan = compaction_plan_host(lengths, offset, paths, "cpu")
     expected = [apply_compaction(x.keys.clone(), x.values.clone(), plan) for x in layers]

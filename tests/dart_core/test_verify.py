@@ -10,7 +10,8 @@ from scipy import stats
 
 from dart_core.drafters import DraftBatch
 from dart_core.sampling import SamplingParams, sample_token, target_probs
-from dart_core.verify import accept_greedy, accept_greedy_batch, accept_greedy_cpu, accept_sampling_batch, children_lists
+from dart_core.verify import (accept_greedy, accept_greedy_batch, accept_greedy_cpu, accept_sampling_batch,
+                              children_lists)
 
 from .conftest import make_tree
 
