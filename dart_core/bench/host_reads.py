@@ -4,7 +4,9 @@ On a GPU every read of a device tensor's value by the host (``item``,
 ``tolist``, ``cpu``, ``bool`` / ``int`` / ``float`` of a tensor)
 waits for the device: a sync that CUDA graphs cannot remove.  The engine's
 step aims at one such read per autoregressive step and two per speculative
-step (the draft's top-k out, the accepted paths out).  :func:`count_host_reads`
+step (the draft's top-k out, the accepted paths out; on a CPU a greedy
+speculative step reads once, its trees walked over host arrays by
+``verify.accept_greedy_cpu``).  :func:`count_host_reads`
 counts them on any device, CPU included, by wrapping those tensor methods for
 the duration of a ``with`` block; tensors the host built itself count the
 same (the engine should not read values back at all inside a step).
