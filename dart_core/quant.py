@@ -440,17 +440,16 @@ class Int4Linear(torch.nn.Module):
             ValueError: the ``"aten"`` kernel (no fused argmax: use ``self(x).argmax(-1)``)."""
         if self.kernel not in _QMM:
             raise ValueError(f"argmax runs the qmm kernels, this layer's is {self.kernel}")
-        rows = x.reshape(-1, self.in_features)
-        real = _REAL_ROWS.get()
-        sel = real[0] if real is not None and real[1] == rows.shape[0] else None
-        work = (rows if sel is None else rows.index_select(0, sel)).detach().float().contiguous()
-        out = torch.empty(work.shape[0], dtype=torch.int64)
         codes, scale, minimum = self._qmm_args
-        (_kernels.qmm_a8_argmax if self.kernel == "qmm-a8" else _kernels.qmm_argmax)(
-            work.numpy(), codes, scale, minimum, self.out_features, self.q8, out.numpy())
-        if sel is not None:
-            out = out.new_zeros(rows.shape[0]).index_copy_(0, sel, out)
-        return out.view(x.shape[:-1])
+        kernel = _kernels.qmm_a8_argmax if self.kernel == "qmm-a8" else _kernels.qmm_argmax
+
+        def argmax_rows(rows: torch.Tensor) -> torch.Tensor:
+            out = torch.empty(rows.shape[0], dtype=torch.int64)
+            kernel(rows.detach().float().contiguous().numpy(), codes, scale, minimum, self.out_features, self.q8,
+                   out.numpy())
+            return out
+
+        return over_real_rows(x, argmax_rows)
 
     @property
     def fused_argmax(self) -> bool:
@@ -539,7 +538,7 @@ class Int4Linear(torch.nn.Module):
             if real is None or real[1] != rows.shape[0]:  # every row: the kernel without Python around it
                 y = self._mm(rows)
                 return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
-        return over_real_rows(x, self.out_features, lambda rows: self._mm(rows.to(self.compute_dtype)).to(x.dtype))
+        return over_real_rows(x, lambda rows: self._mm(rows.to(self.compute_dtype)).to(x.dtype))
 
 
 def _row_order(weight: np.ndarray, values: np.ndarray, name: str) -> np.ndarray | None:

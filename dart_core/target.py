@@ -246,17 +246,18 @@ def padded_rows(sizes: list[int], width: int, device) -> torch.Tensor | None:
     return torch.from_numpy(np.concatenate([i * width + np.arange(n) for i, n in enumerate(sizes)])).to(device)
 
 
-def over_real_rows(x: torch.Tensor, out_features: int, linear) -> torch.Tensor:
-    """``linear`` (rows [N, in] -> [N, out_features]) applied to ``x`` [..., in]; inside
-    :func:`real_rows` for x's row count, to the selected rows only, the others left zero.
-    The forward of the linear layers that honour :func:`real_rows` (``honours_real_rows``)."""
+def over_real_rows(x: torch.Tensor, per_rows) -> torch.Tensor:
+    """``per_rows`` (rows [N, in] -> [N, ...], each result row from its input row alone) applied to
+    ``x`` [..., in]: [..., ...]; inside :func:`real_rows` for x's row count, to the selected rows
+    only, the others left zero.  The forward of the linear layers that honour :func:`real_rows`
+    (``honours_real_rows``), and the fused argmax of a 4-bit output layer."""
     rows = x.reshape(-1, x.shape[-1])
     real = _REAL_ROWS.get()
     sel = real[0] if real is not None and real[1] == rows.shape[0] else None
-    y = linear(rows if sel is None else rows.index_select(0, sel))
+    y = per_rows(rows if sel is None else rows.index_select(0, sel))
     if sel is not None:
-        y = y.new_zeros(rows.shape[0], out_features).index_copy_(0, sel, y)
-    return y.view(*x.shape[:-1], out_features)
+        y = y.new_zeros(rows.shape[0], *y.shape[1:]).index_copy_(0, sel, y)
+    return y.view(*x.shape[:-1], *y.shape[1:])
 
 
 class PackedLinear(torch.nn.Module):
@@ -306,7 +307,7 @@ class PackedLinear(torch.nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return over_real_rows(x, self.out_features, lambda rows: torch.ops.mkldnn._linear_pointwise(
+        return over_real_rows(x, lambda rows: torch.ops.mkldnn._linear_pointwise(
             rows, self.packed_weight, self.bias, "none", [], ""))
 
 

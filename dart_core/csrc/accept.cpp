@@ -62,8 +62,9 @@ void accept_greedy(const I64& tokens, const I64& parents, const I64& num_nodes, 
 
 void register_accept(py::module_& mod) {
   mod.def("accept_greedy", &accept_greedy, py::arg("tokens"), py::arg("parents"), py::arg("num_nodes"),
-          py::arg("argmax"), py::arg("path"), py::arg("counts"), py::arg("bonus"),
+          py::arg("argmax"), py::arg("path").noconvert(), py::arg("counts").noconvert(), py::arg("bonus").noconvert(),
           "greedy acceptance of [B, N] draft trees (nodes in depth order): writes each tree's accepted path "
           "(node indices from the root, 0 past its count) to path [B, N], its length to counts [B] and the "
-          "target's argmax at its last node to bonus [B] (see dart_core.verify.accept_greedy)");
+          "target's argmax at its last node to bonus [B], C-contiguous int64 arrays taken as they are (a "
+          "converted copy would take the writes) (see dart_core.verify.accept_greedy)");
 }

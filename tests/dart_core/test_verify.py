@@ -93,6 +93,11 @@ def test_the_cpu_greedy_walk_equals_the_batched_and_the_reference_one():
         accept_greedy_cpu(batch.tokens, batch.parents, torch.zeros(24, dtype=torch.long), argmax)
     with pytest.raises(ValueError, match=r"\[B, N\] int64 like tokens"):
         accept_greedy_cpu(batch.tokens, batch.parents, batch.counts, argmax[:, :1])
+    from dart_core import _kernels
+
+    with pytest.raises(TypeError):  # an output of another dtype is refused, not written through a copy
+        _kernels.accept_greedy(batch.tokens.numpy(), batch.parents.numpy(), batch.counts.numpy(), argmax.numpy(),
+                               np.empty(path.shape, np.int32), counts, bonus)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
