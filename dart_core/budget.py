@@ -51,7 +51,7 @@ import torch
 from dart_core.kv_cache import cache_mask
 from dart_core.speculative import LOOKUP_PREFERENCE
 from dart_core.target import TargetCache, TargetModel, sync_device
-from ngram_service.tree_search import ContextChain, DraftTree
+from ngram_service.tree_search import ContextChain, DraftTree, TreeBatch
 
 logger = logging.getLogger(__name__)
 
@@ -211,16 +211,6 @@ def node_acceptance_estimates(tree: DraftTree) -> np.ndarray:
     return est
 
 
-def _rank_order(tree: DraftTree) -> np.ndarray:
-    """Non-root nodes in the search's rank order: eff = min score on the path desc, then depth, then index."""
-    eff = tree.scores.astype(np.float64).copy()
-    eff[0] = np.inf
-    for i in range(1, tree.num_nodes):
-        eff[i] = min(eff[i], eff[tree.parents[i]])
-    nodes = np.arange(1, tree.num_nodes)
-    return nodes[np.lexsort((nodes, tree.depths[1:], -eff[1:]))]
-
-
 class AdaptiveBudget:
     """Chooses each tree's size to maximise expected tokens per second (module docstring).
 
@@ -261,10 +251,10 @@ class AdaptiveBudget:
 
     def select(self, tree: DraftTree) -> tuple[DraftTree, float]:
         """Returns (the truncated tree, its predicted number of accepted draft nodes): :meth:`select_batch` at batch 1."""
-        trees, predicted = self.select_batch([tree])
-        return trees[0], predicted[0]
+        chosen, predicted = self.select_batch(TreeBatch.from_trees([tree]))
+        return chosen.tree(0), float(predicted[0])
 
-    def select_batch(self, trees: list[DraftTree], packed: bool = False) -> tuple[list[DraftTree], list[float]]:
+    def select_batch(self, trees: TreeBatch | list[DraftTree], packed: bool = False) -> tuple[TreeBatch, np.ndarray]:
         """Sizes the trees of a whole batch together (one verification forward for all of them).
 
         **Padded** (``packed=False``): the batch is verified with every tree padded
@@ -288,78 +278,94 @@ class AdaptiveBudget:
 
         so one sequence may verify 20 nodes in a step where another verifies none.
 
-        At batch 1 both are the per-tree choice of the module docstring.
+        At batch 1 both are the per-tree choice of the module docstring.  The whole batch is
+        ranked and cut in array operations over the :class:`~ngram_service.tree_search.TreeBatch`
+        (no per-tree Python).
 
         Args:
-            trees: B draft trees (their ``probs`` give the acceptance estimates).
+            trees: B draft trees (their ``probs`` give the acceptance estimates), or a list of
+                :class:`DraftTree` (packed first).
             packed: price the verification by real nodes (B + T query tokens)
                 rather than the padded layout.
 
         Returns:
-            (truncated trees, predicted accepted draft nodes per tree).
+            (the truncated trees, [B] float64 predicted accepted draft nodes per tree).
         """
-        if packed and len(trees) > 1:
-            return self._select_packed(trees)
-        orders, probs = self._ranked(trees)
+        if not isinstance(trees, TreeBatch):
+            trees = TreeBatch.from_trees(trees)
         b = len(trees)
-        sizes = np.array([len(o) for o in orders], dtype=np.int64)
-        max_n = int(sizes.max()) if b else 0
-        # cum[i, n]: predicted accepted nodes of sequence i's n best nodes (flat beyond its tree's size)
-        cum = np.zeros((b, max_n + 1))
-        for i, p in enumerate(probs):
-            if len(p):
-                c = np.cumsum(p)
-                cum[i, 1:len(p) + 1] = c
-                cum[i, len(p) + 1:] = c[-1]
-        counts = np.arange(min(self.min_budget, max_n), max_n + 1)
-        expected = b + cum[:, counts].sum(axis=0)
-        padded = 1 + np.minimum(sizes[:, None], counts[None, :]).max(axis=0)  # nodes per tree, root included
-        rate = expected / (self.overhead_ms + self.curve.cost(b, padded))
-        n = int(counts[int(np.argmax(rate))])  # ties: the smallest tree
-        return self._keep_best(trees, orders, probs, [min(n, len(o)) for o in orders])
+        order, probs, sizes = self._ranked(trees)
+        if packed and b > 1:
+            keep = self._keep_counts_packed(probs, sizes)
+        else:
+            max_n = int(sizes.max()) if b else 0
+            # cum[i, n]: predicted accepted nodes of sequence i's n best nodes (flat beyond its tree's size)
+            cum = np.concatenate([np.zeros((b, 1)), np.cumsum(probs, axis=1)], axis=1)
+            counts = np.arange(min(self.min_budget, max_n), max_n + 1)
+            expected = b + cum[:, counts].sum(axis=0)
+            padded = 1 + np.minimum(sizes[:, None], counts[None, :]).max(axis=0)  # nodes per tree, root included
+            rate = expected / (self.overhead_ms + self.curve.cost(b, padded))
+            n = int(counts[int(np.argmax(rate))])  # ties: the smallest tree
+            keep = np.minimum(sizes, n)
+        return self._keep_best(trees, order, probs, keep)
 
-    def _ranked(self, trees: list[DraftTree]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Per tree, its draft nodes in the search's rank order and their calibrated acceptance
-        estimates in that order (≤ 1; both empty for a root-only tree)."""
-        orders, probs = [], []
-        for tree in trees:
-            order = _rank_order(tree) if tree.num_nodes > 1 else np.zeros(0, dtype=np.int64)
-            orders.append(order)
-            probs.append(np.minimum(node_acceptance_estimates(tree)[order] * self.calibration, 1.0)
-                         if len(order) else np.zeros(0))
-        return orders, probs
+    def _ranked(self, trees: TreeBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(order [B, N - 1]: each row's draft nodes in the search's rank order, then its padding;
+        probs [B, N - 1]: their calibrated acceptance estimates in that order, ≤ 1, 0 past the row's
+        draft nodes; sizes [B]: draft nodes per row).  The rank order is the search's (``eff``, the
+        lowest score on the path, high to low, then depth, then node index)."""
+        b, n = trees.tokens.shape
+        sizes = trees.counts - 1
+        if n == 1:
+            return np.zeros((b, 0), np.int64), np.zeros((b, 0)), sizes
+        eff, est = trees.path_values()
+        node = np.broadcast_to(np.arange(n), (b, n))
+        draft = trees.real & (node > 0)
+        rows = np.broadcast_to(np.arange(b)[:, None], (b, n))
+        # per row: draft nodes first, by eff desc, depth, index (lexsort: last key is primary)
+        flat = np.lexsort((node.ravel(), trees.depths.ravel(), -np.where(draft, eff, 0.0).ravel(),
+                           ~draft.ravel(), rows.ravel()))
+        order = (flat.reshape(b, n) - (np.arange(b) * n)[:, None])[:, : n - 1]
+        est = np.take_along_axis(est, order, axis=1)
+        ranked = np.arange(n - 1)[None, :] < sizes[:, None]
+        probs = np.where(ranked, np.minimum(est * self.calibration, 1.0), 0.0)
+        return order, probs, sizes
 
-    def _keep_best(self, trees: list[DraftTree], orders: list[np.ndarray], probs: list[np.ndarray],
-                   keep_counts) -> tuple[list[DraftTree], list[float]]:
-        """Each tree cut to its root and its ``keep_counts[i]`` best nodes (prefix-closed: rank
-        order), with the predicted accepted nodes of what it keeps; notes the deepest kept node."""
-        out, predicted = [], []
-        for tree, order, p, k in zip(trees, orders, probs, keep_counts):
-            keep = np.zeros(tree.num_nodes, dtype=bool)
-            keep[0] = True
-            keep[order[:k]] = True
-            out.append(tree.select(keep))
-            predicted.append(float(np.cumsum(p[:k])[-1]) if k else 0.0)
-        if out:
-            self._kept_depths.append(max(int(t.depths.max()) for t in out))
-        return out, predicted
-
-    def _select_packed(self, trees: list[DraftTree]) -> tuple[list[DraftTree], list[float]]:
-        """One budget of nodes for the whole batch, priced by real nodes (see :meth:`select_batch`)."""
-        b = len(trees)
-        orders, probs = self._ranked(trees)
+    def _keep_counts_packed(self, probs: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """Draft nodes kept per row when every node of the batch competes for one budget (see
+        :meth:`select_batch`, packed)."""
+        b, m = probs.shape
+        ranked = np.arange(m)[None, :] < sizes[:, None]
         # values capped along each tree's rank order, so every prefix of the merged order is prefix-closed
-        value_a = np.concatenate([np.minimum.accumulate(p) if len(p) else p for p in probs])
-        owner_a = np.concatenate([np.full(len(p), i) for i, p in enumerate(probs)])
-        rank_a = np.concatenate([np.arange(len(p)) for p in probs])
-        merged = np.lexsort((owner_a, rank_a, -value_a))  # value high to low, then rank, then sequence
-        gains = np.concatenate(probs)[merged]  # probs, owner_a, rank_a, value_a: one (sequence, rank) order
+        value = np.minimum.accumulate(np.where(ranked, probs, np.inf), axis=1)
+        owner = np.broadcast_to(np.arange(b)[:, None], (b, m))[ranked]
+        rank = np.broadcast_to(np.arange(m), (b, m))[ranked]
+        merged = np.lexsort((owner, rank, -value[ranked]))  # value high to low, then rank, then sequence
+        gains = probs[ranked][merged]
         total = len(merged)
         counts = np.arange(min(self.min_budget, total), total + 1)
         expected = b + np.concatenate([[0.0], np.cumsum(gains)])[counts]
         rate = expected / (self.overhead_ms + self.curve(b + counts))
         t = int(counts[int(np.argmax(rate))])  # ties: the fewest nodes
-        return self._keep_best(trees, orders, probs, np.bincount(owner_a[merged[:t]], minlength=b).tolist())
+        return np.bincount(owner[merged[:t]], minlength=b)
+
+    def _keep_best(self, trees: TreeBatch, order: np.ndarray, probs: np.ndarray, keep_counts: np.ndarray
+                   ) -> tuple[TreeBatch, np.ndarray]:
+        """Each tree cut to its root and its ``keep_counts[i]`` best nodes (prefix-closed: rank
+        order), with the predicted accepted nodes of what it keeps; notes the deepest kept node."""
+        b = len(trees)
+        keep_counts = np.asarray(keep_counts, dtype=np.int64)
+        kept_rank = np.arange(order.shape[1])[None, :] < keep_counts[:, None]
+        keep = np.zeros(trees.tokens.shape, dtype=bool)
+        keep[:, 0] = True
+        np.put_along_axis(keep, order, kept_rank, axis=1)
+        keep[:, 0] = True  # padding in the order points past the ranked nodes, never at the root
+        out = trees.select(keep)
+        kept = np.cumsum(np.where(kept_rank, probs, 0.0), axis=1)  # in rank order, as the rate summed them
+        predicted = kept[:, -1] if kept.shape[1] else np.zeros(b)
+        if b:
+            self._kept_depths.append(out.max_depth)
+        return out, predicted
 
     def observe(self, predicted: float, accepted: int, overhead_ms: float) -> None:
         """Feeds back one sequence-step: predicted vs accepted draft nodes, and the step's draft+search time."""
@@ -367,6 +373,25 @@ class AdaptiveBudget:
         if predicted > 1e-6:
             ratio = float(np.clip(accepted / predicted, 0.05, 20.0))
             self.calibration = float(np.clip((1 - self.ema) * self.calibration + self.ema * ratio, 0.05, 20.0))
+
+    def observe_batch(self, predicted: np.ndarray, accepted: np.ndarray, overhead_ms: float) -> None:
+        """:meth:`observe` for the sequences of one step at once (predicted [B] and accepted [B] draft
+        nodes, the step's draft+search time), in closed form: the same exponential averages as B calls
+        in row order, up to rounding (each update is a convex combination of values inside the
+        calibration's bounds, so the per-call clip never binds)."""
+        m = len(predicted)
+        if m == 0:
+            return
+        decay = 1.0 - self.ema
+        self.overhead_ms = (overhead_ms if not self.overhead_ms
+                            else decay ** m * self.overhead_ms + (1.0 - decay ** m) * overhead_ms)
+        predicted = np.asarray(predicted, dtype=np.float64)
+        live = predicted > 1e-6
+        k = int(live.sum())
+        if k:
+            ratios = np.clip(np.asarray(accepted, dtype=np.float64)[live] / predicted[live], 0.05, 20.0)
+            weights = self.ema * decay ** np.arange(k - 1, -1, -1)  # the newest row weighs most
+            self.calibration = float(np.clip(decay ** k * self.calibration + weights @ ratios, 0.05, 20.0))
 
     # -- lookup steps: the request's context chain verified alone (module docstring) -------------
 

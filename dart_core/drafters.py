@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from dart_core.target import sync_device
-from ngram_service.tree_search import ContextChain, DraftTree
+from ngram_service.tree_search import ContextChain, DraftTree, TreeBatch
 
 if TYPE_CHECKING:
     from dart_core.engine import DartEngine, _BatchState
@@ -41,9 +41,11 @@ class Proposal:
     """One step's proposed trees, before selection (host form).
 
     Attributes:
-        trees: one per running sequence, in row order; node 0 is the sequence's last token
-            (the root, not yet in the KV cache), and ``probs`` are the drafter's acceptance
-            estimates per node (the adaptive budget prices nodes by their path products).
+        trees: one tree per running sequence, in row order, as a padded
+            :class:`~ngram_service.tree_search.TreeBatch` (a list of :class:`DraftTree` is packed
+            into one on construction); node 0 is the sequence's last token (the root, not yet in
+            the KV cache), and ``probs`` are the drafter's acceptance estimates per node (the
+            adaptive budget prices nodes by their path products).
         kind: ``"tree"``: the adaptive budget selects each tree's nodes
             (:meth:`~dart_core.budget.AdaptiveBudget.select_batch`) and learns from what is
             accepted; ``"lookup"``: each tree is a context chain already sized by the budget
@@ -54,12 +56,16 @@ class Proposal:
             (the step is not typical of its mode; :attr:`~dart_core.engine.StepOutput.catch_up`).
     """
 
-    trees: list[DraftTree]
+    trees: TreeBatch
     kind: str = "tree"
     draft_ms: float = 0.0
     search_ms: float = 0.0
     chains: list[ContextChain] | None = None
     catch_up: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.trees, TreeBatch):
+            self.trees = TreeBatch.from_trees(self.trees)
 
 
 class Drafter:
@@ -86,7 +92,7 @@ class NoDraft(Drafter):
     """Trees of only the root: an autoregressive step through the same verify and accept phases."""
 
     def propose(self, engine: "DartEngine", state: "_BatchState") -> Proposal:
-        return Proposal([DraftTree.root(t[-1]) for t in state.tokens], kind="none")
+        return Proposal(TreeBatch.roots([t[-1] for t in state.tokens]), kind="none")
 
 
 class LookupDrafter(Drafter):
@@ -103,13 +109,26 @@ class LookupDrafter(Drafter):
         n = engine.budget.select_lookup(chains)
         if n == 0:
             return None
-        trees = []
-        for seq, chain in zip(state.tokens, chains):
-            k = min(n, len(chain.tokens))
-            trees.append(DraftTree.from_parents(np.concatenate([[seq[-1]], chain.tokens[:k]]),
-                                                np.arange(-1, k), np.arange(k + 1), np.zeros(k + 1),
-                                                np.concatenate([[1.0], chain.probs[:k]])))
-        return Proposal(trees, kind="lookup", search_ms=1e3 * (time.perf_counter() - t0), chains=chains)
+        return Proposal(_chain_batch([t[-1] for t in state.tokens], chains, n), kind="lookup",
+                        search_ms=1e3 * (time.perf_counter() - t0), chains=chains)
+
+
+def _chain_batch(roots: list[int], chains: list[ContextChain], n: int) -> TreeBatch:
+    """Each root followed by the first ``n`` tokens of its chain (fewer where the chain is shorter),
+    as one :class:`~ngram_service.tree_search.TreeBatch` of chains (node i's parent is node i - 1)."""
+    b = len(roots)
+    counts = 1 + np.minimum(n, np.fromiter((len(c.tokens) for c in chains), dtype=np.int64, count=b))
+    tokens, probs = np.zeros((b, n + 1), np.int64), np.zeros((b, n + 1), np.float32)
+    tokens[:, 0], probs[:, 0] = roots, 1.0
+    for i, c in enumerate(chains):  # the chains are per-sequence arrays: one slice copy each
+        tokens[i, 1:counts[i]], probs[i, 1:counts[i]] = c.tokens[: counts[i] - 1], c.probs[: counts[i] - 1]
+    real = np.arange(n + 1)[None, :] < counts[:, None]
+    steps = np.where(real, np.arange(n + 1, dtype=np.int32), 0)
+    parents = np.where(real, steps - 1, 0).astype(np.int32)
+    parents[:, 0] = -1
+    width = int(counts.max()) if b else 1
+    return TreeBatch(tokens[:, :width], parents[:, :width], steps[:, :width].astype(np.int32),
+                     np.zeros((b, width)), probs[:, :width], counts)
 
 
 class HeadTreeDrafter(Drafter):
@@ -134,8 +153,9 @@ class HeadTreeDrafter(Drafter):
         levels = topk_ids.shape[1]
         chains = [c.continuation(levels) if c is not None else None for c in state.context] \
             if engine.uses_context else None
-        trees = engine.tree_search.search(topk_ids, topk_probs, [np.asarray(t, dtype=np.int64) for t in state.tokens],
-                                          engine.search_params, chains)
+        trees = engine.tree_search.search_batch(topk_ids, topk_probs,
+                                                [np.asarray(t, dtype=np.int64) for t in state.tokens],
+                                                engine.search_params, chains)
         return Proposal(trees, kind="tree", draft_ms=draft_ms, search_ms=1e3 * (time.perf_counter() - t0),
                         catch_up=catch_up)
 
@@ -160,7 +180,8 @@ class DraftBatch:
     parent, see only themselves, and have acceptance estimate 0.
 
     Attributes:
-        trees: the selected trees (host form), one per sequence.
+        trees: the selected trees (host form, :class:`~ngram_service.tree_search.TreeBatch`: the same
+            [B, N] layout on the host, the root's parent -1).
         tokens: [B, N] int64 token ids.
         parents: [B, N] int64 parent node indices (the root's given as 0).
         depths: [B, N] int64 node depths (the root 0); a node's position is the sequence's cached
@@ -169,13 +190,13 @@ class DraftBatch:
         tree_mask: [B, N, N] bool, ``[b, i, j]``: node j is node i or one of its ancestors (tree
             attention).
         num_nodes: N.  max_depth: the deepest node of any tree.
-        estimates: [B, N] float32 acceptance estimates, the product of ``DraftTree.probs`` along
-            each node's path, as :func:`~dart_core.budget.node_acceptance_estimates` (the root 1,
-            padding 0); computed from ``trees`` when first read (no phase of the engine's step reads
-            it today, so the step does not pay for it).
+        estimates: [B, N] float32 acceptance estimates, the product of ``probs`` along each node's
+            path, as :func:`~dart_core.budget.node_acceptance_estimates` (the root 1, padding 0);
+            computed from ``trees`` when first read (no phase of the engine's step reads it today,
+            so the step does not pay for it).
     """
 
-    trees: list[DraftTree]
+    trees: TreeBatch
     tokens: torch.Tensor
     parents: torch.Tensor
     depths: torch.Tensor
@@ -186,44 +207,33 @@ class DraftBatch:
 
     @functools.cached_property
     def estimates(self) -> torch.Tensor:
-        b, n = len(self.trees), self.num_nodes
-        parents = np.zeros((b, n), dtype=np.int64)
-        depths = np.zeros((b, n), dtype=np.int64)
-        probs = np.zeros((b, n), dtype=np.float64)
-        for i, tr in enumerate(self.trees):
-            m = tr.num_nodes
-            parents[i, 1:m], depths[i, :m], probs[i, :m] = tr.parents[1:], tr.depths, tr.probs
-        # path products level by level (a parent is one level up), as node_acceptance_estimates
-        real = np.arange(n)[None, :] < np.array([tr.num_nodes for tr in self.trees])[:, None]
-        est = np.where(depths == 0, 1.0, 0.0)
-        for level in range(1, int(depths.max()) + 1):
-            at = (depths == level) & real
-            est = np.where(at, np.take_along_axis(est, parents, axis=1) * probs, est)
-        return torch.from_numpy(np.where(real, est, 0.0).astype(np.float32)).to(self.tokens.device)
+        return torch.from_numpy(self.trees.path_products().astype(np.float32)).to(self.tokens.device)
 
     @classmethod
-    def pack(cls, trees: list[DraftTree], device: torch.device) -> "DraftBatch":
-        """One host array per field, filled tree by tree, then one copy each to ``device`` (roots
-        alone, an autoregressive step: the root tokens in one copy, the other fields made there)."""
-        b = len(trees)
-        sizes = [tr.num_nodes for tr in trees]
-        n = max(sizes)
+    def pack(cls, trees: TreeBatch | list[DraftTree], device: torch.device) -> "DraftBatch":
+        """The host arrays in one copy per field to ``device``, the ancestor mask built from the
+        parents for the whole batch at once (roots alone, an autoregressive step: the root tokens
+        in one copy, the other fields made there).  On CUDA the copies go from pinned host memory
+        without blocking the host (PyTorch's caching host allocator keeps a staging buffer until
+        its copy has run).  A list of trees is packed first."""
+        if not isinstance(trees, TreeBatch):
+            trees = TreeBatch.from_trees(trees)
+        b, n = trees.tokens.shape
         if n == 1:
-            tokens = torch.tensor([int(tr.tokens[0]) for tr in trees], device=device)[:, None]
+            tokens = torch.from_numpy(trees.tokens).to(device)
             zeros = torch.zeros_like(tokens)
-            return cls(list(trees), tokens, zeros, zeros, torch.ones(b, dtype=torch.long, device=device),
+            return cls(trees, tokens, zeros, zeros, torch.ones(b, dtype=torch.long, device=device),
                        torch.ones(b, 1, 1, dtype=torch.bool, device=device), 1, 0)
-        ints = np.zeros((4, b, n), dtype=np.int64)  # tokens, parents, depths; counts in [3, :, 0]
-        mask = np.broadcast_to(np.eye(n, dtype=bool), (b, n, n)).copy()
-        max_depth = 0
-        for i, tr in enumerate(trees):
-            m = sizes[i]
-            ints[0, i, :m] = tr.tokens
-            ints[1, i, 1:m] = tr.parents[1:]
-            ints[2, i, :m] = tr.depths
-            mask[i, :m, :m] = tr.tree_mask
-            max_depth = max(max_depth, int(tr.depths[-1]))
-        ints[3, :, 0] = sizes
-        ints_d = torch.from_numpy(ints).to(device)
-        return cls(list(trees), ints_d[0], ints_d[1], ints_d[2], ints_d[3, :, 0].contiguous(),
-                   torch.from_numpy(mask).to(device), n, max_depth)
+        cuda = torch.device(device).type == "cuda"
+        # tokens, parents, depths; counts in [3, :, 0]; on CUDA in pinned memory, copied without a sync
+        ints_h = torch.zeros((4, b, n), dtype=torch.int64, pin_memory=cuda)
+        ints = ints_h.numpy()
+        ints[0], ints[1], ints[2] = trees.tokens, trees.parents, trees.depths
+        ints[1, :, 0] = 0
+        ints[3, :, 0] = trees.counts
+        mask = torch.from_numpy(trees.ancestor_mask())
+        if cuda:
+            mask = mask.pin_memory()
+        ints_d = ints_h.to(device, non_blocking=cuda)
+        return cls(trees, ints_d[0], ints_d[1], ints_d[2], ints_d[3, :, 0].contiguous(),
+                   mask.to(device, non_blocking=cuda), n, trees.max_depth)

@@ -42,11 +42,11 @@ from dart_core.kv_cache import HeadKVCache, cache_mask, zero_pad
 from dart_core.sampling import SamplingParams, target_probs
 from dart_core.target import TargetCache, TargetModel, TargetOutput, padded_rows
 from dart_core.target import sync_device as _sync
-from dart_core.verify import (Acceptance, accept_constrained, accept_greedy, accept_greedy_batch, accept_greedy_cpu,
+from dart_core.verify import (accept_constrained, accept_greedy, accept_greedy_batch, accept_greedy_cpu,
                               accept_sampling, accept_sampling_batch, uniform_draws)
 from ngram_service.client import InProcessTreeSearch, TreeSearchClient
 from ngram_service.context import ContextIndex
-from ngram_service.tree_search import DraftTree, SearchParams
+from ngram_service.tree_search import SearchParams, TreeBatch
 
 logger = logging.getLogger(__name__)
 
@@ -406,23 +406,25 @@ class DartEngine:
         out = self._verify(state, draft)
         return self._accept_step(state, proposal, draft, predicted, out, cached, t_step, t_verify)
 
-    def _select(self, state: "_BatchState", proposal: Proposal) -> tuple[DraftBatch, list | None]:
-        """The budget's choice of nodes (a ``"tree"`` proposal with an adaptive budget; ``predicted``:
-        its expected accepted tokens per tree), every tree cut to the sequence's remaining tokens and
-        context, packed for the device."""
+    def _select(self, state: "_BatchState", proposal: Proposal) -> tuple[DraftBatch, np.ndarray | None]:
+        """The budget's choice of nodes (a ``"tree"`` proposal with an adaptive budget; ``predicted``
+        [B]: its expected accepted draft nodes per tree), every tree cut to the sequence's remaining
+        tokens and context, packed for the device."""
         trees, predicted = proposal.trees, None
         if self.grammar_drafting and proposal.kind != "none" and any(g is not None for g in state.constraints):
             # grammar-aware drafting, before the budget chooses: forbidden nodes out, forced tokens in
-            # with estimate 1, so forced nodes compete for the budget like any other (the plain step stays plain)
-            trees = [tr if g is None else g.draft_tree(tr, self.search_params.budget)
-                     for tr, g in zip(trees, state.constraints)]
+            # with estimate 1, so forced nodes compete for the budget like any other (the plain step stays
+            # plain); a grammar reads one tree at a time
+            rows = [trees.tree(i) for i in range(len(trees))]
+            trees = TreeBatch.from_trees([tr if g is None else g.draft_tree(tr, self.search_params.budget)
+                                          for tr, g in zip(rows, state.constraints)])
         if proposal.kind == "tree" and self.budget is not None:
             trees, predicted = self.budget.select_batch(trees, packed=self.packed_verification)
         # never draft past max_new_tokens or the context window (a root alone never does)
         if proposal.kind != "none":
-            trees = [tr.clip_depth(min(state.samplings[i].max_new_tokens - state.produced[i] - 1,
-                                       self.target.max_context - len(state.tokens[i])))
-                     for i, tr in enumerate(trees)]
+            trees = trees.clip_depth(np.fromiter(
+                (min(s.max_new_tokens - p - 1, self.target.max_context - len(t))
+                 for s, p, t in zip(state.samplings, state.produced, state.tokens)), dtype=np.int64, count=len(trees)))
         return DraftBatch.pack(trees, self.target.device), predicted
 
     def _verify(self, state: "_BatchState", draft: DraftBatch):
@@ -435,9 +437,9 @@ class DartEngine:
         greedy = (all(s.greedy and s.logprobs is None for s in state.samplings)
                   and all(g is None for g in state.constraints))
         return self.target.forward(draft.tokens, cache.lengths[:, None] + draft.depths, mask, cache,
-                                   rows=self._real_rows(draft.trees, draft.num_nodes), greedy=greedy)
+                                   rows=self._real_rows(draft.trees.counts, draft.num_nodes), greedy=greedy)
 
-    def _accept_step(self, state: "_BatchState", proposal: Proposal, draft: DraftBatch, predicted: list | None,
+    def _accept_step(self, state: "_BatchState", proposal: Proposal, draft: DraftBatch, predicted: np.ndarray | None,
                      out, padded_len: int, t_step: float, t_verify: float) -> StepOutput:
         """Acceptance, KV compaction (``padded_len``: the cache's padded length before the
         verification forward), the emitted tokens, the budget's observations and the step's figures."""
@@ -445,29 +447,35 @@ class DartEngine:
         trees, n, b_size = draft.trees, draft.num_nodes, len(state.seq_ids)
         speculative, lookup = proposal.kind != "none", proposal.kind == "lookup"
         cache = state.cache
-        accepted, path = self._accept(trees, draft, out, state.samplings, state.generators, state.constraints)
-        counts_host = [len(acc.path) for acc in accepted]
-        a_max = max(counts_host)
-        path = path[:, :a_max]  # [B, A] accepted node indices (0 past each row's count)
-        counts = torch.tensor(counts_host, device=device)
+        paths, counts_host, bonus, path = self._accept(draft, out, state.samplings, state.generators,
+                                                       state.constraints)
+        a_max = int(counts_host.max())
+        paths = paths[:, :a_max]  # [B, A] accepted node indices (0 past each row's count), host
+        path = path[:, :a_max]  # the same on the device
+        counts = torch.from_numpy(counts_host).to(device)
         old_lengths = cache.lengths
         # the cache holds every token but the root: its lengths are known here without a read
-        cache.compact_paths([len(t) - 1 for t in state.tokens], padded_len, [acc.path for acc in accepted], counts)
-        new_tokens, acc_lens, nexts, logprobs = [], [], [], []
-        for i, (tr, acc) in enumerate(zip(trees, accepted)):
-            drafted = [int(tr.tokens[j]) for j in acc.path[1:]]
-            if lookup:
-                if tr.num_nodes > 1 and state.constraints[i] is None:  # a grammar reshapes the chain
-                    self.budget.observe_lookup(proposal.chains[i].match_length, tr.num_nodes - 1, len(drafted))
-            elif predicted is not None and state.constraints[i] is None:  # a constraint may have reshaped the tree
-                self.budget.observe(predicted[i], len(drafted), proposal.draft_ms + proposal.search_ms)
-            nexts.append(drafted + [acc.bonus])
-            emitted, state.reasons[i] = self._emit(state, i, drafted + [acc.bonus])
+        cache.compact_paths([len(t) - 1 for t in state.tokens], padded_len, paths, counts, counts_host)
+        # [B, A + 1]: each row's accepted draft tokens (after its root), then its bonus token
+        emitted_rows = np.concatenate([np.take_along_axis(trees.tokens, paths, axis=1)[:, 1:], bonus[:, None]], axis=1)
+        if lookup:
+            for i in np.flatnonzero(trees.counts > 1):
+                if state.constraints[i] is None:  # a grammar reshapes the chain
+                    self.budget.observe_lookup(proposal.chains[i].match_length, int(trees.counts[i]) - 1,
+                                               int(counts_host[i]) - 1)
+        elif predicted is not None:  # a constraint may have reshaped a tree: those rows are left out
+            free = np.fromiter((g is None for g in state.constraints), dtype=bool, count=b_size)
+            self.budget.observe_batch(predicted[free], counts_host[free] - 1, proposal.draft_ms + proposal.search_ms)
+        new_tokens, nexts, logprobs = [], [], []
+        for i, row in enumerate(emitted_rows.tolist()):  # per sequence: its token list, stop conditions, context
+            candidates = row[: counts_host[i] - 1] + row[-1:]
+            nexts.append(candidates)
+            emitted, state.reasons[i] = self._emit(state, i, candidates)
             new_tokens.append(emitted)
-            acc_lens.append(len(drafted) + 1)
             k = state.samplings[i].logprobs  # token j of the path is predicted by the node before it
             logprobs.append(None if k is None else
-                            _token_logprobs(out.logits[i, list(acc.path[: len(emitted)])], emitted, k))
+                            _token_logprobs(out.logits[i, paths[i, : len(emitted)].tolist()], emitted, k))
+        acc_lens = counts_host.tolist()
         if state.speculative:  # the accepted positions feed the next draft
             # no row accepted a draft node (an autoregressive step: the gate is off): the roots' taps, a view
             taps = (out.taps[:, :1] if a_max == 1
@@ -485,7 +493,7 @@ class DartEngine:
         if speculative and self.budget is not None and not proposal.catch_up:
             self.budget.observe_step(b_size, lookup, sum(acc_lens), step_ms, b_size * n)
         return StepOutput(list(state.seq_ids), new_tokens, list(state.reasons), acc_lens,
-                          [tr.num_nodes - 1 for tr in trees], n, proposal.draft_ms, proposal.search_ms, verify_ms,
+                          (trees.counts - 1).tolist(), n, proposal.draft_ms, proposal.search_ms, verify_ms,
                           step_ms, logprobs, lookup, proposal.catch_up)
 
     @property
@@ -497,12 +505,12 @@ class DartEngine:
         return (self.pooled_budget and bool(getattr(self.target, "packed", False))
                 and getattr(self.target, "static", None) is None)
 
-    def _real_rows(self, trees: list[DraftTree], n: int) -> torch.Tensor | None:
-        """Flat indices (b · n + node) of the real nodes of trees padded to ``n``; None when nothing
-        is padding or the target computes every row anyway."""
+    def _real_rows(self, counts: np.ndarray, n: int) -> torch.Tensor | None:
+        """Flat indices (b · n + node) of the real nodes of trees padded to ``n`` (``counts`` [B]:
+        nodes per tree); None when nothing is padding or the target computes every row anyway."""
         if not self.packed_verification:
             return None
-        return padded_rows([tr.num_nodes for tr in trees], n, self.target.device)
+        return padded_rows(counts, n, self.target.device)
 
     # -- internals ----------------------------------------------------------
 
@@ -634,12 +642,17 @@ class DartEngine:
         host = torch.stack([ids.to(torch.int32), probs.contiguous().view(torch.int32)]).cpu().numpy()
         return host[0].astype(np.int64), host[1].view(np.float32)
 
-    def _accept(self, trees: list[DraftTree], batch: DraftBatch, out: TargetOutput,
-                samplings: list[SamplingParams], generators: list[torch.Generator], constraints: list
-                ) -> tuple[list[Acceptance], torch.Tensor]:
-        """Each sequence's accepted path and bonus token, and the paths [B, N] on the device, from the
-        verification forward's output (its logits, or for a greedy batch possibly its fused argmax
+    def _accept(self, batch: DraftBatch, out: TargetOutput, samplings: list[SamplingParams],
+                generators: list[torch.Generator], constraints: list
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, torch.Tensor]:
+        """Each sequence's accepted path and bonus token, on the host and the paths on the device, from
+        the verification forward's output (its logits, or for a greedy batch possibly its fused argmax
         alone: :meth:`TargetOutput.greedy_tokens <dart_core.target.TargetOutput.greedy_tokens>`).
+
+        Returns:
+            (paths [B, W] int64 accepted node indices from the root, 0 past each row's count, W ≥ the
+            longest count; counts [B] int64 accepted nodes, root included; bonus [B] int64 bonus
+            tokens), numpy arrays, and the paths [B, W'] int64 on the device (W' ≥ the longest count).
 
         A greedy unconstrained batch of roots alone (an autoregressive step) takes each root's
         argmax as its bonus token, read in one copy.  On a CPU (:attr:`cheap_host_reads`) a greedy
@@ -652,16 +665,16 @@ class DartEngine:
         grammar, min_tokens) goes through the host, row by row (a constrained row masks the nodes
         its walk visits: :func:`~dart_core.verify.accept_constrained`)."""
         logits, device = out.logits, out.taps.device
+        b = len(samplings)
         if all(g is None for g in constraints):
             if batch.num_nodes == 1 and all(s.greedy for s in samplings):  # roots alone: the bonus is the argmax
                 bonus = (out.argmax[:, 0] if out.argmax is not None else logits[:, 0].argmax(-1)).cpu().numpy()
-                return [Acceptance([0], int(x)) for x in bonus], torch.zeros(len(trees), 1, dtype=torch.long,
-                                                                             device=device)  # one read above
+                zeros = np.zeros((b, 1), dtype=np.int64)  # one read above
+                return zeros, np.ones(b, dtype=np.int64), bonus, torch.from_numpy(zeros).to(device)
             if all(s.greedy for s in samplings) and self.cheap_host_reads and device.type == "cpu":  # no read
                 path, counts, bonus = accept_greedy_cpu(batch.tokens, batch.parents, batch.counts,
                                                         out.greedy_tokens())
-                return ([Acceptance(path[i, :c].tolist(), int(x)) for i, (c, x) in enumerate(zip(counts, bonus))],
-                        torch.from_numpy(path))
+                return path, counts, bonus, torch.from_numpy(path)
             if all(s.greedy for s in samplings):
                 path, counts, bonus = accept_greedy_batch(batch.tokens, batch.parents, batch.depths, batch.counts,
                                                           batch.tree_mask, out.greedy_tokens())
@@ -674,17 +687,23 @@ class DartEngine:
                                                             stop_when_done=self.cheap_host_reads)
             width = batch.max_depth + 1
             host = torch.cat([counts[:, None], bonus[:, None], path[:, :width]], dim=1).cpu().numpy()  # one read
-            return [Acceptance(row[2: 2 + row[0]].tolist(), int(row[1])) for row in host], path
+            return host[:, 2:], host[:, 0], host[:, 1], path
+        trees = batch.trees
         argmax = logits.argmax(-1).cpu().numpy()  # [B, N]
-        accepted = [accept_constrained(tr.tokens, tr.parents, logits[i, : tr.num_nodes], samplings[i],
-                                       generators[i], constraints[i]) if constraints[i] is not None else
-                    accept_greedy(tr.tokens, tr.parents, argmax[i]) if samplings[i].greedy else
-                    accept_sampling(tr.tokens, tr.parents, logits[i, : tr.num_nodes], samplings[i], generators[i])
-                    for i, tr in enumerate(trees)]
-        path = np.zeros((len(trees), batch.num_nodes), dtype=np.int64)
+        accepted = []
+        for i in range(b):  # a constrained row's walk asks its grammar node by node
+            m = int(trees.counts[i])
+            tokens, parents = trees.tokens[i, :m], trees.parents[i, :m]
+            accepted.append(
+                accept_constrained(tokens, parents, logits[i, :m], samplings[i], generators[i], constraints[i])
+                if constraints[i] is not None else accept_greedy(tokens, parents, argmax[i]) if samplings[i].greedy
+                else accept_sampling(tokens, parents, logits[i, :m], samplings[i], generators[i]))
+        path = np.zeros((b, batch.num_nodes), dtype=np.int64)
         for i, acc in enumerate(accepted):
             path[i, : len(acc.path)] = acc.path
-        return accepted, torch.from_numpy(path).to(device)
+        counts = np.fromiter((len(acc.path) for acc in accepted), dtype=np.int64, count=b)
+        bonus = np.fromiter((acc.bonus for acc in accepted), dtype=np.int64, count=b)
+        return path, counts, bonus, torch.from_numpy(path).to(device)
 
 
 @dataclass(frozen=True)

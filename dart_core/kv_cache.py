@@ -65,7 +65,19 @@ def compaction_plan(lengths: torch.Tensor, src: torch.Tensor, counts: torch.Tens
     return (rows, dst[move], src[move]), new_len
 
 
-def compaction_plan_host(lengths: list[int], offset: int, paths: list[list[int]], device
+def _flat_paths(paths, counts) -> tuple[np.ndarray, np.ndarray]:
+    """(counts [B] int64, flat [Σ counts] int64) of per-row paths: a list of paths, or a padded
+    [B, A] array with ``counts`` [B] giving each row's length."""
+    if counts is None:
+        counts = np.fromiter(map(len, paths), dtype=np.int64, count=len(paths))
+        return counts, np.fromiter(itertools.chain.from_iterable(paths), dtype=np.int64, count=int(counts.sum()))
+    paths, counts = np.asarray(paths, dtype=np.int64), np.asarray(counts, dtype=np.int64)
+    if paths.ndim != 2 or counts.shape != paths.shape[:1] or (len(counts) and counts.max() > paths.shape[1]):
+        raise ValueError(f"paths {paths.shape} and counts {counts.shape} do not match")
+    return counts, paths[np.arange(paths.shape[1])[None, :] < counts[:, None]]
+
+
+def compaction_plan_host(lengths: list[int], offset: int, paths, device, counts: np.ndarray | None = None
                          ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, int]:
     """:func:`compaction_plan` from what the host already knows, with no read of a device tensor.
 
@@ -73,17 +85,21 @@ def compaction_plan_host(lengths: list[int], offset: int, paths: list[list[int]]
         lengths: [B] valid prefix lengths before this step.
         offset: where this step's entries start in the cache (its padded length before the step).
         paths: per sequence, the entries to keep as offsets from ``offset``, in order (the accepted
-            node indices of the step).
+            node indices of the step): a list of lists, or a padded [B, A] array with ``counts``.
+        counts: with a padded ``paths``, [B] entries kept per row.
 
     Returns:
         as :func:`compaction_plan` (the index tensors on ``device``).
+
+    Raises:
+        ValueError: a padded ``paths`` whose shape does not match ``counts``.
     """
-    counts = np.array([len(p) for p in paths], dtype=np.int64)
-    new_len = int((np.asarray(lengths, dtype=np.int64) + counts).max()) if paths else 0
+    counts, flat = _flat_paths(paths, counts)
+    new_len = int((np.asarray(lengths, dtype=np.int64) + counts).max()) if len(counts) else 0
     total = int(counts.sum())
-    rows = np.repeat(np.arange(len(paths)), counts)
+    rows = np.repeat(np.arange(len(counts)), counts)
     j = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)  # each entry's index in its path
-    src = offset + np.fromiter(itertools.chain.from_iterable(paths), dtype=np.int64, count=total)
+    src = offset + flat
     dst = np.asarray(lengths, dtype=np.int64)[rows] + j
     move = src != dst
     if not move.any():
@@ -127,7 +143,7 @@ def compact_layers(layers, plan: tuple[tuple[torch.Tensor, torch.Tensor, torch.T
         layer.keys, layer.values = apply_compaction(layer.keys, layer.values, (moves, new_len))
 
 
-def compact_buffered(layers, lengths: list[int], offset: int, paths: list[list[int]]) -> bool:
+def compact_buffered(layers, lengths: list[int], offset: int, paths, counts: np.ndarray | None = None) -> bool:
     """:func:`compact_layers` of :func:`compaction_plan_host`'s plan, planned and applied in one C++
     call (``_kernels.compact_paths``) on the layers' whole CPU buffers, when every layer is a
     :class:`BufferedKVLayer` still holding its last commit on the CPU; then each layer is cropped to
@@ -142,11 +158,10 @@ def compact_buffered(layers, lengths: list[int], offset: int, paths: list[list[i
         return False
     from dart_core import _kernels
 
-    counts = np.fromiter(map(len, paths), dtype=np.int64, count=len(paths))
+    counts, flat = _flat_paths(paths, counts)
     lengths = np.asarray(lengths, dtype=np.int64)
-    flat = np.fromiter(itertools.chain.from_iterable(paths), dtype=np.int64, count=int(counts.sum()))
     _kernels.compact_paths([a for layer in layers for a in layer.buffer_arrays()], lengths, offset, flat, counts)
-    new_len = int((lengths + counts).max()) if len(paths) else 0
+    new_len = int((lengths + counts).max()) if len(counts) else 0
     for layer in layers:
         layer.commit(new_len)
     return True

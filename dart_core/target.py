@@ -91,17 +91,20 @@ class TargetCache:
             compact_layers(layers, plan)
         self.lengths = self.lengths + counts
 
-    def compact_paths(self, lengths: list[int], offset: int, paths: list[list[int]], counts: torch.Tensor) -> None:
+    def compact_paths(self, lengths: list[int], offset: int, paths, counts: torch.Tensor,
+                      counts_host: np.ndarray | None = None) -> None:
         """:meth:`compact_planned` with :func:`~dart_core.kv_cache.compaction_plan_host`'s plan
         (``lengths``: the valid lengths before the step, ``offset``: the cache's padded length before
-        it, ``paths``: each row's kept entries as increasing offsets from ``offset``; counts [B] their
-        numbers on the device), planned and applied in one C++ call where the layers are CPU buffers
+        it, ``paths``: each row's kept entries as increasing offsets from ``offset``, a list of lists
+        or a padded [B, A] host array with ``counts_host`` [B]; counts [B] their numbers on the
+        device), planned and applied in one C++ call where the layers are CPU buffers
         (:func:`~dart_core.kv_cache.compact_buffered`), else through the plan."""
         layers = self.cache.layers
-        if (self.pool is None or not self.pool.holds(layers)) and compact_buffered(layers, lengths, offset, paths):
+        if ((self.pool is None or not self.pool.holds(layers))
+                and compact_buffered(layers, lengths, offset, paths, counts_host)):
             self.lengths = self.lengths + counts
             return
-        self.compact_planned(compaction_plan_host(lengths, offset, paths, self.lengths.device), counts)
+        self.compact_planned(compaction_plan_host(lengths, offset, paths, self.lengths.device, counts_host), counts)
 
     def select(self, rows: torch.Tensor) -> None:
         """Keeps only the given batch rows, cropped to their longest prefix."""
@@ -238,12 +241,14 @@ def real_rows(rows: torch.Tensor | None, total: int):
         _REAL_ROWS.reset(token)
 
 
-def padded_rows(sizes: list[int], width: int, device) -> torch.Tensor | None:
+def padded_rows(sizes, width: int, device) -> torch.Tensor | None:
     """int64 [Σ sizes] flat indices (b · width + i for i < sizes[b]) of the real positions of rows
-    padded to ``width``, on ``device``, for :func:`real_rows`; None when no row is padded."""
-    if sum(sizes) == len(sizes) * width:
+    padded to ``width`` (``sizes``: [B] ints), on ``device``, for :func:`real_rows`; None when no
+    row is padded."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    if sizes.sum() == len(sizes) * width:
         return None
-    return torch.from_numpy(np.concatenate([i * width + np.arange(n) for i, n in enumerate(sizes)])).to(device)
+    return torch.from_numpy(np.flatnonzero(np.arange(width)[None, :] < sizes[:, None])).to(device)
 
 
 def over_real_rows(x: torch.Tensor, per_rows) -> torch.Tensor:

@@ -29,7 +29,7 @@ import grpc
 import numpy as np
 
 from ngram_service._proto import ngram_pb2, ngram_pb2_grpc
-from ngram_service.tree_search import ContextChain, DraftTree, SearchParams, search_trees
+from ngram_service.tree_search import ContextChain, DraftTree, SearchParams, TreeBatch, search_tree_batch, search_trees
 from ngram_service.trie import NgramTrie
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,13 @@ class TreeSearchClient(ABC):
         ``params.context_weight`` > 0).
         Returns: B prefix-closed trees (node 0 = root).
         Raises: ValueError on bad shapes or ids (the in-process search; a remote one falls back)."""
+
+    def search_batch(self, topk_ids: np.ndarray, topk_probs: np.ndarray, contexts: Sequence[np.ndarray],
+                     params: SearchParams, chains: Sequence[ContextChain | None] | None = None) -> TreeBatch:
+        """:meth:`search`'s trees as one padded :class:`~ngram_service.tree_search.TreeBatch` (what the
+        engine's step reads).  This default packs :meth:`search`'s trees; the in-process search has the
+        C++ search write the batch directly."""
+        return TreeBatch.from_trees(self.search(topk_ids, topk_probs, contexts, params, chains))
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Releases resources (channels, threads)."""
@@ -90,7 +97,15 @@ class InProcessTreeSearch(TreeSearchClient):
         self._threaded: dict[tuple[SearchParams, int], SearchParams] = {}
 
     def search(self, topk_ids, topk_probs, contexts, params, chains=None):
-        n = max(1, min(self.threads, len(contexts)))
+        return search_trees(topk_ids, topk_probs, contexts, trie=self.trie, params=self._params(params, len(contexts)),
+                            chains=chains)
+
+    def search_batch(self, topk_ids, topk_probs, contexts, params, chains=None):
+        return search_tree_batch(topk_ids, topk_probs, contexts, trie=self.trie,
+                                 params=self._params(params, len(contexts)), chains=chains)
+
+    def _params(self, params: SearchParams, batch: int) -> SearchParams:
+        n = max(1, min(self.threads, batch))
         if params.num_threads != n:  # the same search on n threads (converted to C++ once per params)
             key = (params, n)
             if key not in self._threaded:
@@ -98,7 +113,25 @@ class InProcessTreeSearch(TreeSearchClient):
                     self._threaded.clear()
                 self._threaded[key] = replace(params, num_threads=n)
             params = self._threaded[key]
-        return search_trees(topk_ids, topk_probs, contexts, trie=self.trie, params=params, chains=chains)
+        return params
+
+
+def _answer(response: ngram_pb2.TreeSearchResponse, batch: int, padded: bool) -> list[DraftTree] | TreeBatch:
+    """The trees of a TreeSearch answer, as a list or (``padded``) one batch, checked.
+
+    Raises:
+        ValueError: a malformed tree, or not one tree per sequence."""
+    if padded and response.HasField("batch"):
+        a = response.batch
+        trees = TreeBatch.checked(a.tokens, a.parents, a.depths, a.scores, a.probs, a.counts)
+        if trees.num_nodes != a.num_nodes:
+            raise ValueError(f"a batch of {a.num_nodes} nodes per tree came with arrays of {trees.num_nodes}")
+    else:
+        trees = [DraftTree.from_parents(t.tokens, t.parents, t.depths, t.scores, t.probs) for t in response.trees]
+    if len(trees) != batch:
+        raise ValueError(f"{len(trees)} trees for {batch} sequences")
+    return TreeBatch.from_trees(trees) if padded and not isinstance(trees, TreeBatch) else trees
+
 
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
@@ -243,6 +276,15 @@ class GrpcTreeSearch(TreeSearchClient):
 
     def search(self, topk_ids: np.ndarray, topk_probs: np.ndarray, contexts: Sequence[np.ndarray],
                params: SearchParams, chains: Sequence[ContextChain | None] | None = None) -> list[DraftTree]:
+        return self._search(topk_ids, topk_probs, contexts, params, chains, padded=False)
+
+    def search_batch(self, topk_ids: np.ndarray, topk_probs: np.ndarray, contexts: Sequence[np.ndarray],
+                     params: SearchParams, chains: Sequence[ContextChain | None] | None = None) -> TreeBatch:
+        """:meth:`search` answered as one padded batch (the request's ``padded``: a few flat arrays on
+        the wire instead of a message per tree); a service that predates it answers trees, packed here."""
+        return self._search(topk_ids, topk_probs, contexts, params, chains, padded=True)
+
+    def _search(self, topk_ids, topk_probs, contexts, params, chains, padded: bool):
         topk_ids = np.asarray(topk_ids, dtype=np.int64)
         topk_probs = np.asarray(topk_probs, dtype=np.float32)
         contexts = [np.asarray(c, dtype=np.int64) for c in contexts]
@@ -255,10 +297,12 @@ class GrpcTreeSearch(TreeSearchClient):
         if retry_after_failure:
             self._resolve_in_background()  # the service may have come back somewhere else
         if cooling:
-            return self._fall_back(topk_ids, topk_probs, contexts, params, chains, None)
+            return self._fall_back(topk_ids, topk_probs, contexts, params, chains, None, padded=padded)
         if stub is None:  # no address yet: waiting for the resolver is no failure, its failing is
-            return self._fall_back(topk_ids, topk_probs, contexts, params, chains, None if resolving else "UNRESOLVED")
+            return self._fall_back(topk_ids, topk_probs, contexts, params, chains, None if resolving else "UNRESOLVED",
+                                   padded=padded)
         request = self._request(topk_ids, topk_probs, contexts, params, chains)
+        request.padded = padded
         code = None
         for _ in range(1 + self.retries):
             try:
@@ -274,8 +318,7 @@ class GrpcTreeSearch(TreeSearchClient):
                     break  # retrying cannot help
                 continue
             try:
-                trees = [DraftTree.from_parents(t.tokens, t.parents, t.depths, t.scores, t.probs)
-                         for t in response.trees]
+                trees = _answer(response, len(contexts), padded)
             except ValueError as e:  # a malformed answer (another version of the service?) is a failure
                 logger.error("n-gram service answered a malformed tree: %s", e)
                 code = grpc.StatusCode.INTERNAL
@@ -284,10 +327,10 @@ class GrpcTreeSearch(TreeSearchClient):
                 self._skip_until = 0.0
             return trees
         return self._fall_back(topk_ids, topk_probs, contexts, params, chains, code.name if code else "UNKNOWN",
-                               address)
+                               address, padded=padded)
 
     def _fall_back(self, topk_ids, topk_probs, contexts, params, chains, error: str | None,
-                   address: str | None = None) -> list[DraftTree]:
+                   address: str | None = None, padded: bool = False) -> list[DraftTree] | TreeBatch:
         """Answers in process; an ``error`` at ``address`` starts the cooldown, unless the client has
         moved to another address meanwhile (the failure was the old one's)."""
         with self._lock:
@@ -299,6 +342,8 @@ class GrpcTreeSearch(TreeSearchClient):
                         logger.warning("n-gram service at %s failed (%s): logits-only tree search for %.1f s",
                                        self._address, error, self.cooldown_s)
                     self._skip_until = time.monotonic() + self.cooldown_s
+        if padded:
+            return self.fallback.search_batch(topk_ids, topk_probs, contexts, params, chains)
         return self.fallback.search(topk_ids, topk_probs, contexts, params, chains)
 
     def info(self) -> ngram_pb2.InfoResponse:

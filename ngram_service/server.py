@@ -36,7 +36,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ngram_service._proto import ngram_pb2, ngram_pb2_grpc
 from ngram_service.client import OVERRIDE_FIELDS, usable_cpus
-from ngram_service.tree_search import ContextChain, SearchParams, search_trees
+from ngram_service.tree_search import ContextChain, SearchParams, search_tree_batch, search_trees
 from ngram_service.trie import NgramTrie
 
 logger = logging.getLogger(__name__)
@@ -176,16 +176,25 @@ class _Servicer(ngram_pb2_grpc.NgramTreeSearchServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         contexts = [flat[offsets[i]:offsets[i + 1]] for i in range(b)]
 
+        search = search_tree_batch if request.padded else search_trees
+
         def run():
             t0 = time.perf_counter()
-            out = search_trees(ids.reshape(b, d, k), probs.reshape(b, d, k), contexts, trie=self.trie, params=params,
-                               chains=chains)
+            out = search(ids.reshape(b, d, k), probs.reshape(b, d, k), contexts, trie=self.trie, params=params,
+                         chains=chains)
             return out, 1e3 * (time.perf_counter() - t0)
 
         if b <= self.inline_batch:  # a small search costs less than a hop to the pool and back
             trees, search_ms = run()
         else:
             trees, search_ms = await asyncio.get_running_loop().run_in_executor(self.executor, run)
+        if request.padded:
+            return ngram_pb2.TreeSearchResponse(
+                batch=ngram_pb2.TreeBatch(num_nodes=trees.num_nodes, counts=trees.counts.tolist(),
+                                          tokens=trees.tokens.ravel().tolist(), parents=trees.parents.ravel().tolist(),
+                                          depths=trees.depths.ravel().tolist(), scores=trees.scores.ravel().tolist(),
+                                          probs=trees.probs.ravel().tolist()),
+                search_ms=search_ms)
         return ngram_pb2.TreeSearchResponse(
             trees=[ngram_pb2.DraftTree(tokens=t.tokens.tolist(), parents=t.parents.tolist(),
                                        depths=t.depths.tolist(), scores=t.scores.tolist(), probs=t.probs.tolist())

@@ -35,7 +35,7 @@ import numpy as np
 from ngram_service import _native
 from ngram_service.trie import NgramTrie, pack_ragged
 
-__all__ = ["ContextChain", "DraftTree", "SearchParams", "search_tree", "search_trees"]
+__all__ = ["ContextChain", "DraftTree", "SearchParams", "TreeBatch", "search_tree", "search_trees", "search_tree_batch"]
 
 @dataclass(frozen=True)
 class SearchParams:
@@ -170,6 +170,165 @@ class DraftTree:
         )
 
 
+@dataclass(frozen=True)
+class TreeBatch:
+    """B draft trees padded to one node count N, as host arrays: the batched form that the tree
+    search writes (:func:`search_tree_batch`), the adaptive budget selects from and the engine
+    packs for the device, with no per-tree Python on the way.  Row b's first ``counts[b]`` nodes
+    are its tree, in :class:`DraftTree`'s order (node 0 the root, depth order, every parent before
+    its children); the nodes past them are padding: token 0, parent 0, depth 0, score 0, probability 0.
+
+    Attributes:
+        tokens: [B, N] int64 token ids.
+        parents: [B, N] int32 parent node indices, the root's -1.
+        depths: [B, N] int32 depths (position offsets from the root).
+        scores: [B, N] float64 search scores (root 0).
+        probs: [B, N] float32 acceptance estimates per node (``DraftTree.probs``; root 1).
+        counts: [B] int64 nodes per tree, root included (1 to N).
+
+    Raises (on construction): ValueError for arrays of other shapes, or counts outside 1 .. N.
+    """
+
+    tokens: np.ndarray
+    parents: np.ndarray
+    depths: np.ndarray
+    scores: np.ndarray
+    probs: np.ndarray
+    counts: np.ndarray
+
+    def __post_init__(self) -> None:
+        shape = self.tokens.shape
+        if len(shape) != 2 or any(a.shape != shape for a in (self.parents, self.depths, self.scores, self.probs)):
+            raise ValueError("a tree batch needs [B, N] arrays of one shape")
+        if self.counts.shape != shape[:1] or (shape[0] and not (1 <= self.counts.min() and
+                                                                self.counts.max() <= shape[1])):
+            raise ValueError(f"a tree batch of {shape[1]} nodes per row needs counts in 1 .. {shape[1]}")
+
+    @classmethod
+    def checked(cls, tokens, parents, depths, scores, probs, counts) -> "TreeBatch":
+        """A batch from arrays that came from elsewhere (the gRPC service's answer), checked as
+        :meth:`DraftTree.from_parents` checks a tree: each root has parent -1 and depth 0, every other
+        node's parent comes before it and is one level up.  Flat arrays are reshaped to [B, N].
+
+        Raises:
+            ValueError: what the constructor refuses, or a row that is not such a tree."""
+        counts = np.asarray(counts, dtype=np.int64).reshape(-1)
+        b = len(counts)
+        arrays = [np.asarray(a, dtype=t) for a, t in ((tokens, np.int64), (parents, np.int32), (depths, np.int32),
+                                                      (scores, np.float64), (probs, np.float32))]
+        if any(a.size % max(b, 1) for a in arrays) or len({a.size for a in arrays}) != 1:
+            raise ValueError("a tree batch needs equal-length arrays of [batch, num_nodes] values")
+        n = arrays[0].size // b if b else 1
+        out = cls(*(a.reshape(b, n) for a in arrays), counts)
+        if b and (np.any(out.parents[:, 0] != -1) or np.any(out.depths[:, 0] != 0)):
+            raise ValueError("every draft tree needs a root with parent -1 at depth 0")
+        node = np.arange(n)[None, :]
+        inner = out.real & (node > 0)
+        parent = np.where(inner, out.parents, 0).astype(np.int64)
+        up = np.take_along_axis(out.depths, parent, axis=1)
+        if np.any(inner & ((out.parents < 0) | (out.parents >= node) | (out.depths != up + 1))):
+            raise ValueError("draft tree nodes must follow their parents, one level deeper")
+        return out
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_nodes(self) -> int:
+        """N, the padded node count."""
+        return int(self.tokens.shape[1])
+
+    @property
+    def real(self) -> np.ndarray:
+        """[B, N] bool: which entries are nodes of their tree (not padding)."""
+        return np.arange(self.num_nodes)[None, :] < self.counts[:, None]
+
+    @property
+    def max_depth(self) -> int:
+        """The deepest node of any tree (0 for roots alone or an empty batch)."""
+        return int(self.depths.max()) if self.depths.size else 0
+
+    @classmethod
+    def roots(cls, tokens: Sequence[int]) -> "TreeBatch":
+        """Trees of the root alone (an autoregressive step), one per token."""
+        t = np.asarray(tokens, dtype=np.int64).reshape(-1, 1)
+        b = len(t)
+        return cls(t, np.full((b, 1), -1, np.int32), np.zeros((b, 1), np.int32), np.zeros((b, 1)),
+                   np.ones((b, 1), np.float32), np.ones(b, np.int64))
+
+    @classmethod
+    def from_trees(cls, trees: Sequence[DraftTree]) -> "TreeBatch":
+        """The trees padded to the largest (a drafter that builds :class:`DraftTree` objects)."""
+        b = len(trees)
+        counts = np.fromiter((t.num_nodes for t in trees), dtype=np.int64, count=b)
+        n = int(counts.max()) if b else 1
+        out = cls._empty(b, n)
+        for i, t in enumerate(trees):
+            m = t.num_nodes
+            out.tokens[i, :m], out.parents[i, :m], out.depths[i, :m] = t.tokens, t.parents, t.depths
+            out.scores[i, :m], out.probs[i, :m] = t.scores, t.probs
+        return cls(out.tokens, out.parents, out.depths, out.scores, out.probs, counts)
+
+    @classmethod
+    def _empty(cls, b: int, n: int) -> "TreeBatch":
+        return cls(np.zeros((b, n), np.int64), np.zeros((b, n), np.int32), np.zeros((b, n), np.int32),
+                   np.zeros((b, n)), np.zeros((b, n), np.float32), np.ones(b, np.int64))
+
+    def tree(self, i: int) -> DraftTree:
+        """Row ``i`` as a :class:`DraftTree` (for a per-sequence consumer: a grammar's drafting)."""
+        m = int(self.counts[i])
+        return DraftTree.from_parents(self.tokens[i, :m], self.parents[i, :m], self.depths[i, :m],
+                                      self.scores[i, :m], self.probs[i, :m])
+
+    def trees(self) -> list[DraftTree]:
+        """Every row as a :class:`DraftTree`."""
+        return [self.tree(i) for i in range(len(self))]
+
+    def path_values(self) -> tuple[np.ndarray, np.ndarray]:
+        """(eff, est), [B, N] float64 each, in one C++ pass: ``eff`` the lowest search score along
+        each node's path (root +inf, padding -inf), the search's rank key (``csrc/search.cpp``);
+        ``est`` the product of ``probs`` along it (root 1, padding 0), as
+        :func:`dart_core.budget.node_acceptance_estimates` per tree.
+
+        Raises:
+            ValueError: a node whose parent does not come before it (this and :meth:`ancestor_mask`,
+                :meth:`select` check what the constructor does not; :meth:`checked` checks it all)."""
+        return _native.path_values(self.parents, self.counts, self.scores, self.probs)
+
+    def path_products(self) -> np.ndarray:
+        """[B, N] float64: the ``est`` of :meth:`path_values`."""
+        return self.path_values()[1]
+
+    def ancestor_mask(self) -> np.ndarray:
+        """[B, N, N] bool, ``[b, i, j]``: node j is node i or one of its ancestors (tree attention;
+        a padding node sees only itself), built in one C++ pass."""
+        return _native.ancestor_masks(self.parents, self.counts)
+
+    def select(self, keep: np.ndarray) -> "TreeBatch":
+        """Each row cut to the nodes where ``keep`` [B, N] bool is True (padding ignored),
+        re-indexed in the same order and padded to the largest kept count, in one C++ pass;
+        ``self`` when every node is kept.  As :meth:`DraftTree.select` per row.
+
+        Raises:
+            ValueError: ``keep`` of another shape, dropping a root, or keeping a node without its parent.
+        """
+        keep = np.asarray(keep, dtype=bool)
+        if keep.shape != self.tokens.shape:
+            raise ValueError(f"keep has shape {keep.shape}, the batch {self.tokens.shape}")
+        if np.count_nonzero(keep & self.real) == self.counts.sum():
+            return self
+        return TreeBatch(*_native.select_nodes(keep, self.tokens, self.parents, self.depths, self.scores, self.probs,
+                                               self.counts))
+
+    def clip_depth(self, max_depths: np.ndarray) -> "TreeBatch":
+        """Each row without its nodes deeper than ``max_depths`` [B] (the root alone where ≤ 0);
+        ``self`` when no node is."""
+        limit = np.maximum(np.asarray(max_depths, dtype=np.int64), 0)[:, None]
+        if not np.any(self.depths > limit):
+            return self
+        return self.select(self.depths <= limit)
+
+
 def _read_only(a: np.ndarray) -> np.ndarray:
     a.flags.writeable = False
     return a
@@ -289,3 +448,22 @@ def search_trees(
     trees = _native.search_trees((params or SearchParams()).native(), _native_trie(trie), topk_ids, topk_probs, flat,
                                  offsets, chain_tokens, chain_probs, chain_offsets)
     return [DraftTree._from_native(t) for t in trees]
+
+
+def search_tree_batch(
+    topk_ids: np.ndarray,
+    topk_probs: np.ndarray,
+    contexts: Sequence[Sequence[int]],
+    *,
+    trie: NgramTrie | None = None,
+    params: SearchParams | None = None,
+    chains: Sequence[ContextChain | None] | None = None,
+) -> TreeBatch:
+    """:func:`search_trees`' trees as one :class:`TreeBatch`, written by the C++ search straight into
+    its padded arrays (no per-tree mask, retrieve indices or Python object).  Arguments and errors as
+    :func:`search_trees`."""
+    flat, offsets = pack_ragged(contexts)
+    chain_tokens, chain_probs, chain_offsets = _pack_chains(chains, len(contexts))
+    d = _native.search_trees_padded((params or SearchParams()).native(), _native_trie(trie), topk_ids, topk_probs,
+                                    flat, offsets, chain_tokens, chain_probs, chain_offsets)
+    return TreeBatch(d["tokens"], d["parents"], d["depths"], d["scores"], d["probs"], d["counts"])

@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 
@@ -22,6 +23,8 @@ namespace {
 using I64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 using F32Array = py::array_t<float, py::array::c_style | py::array::forcecast>;
 using U32Array = py::array_t<uint32_t, py::array::c_style | py::array::forcecast>;
+using I32Array = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+using F64Array = py::array_t<double, py::array::c_style | py::array::forcecast>;
 
 template <typename T>
 py::array_t<T> to_array(std::vector<T>&& v, std::vector<py::ssize_t> shape) {
@@ -49,6 +52,12 @@ void check_chain(const I64Array& chain, const F32Array& probs) {
   }
 }
 
+void check_rows_shape(const I32Array& parents, const I64Array& counts) {
+  if (parents.ndim() != 2 || counts.ndim() != 1 || counts.shape(0) != parents.shape(0)) {
+    throw std::invalid_argument("parents must be [B, N] and counts [B]");
+  }
+}
+
 void check_topk(const I64Array& ids, const F32Array& probs, int ndim) {
   if (ids.ndim() != ndim || probs.ndim() != ndim) {
     throw std::invalid_argument("topk_ids and topk_probs must have " + std::to_string(ndim) + " dimensions");
@@ -56,6 +65,32 @@ void check_topk(const I64Array& ids, const F32Array& probs, int ndim) {
   for (int i = 0; i < ndim; ++i) {
     if (ids.shape(i) != probs.shape(i)) throw std::invalid_argument("topk_ids and topk_probs shapes differ");
   }
+}
+
+// search_trees over checked arrays (the GIL released during the search); with_layout as search_tree's.
+std::vector<DraftTreeData> search_batch(const SearchParams& params, const MappedTrie* trie, const I64Array& ids,
+                                        const F32Array& probs, const I64Array& contexts, const I64Array& offsets,
+                                        const I64Array& chains, const F32Array& chain_probs,
+                                        const I64Array& chain_offsets, bool with_layout) {
+  check_topk(ids, probs, 3);
+  const int batch = static_cast<int>(ids.shape(0));
+  if (offsets.ndim() != 1 || offsets.shape(0) != batch + 1) {
+    throw std::invalid_argument("context offsets must be [batch + 1]");
+  }
+  const int64_t* off = offsets.data();
+  if (off[0] != 0 || off[batch] != contexts.size()) {
+    throw std::invalid_argument("context offsets must start at 0 and end at the context length");
+  }
+  check_chain(chains, chain_probs);
+  const int64_t* coff = chain_offsets.data();
+  if (chain_offsets.ndim() != 1 || chain_offsets.shape(0) != batch + 1 || coff[0] != 0 ||
+      coff[batch] != chains.size()) {
+    throw std::invalid_argument("chain offsets must be [batch + 1], from 0 to the chain length");
+  }
+  py::gil_scoped_release release;
+  return search_trees(params, trie, ids.data(), probs.data(), batch, static_cast<int>(ids.shape(1)),
+                      static_cast<int>(ids.shape(2)), contexts.data(), off, chains.data(), chain_probs.data(), coff,
+                      with_layout);
 }
 
 }  // namespace
@@ -200,28 +235,8 @@ PYBIND11_MODULE(_native, m) {
       [](const SearchParams& params, std::shared_ptr<MappedTrie> trie, const I64Array& ids, const F32Array& probs,
          const I64Array& contexts, const I64Array& offsets, const I64Array& chains, const F32Array& chain_probs,
          const I64Array& chain_offsets) {
-        check_topk(ids, probs, 3);
-        const int batch = static_cast<int>(ids.shape(0));
-        if (offsets.ndim() != 1 || offsets.shape(0) != batch + 1) {
-          throw std::invalid_argument("context offsets must be [batch + 1]");
-        }
-        const int64_t* off = offsets.data();
-        if (off[0] != 0 || off[batch] != contexts.size()) {
-          throw std::invalid_argument("context offsets must start at 0 and end at the context length");
-        }
-        check_chain(chains, chain_probs);
-        const int64_t* coff = chain_offsets.data();
-        if (chain_offsets.ndim() != 1 || chain_offsets.shape(0) != batch + 1 || coff[0] != 0 ||
-            coff[batch] != chains.size()) {
-          throw std::invalid_argument("chain offsets must be [batch + 1], from 0 to the chain length");
-        }
-        std::vector<DraftTreeData> trees;
-        {
-          py::gil_scoped_release release;
-          trees = search_trees(params, trie.get(), ids.data(), probs.data(), batch, static_cast<int>(ids.shape(1)),
-                               static_cast<int>(ids.shape(2)), contexts.data(), off, chains.data(),
-                               chain_probs.data(), coff);
-        }
+        std::vector<DraftTreeData> trees =
+            search_batch(params, trie.get(), ids, probs, contexts, offsets, chains, chain_probs, chain_offsets, true);
         py::list out;
         for (auto& t : trees) out.append(tree_to_dict(std::move(t)));
         return out;
@@ -229,6 +244,132 @@ PYBIND11_MODULE(_native, m) {
       py::arg("params"), py::arg("trie").none(true), py::arg("topk_ids"), py::arg("topk_probs"),
       py::arg("contexts"), py::arg("context_offsets"), py::arg("chains"), py::arg("chain_probs"),
       py::arg("chain_offsets"));
+
+  m.def(
+      "search_trees_padded",
+      [](const SearchParams& params, std::shared_ptr<MappedTrie> trie, const I64Array& ids, const F32Array& probs,
+         const I64Array& contexts, const I64Array& offsets, const I64Array& chains, const F32Array& chain_probs,
+         const I64Array& chain_offsets) {
+        const auto batch = static_cast<size_t>(ids.ndim() == 3 ? ids.shape(0) : 0);
+        std::vector<int64_t> tokens, counts(batch);
+        std::vector<int32_t> parents, depths;
+        std::vector<double> scores;
+        std::vector<float> node_probs;
+        size_t width = 1;
+        {
+          std::vector<DraftTreeData> trees = search_batch(params, trie.get(), ids, probs, contexts, offsets, chains,
+                                                          chain_probs, chain_offsets, false);
+          py::gil_scoped_release release;
+          for (const auto& t : trees) width = std::max(width, t.tokens.size());
+          tokens.assign(batch * width, 0);
+          parents.assign(batch * width, 0);
+          depths.assign(batch * width, 0);
+          scores.assign(batch * width, 0.0);
+          node_probs.assign(batch * width, 0.0f);
+          for (size_t b = 0; b < batch; ++b) {
+            const auto& t = trees[b];
+            const size_t n = t.tokens.size(), at = b * width;
+            counts[b] = static_cast<int64_t>(n);
+            std::copy_n(t.tokens.data(), n, &tokens[at]);
+            std::copy_n(t.parents.data(), n, &parents[at]);
+            std::copy_n(t.depths.data(), n, &depths[at]);
+            std::copy_n(t.scores.data(), n, &scores[at]);
+            std::copy_n(t.probs.data(), n, &node_probs[at]);
+          }
+        }
+        const auto b = static_cast<py::ssize_t>(batch), w = static_cast<py::ssize_t>(width);
+        py::dict d;
+        d["tokens"] = to_array(std::move(tokens), {b, w});
+        d["parents"] = to_array(std::move(parents), {b, w});
+        d["depths"] = to_array(std::move(depths), {b, w});
+        d["scores"] = to_array(std::move(scores), {b, w});
+        d["probs"] = to_array(std::move(node_probs), {b, w});
+        d["counts"] = to_array(std::move(counts), {b});
+        return d;
+      },
+      py::arg("params"), py::arg("trie").none(true), py::arg("topk_ids"), py::arg("topk_probs"),
+      py::arg("contexts"), py::arg("context_offsets"), py::arg("chains"), py::arg("chain_probs"),
+      py::arg("chain_offsets"),
+      "search_trees' trees padded to the largest: a dict of [batch, N] arrays (tokens, parents with the root -1, "
+      "depths, scores, probs; padding 0) and counts [batch], without the per-tree mask and retrieve indices.");
+
+  m.def(
+      "ancestor_masks",
+      [](const I32Array& parents, const I64Array& counts) {
+        check_rows_shape(parents, counts);
+        const auto b = parents.shape(0), n = parents.shape(1);
+        py::array_t<bool> mask({b, n, n});
+        auto* out = reinterpret_cast<uint8_t*>(mask.mutable_data());
+        {
+          py::gil_scoped_release release;
+          ancestor_masks(parents.data(), counts.data(), b, n, out);
+        }
+        return mask;
+      },
+      py::arg("parents"), py::arg("counts"),
+      "[B, N, N] bool ancestor-or-self masks of a padded tree batch (parents [B, N] int32, counts [B]).");
+
+  m.def(
+      "path_values",
+      [](const I32Array& parents, const I64Array& counts, const F64Array& scores, const F32Array& probs) {
+        check_rows_shape(parents, counts);
+        if (scores.ndim() != 2 || probs.ndim() != 2 || scores.shape(0) != parents.shape(0) ||
+            scores.shape(1) != parents.shape(1) || probs.shape(0) != parents.shape(0) ||
+            probs.shape(1) != parents.shape(1)) {
+          throw std::invalid_argument("scores and probs must be [B, N] like parents");
+        }
+        const auto b = parents.shape(0), n = parents.shape(1);
+        py::array_t<double> eff({b, n}), est({b, n});
+        double* e = eff.mutable_data();
+        double* p = est.mutable_data();
+        {
+          py::gil_scoped_release release;
+          path_values(parents.data(), counts.data(), scores.data(), probs.data(), b, n, e, p);
+        }
+        return py::make_tuple(eff, est);
+      },
+      py::arg("parents"), py::arg("counts"), py::arg("scores"), py::arg("probs"),
+      "(eff, est) [B, N] float64 of a padded tree batch: the lowest score and the product of probs along each "
+      "node's path.");
+
+  m.def(
+      "select_nodes",
+      [](const py::array_t<bool, py::array::c_style | py::array::forcecast>& keep, const I64Array& tokens,
+         const I32Array& parents, const I32Array& depths, const F64Array& scores, const F32Array& probs,
+         const I64Array& counts) {
+        check_rows_shape(parents, counts);
+        const auto b = parents.shape(0), n = parents.shape(1);
+        for (const py::array* a : {static_cast<const py::array*>(&keep), static_cast<const py::array*>(&tokens),
+                                   static_cast<const py::array*>(&depths), static_cast<const py::array*>(&scores),
+                                   static_cast<const py::array*>(&probs)}) {
+          if (a->ndim() != 2 || a->shape(0) != b || a->shape(1) != n) {
+            throw std::invalid_argument("keep and the node arrays must be [B, N] like parents");
+          }
+        }
+        const auto* k = reinterpret_cast<const uint8_t*>(keep.data());
+        py::ssize_t width = 1;
+        for (py::ssize_t r = 0; r < b; ++r) {
+          const int64_t c = std::min<int64_t>(counts.data()[r], n);
+          py::ssize_t kept = 0;
+          for (int64_t i = 0; i < c; ++i) kept += k[r * n + i] != 0;
+          width = std::max(width, kept);
+        }
+        I64Array out_tokens({b, width}), out_counts({b});
+        I32Array out_parents({b, width}), out_depths({b, width});
+        F64Array out_scores({b, width});
+        F32Array out_probs({b, width});
+        {
+          py::gil_scoped_release release;
+          select_nodes(k, tokens.data(), parents.data(), depths.data(), scores.data(), probs.data(), counts.data(),
+                       b, n, width, out_tokens.mutable_data(), out_parents.mutable_data(), out_depths.mutable_data(),
+                       out_scores.mutable_data(), out_probs.mutable_data(), out_counts.mutable_data());
+        }
+        return py::make_tuple(out_tokens, out_parents, out_depths, out_scores, out_probs, out_counts);
+      },
+      py::arg("keep"), py::arg("tokens"), py::arg("parents"), py::arg("depths"), py::arg("scores"), py::arg("probs"),
+      py::arg("counts"),
+      "A padded tree batch cut to the nodes where keep [B, N] is set: (tokens, parents, depths, scores, probs, "
+      "counts), padded to the largest kept count.");
 
   py::class_<ContextIndex>(m, "ContextIndex")
       .def(py::init<int, size_t>(), py::arg("max_context"), py::arg("max_tokens"))

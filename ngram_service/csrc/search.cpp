@@ -50,7 +50,8 @@ void check_token(int64_t tok, const char* what) {
 
 DraftTreeData search_tree(const SearchParams& params, const MappedTrie* trie, const int64_t* topk_ids,
                           const float* topk_probs, int depth_in, int k_in, const int64_t* context,
-                          size_t context_len, const int64_t* chain, const float* chain_probs, size_t chain_len) {
+                          size_t context_len, const int64_t* chain, const float* chain_probs, size_t chain_len,
+                          bool with_layout) {
   params.validate();
   if (context_len == 0) throw std::invalid_argument("context must hold at least the root token");
   if (depth_in < 1 || k_in < 1) throw std::invalid_argument("top-k arrays must be at least [1, 1]");
@@ -190,7 +191,7 @@ DraftTreeData search_tree(const SearchParams& params, const MappedTrie* trie, co
   t.depths.resize(n);
   t.scores.resize(n);
   t.probs.resize(n);
-  t.tree_mask.assign(n * n, 0);
+  if (with_layout) t.tree_mask.assign(n * n, 0);
   std::vector<int32_t> node_of(cands.size(), -1);
   std::vector<uint8_t> has_child(n, 0);
   t.tokens[0] = context[context_len - 1];
@@ -198,7 +199,7 @@ DraftTreeData search_tree(const SearchParams& params, const MappedTrie* trie, co
   t.depths[0] = 0;
   t.scores[0] = 0.0;
   t.probs[0] = 1.0f;
-  t.tree_mask[0] = 1;
+  if (with_layout) t.tree_mask[0] = 1;
   for (size_t i = 1; i < n; ++i) {
     const Candidate& c = cands[ranked[i - 1]];
     node_of[ranked[i - 1]] = static_cast<int32_t>(i);
@@ -210,10 +211,13 @@ DraftTreeData search_tree(const SearchParams& params, const MappedTrie* trie, co
     t.scores[i] = c.score;
     t.probs[i] = c.prob;
     has_child[parent] = 1;
-    std::copy_n(&t.tree_mask[parent * n], n, &t.tree_mask[i * n]);
-    t.tree_mask[i * n + i] = 1;
+    if (with_layout) {
+      std::copy_n(&t.tree_mask[parent * n], n, &t.tree_mask[i * n]);
+      t.tree_mask[i * n + i] = 1;
+    }
     t.max_depth = std::max(t.max_depth, c.depth);
   }
+  if (!with_layout) return t;
   const int32_t width = t.max_depth + 1;
   for (size_t i = 0; i < n; ++i) {
     if (has_child[i]) continue;
@@ -229,7 +233,8 @@ std::vector<DraftTreeData> search_trees(const SearchParams& params, const Mapped
                                         const int64_t* topk_ids, const float* topk_probs, int batch,
                                         int depth_in, int k_in, const int64_t* contexts,
                                         const int64_t* context_offsets, const int64_t* chains,
-                                        const float* chain_probs, const int64_t* chain_offsets) {
+                                        const float* chain_probs, const int64_t* chain_offsets,
+                                        bool with_layout) {
   params.validate();
   if (batch < 0) throw std::invalid_argument("batch must be >= 0");
   for (int b = 0; b < batch; ++b) {
@@ -252,7 +257,7 @@ std::vector<DraftTreeData> search_trees(const SearchParams& params, const Mapped
     const size_t clen = chains != nullptr ? static_cast<size_t>(chain_offsets[b + 1] - chain_offsets[b]) : 0;
     out[b] = search_tree(params, trie, topk_ids + b * stride, topk_probs + b * stride, depth_in, k_in,
                          contexts + context_offsets[b], context_offsets[b + 1] - context_offsets[b], chain, cprobs,
-                         clen);
+                         clen, with_layout);
   };
   const int threads = std::min(params.num_threads, batch);
   if (threads <= 1) {
@@ -277,6 +282,93 @@ std::vector<DraftTreeData> search_trees(const SearchParams& params, const Mapped
     if (e) std::rethrow_exception(e);
   }
   return out;
+}
+
+namespace {
+
+void check_rows(const int32_t* parents, const int64_t* counts, int64_t batch, int64_t n) {
+  for (int64_t b = 0; b < batch; ++b) {
+    if (counts[b] < 1 || counts[b] > n) {
+      throw std::invalid_argument("node counts must lie in 1.." + std::to_string(n) + ", got " +
+                                  std::to_string(counts[b]));
+    }
+    const int32_t* p = parents + b * n;
+    for (int64_t i = 1; i < counts[b]; ++i) {
+      if (p[i] < 0 || p[i] >= i) throw std::invalid_argument("a draft tree node's parent must precede it");
+    }
+  }
+}
+
+}  // namespace
+
+void ancestor_masks(const int32_t* parents, const int64_t* counts, int64_t batch, int64_t n, uint8_t* mask) {
+  check_rows(parents, counts, batch, n);
+  std::fill_n(mask, batch * n * n, uint8_t{0});
+  for (int64_t b = 0; b < batch; ++b) {
+    const int32_t* p = parents + b * n;
+    uint8_t* m = mask + b * n * n;
+    for (int64_t i = 0; i < n; ++i) {
+      if (i > 0 && i < counts[b]) std::copy_n(m + p[i] * n, i, m + i * n);  // the parent's row: only j < i are set
+      m[i * n + i] = 1;
+    }
+  }
+}
+
+void path_values(const int32_t* parents, const int64_t* counts, const double* scores, const float* probs,
+                 int64_t batch, int64_t n, double* eff, double* est) {
+  check_rows(parents, counts, batch, n);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t at = b * n;
+    eff[at] = std::numeric_limits<double>::infinity();
+    est[at] = 1.0;
+    for (int64_t i = 1; i < n; ++i) {
+      if (i < counts[b]) {
+        const int64_t up = at + parents[at + i];
+        eff[at + i] = std::min(scores[at + i], eff[up]);
+        est[at + i] = est[up] * static_cast<double>(probs[at + i]);
+      } else {
+        eff[at + i] = -std::numeric_limits<double>::infinity();
+        est[at + i] = 0.0;
+      }
+    }
+  }
+}
+
+void select_nodes(const uint8_t* keep, const int64_t* tokens, const int32_t* parents, const int32_t* depths,
+                  const double* scores, const float* probs, const int64_t* counts, int64_t batch, int64_t n,
+                  int64_t width, int64_t* out_tokens, int32_t* out_parents, int32_t* out_depths, double* out_scores,
+                  float* out_probs, int64_t* out_counts) {
+  check_rows(parents, counts, batch, n);
+  std::vector<int32_t> new_of(static_cast<size_t>(n));
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t at = b * n, to = b * width;
+    if (!keep[at]) throw std::invalid_argument("a subtree must keep the root");
+    int32_t kept = 0;
+    for (int64_t i = 0; i < counts[b]; ++i) {
+      if (!keep[at + i]) {
+        new_of[i] = -1;
+        continue;
+      }
+      const int32_t parent = i == 0 ? -1 : new_of[parents[at + i]];
+      if (i > 0 && parent < 0) {
+        throw std::invalid_argument("a subtree must keep every kept node's parent (prefix-closed)");
+      }
+      if (kept >= width) throw std::invalid_argument("the selected rows do not fit the output width");
+      new_of[i] = kept;
+      out_tokens[to + kept] = tokens[at + i];
+      out_parents[to + kept] = parent;
+      out_depths[to + kept] = depths[at + i];
+      out_scores[to + kept] = scores[at + i];
+      out_probs[to + kept] = probs[at + i];
+      ++kept;
+    }
+    std::fill(out_tokens + to + kept, out_tokens + to + width, int64_t{0});
+    std::fill(out_parents + to + kept, out_parents + to + width, int32_t{0});
+    std::fill(out_depths + to + kept, out_depths + to + width, int32_t{0});
+    std::fill(out_scores + to + kept, out_scores + to + width, 0.0);
+    std::fill(out_probs + to + kept, out_probs + to + width, 0.0f);
+    out_counts[b] = kept;
+  }
 }
 
 }  // namespace dart_ngram

@@ -74,10 +74,11 @@ struct DraftTreeData {
 // topk_ids/topk_probs: [depth_in, k_in] row-major, columns by descending
 // probability; context: [context_len] tokens ending with the root token.
 // trie may be null (logits-only).  Throws std::invalid_argument on bad input.
+// with_layout false: tree_mask and retrieve are left empty (a caller that builds them itself).
 DraftTreeData search_tree(const SearchParams& params, const MappedTrie* trie, const int64_t* topk_ids,
                           const float* topk_probs, int depth_in, int k_in, const int64_t* context,
                           size_t context_len, const int64_t* chain = nullptr, const float* chain_probs = nullptr,
-                          size_t chain_len = 0);
+                          size_t chain_len = 0, bool with_layout = true);
 
 // Batched: topk_*: [batch, depth_in, k_in]; contexts flattened, sequence b is
 // contexts[offsets[b] .. offsets[b+1]).  Runs on params.num_threads threads.
@@ -87,6 +88,26 @@ std::vector<DraftTreeData> search_trees(const SearchParams& params, const Mapped
                                         int depth_in, int k_in, const int64_t* contexts,
                                         const int64_t* context_offsets, const int64_t* chains = nullptr,
                                         const float* chain_probs = nullptr,
-                                        const int64_t* chain_offsets = nullptr);
+                                        const int64_t* chain_offsets = nullptr, bool with_layout = true);
+
+// Padded batches of trees (ngram_service.tree_search.TreeBatch): row b's first counts[b] of n nodes
+// are a tree in depth order (parents[b * n] = -1, every other parent before its node); the rest is
+// padding.  Both throw std::invalid_argument for counts outside 1..n or a parent that does not precede
+// its node.
+// mask [batch, n, n]: 1 where column j is row i's node or one of its ancestors (padding: itself only).
+void ancestor_masks(const int32_t* parents, const int64_t* counts, int64_t batch, int64_t n, uint8_t* mask);
+// eff [batch, n]: the lowest score along each node's path (root +inf, padding -inf), the search's rank
+// key; est [batch, n]: the product of probs along each node's path (root 1, padding 0).
+void path_values(const int32_t* parents, const int64_t* counts, const double* scores, const float* probs,
+                 int64_t batch, int64_t n, double* eff, double* est);
+
+// Each row cut to its nodes with keep[b * n + i] set (padding ignored), re-indexed in order and written
+// at width `width` (>= every row's kept count; padding 0, the root's parent -1) into the out_* arrays
+// [batch, width]; out_counts [batch].  Throws std::invalid_argument for a row that drops its root or keeps
+// a node without its parent, or as ancestor_masks.
+void select_nodes(const uint8_t* keep, const int64_t* tokens, const int32_t* parents, const int32_t* depths,
+                  const double* scores, const float* probs, const int64_t* counts, int64_t batch, int64_t n,
+                  int64_t width, int64_t* out_tokens, int32_t* out_parents, int32_t* out_depths, double* out_scores,
+                  float* out_probs, int64_t* out_counts);
 
 }  // namespace dart_ngram

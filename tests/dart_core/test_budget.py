@@ -26,6 +26,12 @@ def with_scores(tree, scores):
     return dataclasses.replace(tree, scores=np.array(scores))
 
 
+def _trees(selected):
+    """select_batch's (TreeBatch, predicted) as (its trees, predicted as a list)."""
+    batch, predicted = selected
+    return batch.trees(), predicted.tolist()
+
+
 def hopeless(tree):
     """The same tree, every node drafted with probability 1e-4."""
     return dataclasses.replace(tree, probs=np.r_[1.0, np.full(tree.num_nodes - 1, 1e-4)].astype(np.float32))
@@ -61,26 +67,26 @@ def test_batch_selection_prices_the_padded_verification():
     # one promising and one hopeless sequence: the trees are padded to one size, so a second node
     # costs both sequences one query token: 2.9 / curve(2 * 3) = 2.9/55 < 2.5 / curve(2 * 2) = 2.5/45.
     # (Pricing nodes one at a time, as if unpadded, would have given the first tree three.)
-    (good, bad), predicted = policy.select_batch([tree, hopeless(tree)])
+    (good, bad), predicted = _trees(policy.select_batch([tree, hopeless(tree)]))
     np.testing.assert_array_equal(good.tokens, [9, 1])
     np.testing.assert_array_equal(bad.tokens, [9, 1])  # min_budget: every tree keeps one node
     assert predicted[0] == pytest.approx(0.5) and predicted[1] < 1e-3
     # two promising sequences: 3.8/55 beats 3.0/45 and 4.4/65, so both get two nodes
-    both, predicted = policy.select_batch([tree, tree])
+    both, predicted = _trees(policy.select_batch([tree, tree]))
     for t in both:
         np.testing.assert_array_equal(t.tokens, [9, 1, 3])
     assert predicted == pytest.approx([0.9, 0.9])
     # a tree smaller than the chosen count keeps all it has (2 ms per query token: 3.4/40 is the best rate)
     small = tree.select(np.array([True, True, False, False, False]))
     cheaper = AdaptiveBudget(VerifyCostCurve((1, 11), (30.0, 50.0)))
-    (big, little), _ = cheaper.select_batch([tree, small])
+    (big, little), _ = _trees(cheaper.select_batch([tree, small]))
     assert (big.num_nodes, little.num_nodes) == (3, 2)
     single, p1 = policy.select(tree)
-    (alone,), (p2,) = policy.select_batch([tree])  # batch 1 is select()
+    (alone,), (p2,) = _trees(policy.select_batch([tree]))  # batch 1 is select()
     np.testing.assert_array_equal(alone.tokens, single.tokens)
     assert p1 == p2
     flat = AdaptiveBudget(VerifyCostCurve((1, 64), (10.0, 10.0)))
-    assert [t.num_nodes for t in flat.select_batch([tree, hopeless(tree)])[0]] == [5, 5]
+    assert flat.select_batch([tree, hopeless(tree)])[0].counts.tolist() == [5, 5]
 
 
 def test_packed_batch_selection_lets_nodes_compete_across_the_batch():
@@ -89,20 +95,20 @@ def test_packed_batch_selection_lets_nodes_compete_across_the_batch():
     tree = with_scores(TREE, [0.0, -0.7, -1.2, -0.9, -3.0])  # rank: 1, 3, 2, 4 with P .5, .4, .3, .03
     policy = AdaptiveBudget(VerifyCostCurve((1, 11), (30.0, 80.0)))  # 5 ms per query token
     # T nodes in all cost curve(2 + T): 2.5/40, 2.9/45 (best), 3.2/50, 3.23/55
-    (good, bad), predicted = policy.select_batch([tree, hopeless(tree)], packed=True)
+    (good, bad), predicted = _trees(policy.select_batch([tree, hopeless(tree)], packed=True))
     np.testing.assert_array_equal(good.tokens, [9, 1, 3])
     np.testing.assert_array_equal(bad.tokens, [9])
     assert predicted == pytest.approx([0.9, 0.0])
-    (alone,), (p1,) = policy.select_batch([tree], packed=True)  # batch 1: the per-tree choice
+    (alone,), (p1,) = _trees(policy.select_batch([tree], packed=True))  # batch 1: the per-tree choice
     single, p2 = policy.select(tree)
     np.testing.assert_array_equal(alone.tokens, single.tokens)
     assert p1 == p2
     flat = AdaptiveBudget(VerifyCostCurve((1, 64), (10.0, 10.0)))
-    assert [t.num_nodes for t in flat.select_batch([tree, hopeless(tree)], packed=True)[0]] == [5, 5]
+    assert flat.select_batch([tree, hopeless(tree)], packed=True)[0].counts.tolist() == [5, 5]
     # a node is never kept without its parent, whatever its own estimate
     odd = make_tree([9, 1, 2, 3], [-1, 0, 1, 2], [1.0, 0.2, 0.99, 0.99])
     steep = AdaptiveBudget(VerifyCostCurve((1, 11), (30.0, 80.0)))
-    for t in steep.select_batch([odd, tree, odd], packed=True)[0]:
+    for t in steep.select_batch([odd, tree, odd], packed=True)[0].trees():
         assert all(0 <= t.parents[i] < i and t.depths[i] == t.depths[t.parents[i]] + 1
                    for i in range(1, t.num_nodes))
 
@@ -149,9 +155,9 @@ def test_a_batch_costlier_than_the_batch1_curve_shrinks_the_trees():
     trees = [chain] * 16
     flat = AdaptiveBudget(VerifyCostCurve((1, 9), (10.0, 10.0)))
     batched = AdaptiveBudget(VerifyCostCurve((1, 9), (10.0, 10.0), batches=(16,), batch_ms=((10.0, 26.0),)))
-    assert all(t.num_nodes == 9 for t in flat.select_batch(trees)[0])
+    assert set(flat.select_batch(trees)[0].counts.tolist()) == {9}
     # 16 (1 + Σ_{k ≤ n} 0.7^k) / (10 + 2 n) is largest at n = 3
-    assert {t.num_nodes for t in batched.select_batch(trees)[0]} == {4}
+    assert set(batched.select_batch(trees)[0].counts.tolist()) == {4}
 
 
 def test_calibration_follows_observations():
@@ -375,3 +381,63 @@ def test_lookup_overhead_is_learnt_from_lookup_steps():
 def test_lookup_preference_must_be_positive():
     with pytest.raises(ValueError, match="lookup_preference"):
         AdaptiveBudget(VerifyCostCurve((1, 64), (10.0, 10.0)), lookup_preference=0)
+
+
+def _rank_reference(tree) -> np.ndarray:
+    """A tree's draft nodes in the search's rank order, one node at a time: the lowest score on the
+    path high to low, then depth, then index (csrc/search.cpp)."""
+    eff = np.full(tree.num_nodes, np.inf)
+    for i in range(1, tree.num_nodes):
+        eff[i] = min(tree.scores[i], eff[tree.parents[i]])
+    return sorted(range(1, tree.num_nodes), key=lambda i: (-eff[i], tree.depths[i], i))
+
+
+def test_the_batched_selection_keeps_each_trees_best_nodes_in_rank_order():
+    """select_batch ranks and cuts the whole batch in array operations; against a per-tree reference
+    on random searched trees (rounded scores, so ties occur): padded, every tree keeps its first
+    min(n, size) nodes in rank order for one n; packed, each tree keeps a prefix of its rank order;
+    the predicted accepted nodes are the calibrated path products of what is kept."""
+    from ngram_service.tree_search import SearchParams, search_trees
+
+    rng = np.random.default_rng(7)
+    for trial in range(60):
+        b = int(rng.integers(1, 7))
+        ids = rng.integers(0, 50, size=(b, 5, 6))
+        probs = np.sort(rng.random((b, 5, 6)).astype(np.float32) ** 2, axis=-1)[..., ::-1].copy()
+        params = SearchParams(top_k=6, beam_width=3, max_depth=5, budget=int(rng.integers(0, 20)), use_ngram=False)
+        trees = [with_scores(t, np.round(t.scores, 1)) for t in search_trees(ids, probs, [[1, 2]] * b, params=params)]
+        policy = AdaptiveBudget(VerifyCostCurve((1, 64), (10.0, 10.0 + 60 * rng.random())), min_budget=0)
+        policy.calibration, policy.overhead_ms = float(rng.uniform(0.5, 2.0)), float(rng.uniform(0.0, 10.0))
+        for packed in (False, True):
+            chosen, predicted = policy.select_batch(trees, packed=packed)
+            kept = []
+            for i, tree in enumerate(trees):
+                order = _rank_reference(tree)
+                k = int(chosen.counts[i]) - 1
+                keep = np.zeros(tree.num_nodes, dtype=bool)
+                keep[0] = True
+                keep[order[:k]] = True
+                want = tree.select(keep)
+                np.testing.assert_array_equal(chosen.tree(i).tokens, want.tokens)
+                np.testing.assert_array_equal(chosen.tree(i).parents, want.parents)
+                est = np.minimum(node_acceptance_estimates(tree)[order[:k]] * policy.calibration, 1.0)
+                assert predicted[i] == pytest.approx(est.sum())
+                kept.append(k)
+            if not packed:  # one node count n for the batch
+                sizes = [t.num_nodes - 1 for t in trees]
+                n = max(kept)
+                assert kept == [min(n, s) for s in sizes], trial
+
+
+def test_observing_a_batch_equals_observing_its_rows_in_order():
+    rng = np.random.default_rng(8)
+    one, many = (AdaptiveBudget(VerifyCostCurve((1, 64), (10.0, 10.0)), ema=0.1) for _ in range(2))
+    for _ in range(20):
+        b = int(rng.integers(0, 9))
+        predicted = rng.random(b) * rng.integers(0, 3, size=b) * 3  # some rows predict nothing
+        accepted, ms = rng.integers(0, 5, size=b), rng.random()
+        for p, a in zip(predicted, accepted):
+            one.observe(float(p), int(a), ms)
+        many.observe_batch(predicted, accepted, ms)
+        assert many.calibration == pytest.approx(one.calibration, rel=1e-12)
+        assert many.overhead_ms == pytest.approx(one.overhead_ms, rel=1e-12)

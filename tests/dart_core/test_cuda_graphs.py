@@ -298,3 +298,25 @@ def test_cuda_graph_replays_equal_eager_decoding():
     assert static.replays > 0 and all(s.graph is not None for s in static._shapes.values())
     assert {w for _, _, w in static._shapes} == {16, 32, 128}  # graphs of every window replayed
     assert drafter.replays > 0 and all(s.graph is not None for s in drafter._shapes.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_draft_batch_packed_for_cuda_through_pinned_memory_equals_the_cpu_one():
+    """DraftBatch.pack on CUDA stages the host arrays in pinned memory and copies them without
+    blocking; the fields equal the CPU packing's, also when batches of other shapes follow at once."""
+    from dart_core.drafters import DraftBatch
+    from ngram_service.tree_search import search_tree_batch
+
+    rng = np.random.default_rng(2)
+    packed = []
+    for b in (1, 5, 16, 3):  # packed one after another, compared after the last
+        ids = rng.integers(0, 40, size=(b, 4, 6))
+        probs = rng.dirichlet(np.ones(6), size=(b, 4)).astype(np.float32)
+        trees = search_tree_batch(ids, probs, [[1, 2]] * b,
+                                  params=SearchParams(top_k=6, beam_width=3, budget=int(rng.integers(1, 20)),
+                                                      use_ngram=False))
+        packed.append((DraftBatch.pack(trees, torch.device("cuda")), DraftBatch.pack(trees, torch.device("cpu"))))
+    for on_gpu, on_cpu in packed:
+        for name in ("tokens", "parents", "depths", "counts", "tree_mask"):
+            assert getattr(on_gpu, name).cpu().equal(getattr(on_cpu, name)), name

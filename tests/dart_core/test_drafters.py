@@ -83,7 +83,7 @@ def test_draft_batch_fields():
     assert batch.tree_mask[0, 3].tolist() == [True, True, False, True]
     assert batch.tree_mask[1].equal(torch.eye(4, dtype=torch.bool))  # padding sees only itself
     roots = NoDraft().propose(None, type("S", (), {"tokens": [[1, 2], [3]]})())
-    assert roots.kind == "none" and [t.tokens.tolist() for t in roots.trees] == [[2], [3]]
+    assert roots.kind == "none" and roots.trees.tokens.tolist() == [[2], [3]] and roots.trees.counts.tolist() == [1, 1]
 
 
 def test_root_only_trees_and_their_batch_equal_the_general_ones():

@@ -398,9 +398,9 @@ class DepthRecordingSearch(InProcessTreeSearch):
         super().__init__(None)
         self.levels = []
 
-    def search(self, topk_ids, topk_probs, contexts, params, chains=None):
+    def search_batch(self, topk_ids, topk_probs, contexts, params, chains=None):  # what the engine calls
         self.levels.append(topk_ids.shape[1])
-        return super().search(topk_ids, topk_probs, contexts, params)
+        return super().search_batch(topk_ids, topk_probs, contexts, params)
 
 
 def test_the_draft_goes_no_deeper_than_the_trees_can():
@@ -575,6 +575,51 @@ def test_a_step_reads_device_tensors_at_most_twice(batch, temperature):
         assert sum(reads.values()) == 4 * most, dict(reads)
 
 
+@pytest.mark.parametrize("temperature, packed", [(0.0, False), (0.0, True), (0.8, False)])
+def test_a_speculative_step_builds_no_per_tree_objects(monkeypatch, temperature, packed):
+    """From the search to the acceptance, a step of a batch of 8 handles its trees as padded arrays
+    (TreeBatch, DraftBatch): no DraftTree and no Acceptance is built, with the adaptive budget choosing
+    (padded or packed) and the request's context in the search, greedy or sampling; the output is
+    unchanged by the guard (greedy equals the target's own)."""
+    from ngram_service.tree_search import DraftTree
+    from dart_core import verify
+
+    target = tiny_target("llama")
+    prompts = prompts_of(np.random.default_rng(11), [3 + i % 5 for i in range(8)])
+    engine = DartEngine(target, random_head(target), InProcessTreeSearch(None),
+                        SearchParams(top_k=8, beam_width=4, budget=12, context_weight=0.5),
+                        budget=AdaptiveBudget(VerifyCostCurve((1, 64), (10.0, 10.5))), context_order=3)
+    engine.pooled_budget = packed
+    sampling = SamplingParams(max_new_tokens=24, temperature=temperature, seed=3)
+    steps = engine.generate_stream(prompts, sampling)
+    out = [[] for _ in prompts]
+    for step in (next(steps), next(steps)):  # the prefill and the first draft
+        for sid, toks in zip(step.seq_ids, step.new_tokens):
+            out[sid] += toks
+    built = []
+
+    def refuse(name):
+        def init(self, *args, **kwargs):
+            built.append(name)
+            raise AssertionError(f"a {name} was built on the step's path")
+        return init
+
+    with monkeypatch.context() as guard:
+        guard.setattr(DraftTree, "__init__", refuse("DraftTree"))
+        guard.setattr(verify.Acceptance, "__init__", refuse("Acceptance"))
+        for _ in range(4):
+            step = next(steps)
+            assert step.speculated
+            for sid, toks in zip(step.seq_ids, step.new_tokens):
+                out[sid] += toks
+    assert not built
+    for step in steps:
+        for sid, toks in zip(step.seq_ids, step.new_tokens):
+            out[sid] += toks
+    if temperature == 0:
+        assert out == engine.generate(prompts, sampling, speculative=False).token_ids
+
+
 def test_a_step_that_captures_a_cuda_graph_is_not_measured_by_the_gate():
     """A graph capture (tens of ms) is no measure of its mode: the engine marks the step atypical."""
     class Speculating(_RecordingGate):  # every step speculates: no mode switch, no timing in the test
@@ -628,7 +673,6 @@ def test_packed_verification_is_lossless_and_skips_padding():
     finally:
         del target.forward
     assert all(r is None or r > 0 for r in rows_seen)
-    # the rows of trees of different sizes padded to 3 (which trees the budget makes depends on timing)
-    from .conftest import make_tree
-    rows = engine._real_rows([make_tree([1, 2, 3], [-1, 0, 1]), make_tree([4], [-1])], 3)
+    # the rows of trees of 3 and 1 nodes padded to 3 (which trees the budget makes depends on timing)
+    rows = engine._real_rows(np.array([3, 1]), 3)
     assert rows.tolist() == [0, 1, 2, 3]

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ngram_service.tree_search import ContextChain, DraftTree, SearchParams, search_tree, search_trees
+from ngram_service.tree_search import (ContextChain, DraftTree, SearchParams, TreeBatch, search_tree, search_tree_batch,
+                                      search_trees)
 
 from .conftest import make_trie, random_docs
 from .reference import RefParams, ReferenceNgram, reference_search
@@ -353,3 +354,95 @@ def test_selecting_a_subtree_keeps_every_field_consistent():
         tree.select(np.r_[True, False, np.ones(tree.num_nodes - 2, dtype=bool)])
     with pytest.raises(ValueError, match="prefix-closed"):
         tree.select(np.r_[False, np.ones(tree.num_nodes - 1, dtype=bool)])
+
+
+def test_the_tree_batch_search_writes_the_trees_padded(tmp_path):
+    """search_tree_batch (the C++ search writing one padded batch) equals search_trees' trees packed, on
+    one and several threads, with and without chains; its ancestor mask, path products and rows equal
+    each tree's own; padding is token 0, parent 0, depth 0, probability 0 and sees only itself."""
+    rng = np.random.default_rng(5)
+    trie = make_trie(tmp_path, random_docs(rng, 30, num_docs=50, max_len=60), 3, 30)
+    batch, depth, k = 7, 5, 6
+    ids = rng.integers(0, 30, size=(batch, depth, k))
+    probs = np.sort(rng.dirichlet(np.ones(k), size=(batch, depth)).astype(np.float32), axis=-1)[..., ::-1].copy()
+    contexts = [list(rng.integers(0, 30, size=rng.integers(1, 20))) for _ in range(batch)]
+    chains = [None, ContextChain(np.array([3, 4, 5]), np.array([0.9, 0.8, 0.7], np.float32), 2)] * 3 + [None]
+    for threads, budget, with_chains in ((1, 9, False), (3, 9, True), (2, 0, False), (1, 40, True)):
+        params = SearchParams(top_k=k, beam_width=3, max_depth=depth, budget=budget, num_threads=threads)
+        trees = search_trees(ids, probs, contexts, trie=trie, params=params, chains=chains if with_chains else None)
+        got = search_tree_batch(ids, probs, contexts, trie=trie, params=params, chains=chains if with_chains else None)
+        want = TreeBatch.from_trees(trees)
+        for name in ("tokens", "parents", "depths", "scores", "probs", "counts"):
+            np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+            assert getattr(got, name).dtype == getattr(want, name).dtype, name
+        mask, est = got.ancestor_mask(), got.path_products()
+        n = got.num_nodes
+        for i, tree in enumerate(trees):
+            m = tree.num_nodes
+            np.testing.assert_array_equal(mask[i, :m, :m], tree.tree_mask)
+            np.testing.assert_array_equal(mask[i, m:], np.eye(n, dtype=bool)[m:])
+            assert not mask[i, :m, m:].any()
+            np.testing.assert_allclose(est[i, :m], _path_products(tree))
+            assert (est[i, m:] == 0).all() and (got.tokens[i, m:] == 0).all() and (got.parents[i, m:] == 0).all()
+            row = got.tree(i)
+            for name in FIELDS:
+                np.testing.assert_array_equal(getattr(row, name), getattr(tree, name), err_msg=name)
+        assert got.max_depth == max(int(t.depths.max()) for t in trees)
+
+
+def _path_products(tree: DraftTree) -> np.ndarray:
+    est = np.ones(tree.num_nodes)
+    for i in range(1, tree.num_nodes):
+        est[i] = est[tree.parents[i]] * tree.probs[i]
+    return est
+
+
+def test_a_tree_batch_selects_and_clips_as_each_tree_does():
+    """TreeBatch.select and clip_depth (whole-batch array operations) equal DraftTree.select and
+    clip_depth row by row, on random prefix-closed subsets of searched trees; the errors are
+    DraftTree's; keeping everything returns the batch itself."""
+    rng = np.random.default_rng(12)
+    for _ in range(40):
+        b = int(rng.integers(1, 6))
+        ids = rng.integers(0, 40, size=(b, 4, 6))
+        probs = rng.dirichlet(np.ones(6), size=(b, 4)).astype(np.float32)
+        params = SearchParams(top_k=6, beam_width=int(rng.integers(1, 4)), budget=int(rng.integers(0, 14)),
+                              use_ngram=False)
+        trees = search_trees(ids, probs, [[1, 2]] * b, params=params)
+        batch = search_tree_batch(ids, probs, [[1, 2]] * b, params=params)
+        keep = rng.random(batch.tokens.shape) < 0.7
+        keep[:, 0] = True
+        for i, tree in enumerate(trees):  # prefix-closed per row (padding entries are ignored)
+            for j in range(1, tree.num_nodes):
+                keep[i, j] &= keep[i, tree.parents[j]]
+        sub = batch.select(keep)
+        limits = rng.integers(-1, 4, size=b)
+        clipped = batch.clip_depth(limits)
+        for i, tree in enumerate(trees):
+            for name in FIELDS:
+                want = tree.select(keep[i, : tree.num_nodes])
+                np.testing.assert_array_equal(getattr(sub.tree(i), name), getattr(want, name), err_msg=name)
+                want = tree.clip_depth(int(limits[i]))
+                np.testing.assert_array_equal(getattr(clipped.tree(i), name), getattr(want, name), err_msg=name)
+        assert sub.num_nodes == int(sub.counts.max())
+    assert batch.select(np.ones(batch.tokens.shape, dtype=bool)) is batch
+    assert batch.clip_depth(np.full(b, 99)) is batch
+    deep = TreeBatch.from_trees([DraftTree.from_parents([1, 2, 3], [-1, 0, 1], [0, 1, 2], [0, 0, 0], [1, 1, 1])])
+    with pytest.raises(ValueError, match="prefix-closed"):
+        deep.select(np.array([[True, False, True]]))
+    with pytest.raises(ValueError, match="root"):
+        deep.select(np.array([[False, True, True]]))
+    with pytest.raises(ValueError, match="shape"):
+        deep.select(np.array([True, True, True]))
+    with pytest.raises(ValueError, match="counts"):
+        TreeBatch(deep.tokens, deep.parents, deep.depths, deep.scores, deep.probs, np.array([4]))
+    with pytest.raises(ValueError, match="one shape"):
+        TreeBatch(deep.tokens, deep.parents[:, :2], deep.depths, deep.scores, deep.probs, deep.counts)
+    loop = TreeBatch(deep.tokens, np.array([[-1, 2, 1]], np.int32), deep.depths, deep.scores, deep.probs, deep.counts)
+    for method in (loop.ancestor_mask, loop.path_values, lambda: loop.select(np.array([[True, True, False]]))):
+        with pytest.raises(ValueError, match="parent must precede"):
+            method()
+    with pytest.raises(ValueError, match="follow their parents"):
+        TreeBatch.checked(loop.tokens, loop.parents, loop.depths, loop.scores, loop.probs, loop.counts)
+    roots = TreeBatch.roots([7, 8])
+    assert roots.num_nodes == 1 and roots.max_depth == 0 and roots.tree(1).tokens.tolist() == [8]

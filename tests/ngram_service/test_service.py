@@ -22,7 +22,7 @@ from ngram_service._proto import ngram_pb2, ngram_pb2_grpc
 from ngram_service.build import build_trie
 from ngram_service.client import GrpcTreeSearch
 from ngram_service.server import SERVICE_NAME, NgramServer
-from ngram_service.tree_search import SearchParams, search_trees
+from ngram_service.tree_search import SearchParams, TreeBatch, search_tree_batch, search_trees
 from ngram_service.trie import NgramTrie
 
 from .conftest import random_docs
@@ -84,7 +84,50 @@ def test_results_identical_to_in_process(server, trie_path, batch):
         ids, probs, contexts = inputs(rng, batch)
         assert_same(client.search(ids, probs, contexts, params),
                     search_trees(ids, probs, contexts, trie=trie, params=params))
-    assert client.fallbacks == 0 and client.calls == 3
+        assert_same_batch(client.search_batch(ids, probs, contexts, params),
+                          search_tree_batch(ids, probs, contexts, trie=trie, params=params))
+    assert client.fallbacks == 0 and client.calls == 6
+
+
+def assert_same_batch(a: TreeBatch, b: TreeBatch):
+    for f in ("tokens", "parents", "depths", "scores", "probs", "counts"):
+        np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f)
+        assert getattr(a, f).dtype == getattr(b, f).dtype, f
+
+
+def test_a_padded_answer_is_checked_and_an_old_services_trees_are_packed():
+    """The client reads a padded answer (``batch``) through TreeBatch.checked, packs the per-tree
+    answer of a service that predates ``padded``, and refuses a malformed or short answer (ValueError:
+    the client counts it as a failure and falls back)."""
+    from ngram_service.client import _answer
+
+    rng = np.random.default_rng(9)
+    ids, probs, contexts = inputs(rng, 3, depth=4, k=5)
+    params = SearchParams(top_k=5, beam_width=3, budget=7, use_ngram=False)
+    trees = search_trees(ids, probs, contexts, params=params)
+    want = search_tree_batch(ids, probs, contexts, params=params)
+    old = ngram_pb2.TreeSearchResponse(trees=[ngram_pb2.DraftTree(
+        tokens=t.tokens.tolist(), parents=t.parents.tolist(), depths=t.depths.tolist(), scores=t.scores.tolist(),
+        probs=t.probs.tolist()) for t in trees])
+    assert_same_batch(_answer(old, 3, padded=True), want)
+    assert_same(_answer(old, 3, padded=False), trees)
+    fields = dict(num_nodes=want.num_nodes, counts=want.counts.tolist(), tokens=want.tokens.ravel().tolist(),
+                  parents=want.parents.ravel().tolist(), depths=want.depths.ravel().tolist(),
+                  scores=want.scores.ravel().tolist(), probs=want.probs.ravel().tolist())
+    assert_same_batch(_answer(ngram_pb2.TreeSearchResponse(batch=ngram_pb2.TreeBatch(**fields)), 3, padded=True), want)
+    bad_parent = want.parents.copy()
+    bad_parent[0, want.counts[0] - 1] = want.counts[0] - 1  # a node that is its own parent
+    deep = want.depths.copy()
+    deep[1, want.counts[1] - 1] += 1  # two levels below its parent
+    for broken, match in ((dict(parents=bad_parent.ravel().tolist()), "follow their parents"),
+                          (dict(depths=deep.ravel().tolist()), "follow their parents"),
+                          (dict(tokens=fields["tokens"][:-1]), "equal-length"),
+                          (dict(counts=[want.num_nodes + 1] * 3), "counts"),
+                          (dict(num_nodes=want.num_nodes + 1), "nodes per tree")):
+        with pytest.raises(ValueError, match=match):
+            _answer(ngram_pb2.TreeSearchResponse(batch=ngram_pb2.TreeBatch(**{**fields, **broken})), 3, padded=True)
+    with pytest.raises(ValueError, match="2 trees for 3"):
+        _answer(ngram_pb2.TreeSearchResponse(trees=old.trees[:2]), 3, padded=True)
 
 
 def test_lookup_and_info(server, trie_path, stub):
