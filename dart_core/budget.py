@@ -357,9 +357,8 @@ class AdaptiveBudget:
         keep_counts = np.asarray(keep_counts, dtype=np.int64)
         kept_rank = np.arange(order.shape[1])[None, :] < keep_counts[:, None]
         keep = np.zeros(trees.tokens.shape, dtype=bool)
-        keep[:, 0] = True
         np.put_along_axis(keep, order, kept_rank, axis=1)
-        keep[:, 0] = True  # padding in the order points past the ranked nodes, never at the root
+        keep[:, 0] = True  # the root: not in the order's ranked part (where it appears, unkept)
         out = trees.select(keep)
         kept = np.cumsum(np.where(kept_rank, probs, 0.0), axis=1)  # in rank order, as the rate summed them
         predicted = kept[:, -1] if kept.shape[1] else np.zeros(b)

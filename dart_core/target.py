@@ -91,14 +91,14 @@ class TargetCache:
             compact_layers(layers, plan)
         self.lengths = self.lengths + counts
 
-    def compact_paths(self, lengths: list[int], offset: int, paths, counts: torch.Tensor,
-                      counts_host: np.ndarray | None = None) -> None:
+    def compact_paths(self, lengths: list[int], offset: int, paths: np.ndarray, counts: torch.Tensor,
+                      counts_host: np.ndarray) -> None:
         """:meth:`compact_planned` with :func:`~dart_core.kv_cache.compaction_plan_host`'s plan
         (``lengths``: the valid lengths before the step, ``offset``: the cache's padded length before
-        it, ``paths``: each row's kept entries as increasing offsets from ``offset``, a list of lists
-        or a padded [B, A] host array with ``counts_host`` [B]; counts [B] their numbers on the
-        device), planned and applied in one C++ call where the layers are CPU buffers
-        (:func:`~dart_core.kv_cache.compact_buffered`), else through the plan."""
+        it, ``paths`` [B, A]: each row's kept entries as increasing offsets from ``offset``, padded
+        past its ``counts_host[b]``; counts [B] the same numbers on the device), planned and applied
+        in one C++ call where the layers are CPU buffers (:func:`~dart_core.kv_cache.compact_buffered`),
+        else through the plan."""
         layers = self.cache.layers
         if ((self.pool is None or not self.pool.holds(layers))
                 and compact_buffered(layers, lengths, offset, paths, counts_host)):

@@ -91,14 +91,6 @@ class DraftTree:
         return int(self.tokens.shape[0])
 
     @classmethod
-    def root(cls, token: int) -> "DraftTree":
-        """The tree of the root alone (an autoregressive step's): equal to
-        ``from_parents([token], [-1], [0], [0.0], [1.0])``, its fields other than ``tokens``
-        shared, read-only arrays, so that a step of a large batch builds it cheaply."""
-        return cls(tokens=np.array([token], dtype=np.int64), parents=_ROOT_PARENTS, depths=_ROOT_DEPTHS,
-                   scores=_ROOT_SCORES, tree_mask=_ROOT_MASK, retrieve_indices=_ROOT_RETRIEVE, probs=_ROOT_PROBS)
-
-    @classmethod
     def from_parents(cls, tokens, parents, depths, scores, probs) -> "DraftTree":
         """Rebuilds tree_mask and retrieve_indices from a depth-ordered tree
         (as the gRPC service sends it); equal to what the C++ search returns.
@@ -327,20 +319,6 @@ class TreeBatch:
         if not np.any(self.depths > limit):
             return self
         return self.select(self.depths <= limit)
-
-
-def _read_only(a: np.ndarray) -> np.ndarray:
-    a.flags.writeable = False
-    return a
-
-
-# the fields of every root-only tree (DraftTree.root), shared
-_ROOT_PARENTS = _read_only(np.array([-1], dtype=np.int32))
-_ROOT_DEPTHS = _read_only(np.array([0], dtype=np.int32))
-_ROOT_SCORES = _read_only(np.array([0.0], dtype=np.float64))
-_ROOT_MASK = _read_only(np.array([[True]]))
-_ROOT_RETRIEVE = _read_only(np.array([[0]], dtype=np.int32))
-_ROOT_PROBS = _read_only(np.array([1.0], dtype=np.float32))
 
 
 def _retrieve_indices(parents: np.ndarray, depths: np.ndarray, mask: np.ndarray) -> np.ndarray:

@@ -10,7 +10,7 @@ from dart_core.budget import AdaptiveBudget, VerifyCostCurve, node_acceptance_es
 from dart_core.drafters import DraftBatch, Drafter, NoDraft, Proposal
 from dart_core.engine import DartEngine
 from dart_core.sampling import SamplingParams
-from ngram_service.tree_search import DraftTree
+from ngram_service.tree_search import DraftTree, TreeBatch
 
 from .conftest import make_tree, tiny_target
 from .test_engine import prompts_of
@@ -87,19 +87,18 @@ def test_draft_batch_fields():
 
 
 def test_root_only_trees_and_their_batch_equal_the_general_ones():
-    """DraftTree.root equals from_parents of a lone root, field by field, and its shared fields are
-    read-only; DraftBatch.pack of roots alone (the autoregressive step's shortcut) gives the fields
-    the general packing gives a batch of one-node trees."""
-    fast, slow = DraftTree.root(42), DraftTree.from_parents([42], [-1], [0], [0.0], [1.0])
-    for name in ("tokens", "parents", "depths", "scores", "tree_mask", "retrieve_indices", "probs"):
-        a, b = getattr(fast, name), getattr(slow, name)
+    """TreeBatch.roots equals the packing of lone-root trees made by from_parents, field by field;
+    DraftBatch.pack of roots alone (the autoregressive step's shortcut) gives the fields the general
+    packing gives a batch of one-node trees."""
+    lone = [DraftTree.from_parents([t], [-1], [0], [0.0], [1.0]) for t in (3, 1, 4)]
+    roots, slow = TreeBatch.roots([3, 1, 4]), TreeBatch.from_trees(lone)
+    for name in ("tokens", "parents", "depths", "scores", "probs", "counts"):
+        a, b = getattr(roots, name), getattr(slow, name)
         assert a.dtype == b.dtype and np.array_equal(a, b), name
-    assert not fast.parents.flags.writeable and not fast.tree_mask.flags.writeable
-    assert fast.clip_depth(0) is fast
-    roots = [DraftTree.root(t) for t in (3, 1, 4)]
+    assert roots.clip_depth(np.zeros(3)) is roots
     batch = DraftBatch.pack(roots, torch.device("cpu"))
     # the general path, forced by one tree of two nodes, then cut back to the first column
-    general = DraftBatch.pack(roots + [make_tree([5, 6], [-1, 0])], torch.device("cpu"))
+    general = DraftBatch.pack(lone + [make_tree([5, 6], [-1, 0])], torch.device("cpu"))
     assert batch.num_nodes == 1 and batch.max_depth == 0
     for name in ("tokens", "parents", "depths", "estimates"):
         a, b = getattr(batch, name), getattr(general, name)[:3, :1]
