@@ -1,7 +1,7 @@
 """BENCHMARKS.md's sections that come from one-off measurements, rendered from their result files:
 ``python -m dart_core.bench.sections`` (``--check`` exits 1 where the page is not what the files give).
 
-Eight sections of the page hold results that are not re-measured by the report itself:
+Nine sections of the page hold results that are not re-measured by the report itself:
 
 - "Continuous batching without Ray": ``bench/results/batching_cpu/batching.json``
   (:mod:`dart_core.bench.batching`);
@@ -19,7 +19,10 @@ Eight sections of the page hold results that are not re-measured by the report i
 - "Stream interval": ``bench/results/stream_interval/*.json`` (:mod:`dart_core.bench.serving` against
   ``serve run deployments/dart.yaml`` with the engine's stream grouping varied, :func:`render_stream_interval`);
 - "Draft weights": ``bench/results/draft_weights/*.json`` (:mod:`dart_core.bench.decoding` with the draft head
-  dense and in Q8_0 blocks, :func:`render_draft_weights`).
+  dense and in Q8_0 blocks, :func:`render_draft_weights`);
+- "Where speculation can pay (CPU)": ``bench/results/speculation_ceiling/<kernel>/verify_curve.json``
+  (:mod:`dart_core.bench.verify_curve` at several batch sizes, one folder per GGUF kernel,
+  :func:`render_speculation_ceiling`).
 
 Each is written between its own markers; the page's text around them (what the figures mean)
 cites the tables and copies none of their numbers. Derived rows (per-core capacity, the
@@ -37,7 +40,8 @@ import sys
 from pathlib import Path
 
 __all__ = ["render_batching", "render_reference_import", "render_billion_trie", "render_serving_threads",
-           "render_gate_replay", "render_cpu_memory", "render_stream_interval", "render_draft_weights", "GATE_LOGS",
+           "render_gate_replay", "render_cpu_memory", "render_stream_interval", "render_draft_weights",
+           "render_speculation_ceiling", "CEILING_KERNELS", "GATE_LOGS",
            "CPU_MEMORY_VARIANTS", "STREAM_VARIANTS", "DRAFT_WEIGHT_SETTINGS", "SECTIONS", "write_sections", "main"]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -348,6 +352,43 @@ def render_draft_weights(results: Path = RESULTS) -> str:
     return "\n".join(lines)
 
 
+#: the GGUF kernels of "Where speculation can pay (CPU)", in table order (folders of ``speculation_ceiling``)
+CEILING_KERNELS = ("qmm", "qmm-a8")
+
+
+def render_speculation_ceiling(results: Path = RESULTS) -> str:
+    """Per kernel of :data:`CEILING_KERNELS`: the verification timings by query tokens per sequence and
+    batch size, then :func:`dart_core.bench.verify_curve.ceiling_table` (plain decoding's ms per token,
+    a draft node's cost, the break-even acceptance and the best speed-up of drafts accepted at a given
+    rate, drafting free), from ``speculation_ceiling/<kernel>/verify_curve.json``.
+
+    Raises:
+        FileNotFoundError: a kernel without its result file.
+    """
+    from dart_core.bench import decoding, verify_curve
+
+    runs = {}
+    for k in CEILING_KERNELS:
+        path = results / "speculation_ceiling" / k / "verify_curve.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no results {path}")
+        runs[k] = json.loads(path.read_text())
+    first = runs[CEILING_KERNELS[0]]
+    c = first["config"]
+    lines = [f"Measured on {decoding.hardware_line(first['hardware'])}; `python -m dart_core.bench.verify_curve "
+             f"--weights gguf-native --gguf-kernel <kernel> --nodes {' '.join(map(str, c['node_counts']))} "
+             f"--batch-sizes {' '.join(map(str, c['batch_sizes']))} --threads {first['hardware']['threads']} "
+             f"--repeats {c['repeats']}`, one run per kernel, one after the other. One target forward of n query "
+             "tokens per sequence after a 256-token prefix (each sequence its own), ms, median of the passes.", ""]
+    for k, r in runs.items():
+        lines += [f"**{k}** ({r['curves']['gguf-native']['format']}):", "", verify_curve.markdown_table(r)]
+    lines += ["What those timings allow, per kernel and batch size (`verify_curve.ceiling_table`; drafting, tree "
+              "search and host time counted as free, so a real step does worse):", ""]
+    for i, r in enumerate(runs.values()):  # one table: the first result's header, then every result's rows
+        lines += verify_curve.ceiling_table(r).splitlines()[2 if i else 0:]
+    return "\n".join(lines)
+
+
 #: (title, log files under bench/results) of the gate replays: one engine debug log set per machine
 GATE_LOGS = (("CPU: 2-core AMD EPYC with AVX512-BF16, the 4-bit target, AlpacaEval instructions (the tuning set), one "
               "client (`python -m dart_core.bench.batching --concurrency 1 --requests-per-client 4 --max-tokens 128 "
@@ -438,7 +479,8 @@ def render_cpu_memory(results: Path = RESULTS) -> str:
 SECTIONS = (("batching-cpu", render_batching), ("reference-import", render_reference_import),
             ("billion-trie", render_billion_trie), ("serving-threads", render_serving_threads),
             ("gate-replay", render_gate_replay), ("cpu-memory", render_cpu_memory),
-            ("stream-interval", render_stream_interval), ("draft-weights", render_draft_weights))
+            ("stream-interval", render_stream_interval), ("draft-weights", render_draft_weights),
+            ("speculation-ceiling", render_speculation_ceiling))
 
 
 def _block(name: str, body: str) -> str:

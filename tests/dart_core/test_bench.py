@@ -521,6 +521,57 @@ def test_the_verify_curve_table_prices_a_batch_by_the_batch1_curve_beside_its_me
     assert "| 1 | 10.0 | 13.0 | 12.0 |" in table and "| 4 | 16.0 | 30.0 | 24.0 |" in table
 
 
+def test_the_speculation_ceiling_follows_its_formula_from_the_timings():
+    """chain_speedup: τ(n) = 1 + α + … + α^(n−1) tokens per sequence in ms(n) against one in ms(1); the
+    ceiling table's break-even acceptance is ms(2) ÷ ms(1) − 1 and a draft node costs (ms(2) − ms(1)) ÷ B."""
+    from dart_core.bench import verify_curve
+
+    nodes, ms = [1, 2, 4], [10.0, 15.0, 30.0]
+    # α = 1: n = 2 gives 2·10/15, n = 4 gives 4·10/30, the same: the tie goes to fewer nodes
+    assert verify_curve.chain_speedup(ms, nodes, 1.0) == (pytest.approx(4 / 3), 2)
+    # α = 0.5: n = 2 → 1.5·10/15 = 1.0; n = 4 → 1.875·10/30 = 0.625; n = 1 → 1.0
+    assert verify_curve.chain_speedup(ms, nodes, 0.5)[0] == pytest.approx(1.0)
+    assert verify_curve.chain_speedup([10.0, 10.5, 12.0], nodes, 0.8) == (pytest.approx(2.952 * 10 / 12), 4)
+    assert verify_curve.chain_speedup(ms, nodes, 0.0) == (1.0, 1)
+    with pytest.raises(ValueError, match="alpha"):
+        verify_curve.chain_speedup(ms, nodes, 1.5)
+    with pytest.raises(ValueError, match="include 1"):
+        verify_curve.chain_speedup(ms[1:], nodes[1:], 0.5)
+
+    result = {"curves": {"gguf-native": {"nodes": nodes, "ms": [10.0, 10.5, 12.0], "batches": [4],
+                                         "batch_ms": [[20.0, 30.0, 50.0]], "format": "4-bit test"}}}
+    table = verify_curve.ceiling_table(result, acceptances=(1.0, 0.5))
+    # batch 1: 10 ms a token, (10.5 − 10) / 1 = 0.5 ms a node, 0.05 break-even; α = 1 best at n = 4 (40/12)
+    assert "| 4-bit test | 1 | 10.00 | 0.50 | 0.05 | 3.33× (4) |" in table
+    # batch 4: 5 ms a token, 2.5 ms a node, 0.5 break-even; α = 0.5: n = 2 gives 1.5·20/30 = 1.00, n = 1 1.00
+    assert "| 4-bit test | 4 | 5.00 | 2.50 | 0.50 | 1.60× (4) | 1.00× (" in table
+    with pytest.raises(ValueError, match="1 and 2"):
+        verify_curve.ceiling_table({"curves": {"dense": {"nodes": [1, 4], "ms": [1.0, 2.0]}}})
+
+
+def test_the_speculation_ceiling_section_renders_every_kernel_or_names_the_missing_file(tmp_path):
+    import json
+
+    from dart_core.bench.sections import CEILING_KERNELS, render_speculation_ceiling
+
+    hardware = {"cpu": "Test CPU", "cpu_count": 2, "cpu_flags": [], "torch": "x", "threads": 2, "python": "3",
+                "transformers": "y"}
+    for i, kernel in enumerate(CEILING_KERNELS):
+        folder = tmp_path / "speculation_ceiling" / kernel
+        folder.mkdir(parents=True)
+        result = {"config": {"node_counts": [1, 2], "batch_sizes": [1, 4], "repeats": 3}, "hardware": hardware,
+                  "curves": {"gguf-native": {"nodes": [1, 2], "ms": [10.0, 10.0 + i], "batches": [4],
+                                             "batch_ms": [[20.0, 30.0]], "format": f"fmt {kernel}"}}}
+        (folder / "verify_curve.json").write_text(json.dumps(result))
+    text = render_speculation_ceiling(tmp_path)
+    assert all(f"**{k}** (fmt {k}):" in text for k in CEILING_KERNELS)
+    assert text.count("| weights | batch |") == 1  # one ceiling table, a row per kernel and batch size
+    assert all(f"| fmt {k} | {b} |" in text for k in CEILING_KERNELS for b in (1, 4))
+    (tmp_path / "speculation_ceiling" / CEILING_KERNELS[-1] / "verify_curve.json").unlink()
+    with pytest.raises(FileNotFoundError, match=CEILING_KERNELS[-1]):
+        render_speculation_ceiling(tmp_path)
+
+
 def test_the_schema_set_holds_valid_examples_and_the_grammar_table_reports_every_engine(tmp_path):
     """Every example instance of the JSON-schema set validates against its schema (jsonschema), and
     the grammar-engine table has one row per engine, whether measured, missing or failed."""

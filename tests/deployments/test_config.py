@@ -127,3 +127,6 @@ def test_the_torch_free_copies_of_the_kernel_and_draft_weight_choices_match_the_
     add_weights_argument(ap, argparse.Namespace(weights="auto"))
     choices = {a.dest: set(a.choices) for a in ap._actions if a.choices}
     assert choices["gguf_kernel"] == kernels and choices["draft_weights"] == drafts
+    from dart_core.bench.verify_curve import build_parser
+
+    assert {a.dest: set(a.choices) for a in build_parser()._actions if a.choices}["gguf_kernel"] == kernels
