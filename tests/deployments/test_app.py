@@ -156,6 +156,9 @@ CHAT = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tok
     ("chat", {"messages": [{"role": "tool", "content": "x"}]}, 400, "tool_call_id"),
     ("chat", {"messages": [{"role": "user"}]}, 400, "content"),
     ("chat", {"messages": [{"role": "assistant", "content": None}]}, 400, "content"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, 400,
+     "unknown or unsupported field: messages.1.assistant.tool_calls"),
     ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
      "only text parts"),
