@@ -31,6 +31,7 @@ import math
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import LlamaConfig
@@ -313,6 +314,9 @@ class DartDraftHead(nn.Module):
         """
         b, t, _ = taps.shape
         slots = self._slots(levels)
+        if self._row_kernel_fits(taps, key_buffer, value_buffer):
+            return self._forward_static_row(taps, next_embeds, positions, last_index, key_buffer, value_buffer,
+                                            past_lengths, slots)
         dev, cap = taps.device, key_buffer.shape[2]
         last_pos = positions.gather(1, last_index[:, None])  # [B, 1]
         slot_pos = last_pos + torch.arange(1, slots + 1, device=dev)  # [B, slots]
@@ -329,6 +333,95 @@ class DartDraftHead(nn.Module):
         h, _, _ = self._layer(taps, next_embeds, positions, slot_pos, key_buffer, value_buffer, mask[:, None], take,
                               write)
         return self.logits(h)
+
+    def _row_kernel_fits(self, taps: torch.Tensor, key_buffer: torch.Tensor, value_buffer: torch.Tensor) -> bool:
+        """Whether :meth:`forward_static` can take :meth:`_forward_static_row`: one sequence on the CPU in
+        float32, contiguous cache buffers, and rotary frequencies that do not change with the length."""
+        rope_type = getattr(self.rotary, "rope_type", "default")
+        return (taps.shape[0] == 1 and taps.device.type == "cpu" and taps.dtype == torch.float32
+                and self.dtype == torch.float32 and key_buffer.dtype == value_buffer.dtype == torch.float32
+                and key_buffer.is_contiguous() and value_buffer.is_contiguous()
+                and "dynamic" not in rope_type and rope_type != "longrope")
+
+    def _rope_rows(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin [N, D] float32 numpy rows for int positions [N]: rows of tables grown on demand, each
+        entry computed as the rotary module does (position · inv_freq, then cos/sin, times its scaling)."""
+        bound = int(positions.max()) + 1
+        cos = getattr(self, "_cos_table", None)
+        if cos is None or bound > cos.shape[0]:
+            size = max(bound, 2 * (0 if cos is None else cos.shape[0]), 256)
+            freqs = torch.arange(size, dtype=torch.long)[:, None].float() * self._inv_freq.cpu()[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            scale = float(getattr(self.rotary, "attention_scaling", 1.0))
+            self._cos_table, self._sin_table = (emb.cos() * scale).numpy(), (emb.sin() * scale).numpy()
+        return self._cos_table[positions], self._sin_table[positions]
+
+    def _row_products(self):
+        """(qkv, gate_up) of the head's layers fused side by side (:meth:`dart_core.quant.Int4Linear.fuse`;
+        the layers become views of them), when every product of the layer is an
+        :class:`~dart_core.quant.Int4Linear` on a qmm kernel (a Q8_0 head on the CPU); else None.
+        Made on first use and kept outside the module's children (state dict unchanged)."""
+        if not hasattr(self, "_row_fused"):
+            from dart_core.quant import _QMM, Int4Linear
+
+            a, mlp = self.midlayer.self_attn, self.midlayer.mlp
+            products = [a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj,
+                        self.lm_head]
+            fused = None
+            if (all(type(x) is Int4Linear and x.kernel in _QMM for x in products)
+                    and Int4Linear.can_fuse([a.q_proj, a.k_proj, a.v_proj])
+                    and Int4Linear.can_fuse([mlp.gate_proj, mlp.up_proj])):
+                fused = (Int4Linear.fuse([a.q_proj, a.k_proj, a.v_proj]), Int4Linear.fuse([mlp.gate_proj, mlp.up_proj]))
+            object.__setattr__(self, "_row_fused", fused)  # a plain attribute: not a submodule
+        return self._row_fused
+
+    def _forward_static_row(self, taps, next_embeds, positions, last_index, key_buffer, value_buffer, past_lengths,
+                            slots: int) -> torch.Tensor:
+        """:meth:`forward_static` for one sequence on the CPU (logits [1, slots + 1, V_draft], equal up to
+        rounding): the new positions' rotation, cache writes and attention in one call of the row-exact
+        kernel (:func:`dart_core.kernels.rope_attend`) instead of a dozen tensor operators, and with a
+        Q8_0 head the norms, SiLU and residual adds inside the qmm kernel's calls
+        (:meth:`dart_core.quant.Int4Linear.fused_into`).  The real positions up to the last and the
+        slots are written at [L, L + n + slots) (L = the cache's length); a causal mask over them is
+        the head's mask for one sequence (the slots follow the last real position); queries at the
+        real positions before the last are computed and dropped."""
+        from dart_core.kernels import rope_attend
+
+        c, mid = self.config, self.midlayer
+        n = int(last_index.numpy()[0]) + 1  # host values of CPU tensors: no device read
+        start = int(past_lengths.numpy()[0])
+        taps, next_embeds = taps[:, :n], next_embeds[:, :n]
+        g, real_in = self._real_inputs(taps, next_embeds)  # [1, n, H], [1, n, 2H]
+        mask_in = mid.mask_rep.to(g.dtype).expand(1, slots, 2 * c.hidden_size)
+        x = torch.cat([real_in, mask_in], dim=1)  # [1, n + slots, 2H]
+        rows, queries = n + slots, slots + 1
+        fused = self._row_products()
+        if fused is not None:
+            qkv = fused[0](x)
+        else:
+            a = mid.self_attn
+            qkv = torch.cat([a.q_proj(x), a.k_proj(x), a.v_proj(x)], dim=-1)  # [1, rows, (H + 2·Hkv)·D]
+        pos = positions.numpy()[0, :n]
+        cos, sin = self._rope_rows(np.concatenate([pos, pos[-1] + np.arange(1, slots + 1)]))
+        mask = np.triu(np.full((rows, start + rows), np.finfo(np.float32).min, dtype=np.float32), start + 1)
+        out = rope_attend(qkv, cos, sin, c.num_attention_heads, c.num_key_value_heads, key_buffer, value_buffer,
+                          start, mask[None, None], c.head_dim ** -0.5)  # [1, rows, H, D]
+        attn = out[0, n - 1:].reshape(queries, -1)  # the last real position and the slots query
+        h = torch.cat([g[0, n - 1:], mask_in[0, :, : c.hidden_size]])  # [queries, H]: their residuals
+        if fused is None:
+            h = h + mid.self_attn.o_proj(attn)
+            h = h + mid.mlp(mid.post_attention_layernorm(h))
+            return self.logits(h[None])
+        mlp, ln = mid.mlp, mid.post_attention_layernorm
+        mid.self_attn.o_proj.fused_into(attn, h, accumulate=True)
+        gate_up = fused[1].fused_into(h, torch.empty(queries, fused[1].out_features), norm=ln.weight,
+                                      eps=ln.variance_epsilon)
+        mlp.down_proj.fused_into(gate_up, h, gated=True, accumulate=True)
+        if self.config.final_norm_twice:
+            h = self.norm(h)
+        logits = self.lm_head.fused_into(h, torch.empty(queries, self.lm_head.out_features), norm=self.norm.weight,
+                                         eps=self.norm.variance_epsilon)
+        return logits[None]
 
     def forward_train(self, taps: torch.Tensor, next_embeds: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """Drafts for many anchor positions of whole sequences in one forward (training).

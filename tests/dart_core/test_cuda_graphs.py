@@ -265,6 +265,56 @@ def test_the_static_draft_forward_equals_forward_per_row():
             assert torch.equal(keys[r, :, :n], k0[r, :, :n])  # the prefix is untouched
 
 
+@pytest.mark.parametrize("levels, q8", [(None, False), (3, False), (None, True), (2, True)])
+def test_the_one_sequence_static_draft_on_the_cpu_equals_the_batched_one(levels, q8):
+    """One sequence on the CPU takes the row kernel (rotation, cache writes and attention in one
+    call; with a Q8_0 head the norms, SiLU and residual adds inside the qmm calls, q/k/v and
+    gate/up fused): its distributions equal forward's, and the buffers hold the real keys and values
+    after the prefix, as the batched path writes them; a bfloat16 head keeps the batched path."""
+    from dart_core.quant import quantize_linears
+
+    import dataclasses
+
+    from dart_core.draft_head import DartDraftHead, DraftHeadConfig
+
+    target = tiny_target("llama", seed=2)
+    head = random_head(target, seed=4)
+    if q8:  # products in whole 64-row blocks, so that q/k/v and gate/up fuse
+        config = dataclasses.replace(DraftHeadConfig.for_target(target.config), hidden_size=64, num_attention_heads=2,
+                                     num_key_value_heads=1, head_dim=64, intermediate_size=128)
+        head = DartDraftHead(config)
+        head.reset_parameters(4)
+        quantize_linears(head.eval(), "qmm")  # the portable loop where the CPU lacks AVX-512
+    c = head.config
+    t, cap, n = 4, 32, 9
+    g = torch.Generator().manual_seed(1)
+    taps = torch.randn(1, t, 3 * c.target_hidden_size, generator=g)
+    emb = torch.randn(1, t, c.hidden_size, generator=g)
+    past_len, last = torch.tensor([n]), torch.tensor([t - 1])
+    pos = past_len[:, None] + torch.arange(t)[None]
+    keys = torch.randn(1, c.num_key_value_heads, cap, c.head_dim, generator=g)
+    values = torch.randn(1, c.num_key_value_heads, cap, c.head_dim, generator=g)
+    k0, v0 = keys.clone(), values.clone()
+    assert head._row_kernel_fits(taps, keys, values)
+    assert not head._row_kernel_fits(taps.expand(2, -1, -1), keys, values)
+    with torch.inference_mode():
+        static = head.forward_static(taps, emb, pos, last, keys, values, past_len, levels)
+        ref, new_k, new_v = head(taps, emb, pos, last, k0[:, :, :n], v0[:, :, :n], past_len, levels)
+        batched_k, batched_v = k0.clone(), v0.clone()
+        batched = head.forward_static(taps.expand(2, -1, -1), emb.expand(2, -1, -1), pos.expand(2, -1),
+                                      last.expand(2), batched_k.expand(2, -1, -1, -1).clone(),
+                                      batched_v.expand(2, -1, -1, -1).clone(), past_len.expand(2), levels)
+    assert static.shape == ref.shape == (1, levels or c.depth, c.draft_vocab_size)
+    torch.testing.assert_close(static, ref, rtol=1e-4, atol=1e-4)  # the kernel's norms: float32 rounding
+    torch.testing.assert_close(static, batched[:1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(keys[:, :, n:n + t], new_k, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(values[:, :, n:n + t], new_v, rtol=1e-6, atol=1e-6)
+    assert torch.equal(keys[:, :, :n], k0[:, :, :n]) and torch.equal(values[:, :, :n], v0[:, :, :n])
+    assert (head._row_products() is not None) == q8
+    if not q8:
+        assert not head.to(torch.bfloat16)._row_kernel_fits(taps.bfloat16(), keys.bfloat16(), values.bfloat16())
+
+
 def test_bad_static_draft_settings_are_refused():
     target = tiny_target("llama")
     head = random_head(target)
