@@ -329,9 +329,11 @@ _UNION_FIELDS = {
 @app.exception_handler(RequestValidationError)
 async def _validation_error(_: Request, e: RequestValidationError):
     errs = e.errors()
-    # an unsupported field is named first: it is the cause where it also leaves a required one out
-    # (an assistant message with tool_calls and no content)
-    first = next((x for x in errs if x.get("type") == "extra_forbidden"), errs[0] if errs else {})
+    first = errs[0] if errs else {}
+    if first.get("type") == "missing":  # an unsupported field beside it is the cause (tool_calls for content)
+        parent = tuple(first.get("loc", ()))[:-1]
+        first = next((x for x in errs if x.get("type") == "extra_forbidden"
+                      and tuple(x.get("loc", ()))[:-1] == parent), first)
     raw = [x for x in first.get("loc", ()) if x != "body"]
     branch = next((x for x in raw if isinstance(x, str) and x in _UNION_BRANCHES), None)
     loc = ".".join(str(x) for x in (raw[: raw.index(branch)] if branch else raw))
