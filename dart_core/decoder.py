@@ -127,8 +127,7 @@ class LlamaDecoder:
         self.lm_head = model.lm_head
         self.tap_layers = tuple(tap_layers)
         rotary = model.model.rotary_emb
-        self.inv_freq, self.rope_scale = rotary.inv_freq.float(), float(rotary.attention_scaling)
-        self._cos = self._sin = torch.zeros(0, self.head_dim)
+        self._rope = kernels.RopeTables(rotary.inv_freq, rotary.attention_scaling)  # (position_ids, bound) -> cos, sin
         self.row_exact = bool(getattr(self.layers[0].attn, "dart_row_exact", False))
         # every layer's products on one of dart-serve's kernels (qmm, qmm-a8): the norms, SiLU and
         # residual adds inside its calls
@@ -142,17 +141,6 @@ class LlamaDecoder:
                 [(x.qkv.kernel_args(), x.o.kernel_args(), x.gate_up.kernel_args(), x.down.kernel_args(),
                   x.ln1.detach().numpy(), float(x.eps1), x.ln2.detach().numpy(), float(x.eps2)) for x in self.layers],
                 self.heads, self.kv_heads, self.head_dim, scales.pop())
-
-    def _rope(self, position_ids: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, Q, D] float32 for the positions (all below ``bound``, a host-side bound so no
-        tensor is read): rows of tables grown on demand, each entry computed as transformers' rotary
-        embedding does (position · inv_freq, then cos/sin, times the attention scaling)."""
-        if bound > self._cos.shape[0]:
-            size = max(bound, 2 * self._cos.shape[0], 256)
-            freqs = torch.arange(size, dtype=torch.long)[:, None].float() * self.inv_freq[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self._cos, self._sin = emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
-        return self._cos[position_ids], self._sin[position_ids]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -343,19 +343,6 @@ class DartDraftHead(nn.Module):
                 and key_buffer.is_contiguous() and value_buffer.is_contiguous()
                 and "dynamic" not in rope_type and rope_type != "longrope")
 
-    def _rope_rows(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """cos, sin [N, D] float32 numpy rows for int positions [N]: rows of tables grown on demand, each
-        entry computed as the rotary module does (position · inv_freq, then cos/sin, times its scaling)."""
-        bound = int(positions.max()) + 1
-        cos = getattr(self, "_cos_table", None)
-        if cos is None or bound > cos.shape[0]:
-            size = max(bound, 2 * (0 if cos is None else cos.shape[0]), 256)
-            freqs = torch.arange(size, dtype=torch.long)[:, None].float() * self._inv_freq.cpu()[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            scale = float(getattr(self.rotary, "attention_scaling", 1.0))
-            self._cos_table, self._sin_table = (emb.cos() * scale).numpy(), (emb.sin() * scale).numpy()
-        return self._cos_table[positions], self._sin_table[positions]
-
     def _row_products(self):
         """(qkv, gate_up) of the head's layers fused side by side (:meth:`dart_core.quant.Int4Linear.fuse`;
         the layers become views of them), when every product of the layer is an
@@ -385,7 +372,7 @@ class DartDraftHead(nn.Module):
         slots are written at [L, L + n + slots) (L = the cache's length); a causal mask over them is
         the head's mask for one sequence (the slots follow the last real position); queries at the
         real positions before the last are computed and dropped."""
-        from dart_core.kernels import rope_attend
+        from dart_core.kernels import RopeTables, rope_attend
 
         c, mid = self.config, self.midlayer
         n = int(last_index.numpy()[0]) + 1  # host values of CPU tensors: no device read
@@ -402,7 +389,10 @@ class DartDraftHead(nn.Module):
             a = mid.self_attn
             qkv = torch.cat([a.q_proj(x), a.k_proj(x), a.v_proj(x)], dim=-1)  # [1, rows, (H + 2·Hkv)·D]
         pos = positions.numpy()[0, :n]
-        cos, sin = self._rope_rows(np.concatenate([pos, pos[-1] + np.arange(1, slots + 1)]))
+        pos = np.concatenate([pos, pos[-1] + np.arange(1, slots + 1)])
+        if not hasattr(self, "_row_rope"):
+            self._row_rope = RopeTables(self._inv_freq, getattr(self.rotary, "attention_scaling", 1.0))
+        cos, sin = (x.numpy() for x in self._row_rope(pos, int(pos[-1]) + 1))
         mask = np.triu(np.full((rows, start + rows), np.finfo(np.float32).min, dtype=np.float32), start + 1)
         out = rope_attend(qkv, cos, sin, c.num_attention_heads, c.num_key_value_heads, key_buffer, value_buffer,
                           start, mask[None, None], c.head_dim ** -0.5)  # [1, rows, H, D]

@@ -38,7 +38,8 @@ import torch  # first: the extension's OpenMP runtime is then the one PyTorch al
 
 from dart_core import _kernels
 
-__all__ = ["row_exact_attention", "additive_mask", "attend", "rope_append", "rope_attend", "PARALLEL_WORK"]
+__all__ = ["row_exact_attention", "additive_mask", "attend", "rope_append", "rope_attend", "RopeTables",
+           "PARALLEL_WORK"]
 
 #: calls with at least this many multiply-adds per q·k pass (rows · keys · head size) use every
 #: OpenMP thread; smaller ones (a one-token step over a short prefix) run on the calling thread
@@ -118,6 +119,30 @@ def _as_f32(x: torch.Tensor):
     if x.dtype != torch.float32:
         x = x.float()
     return _inner_contiguous(x).detach().numpy()
+
+
+class RopeTables:
+    """The rotary cos/sin of positions, read from tables grown on demand, each entry computed as
+    transformers' rotary embedding does (position · inv_freq, then cos/sin, times the attention
+    scaling): what :func:`rope_append` and :func:`rope_attend` take.
+
+    Args:
+        inv_freq: [D/2] the rotary frequencies (kept as float32 on the CPU).
+        scale: the rotary embedding's attention scaling."""
+
+    def __init__(self, inv_freq: torch.Tensor, scale: float) -> None:
+        self.inv_freq, self.scale = inv_freq.float().cpu(), float(scale)
+        self.cos = self.sin = torch.zeros(0, 2 * self.inv_freq.shape[0])
+
+    def __call__(self, positions, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [*positions.shape, D] float32 for int positions (a tensor or array, all below
+        ``bound``, a host-side bound so no tensor is read)."""
+        if bound > self.cos.shape[0]:
+            size = max(bound, 2 * self.cos.shape[0], 256)
+            freqs = torch.arange(size, dtype=torch.long)[:, None].float() * self.inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self.cos, self.sin = emb.cos() * self.scale, emb.sin() * self.scale
+        return self.cos[positions], self.sin[positions]
 
 
 def rope_append(qkv: torch.Tensor, cos, sin, heads: int, kv_heads: int, key_buffer: torch.Tensor,
