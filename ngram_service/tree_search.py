@@ -421,11 +421,17 @@ def search_trees(
     Raises:
         ValueError / TrieFormatError: as :func:`search_tree`.
     """
+    trees = _native.search_trees(*_batch_arguments(topk_ids, topk_probs, contexts, trie, params, chains))
+    return [DraftTree._from_native(t) for t in trees]
+
+
+def _batch_arguments(topk_ids, topk_probs, contexts, trie, params, chains) -> tuple:
+    """The native batched searches' arguments: the parameters and trie in their C++ form, the
+    contexts and chains packed flat with their offsets."""
     flat, offsets = pack_ragged(contexts)
     chain_tokens, chain_probs, chain_offsets = _pack_chains(chains, len(contexts))
-    trees = _native.search_trees((params or SearchParams()).native(), _native_trie(trie), topk_ids, topk_probs, flat,
-                                 offsets, chain_tokens, chain_probs, chain_offsets)
-    return [DraftTree._from_native(t) for t in trees]
+    return ((params or SearchParams()).native(), _native_trie(trie), topk_ids, topk_probs, flat, offsets,
+            chain_tokens, chain_probs, chain_offsets)
 
 
 def search_tree_batch(
@@ -440,8 +446,5 @@ def search_tree_batch(
     """:func:`search_trees`' trees as one :class:`TreeBatch`, written by the C++ search straight into
     its padded arrays (no per-tree mask, retrieve indices or Python object).  Arguments and errors as
     :func:`search_trees`."""
-    flat, offsets = pack_ragged(contexts)
-    chain_tokens, chain_probs, chain_offsets = _pack_chains(chains, len(contexts))
-    d = _native.search_trees_padded((params or SearchParams()).native(), _native_trie(trie), topk_ids, topk_probs,
-                                    flat, offsets, chain_tokens, chain_probs, chain_offsets)
+    d = _native.search_trees_padded(*_batch_arguments(topk_ids, topk_probs, contexts, trie, params, chains))
     return TreeBatch(d["tokens"], d["parents"], d["depths"], d["scores"], d["probs"], d["counts"])

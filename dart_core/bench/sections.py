@@ -384,8 +384,8 @@ def render_speculation_ceiling(results: Path = RESULTS) -> str:
         lines += [f"**{k}** ({r['curves']['gguf-native']['format']}):", "", verify_curve.markdown_table(r)]
     lines += ["What those timings allow, per kernel and batch size (`verify_curve.ceiling_table`; drafting, tree "
               "search and host time counted as free, so a real step does worse):", ""]
-    for i, r in enumerate(runs.values()):  # one table: the first result's header, then every result's rows
-        lines += verify_curve.ceiling_table(r).splitlines()[2 if i else 0:]
+    lines.append(verify_curve.ceiling_table({"curves": {k: r["curves"]["gguf-native"] for k, r in runs.items()}})
+                 .rstrip("\n"))
     return "\n".join(lines)
 
 

@@ -92,9 +92,10 @@ def chain_speedup(ms: list[float], nodes: list[int], alpha: float) -> tuple[floa
     Model: each sequence drafts a chain of n − 1 tokens, each accepted with probability ``alpha``
     once its parent is, so a step emits τ(n) = 1 + α + … + α^(n−1) tokens per sequence (the bonus
     token included) in one forward of n query tokens; drafting, tree search and host time cost
-    nothing.  Speed-up(n) = τ(n) · ms(1) / ms(n); the best over the measured n (the smaller n on a tie).  With α = 1 this
-    bounds every drafter that verifies n nodes per sequence (no tree of n nodes accepts more than
-    n tokens), so it is the most speculation can give at that batch size on this hardware.
+    nothing.  Speed-up(n) = τ(n) · ms(1) / ms(n); the best over the measured n (the smaller n on a
+    tie).  With α = 1 this bounds every drafter that verifies n nodes per sequence (no tree of n
+    nodes accepts more than n tokens), so it is the most speculation can give at that batch size on
+    this hardware.
 
     Raises:
         ValueError: ``alpha`` outside [0, 1], or no node count 1."""
