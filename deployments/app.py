@@ -7,9 +7,18 @@ draft head, continuous batching) → :class:`~deployments.ngram.NgramService`
 config are validated by :class:`deployments.config.AppConfig`; per-deployment
 resources, replicas and autoscaling come from the ``deployments:`` section of
 the Serve config (``deployments/dart.yaml``).
+
+The n-gram service is never open: its bearer token is the value of
+``ngram.auth_token_env`` (``DART_NGRAM_AUTH_TOKEN``) where the application is
+built, or else one generated here, and it reaches the service and every
+engine replica as a bound argument of their deployments, never through a
+file or a log line.
 """
 
 from __future__ import annotations
+
+import os
+import secrets
 
 from ray.serve import Application
 
@@ -28,6 +37,16 @@ def build_app(args: dict) -> Application:
     """
     cfg = AppConfig.model_validate(args or {})
     config = cfg.model_dump()
-    ngram = NgramService.bind(resolve_ngram_config(cfg).model_dump()) if cfg.ngram.enabled else None
-    engine = DartEngineDeployment.bind(config, ngram)
+    if not cfg.ngram.enabled:
+        return OpenAIIngress.bind(DartEngineDeployment.bind(config, None), config)
+    token = ngram_auth_token(cfg.ngram.auth_token_env)
+    ngram = NgramService.bind(resolve_ngram_config(cfg).model_dump(), auth_token=token)
+    engine = DartEngineDeployment.bind(config, ngram, ngram_auth_token=token)
     return OpenAIIngress.bind(engine, config)
+
+
+def ngram_auth_token(env: str) -> str:
+    """The bearer token between the engines and the n-gram service: the variable ``env`` where
+    the application is built (an operator's explicit token, which engines outside the app can
+    use too), else 32 random bytes, URL-safe, new at every build."""
+    return os.environ.get(env) or secrets.token_urlsafe(32)

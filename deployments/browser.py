@@ -99,9 +99,10 @@ def read_column(driver, selector: str) -> ColumnResult:
 
 
 def run_compare(driver, url: str, prompt: str, *, max_tokens: int = 64, temperature: float = 0.0,
-                timeout_s: float = 300.0) -> dict:
-    """Opens the page, types the prompt, presses Run and waits until the run ends (both
-    columns done, or a message shown) or ``timeout_s`` passes.
+                timeout_s: float = 300.0, api_key: str | None = None) -> dict:
+    """Opens the page, types the prompt (and ``api_key`` into the page's key field, for a server
+    that asks for one), presses Run and waits until the run ends (both columns done, or a message
+    shown) or ``timeout_s`` passes.
 
     Returns:
         ``{"dart": ColumnResult, "ar": ColumnResult, "message": str, "speedup": str, "model": str}``.
@@ -120,7 +121,8 @@ def run_compare(driver, url: str, prompt: str, *, max_tokens: int = 64, temperat
     box.clear()
     if prompt:
         box.send_keys(prompt)
-    for name, value in (("max-tokens", max_tokens), ("temperature", temperature)):
+    fields = (("max-tokens", max_tokens), ("temperature", temperature)) + ((("api-key", api_key),) if api_key else ())
+    for name, value in fields:
         field = driver.find_element(By.ID, name)
         field.clear()
         field.send_keys(str(value))

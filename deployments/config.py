@@ -39,12 +39,19 @@ class NgramConfig(BaseModel):
     corpus: Literal[NAMED_CORPORA] = Field("default", description="named corpus a missing trie is built from (see "
                                                                   "`python -m ngram_service.build --help`)")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port of the service on its node (0: any free port)")
+    host: str | None = Field(None, description="address the service listens on: null = its node's Ray address, "
+                                               "the one the engines are told and reach; \"0.0.0.0\" = every "
+                                               "interface of the node")
     threads: int | None = Field(None, ge=1, description="search threads (default: the CPUs of its NUMA node)")
     numa_node: int | None = Field(None, ge=0, description="NUMA node to bind to (default: the one with most CPUs)")
     timeout_ms: float = Field(50.0, gt=0, description="engine-side deadline of one tree-search call; slower calls "
                                                       "fall back to the logits-only search")
-    auth_token_env: str = Field("DART_NGRAM_AUTH_TOKEN", description="environment variable holding an optional "
-                                                                     "shared secret between engine and service")
+    auth_token_env: str = Field("DART_NGRAM_AUTH_TOKEN", description="environment variable holding the bearer "
+                                                                     "token between engines and service, read where "
+                                                                     "the application is built; unset: the "
+                                                                     "application generates one at start-up and "
+                                                                     "hands it to its replicas (the service always "
+                                                                     "requires a token)")
 
 
 Budget = Union[Literal["auto"], Annotated[int, Field(ge=1, le=_LIMITS.max_budget)]]

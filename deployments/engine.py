@@ -16,7 +16,6 @@ batcher's observer hooks, and the health check.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import AsyncIterator
 
@@ -121,13 +120,13 @@ class _Metrics:
         self.flush()
 
 
-def grpc_tree_search(cfg: NgramConfig, resolver, vocab_hash: str):
+def grpc_tree_search(cfg: NgramConfig, resolver, vocab_hash: str, auth_token: str | None):
     """The engine's tree-search client for the n-gram service (address from ``resolver``, asked
-    on a background thread), falling back to the in-process logits-only search."""
+    on a background thread, ``auth_token`` sent as ``authorization: Bearer <token>``), falling
+    back to the in-process logits-only search."""
     from ngram_service.client import GrpcTreeSearch
 
-    return GrpcTreeSearch(resolver=resolver, timeout_ms=cfg.timeout_ms, vocab_hash=vocab_hash,
-                          auth_token=os.environ.get(cfg.auth_token_env) or None)
+    return GrpcTreeSearch(resolver=resolver, timeout_ms=cfg.timeout_ms, vocab_hash=vocab_hash, auth_token=auth_token)
 
 
 @serve.deployment(name="DartEngine", max_ongoing_requests=32, max_queued_requests=64, health_check_period_s=10,
@@ -138,9 +137,11 @@ class DartEngineDeployment:
     Args:
         config: the application's :class:`~deployments.config.AppConfig` as a dict.
         ngram: a handle of the ``NgramService`` deployment, or None for the logits-only search.
+        ngram_auth_token: the bearer token the service requires (:func:`deployments.app.build_app`
+            gives the application's), None for a service without one.
     """
 
-    def __init__(self, config: dict, ngram=None) -> None:
+    def __init__(self, config: dict, ngram=None, ngram_auth_token: str | None = None) -> None:
         import torch
 
         from dart_core.api import DartModel
@@ -159,7 +160,7 @@ class DartEngineDeployment:
         self.tree_search = None
         if self._ngram is not None:
             self.tree_search = grpc_tree_search(cfg.ngram, self._resolve_ngram,
-                                                tokenizer_identity(self.model.tokenizer)[1])
+                                                tokenizer_identity(self.model.tokenizer)[1], ngram_auth_token)
             self.model.engine.tree_search = self.tree_search
         self.name = cfg.served_model_name or getattr(self.model.tokenizer, "dart_model_name", "model")
         self.batcher = ContinuousBatcher(self.model.engine, self.model.tokenizer, BatcherConfig(

@@ -505,11 +505,16 @@ class OpenAIIngress:
             self.name = await self.engine.model_name.remote()
         return self.name
 
-    def _check_key(self, authorization: str | None) -> None:
+    def _key_ok(self, authorization: str | None) -> bool:
+        """Whether ``authorization`` (an HTTP header's or a gRPC metadata value, ``Bearer <key>``)
+        carries the API key, compared in constant time; True when no key is set (open access)."""
         if self.api_key is None:
-            return
+            return True
         token = (authorization or "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+        return hmac.compare_digest(token.encode(), self.api_key.encode())
+
+    def _check_key(self, authorization: str | None) -> None:
+        if not self._key_ok(authorization):
             raise APIError(401, "missing or wrong API key (Authorization: Bearer <key>)", "authentication_error")
 
     # -- HTTP -----------------------------------------------------------------------
@@ -634,8 +639,20 @@ class OpenAIIngress:
     # -- gRPC (Serve's gRPC proxy routes by method name) --------------------------------
 
     async def _grpc_stream(self, request, context):  # context: RayServegRPCContext
+        """The chunks of one gRPC request.  With an API key set, the call's ``authorization``
+        metadata must carry it (``Bearer <key>``, as HTTP's header): otherwise UNAUTHENTICATED,
+        before the request is read or anything is queued.  Health and reflection stay open
+        (Serve's gRPC proxy serves them itself)."""
         import grpc
 
+        if self.api_key is not None:
+            metadata = dict(context.invocation_metadata() or ()) if context is not None else {}
+            if not self._key_ok(metadata.get("authorization")):
+                message = "missing or wrong API key (metadata authorization: Bearer <key>)"
+                if context is not None:
+                    context.set_code(grpc.StatusCode.UNAUTHENTICATED)
+                    context.set_details(message)
+                raise PermissionError(message)  # a plain exception the proxy can unpickle
         try:
             messages = tuple(ChatMessage(m.role, m.content) for m in request.messages) or None
             gen = GenerationRequest(

@@ -19,7 +19,6 @@ to build one, the n-gram node runs without torch and transformers.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import grpc
@@ -42,7 +41,9 @@ def resolve_ngram_config(cfg: AppConfig) -> NgramConfig:
 @serve.deployment(name="NgramService", num_replicas=1, max_ongoing_requests=64, health_check_period_s=5,
                   ray_actor_options={"num_cpus": 0.5})
 class NgramService:
-    """Args: config: a :class:`~deployments.config.NgramConfig`.
+    """Args: config: a :class:`~deployments.config.NgramConfig`; auth_token: the bearer token every
+    call must carry (``authorization: Bearer <token>`` metadata; :func:`deployments.app.build_app`
+    gives the application's), None for an open service (tests of the service alone).
 
     ``trie: auto`` is ``<tokenizer name>-<corpus>-3gram.trie`` in this node's cache, built there
     from the named corpus on first start with ``tokenizer`` (None: the default model's).  A given
@@ -56,7 +57,7 @@ class NgramService:
             converted, and transformers is not installed on this node.
     """
 
-    def __init__(self, config: dict) -> None:
+    def __init__(self, config: dict, auth_token: str | None = None) -> None:
         import ray
 
         from ngram_service.build import ensure_trie
@@ -77,9 +78,11 @@ class NgramService:
                                         "ngram_service.build there)")
             trie = ensure_trie(trie, lambda: load_trie_tokenizer(cfg.tokenizer), corpus=cfg.corpus)
         trie = str(trie)
-        self.host = ray.util.get_node_ip_address()
+        node = ray.util.get_node_ip_address()
+        self.host = node if cfg.host in (None, "0.0.0.0") else cfg.host  # what the engines are told
         self.server, _ = start_pinned_server(trie, port=cfg.port, threads=cfg.threads, numa_node=cfg.numa_node,
-                                             auth_token=os.environ.get(cfg.auth_token_env) or None)
+                                             auth_token=auth_token, host=cfg.host or node)
+        self._local = "127.0.0.1" if cfg.host == "0.0.0.0" else self.host  # where the health check calls
         logger.info("n-gram service on %s:%d (trie %s, %d threads)", self.host, self.server.port, trie,
                     self.server.threads)
 
@@ -91,7 +94,7 @@ class NgramService:
         """Serve's health check: the gRPC server must answer its health service."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        with grpc.insecure_channel(f"127.0.0.1:{self.server.port}") as channel:
+        with grpc.insecure_channel(f"{self._local}:{self.server.port}") as channel:
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2.0).status
         if status != health_pb2.HealthCheckResponse.SERVING:
             raise RuntimeError(f"n-gram server reports {status}")

@@ -42,6 +42,28 @@ def app(tiny_model_dir, tmp_path_factory, default_tokenizer):
     ray.shutdown()
 
 
+GUARDED_KEY = "s3cret"
+
+
+@pytest.fixture(scope="package")
+def guarded(app):
+    """A second app on the same cluster (route /guarded, gRPC application "guarded") that requires
+    the bearer key GUARDED_KEY, and whose engine takes one request plus one queued."""
+    from deployments.config import AppConfig
+    from deployments.engine import DartEngineDeployment
+    from deployments.ingress import OpenAIIngress
+
+    cfg = AppConfig.model_validate({"model": app["model"], "served_model_name": "guarded", "head": "random",
+                                    "budget": 4, "api_key_env": "DART_TEST_KEY", "ngram": {"enabled": False}})
+    engine = DartEngineDeployment.options(max_ongoing_requests=1, max_queued_requests=1,
+                                          ray_actor_options={"num_cpus": 0.5}).bind(cfg.model_dump(), None)
+    ingress = OpenAIIngress.options(ray_actor_options={
+        "num_cpus": 0.1, "runtime_env": {"env_vars": {"DART_TEST_KEY": GUARDED_KEY}}}).bind(engine, cfg.model_dump())
+    serve.run(ingress, name="guarded", route_prefix="/guarded")
+    yield f"{HTTP}/guarded"
+    serve.delete("guarded")
+
+
 @pytest.fixture(scope="package")
 def reference(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()

@@ -20,7 +20,7 @@ import pytest
 import ray
 from ray import serve
 
-from .conftest import HTTP, NAME, client
+from .conftest import GUARDED_KEY, HTTP, NAME, client
 
 pytestmark = pytest.mark.slow
 
@@ -484,39 +484,77 @@ def test_per_request_opt_out_and_the_serving_benchmark(app, reference, tmp_path)
     assert paths["png"].stat().st_size > 0 and "| 3 | no-speculation |" in paths["md"].read_text()
 
 
-def test_api_key_and_full_queue(app):
+def test_api_key_and_full_queue(guarded):
     """An app that requires a bearer key (401 without it, in the OpenAI error shape) and
     whose engine takes one request plus one queued: the rest get 503 with Retry-After,
     and it serves again once the burst is over."""
-    from deployments.config import AppConfig
-    from deployments.engine import DartEngineDeployment
-    from deployments.ingress import OpenAIIngress
+    url = f"{guarded}/v1/chat/completions"
+    body = {"model": "guarded", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for headers in ({}, {"authorization": "Bearer wrong"}):
+        r = httpx.post(url, json=body, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(f"{guarded}/v1/models", headers=headers).status_code == 401
+    key = {"authorization": f"Bearer {GUARDED_KEY}"}
+    assert httpx.post(url, json=body, headers=key, timeout=60).status_code == 200
 
-    cfg = AppConfig.model_validate({"model": app["model"], "served_model_name": "guarded", "head": "random",
-                                    "budget": 4, "api_key_env": "DART_TEST_KEY", "ngram": {"enabled": False}})
-    engine = DartEngineDeployment.options(max_ongoing_requests=1, max_queued_requests=1,
-                                          ray_actor_options={"num_cpus": 0.5}).bind(cfg.model_dump(), None)
-    ingress = OpenAIIngress.options(ray_actor_options={
-        "num_cpus": 0.1, "runtime_env": {"env_vars": {"DART_TEST_KEY": "s3cret"}}}).bind(engine, cfg.model_dump())
-    serve.run(ingress, name="guarded", route_prefix="/guarded")
-    try:
-        url = f"{HTTP}/guarded/v1/chat/completions"
-        body = {"model": "guarded", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-        for headers in ({}, {"authorization": "Bearer wrong"}):
-            r = httpx.post(url, json=body, headers=headers)
-            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-        key = {"authorization": "Bearer s3cret"}
-        assert httpx.post(url, json=body, headers=key, timeout=60).status_code == 200
+    long = body | {"max_tokens": 60, "temperature": 0}
+    with cf.ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(lambda _: httpx.post(url, json=long, headers=key, timeout=120), range(8)))
+    busy = [r for r in replies if r.status_code == 503]
+    assert busy and all(r.status_code in (200, 503) for r in replies)
+    assert all(r.headers.get("retry-after") and r.json()["error"]["code"] == 503 for r in busy)
+    assert httpx.post(url, json=body, headers=key, timeout=60).status_code == 200
 
-        long = body | {"max_tokens": 60, "temperature": 0}
-        with cf.ThreadPoolExecutor(8) as pool:
-            replies = list(pool.map(lambda _: httpx.post(url, json=long, headers=key, timeout=120), range(8)))
-        busy = [r for r in replies if r.status_code == 503]
-        assert busy and all(r.status_code in (200, 503) for r in replies)
-        assert all(r.headers.get("retry-after") and r.json()["error"]["code"] == 503 for r in busy)
-        assert httpx.post(url, json=body, headers=key, timeout=60).status_code == 200
-    finally:
-        serve.delete("guarded")
+
+def test_grpc_honours_the_api_key(guarded):
+    """The gRPC door checks the same key as HTTP, from ``authorization: Bearer <key>`` metadata:
+    unary and streaming calls without it or with a wrong one get UNAUTHENTICATED and queue nothing
+    (the engine's step counters do not move); with it they are served.  Serve's health method
+    stays open."""
+    from ray.serve.generated import serve_pb2, serve_pb2_grpc
+
+    from deployments._proto import dart_pb2, dart_pb2_grpc
+
+    engine = serve.get_deployment_handle("DartEngine", app_name="guarded")
+    req = dart_pb2.GenerateRequest(prompt="1, 2, 3,", max_tokens=4, temperature=0)
+    with grpc.insecure_channel("127.0.0.1:9000") as channel:
+        stub = dart_pb2_grpc.DartGenerationStub(channel)
+        before = engine.stats.remote().result()
+        for auth in ((), (("authorization", "Bearer wrong"),)):
+            meta = (("application", "guarded"),) + auth
+            for call in (lambda: stub.Generate(req, metadata=meta, timeout=60),
+                         lambda: list(stub.GenerateStream(req, metadata=meta, timeout=60))):
+                with pytest.raises(grpc.RpcError) as e:
+                    call()
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "API key" in e.value.details()
+        after = engine.stats.remote().result()
+        assert {k: after[k] for k in ("autoregressive_steps", "speculative_steps", "queued")} == \
+            {k: before[k] for k in ("autoregressive_steps", "speculative_steps", "queued")}
+        meta = (("application", "guarded"), ("authorization", f"Bearer {GUARDED_KEY}"))
+        one = stub.Generate(req, metadata=meta, timeout=60)
+        parts = list(stub.GenerateStream(req, metadata=meta, timeout=60))
+        assert one.text and "".join(p.text for p in parts) == one.text
+        health = serve_pb2_grpc.RayServeAPIServiceStub(channel).Healthz(serve_pb2.HealthzRequest(), timeout=10)
+        assert health.message == "success"  # Serve's own gRPC health method, without a key
+
+
+def test_the_ngram_service_refuses_callers_without_the_apps_token(app):
+    """With no token configured the application generated one: the n-gram service answers a caller
+    without it, or with a wrong one, UNAUTHENTICATED, while the engines (which hold it) search there."""
+    from ngram_service._proto import ngram_pb2, ngram_pb2_grpc
+
+    engine = serve.get_deployment_handle("DartEngine", app_name="dart")
+    before = engine.stats.remote().result()
+    out = client().completions.create(model=NAME, prompt="def add(a, b):", max_tokens=12, temperature=0)
+    assert out.usage.model_extra["dart"]["tau"] >= 1.0
+    after = engine.stats.remote().result()
+    assert after["ngram_calls"] > before["ngram_calls"] and after["ngram_fallbacks"] == before["ngram_fallbacks"]
+    with grpc.insecure_channel(after["ngram_address"]) as channel:
+        stub = ngram_pb2_grpc.NgramTreeSearchStub(channel)
+        for meta in ((), (("authorization", "Bearer guessed"),)):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Info(ngram_pb2.InfoRequest(), metadata=meta, timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_smollm2_app_serves_the_targets_greedy_text(app):

@@ -10,6 +10,7 @@ import http.server
 import json
 import re
 import threading
+import time
 
 import httpx
 import pytest
@@ -17,7 +18,7 @@ import pytest
 from deployments.browser import BrowserUnavailable, chromium_driver, press_run, run_compare
 from deployments.ingress import compare_page
 
-from .conftest import HTTP
+from .conftest import GUARDED_KEY, HTTP
 
 PROMPT = "Name three colours."
 
@@ -64,6 +65,26 @@ def test_both_columns_fill_with_coloured_steps_and_figures(app, reference, brows
     assert "steps speculative" in dart.stats and "draft nodes" in dart.stats and "draft nodes" not in ar.stats
     assert "× the tokens/s of autoregressive decoding" in result["speedup"]
     assert "identical output" in result["speedup"]
+
+
+@pytest.mark.slow
+@pytest.mark.browser
+def test_a_server_with_an_api_key_is_asked_with_the_key(guarded, browser):
+    """With ``DART_API_KEY`` set the page says the server wants a key (the 401 of its model query),
+    a wrong key is refused with that message, and with the right key both columns run."""
+    from selenium.webdriver.common.by import By
+
+    wrong = run_compare(browser, f"{guarded}/compare", PROMPT, max_tokens=8, timeout_s=60, api_key="wrong")
+    assert "401" in wrong["message"] and "API key" in wrong["message"], wrong
+    browser.get(f"{guarded}/compare")  # on load, without a key: the model query's 401 is shown
+    deadline = time.monotonic() + 30
+    while not browser.find_element(By.ID, "message").text and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "401" in browser.find_element(By.ID, "message").text
+    result = run_compare(browser, f"{guarded}/compare", PROMPT, max_tokens=8, timeout_s=180, api_key=GUARDED_KEY)
+    assert result["message"] == "" and browser.find_element(By.ID, "model").text == "guarded", result
+    assert result["dart"].state == result["ar"].state == "done"
+    assert result["dart"].text == result["ar"].text != ""
 
 
 @pytest.mark.slow

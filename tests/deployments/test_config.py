@@ -57,10 +57,38 @@ def test_the_engines_grpc_client_is_a_tree_search_client():
     from deployments.engine import grpc_tree_search
 
     resolved = []
-    client = grpc_tree_search(AppConfig().ngram, lambda: resolved.append(1) or "127.0.0.1:1", "hash")
+    client = grpc_tree_search(AppConfig().ngram, lambda: resolved.append(1) or "127.0.0.1:1", "hash", "t0ken")
     assert isinstance(client, TreeSearchClient)
     assert client.wait_resolved(10) and resolved == [1]
+    assert client.metadata == (("authorization", "Bearer t0ken"),)
     client.close()
+
+
+def test_the_app_hands_one_ngram_token_to_the_service_and_the_engines(monkeypatch):
+    """The n-gram service is never open in the application: without DART_NGRAM_AUTH_TOKEN where it is
+    built, a fresh random token per build goes to the service and to the engine deployment as bound
+    arguments (not in the config they log or show); with the variable set, that token."""
+    from deployments.app import build_app
+
+    def tokens(app):
+        engine = app._bound_deployment.init_args[0]
+        ngram = engine._bound_deployment.init_args[1]
+        token = engine._bound_deployment.init_kwargs["ngram_auth_token"]
+        assert ngram._bound_deployment.init_kwargs["auth_token"] == token
+        configs = (app._bound_deployment.init_args[1], engine._bound_deployment.init_args[0],
+                   ngram._bound_deployment.init_args[0])
+        assert all(token not in repr(c) for c in configs)
+        return token
+
+    monkeypatch.delenv("DART_NGRAM_AUTH_TOKEN", raising=False)
+    first, second = tokens(build_app({})), tokens(build_app({}))
+    assert len(first) >= 40 and first != second  # 32 random bytes, new at every build
+    monkeypatch.setenv("DART_NGRAM_AUTH_TOKEN", "operators-token")
+    assert tokens(build_app({})) == "operators-token"
+    monkeypatch.setenv("MY_TOKEN", "other")
+    assert tokens(build_app({"ngram": {"auth_token_env": "MY_TOKEN"}})) == "other"
+    engine = build_app({"ngram": {"enabled": False}})._bound_deployment.init_args[0]
+    assert engine._bound_deployment.init_args[1] is None  # no service, no token
 
 
 def test_step_metrics_record_the_verification_budget(monkeypatch):

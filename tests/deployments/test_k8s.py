@@ -151,10 +151,10 @@ def test_standard_objects_and_pod_templates_pass_kubernetes_validate():
     config = service["spec"]["rayClusterConfig"]
     templates = [config["headGroupSpec"]["template"]] + [g["template"] for g in config["workerGroupSpecs"]]
     objects = [m for m in _manifests("rayservice.yaml") if m["kind"] != "RayService"]
-    objects += _manifests("tries-pvc.yaml") + _manifests("trie-build-job.yaml")
+    objects += _manifests("tries-pvc.yaml") + _manifests("trie-build-job.yaml") + _manifests("ngram-networkpolicy.yaml")
     objects += [{"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"t{i}"}, "template": t}
                 for i, t in enumerate(templates)]
-    assert {o["kind"] for o in objects} >= {"Service", "PersistentVolumeClaim", "Job", "PodTemplate"}
+    assert {o["kind"] for o in objects} >= {"Service", "PersistentVolumeClaim", "Job", "PodTemplate", "NetworkPolicy"}
     for obj in objects:
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
     bad = yaml.safe_load(yaml.safe_dump(_manifests("trie-build-job.yaml")[0]))
@@ -175,7 +175,7 @@ def test_the_build_job_writes_the_trie_the_ngram_host_reads():
     assert claims == {pvc["metadata"]["name"]}
     (container,) = job["spec"]["template"]["spec"]["containers"]
     cache = {e["name"]: e["value"] for e in container["env"]}["DART_SERVE_CACHE"]
-    assert cache == {e["name"]: e["value"] for e in host["template"]["spec"]["containers"][0]["env"]}["DART_SERVE_CACHE"]
+    assert cache == {e["name"]: e.get("value") for e in host["template"]["spec"]["containers"][0]["env"]}["DART_SERVE_CACHE"]
     args = container["command"]
     assert args[:3] == ["python", "-m", "ngram_service.build"] and cluster["applications"][0]["args"]["ngram"]["trie"] == "auto"
     import os
@@ -196,3 +196,53 @@ def test_the_dockerfile_builds_on_the_pinned_ray_image():
     assert "pip install --no-cache-dir --no-deps -r scripts/requirements-data.txt" in text  # as the README
     for copied in ("dart_core", "ngram_service", "deployments", "protos", "setup.py", "pyproject.toml"):
         assert f" {copied}" in text and (ROOT / copied).exists()
+
+
+def _pods():
+    """{group: pod template} of the RayService ("head" for the head group)."""
+    config = _docs()[1]["spec"]["rayClusterConfig"]
+    return {"head": config["headGroupSpec"]["template"]} | {g["groupName"]: g["template"]
+                                                              for g in config["workerGroupSpecs"]}
+
+
+def test_every_pod_takes_the_tokens_from_one_secret():
+    """The n-gram token and the API key come from one Kubernetes Secret into every pod (the head,
+    where the application is built and reads the token; the engines; the n-gram host), under the
+    variable names the app's args read."""
+    _, _, cluster = _docs()
+    args = AppConfig.model_validate(cluster["applications"][0]["args"])
+    for group, pod in _pods().items():
+        env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+        for var, key in ((args.ngram.auth_token_env, "ngram-token"), (args.api_key_env, "api-key")):
+            assert env[var]["valueFrom"]["secretKeyRef"] == {"name": "dart-serve-secrets", "key": key,
+                                                             "optional": True}, (group, var)
+
+
+def test_the_network_policy_admits_only_engine_pods_to_the_ngram_port():
+    """k8s/ngram-networkpolicy.yaml selects the n-gram host's pods by their template's labels, admits
+    the engine pods (and only them) to args.ngram.port, and leaves every other port to the cluster's
+    own pods (Ray's traffic); docs/kubernetes.md shows the same file."""
+    (policy,) = _manifests("ngram-networkpolicy.yaml")
+    _, _, cluster = _docs()
+    port = cluster["applications"][0]["args"]["ngram"]["port"]
+    labels = {group: pod["metadata"]["labels"] for group, pod in _pods().items()}
+
+    def selected(selector):
+        return {g for g, lab in labels.items() if selector["matchLabels"].items() <= lab.items()}
+
+    spec = policy["spec"]
+    assert selected(spec["podSelector"]) == {"ngram-hosts"} and spec["policyTypes"] == ["Ingress"]
+    allowed: dict[int, set[str]] = {}
+    for rule in spec["ingress"]:
+        groups = set().union(*(selected(f["podSelector"]) for f in rule["from"]))
+        for p in rule["ports"]:
+            for n in (port - 1, port, port + 1, 1, 6379, 65535):
+                if p["port"] <= n <= p.get("endPort", p["port"]):
+                    allowed.setdefault(n, set()).update(groups)
+    assert allowed[port] == {"gpu-engines"}
+    assert all(allowed[n] == set(labels) for n in (port - 1, port + 1, 1, 6379, 65535))
+    import re
+    import textwrap
+
+    blocks = re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / "kubernetes.md").read_text(), re.S)
+    assert [yaml.safe_load(textwrap.dedent(b)) for b in blocks if "NetworkPolicy" in b] == [policy]
