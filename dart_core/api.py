@@ -308,7 +308,7 @@ class DartModel:
             sizes, batches = curve_shapes(target.device, params.budget)
             policy = AdaptiveBudget(VerifyCostCurve.measure(target, node_counts=sizes, batch_sizes=batches),
                                     lookup_preference=spec.lookup_preference)
-            gate = SpeculationGate(probe_every=spec.gate_probe_every)
+            gate = SpeculationGate(probe_every=spec.gate_probe_every, can_pay=policy.can_pay)
         engine = DartEngine(target, draft, tree_search, params, budget=policy, gate=gate, **spec.engine_kwargs())
         if cuda_graphs and draft is not None and os.environ.get("DART_DRAFT_GRAPHS", "1") != "0":
             engine.enable_static_draft()

@@ -43,7 +43,8 @@ import logging
 import statistics
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import numpy as np
 import torch
@@ -51,16 +52,41 @@ import torch
 from dart_core.kv_cache import cache_mask
 from dart_core.speculative import LOOKUP_PREFERENCE
 from dart_core.target import TargetCache, TargetModel, sync_device
-from ngram_service.tree_search import ContextChain, DraftTree, TreeBatch
+from ngram_service.tree_search import ContextChain, DraftTree, SearchParams, TreeBatch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["VerifyCostCurve", "curve_shapes", "AdaptiveBudget", "SpeculationGate", "node_acceptance_estimates", "LOOKUP_PREFERENCE"]
+__all__ = ["VerifyCostCurve", "curve_shapes", "AdaptiveBudget", "SpeculationGate", "node_acceptance_estimates",
+           "chain_speedup", "LOOKUP_PREFERENCE"]
 
 
 _CHAIN_PRIOR = (2.0, 3.0)  # r_m before evidence: 2/3
 _CHAIN_DECAY = 0.95  # weight of older chain evidence per observation
 _TREE_RATE_EMA = 0.2  # weight of the newest step in the tree rate and the lookup overhead
+
+
+def chain_speedup(ms, nodes, alpha: float) -> tuple[float, int]:
+    """The best speed-up over plain decoding, and its node count, of drafts verified with the
+    timings ``ms`` [len(nodes)] (ms of one speculative step whose forward verifies ``nodes[i]``
+    query tokens per sequence at one batch size; ``nodes`` must include 1, the plain step).
+
+    Model: each sequence drafts a chain of n − 1 tokens, each accepted with probability ``alpha``
+    once its parent is, so a step emits τ(n) = 1 + α + … + α^(n−1) tokens per sequence (the bonus
+    token included).  Speed-up(n) = τ(n) · ms(1) / ms(n); the best over the measured n (the smaller
+    n on a tie).  With α = 1 and ``ms`` the forward alone this bounds every drafter that verifies n
+    nodes per sequence (no tree of n nodes accepts more than n tokens): the most speculation can
+    give at that batch size on that hardware.
+
+    Raises:
+        ValueError: ``alpha`` outside [0, 1], or no node count 1."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    nodes = [int(n) for n in nodes]
+    if 1 not in nodes:
+        raise ValueError("the node counts must include 1 (the plain decoding step)")
+    plain = float(ms[nodes.index(1)])
+    speedup, fewer = max((sum(alpha ** i for i in range(n)) * plain / float(t), -n) for n, t in zip(nodes, ms))
+    return speedup, -fewer  # on a tie the fewer nodes (less to draft)
 
 
 def _ema(old: float | None, new: float, weight: float) -> float:
@@ -119,6 +145,34 @@ class VerifyCostCurve:
         lo, hi = sizes[j - 1], sizes[j]
         c_lo, c_hi = self._interp(per_sequence, rows[j - 1]), self._interp(per_sequence, rows[j])
         return c_lo + (batch - lo) / (hi - lo) * np.maximum(c_hi - c_lo, 0.0)
+
+    def ceiling(self, batch: int, alpha: float = 1.0, overhead_ms: float = 0.0) -> tuple[float, int]:
+        """(the best speed-up over plain decoding, its query tokens per sequence) at ``batch``
+        sequences, for chains accepted at ``alpha`` per node (:func:`chain_speedup`) whose
+        speculative steps pay ``overhead_ms`` beyond their verification (drafting, tree search,
+        host work; 0: the ceiling of BENCHMARKS.md's "Where speculation can pay").  Where its
+        best at ``alpha`` = 1 is one query token (plain decoding), speculation cannot pay at this
+        batch size whatever the drafts.
+
+        Raises:
+            ValueError: ``alpha`` outside [0, 1]."""
+        nodes = sorted(set(self.nodes) | {1})
+        ms = self.cost(batch, np.asarray(nodes)) + np.where(np.asarray(nodes) > 1, overhead_ms, 0.0)
+        return chain_speedup(ms, nodes, alpha)
+
+    def calibration_lines(self, batches: tuple[int, ...] = (1, 2, 4, 8, 16),
+                          alphas: tuple[float, ...] = (1.0, 0.8, 0.6)) -> list[str]:
+        """One line per batch size of what the curve says about speculation there: plain decoding's
+        ms per token, a draft node's cost per sequence, the break-even acceptance of a first node
+        (cost(B, 2) / cost(B, 1) − 1) and the ceiling (speed-up, query tokens per sequence) at each
+        acceptance of ``alphas``, drafting free.  The engine logs them at start-up."""
+        lines = []
+        for b in batches:
+            one, two = (float(x) for x in self.cost(b, np.array([1, 2])))
+            best = ", ".join("α {:g}: {:.2f}x at {} tokens".format(a, *self.ceiling(b, a)) for a in alphas)
+            lines.append(f"batch {b}: plain {one / b:.2f} ms/token, a draft node {(two - one) / b:.2f} ms/sequence, "
+                         f"break-even acceptance {two / one - 1:.2f}; ceiling with drafting free {best}")
+        return lines
 
     @classmethod
     @torch.inference_mode()
@@ -185,6 +239,9 @@ class VerifyCostCurve:
         logger.info("verify cost (nodes -> ms): %s", dict(zip(curve.nodes, curve.ms)))
         for b, r in zip(curve.batches, curve.batch_ms):
             logger.info("verify cost at batch %d (nodes per sequence -> ms): %s", b, dict(zip(curve.nodes, r)))
+        if 1 in curve.nodes and 2 in curve.nodes:
+            for line in curve.calibration_lines():
+                logger.info("speculation calibration: %s", line)
         return curve
 
 
@@ -232,10 +289,25 @@ class AdaptiveBudget:
         self.calibration = 1.0
         self.overhead_ms = 0.0  # draft + tree search per step, EMA
         self._kept_depths: deque[int] = deque(maxlen=depth_window)  # deepest kept node of each recent batch step
+        self._kept_nodes: deque[int] = deque(maxlen=depth_window)  # most draft nodes a tree kept, per batch step
+        self._sized: dict[tuple[SearchParams, int], SearchParams] = {}  # search_params' answers
         self.lookup_preference = lookup_preference
         self._chain_counts: dict[int, list[float]] = {}  # match length -> [accepted, offered], decayed
         self._tree_rate: dict[int, float] = {}  # batch bucket -> tokens/ms of tree steps, EMA
         self.lookup_overhead_ms = 0.0  # wall time of a lookup step beyond t_verify, EMA
+        self._can_pay: dict[tuple[int, float], bool] = {}  # can_pay's answers by (batch, overhead)
+
+    def can_pay(self, batch: int) -> bool:
+        """Whether speculation can pay at all with ``batch`` running sequences: some draft of at
+        least one node per sequence, accepted at every node (α = 1), beats plain decoding when each
+        speculative step pays the measured draft and search time (:attr:`overhead_ms`) on top of
+        the verification cost curve (:meth:`VerifyCostCurve.ceiling` chooses more than one query
+        token).  The speculation gate asks it before every step; the answer is kept per batch size
+        and overhead (to 0.1 ms)."""
+        key = (int(batch), round(self.overhead_ms, 1))
+        if key not in self._can_pay:
+            self._can_pay[key] = self.curve.ceiling(batch, 1.0, self.overhead_ms)[1] > 1
+        return self._can_pay[key]
 
     def search_depth(self, max_depth: int) -> int:
         """How deep the next step should draft and search (≤ ``max_depth``).
@@ -248,6 +320,22 @@ class AdaptiveBudget:
         if not self._kept_depths:
             return max_depth
         return max(1, min(max_depth, max(self._kept_depths) + 1))
+
+    def search_params(self, params: SearchParams) -> SearchParams:
+        """The tree search sized to what this budget keeps: at most twice the most draft nodes any
+        tree kept over the last ``depth_window`` steps (at least 4), with a beam width no wider
+        than that and a top-k no wider than that or 8, whichever is more, so that a step that
+        verifies a few nodes does not search for ``params.budget`` (a tree of n nodes has at most
+        n nodes on a level; the top-k keeps room for the n-gram term to promote a token the head
+        ranks lower).  Before any step, ``params``."""
+        if not self._kept_nodes:
+            return params
+        n = min(params.budget, max(4, 2 * max(self._kept_nodes)))
+        key = (params, n)
+        if key not in self._sized:
+            self._sized[key] = replace(params, budget=n, beam_width=min(params.beam_width, n),
+                                       top_k=min(params.top_k, max(8, n)))
+        return self._sized[key]
 
     def select(self, tree: DraftTree) -> tuple[DraftTree, float]:
         """Returns (the truncated tree, its predicted number of accepted draft nodes): :meth:`select_batch` at batch 1."""
@@ -364,6 +452,7 @@ class AdaptiveBudget:
         predicted = kept[:, -1] if kept.shape[1] else np.zeros(b)
         if b:
             self._kept_depths.append(out.max_depth)
+            self._kept_nodes.append(int(keep_counts.max()))
         return out, predicted
 
     def observe(self, predicted: float, accepted: int, overhead_ms: float) -> None:
@@ -492,6 +581,15 @@ class SpeculationGate:
     for hundreds of steps (found serving on an H200: BENCHMARKS.md "GPU").
     Output is unaffected: both modes are lossless.
 
+    **Priced probes.**  A probe of the losing mode costs ``probe_steps`` × (its step time −
+    the winner's); when a probe confirms the winner, the next period is also long enough that
+    this cost stays within ``max_probe_share`` of the period's time at the winner's step time
+    (mean wall ms per step of each mode, measured like the rates), up to ``max_probe_every``.
+    **Batch sizes where speculation cannot pay** (``can_pay(batch)`` false: the engine asks
+    the verification cost curve whether even drafts accepted at every node would beat plain
+    decoding there, at the measured drafting and search time,
+    :meth:`VerifyCostCurve.ceiling`) never speculate: no warm-up, no probe.
+
     This is what :class:`AdaptiveBudget` cannot do by itself: its smallest
     tree still pays the draft and search overhead and a 2-token verification,
     which on a CPU with a weak head costs more than the tokens it wins
@@ -513,17 +611,23 @@ class SpeculationGate:
             a whole probe period: the replay's short runs).
         outlier: a step whose tokens/ms differ from its mode's average by more
             than this factor is not averaged (see above).
+        max_probe_share: the most a settled bucket's probes may cost, as a share of its
+            period's time (see above).
+        can_pay: batch size -> whether speculation can pay there at all (None: everywhere).
 
     Raises:
         ValueError: settings out of range.
     """
 
     def __init__(self, ema: float = 0.02, probe_every: int = 64, probe_steps: int = 4, warmup: int = 8,
-                 max_probe_every: int = 1024, outlier: float = 8.0) -> None:
+                 max_probe_every: int = 1024, outlier: float = 8.0, max_probe_share: float = 0.02,
+                 can_pay: Callable[[int], bool] | None = None) -> None:
         if (not (0 < ema <= 1) or not (2 <= probe_steps < probe_every <= max_probe_every) or warmup < 1
-                or not outlier > 1):
-            raise ValueError("need 0 < ema <= 1, 2 <= probe_steps < probe_every <= max_probe_every, warmup >= 1 "
-                             "and outlier > 1")
+                or not outlier > 1 or not 0 < max_probe_share < 1):
+            raise ValueError("need 0 < ema <= 1, 2 <= probe_steps < probe_every <= max_probe_every, warmup >= 1, "
+                             "outlier > 1 and 0 < max_probe_share < 1")
+        self.max_probe_share = max_probe_share
+        self.can_pay = can_pay
         self.ema = ema
         self.outlier = outlier
         self.hiccups = 0  # steps left out of the averages as outliers
@@ -546,6 +650,8 @@ class SpeculationGate:
 
     def speculate(self, batch: int) -> bool:
         """Whether the next step of ``batch`` running sequences should speculate."""
+        if self.can_pay is not None and not self.can_pay(batch):
+            return False
         b = self._stats(batch)
         if b.seen[1] < self.warmup:
             return True
@@ -555,10 +661,19 @@ class SpeculationGate:
         b.steps += 1
         probing = b.steps > b.period - self.probe_steps
         if b.steps >= b.period:  # the period's probe ends with this step
-            b.period = min(2 * b.period, self.max_probe_every) if b.winner == winner else self.probe_every
+            b.period = (min(max(2 * b.period, self._priced_period(b, winner)), self.max_probe_every)
+                        if b.winner == winner else self.probe_every)
             b.winner = winner
             b.steps = 0
         return winner != probing
+
+    def _priced_period(self, b: "_GateBucket", winner: bool) -> int:
+        """The shortest period whose probe (``probe_steps`` of the loser) costs at most
+        ``max_probe_share`` of the period at the winner's step time (0 before both were timed)."""
+        win, lose = b.step_ms[int(winner)], b.step_ms[int(not winner)]
+        if win <= 0 or lose <= 0:
+            return 0
+        return int(np.ceil(self.probe_steps * max(0.0, lose / win - 1.0) / self.max_probe_share))
 
     def observe(self, batch: int, speculative: bool, tokens: int, step_ms: float, typical: bool = True) -> None:
         """Feeds back one step: its mode, the tokens it emitted (all sequences) and its wall time.
@@ -583,7 +698,9 @@ class SpeculationGate:
             self.hiccups += b.run[k]
             b.seen[k] -= b.run[k]  # those steps no longer count as measured (warm-up included)
             b.run[k] = 0
-        b.rate[k] = _ema(b.rate[k] if b.run[k] else None, rate, max(self.ema, 1 / (b.run[k] + 1)))
+        weight = max(self.ema, 1 / (b.run[k] + 1))
+        b.rate[k] = _ema(b.rate[k] if b.run[k] else None, rate, weight)
+        b.step_ms[k] = _ema(b.step_ms[k] if b.run[k] else None, step_ms, weight)
         b.run[k] += 1
         b.seen[k] += 1
 
@@ -604,6 +721,7 @@ class _GateBucket:
     winner: bool | None = None  # the mode that won at the end of the last period (True = speculative)
     last: bool | None = None  # mode of the last observed step
     rate: list[float] = field(default_factory=lambda: [0.0, 0.0])  # tokens/ms, moving averages
+    step_ms: list[float] = field(default_factory=lambda: [0.0, 0.0])  # wall ms per step, moving averages
     seen: list[int] = field(default_factory=lambda: [0, 0])  # steps measured
     streak: int = 0  # steps of the last observed mode in a row
     run: list[int] = field(default_factory=lambda: [0, 0])  # steps the current average weighs (1 + new ones on resuming)

@@ -153,9 +153,10 @@ class HeadTreeDrafter(Drafter):
         levels = topk_ids.shape[1]
         chains = [c.continuation(levels) if c is not None else None for c in state.context] \
             if engine.uses_context else None
+        params = engine.search_params if engine.budget is None else engine.budget.search_params(engine.search_params)
         trees = engine.tree_search.search_batch(topk_ids, topk_probs,
                                                 [np.asarray(t, dtype=np.int64) for t in state.tokens],
-                                                engine.search_params, chains)
+                                                params, chains)
         return Proposal(trees, kind="tree", draft_ms=draft_ms, search_ms=1e3 * (time.perf_counter() - t0),
                         catch_up=catch_up)
 

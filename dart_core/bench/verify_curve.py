@@ -22,7 +22,7 @@ import argparse
 import sys
 import time
 
-__all__ = ["measure_curves", "markdown_table", "chain_speedup", "ceiling_table", "build_parser", "main",
+__all__ = ["measure_curves", "markdown_table", "ceiling_table", "build_parser", "main",
            "ACCEPTANCES"]
 
 #: per-node acceptance rates of :func:`ceiling_table`'s columns
@@ -84,30 +84,6 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def chain_speedup(ms: list[float], nodes: list[int], alpha: float) -> tuple[float, int]:
-    """The best speed-up over plain decoding, and its node count, of drafts verified with the
-    timings ``ms`` [len(nodes)] (ms of one forward of ``nodes[i]`` query tokens per sequence at one
-    batch size; ``nodes`` must include 1, the plain step).
-
-    Model: each sequence drafts a chain of n − 1 tokens, each accepted with probability ``alpha``
-    once its parent is, so a step emits τ(n) = 1 + α + … + α^(n−1) tokens per sequence (the bonus
-    token included) in one forward of n query tokens; drafting, tree search and host time cost
-    nothing.  Speed-up(n) = τ(n) · ms(1) / ms(n); the best over the measured n (the smaller n on a
-    tie).  With α = 1 this bounds every drafter that verifies n nodes per sequence (no tree of n
-    nodes accepts more than n tokens), so it is the most speculation can give at that batch size on
-    this hardware.
-
-    Raises:
-        ValueError: ``alpha`` outside [0, 1], or no node count 1."""
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    if 1 not in nodes:
-        raise ValueError("the node counts must include 1 (the plain decoding step)")
-    plain = ms[nodes.index(1)]
-    speedup, fewer = max((sum(alpha ** i for i in range(n)) * plain / t, -n) for n, t in zip(nodes, ms))
-    return speedup, -fewer  # on a tie the fewer nodes (less to draft)
-
-
 def ceiling_table(result: dict, acceptances: tuple[float, ...] = ACCEPTANCES) -> str:
     """Where speculation can pay, per weight format and measured batch size B (rows), from one
     :func:`measure_curves` result whose node counts include 1 and 2:
@@ -119,10 +95,12 @@ def ceiling_table(result: dict, acceptances: tuple[float, ...] = ACCEPTANCES) ->
       only if it is accepted more often than this (B (1 + α) tokens in ms(B, 2) against B tokens
       in ms(B, 1)), before any drafting cost;
     - the best speed-up at each per-node acceptance α of ``acceptances``, with its node count
-      (:func:`chain_speedup`).
+      (:func:`dart_core.budget.chain_speedup`).
 
     Raises:
         ValueError: node counts without 1 or 2; a value of ``acceptances`` outside [0, 1]."""
+    from dart_core.budget import chain_speedup
+
     names = list(result["curves"])
     nodes = result["curves"][names[0]]["nodes"]
     if 1 not in nodes or 2 not in nodes:

@@ -525,18 +525,19 @@ def test_the_speculation_ceiling_follows_its_formula_from_the_timings():
     """chain_speedup: τ(n) = 1 + α + … + α^(n−1) tokens per sequence in ms(n) against one in ms(1); the
     ceiling table's break-even acceptance is ms(2) ÷ ms(1) − 1 and a draft node costs (ms(2) − ms(1)) ÷ B."""
     from dart_core.bench import verify_curve
+    from dart_core.budget import chain_speedup
 
     nodes, ms = [1, 2, 4], [10.0, 15.0, 30.0]
     # α = 1: n = 2 gives 2·10/15, n = 4 gives 4·10/30, the same: the tie goes to fewer nodes
-    assert verify_curve.chain_speedup(ms, nodes, 1.0) == (pytest.approx(4 / 3), 2)
+    assert chain_speedup(ms, nodes, 1.0) == (pytest.approx(4 / 3), 2)
     # α = 0.5: n = 2 → 1.5·10/15 = 1.0; n = 4 → 1.875·10/30 = 0.625; n = 1 → 1.0
-    assert verify_curve.chain_speedup(ms, nodes, 0.5)[0] == pytest.approx(1.0)
-    assert verify_curve.chain_speedup([10.0, 10.5, 12.0], nodes, 0.8) == (pytest.approx(2.952 * 10 / 12), 4)
-    assert verify_curve.chain_speedup(ms, nodes, 0.0) == (1.0, 1)
+    assert chain_speedup(ms, nodes, 0.5)[0] == pytest.approx(1.0)
+    assert chain_speedup([10.0, 10.5, 12.0], nodes, 0.8) == (pytest.approx(2.952 * 10 / 12), 4)
+    assert chain_speedup(ms, nodes, 0.0) == (1.0, 1)
     with pytest.raises(ValueError, match="alpha"):
-        verify_curve.chain_speedup(ms, nodes, 1.5)
+        chain_speedup(ms, nodes, 1.5)
     with pytest.raises(ValueError, match="include 1"):
-        verify_curve.chain_speedup(ms[1:], nodes[1:], 0.5)
+        chain_speedup(ms[1:], nodes[1:], 0.5)
 
     result = {"curves": {"gguf-native": {"nodes": nodes, "ms": [10.0, 10.5, 12.0], "batches": [4],
                                          "batch_ms": [[20.0, 30.0, 50.0]], "format": "4-bit test"}}}

@@ -10,7 +10,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dart_core.budget import AdaptiveBudget, SpeculationGate, VerifyCostCurve, curve_shapes, node_acceptance_estimates
+from dart_core.budget import (AdaptiveBudget, SpeculationGate, VerifyCostCurve, chain_speedup, curve_shapes,
+                              node_acceptance_estimates)
 from dart_core.engine import DartEngine
 from dart_core.sampling import SamplingParams
 from ngram_service.tree_search import ContextChain
@@ -126,6 +127,39 @@ def test_search_depth_follows_the_kept_trees():
     assert policy.search_depth(8) == 3  # the depth-2 step is still in the window of 2
     policy.select(hopeless(tree))
     assert policy.search_depth(8) == 2
+
+
+def test_the_search_is_sized_to_what_the_budget_keeps():
+    """search_params: at most twice the most nodes kept over the recent steps (at least 4), beam no
+    wider, top-k no wider than that or 8; the engine's tree search receives it."""
+    from ngram_service.tree_search import SearchParams
+
+    tree = with_scores(TREE, [0.0, -0.7, -1.2, -0.9, -3.0])
+    policy = AdaptiveBudget(VerifyCostCurve((1, 2, 3, 4, 5), (30.0, 40.0, 50.0, 60.0, 70.0)), depth_window=2)
+    params = SearchParams()
+    assert policy.search_params(params) is params  # nothing kept yet: the full search
+    policy.select(hopeless(tree))  # keeps one node
+    small = policy.search_params(params)
+    assert (small.budget, small.beam_width, small.top_k) == (4, 4, 8) and small.max_depth == params.max_depth
+    assert policy.search_params(params) is small  # made once
+    policy._kept_nodes.append(30)
+    wide = policy.search_params(params)
+    assert (wide.budget, wide.beam_width, wide.top_k) == (60, 20, 25)  # never beyond the configured search
+
+    from ngram_service.client import InProcessTreeSearch
+
+    class Recorder(InProcessTreeSearch):
+        def search_batch(self, topk_ids, topk_probs, contexts, params, chains=None):
+            seen.append(params)
+            return super().search_batch(topk_ids, topk_probs, contexts, params, chains)
+
+    seen = []
+    target = tiny_target("llama")
+    engine = DartEngine(target, random_head(target), Recorder(None), SearchParams(budget=12),
+                        budget=AdaptiveBudget(VerifyCostCurve((1, 64), (10.0, 10.0))))
+    engine.generate(prompts_of(np.random.default_rng(0), [5]), SamplingParams(max_new_tokens=6))
+    assert seen[0].budget == 12 and seen[0].beam_width == 20  # the first step: the configured search
+    assert len(seen) > 1 and all(p.budget <= 12 and p.beam_width <= p.budget for p in seen[1:])
 
 
 def test_cost_curve_extrapolates_its_last_slope():
@@ -269,7 +303,8 @@ def test_gate_follows_a_change_seen_by_its_probes():
 
 
 def test_gate_probes_less_often_while_the_same_mode_keeps_winning():
-    gate = SpeculationGate(ema=0.5, probe_every=4, probe_steps=2, warmup=1, max_probe_every=16)
+    # probes priced loosely (a probe may cost 90 % of its period), so the period only doubles
+    gate = SpeculationGate(ema=0.5, probe_every=4, probe_steps=2, warmup=1, max_probe_every=16, max_probe_share=0.9)
     warm = 3  # one speculative step, then two autoregressive (the first one after the switch is not measured)
     modes = _drive(gate, 1, warm + 48, spec_rate=0.5, ar_rate=1.0)
     # probe periods 4, 4 (the first end only records the winner), 8, 16, 16: one 2-step probe each
@@ -291,8 +326,55 @@ def test_gate_judges_a_probe_by_its_own_steps_not_by_old_averages():
     assert modes[first + 8:].count(False) <= 4 * (len(modes) // 64 + 1)  # afterwards autoregressive steps are probes
 
 
+def test_gate_spaces_its_probes_by_their_measured_cost():
+    """Once a probe confirms the winner, the next period is long enough that a probe (probe_steps of the
+    loser, each costing its step time minus the winner's) stays within max_probe_share of the period."""
+    gate = SpeculationGate(ema=0.5, probe_every=8, probe_steps=2, warmup=1, max_probe_every=1024,
+                           max_probe_share=0.05)
+    modes = _drive(gate, 1, 3 + 2000, spec_rate=1 / 3, ar_rate=1.0)  # a speculative step takes 3x as long
+    starts = [i for i in range(1, len(modes)) if modes[i] and not modes[i - 1]]
+    gaps = np.diff(starts)
+    priced = int(np.ceil(2 * (3 - 1) / 0.05))  # 80 steps
+    assert gaps[0] == 8 and all(g >= priced for g in gaps[1:])  # the first period only records the winner
+    probe_ms = modes[starts[1]:].count(True) * (30 - 10)  # what the probes cost beyond autoregressive steps
+    assert probe_ms <= 0.05 * 10 * len(modes[starts[1]:]) + 2 * 20  # within the share (the last probe aside)
+
+
+def test_gate_never_speculates_where_speculation_cannot_pay():
+    """A batch size where can_pay says no never speculates: no warm-up, no probe, nothing measured."""
+    gate = SpeculationGate(warmup=1, probe_every=8, probe_steps=2, max_probe_every=8, can_pay=lambda b: b < 8)
+    assert not any(_drive(gate, 16, 50, spec_rate=2.0, ar_rate=1.0))
+    assert gate.speedup(16) is None
+    assert _drive(gate, 4, 1, spec_rate=2.0, ar_rate=1.0) == [True]  # elsewhere the gate warms up as before
+
+
+def test_the_ceiling_and_whether_speculation_can_pay():
+    """VerifyCostCurve.ceiling is chain_speedup over the curve's cost at the batch size plus the step's
+    overhead; AdaptiveBudget.can_pay is its α = 1 value at the measured overhead, at least 1."""
+    linear = VerifyCostCurve((1, 2, 4, 8), (10.0, 20.0, 40.0, 80.0))  # every query token costs a whole step
+    assert linear.ceiling(1, 1.0) == (pytest.approx(1.0), 1)
+    flat = VerifyCostCurve((1, 2, 4, 8), (10.0, 10.0, 10.0, 12.0))
+    assert flat.ceiling(1, 1.0) == (pytest.approx(8 * 10 / 12), 8)
+    assert flat.ceiling(1, 0.5, overhead_ms=2.0) == chain_speedup([10.0, 12.0, 12.0, 14.0], [1, 2, 4, 8], 0.5)
+    # the batch-1 curve prices batch 4 as 4n tokens: 8 tokens at batch 4 cost 4 x 8 tokens (extrapolated)
+    assert flat.ceiling(4, 1.0)[0] == pytest.approx(max(n * float(flat(4)) / float(flat(4 * n)) for n in (1, 2, 4, 8)))
+    budget = AdaptiveBudget(linear)
+    assert not budget.can_pay(1)  # exactly break-even with drafting free: nothing to gain
+    cheap = AdaptiveBudget(VerifyCostCurve((1, 2, 4, 8), (10.0, 19.0, 39.0, 79.0)))
+    assert cheap.can_pay(1)  # the first node costs 9 ms of a 10 ms step, each further one 10
+    cheap.overhead_ms = 1.5
+    assert not cheap.can_pay(1) and not cheap.can_pay(16)
+    fast = AdaptiveBudget(VerifyCostCurve((1, 2, 4, 8), (10.0, 10.0, 10.0, 40.0)))  # flat, then 7.5 ms a token
+    fast.overhead_ms = 0.5
+    assert fast.can_pay(1) and not fast.can_pay(16)  # 16 sequences: 16 tokens per node, on the steep part
+    lines = flat.calibration_lines(batches=(1, 4), alphas=(1.0, 0.6))
+    assert len(lines) == 2 and lines[0].startswith("batch 1: plain 10.00 ms/token, a draft node 0.00 ms/sequence, "
+                                                   "break-even acceptance 0.00; ceiling with drafting free α 1: 6.67x")
+
+
 @pytest.mark.parametrize("kw", [{"ema": 0}, {"ema": 1.5}, {"probe_steps": 1}, {"probe_every": 4, "probe_steps": 4},
-                                {"probe_every": 64, "max_probe_every": 32}, {"warmup": 0}, {"outlier": 1.0}])
+                                {"probe_every": 64, "max_probe_every": 32}, {"warmup": 0}, {"outlier": 1.0},
+                                {"max_probe_share": 0.0}, {"max_probe_share": 1.0}])
 def test_gate_rejects_bad_settings(kw):
     with pytest.raises(ValueError):
         SpeculationGate(**kw)
