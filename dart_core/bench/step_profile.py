@@ -396,19 +396,26 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
 
 
 def markdown_table(result: dict) -> str:
-    """The rows as a Markdown table, with the floor above it."""
+    """The rows as a Markdown table, with the floor above it: per mode the step's wall ms (and its
+    ratio to the autoregressive row's, when that mode ran: a gated-off step should cost what an
+    autoregressive one does) and the engine's phases per target forward (draft, tree search,
+    verify: the target forward, acceptance and KV compaction)."""
     from dart_core.bench.decoding import hardware_line
 
     head = (f"{hardware_line(result['hardware'])}. Target weights {result['weights_bytes'] / 1e6:.1f} MB "
             f"({result['weights_dtype']}), measured bandwidth {result['bandwidth_gbs']:.0f} GB/s: "
             f"floor {result['floor_ms']:.3f} ms per target forward.\n\n")
-    lines = ["| mode | τ | tokens/s | step ms | kernel ms | kernels/step | host share | step ÷ floor | "
-             "host reads/step | ops/step | host-only ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | τ | tokens/s | step ms | step ÷ autoregressive | draft ms | tree ms | verify ms | kernel ms | "
+             "kernels/step | host share | step ÷ floor | host reads/step | ops/step | host-only ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    plain = next((r["step_ms"] for r in result["rows"] if r["mode"] == "autoregressive"), None)
     for r in result["rows"]:
         def f(v, spec):
             return "—" if v is None else format(v, spec)
+        phase = r.get("phase_ms_per_step", {})
         lines.append(f"| {r['mode']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['step_ms']:.2f} | "
+                     f"{f(r['step_ms'] / plain if plain else None, '.3f')} | {f(phase.get('draft'), '.2f')} | "
+                     f"{f(phase.get('tree_search'), '.2f')} | {f(phase.get('verify'), '.2f')} | "
                      f"{f(r['kernel_ms_per_step'], '.2f')} | {f(r['kernels_per_step'], '.0f')} | "
                      f"{f(r.get('host_share'), '.0%')} | {r['step_over_floor']:.0f}× | "
                      f"{f(r.get('host_reads_per_step'), '.1f')} | {f(r.get('ops_per_step'), '.0f')} | "

@@ -341,7 +341,12 @@ def test_step_profile_reports_the_floor_and_each_mode(tiny_model_dir, prompts_fi
     assert rows["autoregressive"]["host_reads_per_step"] == 1 and rows["dart"]["host_reads_per_step"] == 1
     assert all(r["ops_per_step"] > 0 and r["host_only_ms_per_step"] is not None for r in rows.values())
     paths = step_profile.save(result, tmp_path)
-    assert "| autoregressive | 1.00 |" in paths["md"].read_text()
+    md = paths["md"].read_text()
+    assert "| autoregressive | 1.00 |" in md and "| step ÷ autoregressive | draft ms | tree ms | verify ms |" in md
+    dart = rows["dart"]
+    ratio = dart["step_ms"] / rows["autoregressive"]["step_ms"]
+    assert (f"| dart | {dart['tau']:.2f} | {dart['tokens_per_s']:.1f} | {dart['step_ms']:.2f} | {ratio:.3f} | "
+            f"{dart['phase_ms_per_step']['draft']:.2f} | {dart['phase_ms_per_step']['tree_search']:.2f} | ") in md
     batched = step_profile.run_step_profile(dataclasses.replace(cfg, batch_size=2, modes=["dart", "gated-off",
                                                                                              "autoregressive"]),
                                             progress=False)
