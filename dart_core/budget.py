@@ -306,6 +306,8 @@ class AdaptiveBudget:
         and overhead (to 0.1 ms)."""
         key = (int(batch), round(self.overhead_ms, 1))
         if key not in self._can_pay:
+            if len(self._can_pay) >= 4096:  # a bound: the overhead wanders over many values in a long run
+                self._can_pay.clear()
             self._can_pay[key] = self.curve.ceiling(batch, 1.0, self.overhead_ms)[1] > 1
         return self._can_pay[key]
 
