@@ -622,7 +622,7 @@ class SpeculationGate:
     """
 
     def __init__(self, ema: float = 0.02, probe_every: int = 64, probe_steps: int = 4, warmup: int = 8,
-                 max_probe_every: int = 1024, outlier: float = 8.0, max_probe_share: float = 0.02,
+                 max_probe_every: int = 1024, outlier: float = 8.0, max_probe_share: float = 0.05,
                  can_pay: Callable[[int], bool] | None = None) -> None:
         if (not (0 < ema <= 1) or not (2 <= probe_steps < probe_every <= max_probe_every) or warmup < 1
                 or not outlier > 1 or not 0 < max_probe_share < 1):
@@ -670,12 +670,14 @@ class SpeculationGate:
         return winner != probing
 
     def _priced_period(self, b: "_GateBucket", winner: bool) -> int:
-        """The shortest period whose probe (``probe_steps`` of the loser) costs at most
-        ``max_probe_share`` of the period at the winner's step time (0 before both were timed)."""
-        win, lose = b.step_ms[int(winner)], b.step_ms[int(not winner)]
-        if win <= 0 or lose <= 0:
+        """The shortest period whose probe costs at most ``max_probe_share`` of the period's time:
+        ``probe_steps`` of the loser, each losing its step time × (1 − loser's rate ÷ winner's
+        rate) against the winner, over a period of the winner's steps (0 before both were timed)."""
+        w, l = int(winner), int(not winner)
+        if min(b.step_ms) <= 0 or b.rate[w] <= 0:
             return 0
-        return int(np.ceil(self.probe_steps * max(0.0, lose / win - 1.0) / self.max_probe_share))
+        lost_ms = self.probe_steps * b.step_ms[l] * max(0.0, 1.0 - b.rate[l] / b.rate[w])
+        return int(np.ceil(lost_ms / (self.max_probe_share * b.step_ms[w])))
 
     def observe(self, batch: int, speculative: bool, tokens: int, step_ms: float, typical: bool = True) -> None:
         """Feeds back one step: its mode, the tokens it emitted (all sequences) and its wall time.

@@ -327,8 +327,9 @@ def test_gate_judges_a_probe_by_its_own_steps_not_by_old_averages():
 
 
 def test_gate_spaces_its_probes_by_their_measured_cost():
-    """Once a probe confirms the winner, the next period is long enough that a probe (probe_steps of the
-    loser, each costing its step time minus the winner's) stays within max_probe_share of the period."""
+    """Once a probe confirms the winner, the next period is long enough that what a probe loses
+    (probe_steps of the loser, each losing its step time x (1 - its rate / the winner's)) stays within
+    max_probe_share of the period.  Here both modes emit 10 tokens a step, so a probe step loses 30 - 10 ms."""
     gate = SpeculationGate(ema=0.5, probe_every=8, probe_steps=2, warmup=1, max_probe_every=1024,
                            max_probe_share=0.05)
     modes = _drive(gate, 1, 3 + 2000, spec_rate=1 / 3, ar_rate=1.0)  # a speculative step takes 3x as long
