@@ -641,8 +641,8 @@ class OpenAIIngress:
     async def _grpc_stream(self, request, context):  # context: RayServegRPCContext
         """The chunks of one gRPC request.  With an API key set, the call's ``authorization``
         metadata must carry it (``Bearer <key>``, as HTTP's header): otherwise UNAUTHENTICATED,
-        before the request is read or anything is queued.  Health and reflection stay open
-        (Serve's gRPC proxy serves them itself)."""
+        before the request is read or anything is queued.  Serve's own gRPC health method stays
+        open (the proxy answers it without calling the application)."""
         import grpc
 
         if self.api_key is not None:
