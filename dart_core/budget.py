@@ -583,10 +583,11 @@ class SpeculationGate:
     for hundreds of steps (found serving on an H200: BENCHMARKS.md "GPU").
     Output is unaffected: both modes are lossless.
 
-    **Priced probes.**  A probe of the losing mode costs ``probe_steps`` × (its step time −
-    the winner's); when a probe confirms the winner, the next period is also long enough that
-    this cost stays within ``max_probe_share`` of the period's time at the winner's step time
-    (mean wall ms per step of each mode, measured like the rates), up to ``max_probe_every``.
+    **Priced probes.**  A probe loses ``probe_steps`` × the loser's step time × (1 − the
+    loser's rate ÷ the winner's) against running the winner; when a probe confirms the winner,
+    the next period is also long enough that this loss stays within ``max_probe_share`` of the
+    period's time at the winner's step time (mean wall ms per step of each mode, measured like
+    the rates), up to ``max_probe_every``.
     **Batch sizes where speculation cannot pay** (``can_pay(batch)`` false: the engine asks
     the verification cost curve whether even drafts accepted at every node would beat plain
     decoding there, at the measured drafting and search time,

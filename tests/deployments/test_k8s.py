@@ -175,7 +175,8 @@ def test_the_build_job_writes_the_trie_the_ngram_host_reads():
     assert claims == {pvc["metadata"]["name"]}
     (container,) = job["spec"]["template"]["spec"]["containers"]
     cache = {e["name"]: e["value"] for e in container["env"]}["DART_SERVE_CACHE"]
-    assert cache == {e["name"]: e.get("value") for e in host["template"]["spec"]["containers"][0]["env"]}["DART_SERVE_CACHE"]
+    host_env = host["template"]["spec"]["containers"][0]["env"]
+    assert cache == {e["name"]: e.get("value") for e in host_env}["DART_SERVE_CACHE"]
     args = container["command"]
     assert args[:3] == ["python", "-m", "ngram_service.build"] and cluster["applications"][0]["args"]["ngram"]["trie"] == "auto"
     import os
