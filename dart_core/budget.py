@@ -584,7 +584,9 @@ class SpeculationGate:
     Output is unaffected: both modes are lossless.
 
     **Priced probes.**  A probe loses ``probe_steps`` × the loser's step time × (1 − the
-    loser's rate ÷ the winner's) against running the winner; when a probe confirms the winner,
+    loser's rate ÷ the winner's) against running the winner, plus what the step that resumes
+    speculation costs beyond a speculative step (the draft head catching up on the positions
+    held while it was off; an average over switches); when a probe confirms the winner,
     the next period is also long enough that this loss stays within ``max_probe_share`` of the
     period's time at the winner's step time (mean wall ms per step of each mode, measured like
     the rates), up to ``max_probe_every``.
@@ -677,7 +679,8 @@ class SpeculationGate:
         w, l = int(winner), int(not winner)
         if min(b.step_ms) <= 0 or b.rate[w] <= 0:
             return 0
-        lost_ms = self.probe_steps * b.step_ms[l] * max(0.0, 1.0 - b.rate[l] / b.rate[w])
+        # every period resumes speculation once (its probe, or the winner after it): the draft head's catch-up
+        lost_ms = self.probe_steps * b.step_ms[l] * max(0.0, 1.0 - b.rate[l] / b.rate[w]) + (b.switch_ms or 0.0)
         return int(np.ceil(lost_ms / (self.max_probe_share * b.step_ms[w])))
 
     def observe(self, batch: int, speculative: bool, tokens: int, step_ms: float, typical: bool = True) -> None:
@@ -693,6 +696,8 @@ class SpeculationGate:
         if switched and b.streak >= self.probe_every:  # the other mode ran more than a probe period
             b.run[k] = min(b.run[k], 1)  # stale: the old average counts as one step beside the steps to come
         b.streak = 1 if switched else b.streak + 1
+        if switched and speculative and b.run[1] and step_ms > 0:  # the catch-up, priced into the probe period
+            b.switch_ms = _ema(b.switch_ms, max(0.0, step_ms - b.step_ms[1]), 0.25)
         if switched or not typical or step_ms <= 0:
             return
         rate = tokens / step_ms
@@ -730,3 +735,4 @@ class _GateBucket:
     seen: list[int] = field(default_factory=lambda: [0, 0])  # steps measured
     streak: int = 0  # steps of the last observed mode in a row
     run: list[int] = field(default_factory=lambda: [0, 0])  # steps the current average weighs (1 + new ones on resuming)
+    switch_ms: float | None = None  # what a step resuming speculation costs beyond a speculative step, ms (average)

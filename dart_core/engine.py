@@ -119,8 +119,9 @@ class GenerationResult:
     emitted_after_prefill: int = 0  # tokens emitted by those steps, summed over sequences
     sequence_steps: int = 0  # (sequence, step) pairs after prefill
     verified_nodes: int = 0  # tree nodes the target verified after prefill, roots included, over sequences
+    # ms summed over steps; "total": every step, the prefills included; "prefill": the prefills alone
     phase_ms: dict[str, float] = field(default_factory=lambda: {"draft": 0.0, "tree_search": 0.0, "verify": 0.0,
-                                                                 "total": 0.0})
+                                                                 "total": 0.0, "prefill": 0.0})
 
     @property
     def tau(self) -> float:
@@ -210,6 +211,12 @@ class DartEngine:
         # (_fold_held), as is a new prompt, so that a draft after such steps reads no more than the
         # static drafter's widest graph-captured width; None holds them until the next draft
         self.fold_width: int | None = DEFAULT_DRAFT_WIDTHS[-1] - 1
+        # a gated-off step (the batch speculates, this step does not) keeps only references to its
+        # taps and tokens (_BatchState.hold): the step's work is the autoregressive step's.  They
+        # become pending draft-head inputs (and the context indexes see the tokens) when speculation
+        # resumes, when sequences join or leave, or once a sequence's held and pending positions
+        # pass this many (then folded: _fold_held), which bounds what is held
+        self.hold_steps = 64
         self.context_window = context_window
         self.context_order = context_order
         if lookup_length < 0:
@@ -246,6 +253,8 @@ class DartEngine:
             if any(step.accepted_lengths):
                 result.target_forwards += 1
                 result.verified_nodes += sum(step.draft_nodes) + len(step.seq_ids)
+            else:  # a prefill (generate cancels nothing)
+                result.phase_ms["prefill"] += step.step_ms
             for name, ms in (("draft", step.draft_ms), ("tree_search", step.tree_search_ms),
                              ("verify", step.verify_ms), ("total", step.step_ms)):
                 result.phase_ms[name] += ms
@@ -399,6 +408,8 @@ class DartEngine:
     def _step(self, state: "_BatchState", speculative: bool) -> StepOutput:
         """One step for every running sequence: propose → select → verify → accept."""
         t_step = time.perf_counter()
+        if speculative and state.held:  # speculation resumes: the draft head catches up once
+            self._release_held(state)
         proposal = (self.drafter.propose(self, state) if speculative else None) or NoDraft().propose(self, state)
         draft, predicted = self._select(state, proposal)
         t_verify = time.perf_counter()
@@ -466,27 +477,31 @@ class DartEngine:
         elif predicted is not None:  # a constraint may have reshaped a tree: those rows are left out
             free = np.fromiter((g is None for g in state.constraints), dtype=bool, count=b_size)
             self.budget.observe_batch(predicted[free], counts_host[free] - 1, proposal.draft_ms + proposal.search_ms)
+        # a gated-off step of a speculative batch: the draft head's inputs and the context indexes wait
+        hold = state.speculative and not speculative
         new_tokens, nexts, logprobs = [], [], []
         for i, row in enumerate(emitted_rows.tolist()):  # per sequence: its token list, stop conditions, context
             candidates = row[: counts_host[i] - 1] + row[-1:]
             nexts.append(candidates)
-            emitted, state.reasons[i] = self._emit(state, i, candidates)
+            emitted, state.reasons[i] = self._emit(state, i, candidates, index=not hold)
             new_tokens.append(emitted)
             k = state.samplings[i].logprobs  # token j of the path is predicted by the node before it
             logprobs.append(None if k is None else
                             _token_logprobs(out.logits[i, paths[i, : len(emitted)].tolist()], emitted, k))
         acc_lens = counts_host.tolist()
-        if state.speculative:  # the accepted positions feed the next draft
-            # no row accepted a draft node (an autoregressive step: the gate is off): the roots' taps, a view
+        if hold:  # references only (a static verifier's output is reused by the next forward: a copy)
+            taps = out.taps[:, :1]
+            state.hold(taps if self.target.static is None else taps.clone(), old_lengths, nexts)
+            if len(state.held) + max(len(x) for x in state.pend_next) > self.hold_steps:
+                self._release_held(state)
+        elif state.speculative:  # the accepted positions feed the next draft
+            # no row accepted a draft node: the roots' taps, a view (a run of lookup steps is left to
+            # the next draft: folding there measured slower at batch 1, the static draft's cache
+            # copied in after each fold)
             taps = (out.taps[:, :1] if a_max == 1
                     else out.taps.gather(1, path[..., None].expand(-1, -1, out.taps.shape[-1])))
             positions = old_lengths[:, None] + (0 if a_max == 1 else torch.arange(a_max, device=device))
             state.add_pending(taps, positions, counts, nexts)
-            if (not speculative and self.fold_width is not None
-                    and max(len(x) for x in state.pend_next) > self.fold_width):
-                # autoregressive steps go by (a run of lookup steps is left to the next draft: folding
-                # there measured slower at batch 1, the static draft's cache copied in after each fold)
-                self._fold_held(state)
         _sync(device)
         verify_ms = 1e3 * (time.perf_counter() - t_verify)
         step_ms = 1e3 * (time.perf_counter() - t_step)
@@ -525,8 +540,10 @@ class DartEngine:
             if len(p) >= self.target.max_context:
                 raise ValueError(f"prompt {i} has {len(p)} tokens; the target's context is {self.target.max_context}")
 
-    def _emit(self, state: "_BatchState", i: int, candidates: list[int]) -> tuple[list[int], str | None]:
-        """Appends tokens to sequence i until a stop token, max_new_tokens or the context limit."""
+    def _emit(self, state: "_BatchState", i: int, candidates: list[int], index: bool = True
+              ) -> tuple[list[int], str | None]:
+        """Appends tokens to sequence i until a stop token, max_new_tokens or the context limit;
+        ``index``: its context index sees them now (else when its held tokens are released)."""
         sampling = state.samplings[i]
         stop_ids = () if sampling.ignore_eos else sampling.stop_token_ids
         seq = state.tokens[i]
@@ -544,7 +561,7 @@ class DartEngine:
                 break
         if reason is None and state.constraints[i] is not None and state.constraints[i].stopped:
             reason = "stop"  # the grammar is complete (its EOS consumed, even with ignore_eos)
-        if state.context[i] is not None:
+        if index and state.context[i] is not None:
             state.context[i].append(out)  # one call per step: the index sees what the sequence kept
         return out, reason
 
@@ -588,6 +605,15 @@ class DartEngine:
         self.static_draft = StaticDrafter(self.head, self.target.embed_tokens, top_k=self.search_params.top_k,
                                           **kwargs)
         return self.static_draft
+
+    def _release_held(self, state: "_BatchState") -> None:
+        """The gated-off steps' held taps and tokens become pending draft-head inputs
+        (:meth:`_BatchState.release_held`), then all but each sequence's last position are folded into
+        its head KV cache past ``fold_width`` (the catch-up paid once, where speculation resumes or
+        the held positions pass ``hold_steps``)."""
+        state.release_held()
+        if self.fold_width is not None and max(len(x) for x in state.pend_next) > self.fold_width:
+            self._fold_held(state)
 
     @torch.inference_mode()
     def _fold_held(self, state: "_BatchState") -> None:
@@ -770,12 +796,15 @@ class _BatchState:
     speculative: bool = False
     # per row: what masks its logits (dart_core.grammar.row_constraint: a grammar's state, min_tokens) or None
     constraints: list = field(default_factory=list)
+    # gated-off steps not yet pending, oldest first: (taps [B, 1, 3H], positions [B], next tokens per row)
+    held: list = field(default_factory=list)
 
     @classmethod
     def empty(cls, speculative: bool) -> "_BatchState":
         return cls([], [], [], [], [], None, None, [], None, None, None, [], [], [], speculative)
 
     def merge(self, new: "_BatchState") -> None:
+        self.release_held()  # held steps are laid out by the old rows
         if not self.seq_ids:
             speculative = self.speculative
             self.__dict__.update(new.__dict__)
@@ -807,6 +836,7 @@ class _BatchState:
         """Keeps the given rows (finished or cancelled sequences leave)."""
         if len(rows) == len(self.seq_ids):
             return
+        self.release_held()
         for name in ("seq_ids", "tokens", "produced", "samplings", "generators", "reasons", "spec_ok", "pend_next",
                      "context", "constraints"):
             setattr(self, name, [getattr(self, name)[i] for i in rows])
@@ -818,6 +848,26 @@ class _BatchState:
         if self.speculative:
             self.head_cache.select(sel)
             self.pend_taps, self.pend_pos, self.pend_count = self.pend_taps[sel], self.pend_pos[sel], self.pend_count[sel]
+
+    def hold(self, taps: torch.Tensor, positions: torch.Tensor, nexts: list[list[int]]) -> None:
+        """Keeps a gated-off step's root taps [B, 1, 3H], positions [B] (the cache lengths before the
+        step) and each row's next token, by reference: no device work (:meth:`release_held`)."""
+        self.held.append((taps, positions, nexts))
+
+    def release_held(self) -> None:
+        """The held steps, in order, as pending draft-head inputs (one concatenation), and their tokens
+        into each row's context index."""
+        if not self.held:
+            return
+        held, self.held = self.held, []
+        taps = held[0][0] if len(held) == 1 else torch.cat([h[0] for h in held], 1)
+        positions = torch.stack([h[1] for h in held], 1)
+        nexts = [[tok for h in held for tok in h[2][i]] for i in range(len(self.seq_ids))]
+        for ctx, toks in zip(self.context, nexts):
+            if ctx is not None:
+                ctx.append(toks)
+        counts = torch.full((len(nexts),), len(held), dtype=torch.long, device=positions.device)
+        self.add_pending(taps, positions, counts, nexts)
 
     def clear_pending(self) -> None:
         """Empties every row's pending inputs (the buffers keep their capacity)."""

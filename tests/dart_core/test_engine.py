@@ -317,10 +317,10 @@ def test_a_sequence_that_opts_out_of_speculation_makes_its_batch_autoregressive(
 
 
 def test_held_draft_inputs_are_folded_into_the_head_cache_while_steps_do_not_draft():
-    """Above max_speculative_batch no step drafts.  Each sequence's held draft-head inputs are then
-    folded into its head KV cache past fold_width positions (a new prompt at once), so they stay
-    bounded; the first draft once speculation resumes equals that of an engine that held them all,
-    and the output stays exact either way."""
+    """Above max_speculative_batch no step drafts.  Each sequence's draft-head inputs are then held
+    by reference, and folded into its head KV cache once held and pending positions pass hold_steps
+    (a new prompt at once, past fold_width), so they stay bounded; the first draft once speculation
+    resumes equals that of an engine that held them all, and the output stays exact either way."""
     target = tiny_target("llama", seed=6)
     prompts = prompts_of(np.random.default_rng(6), [9, 4, 7])
     limits = [40, 12, 14]
@@ -330,12 +330,13 @@ def test_held_draft_inputs_are_folded_into_the_head_cache_while_steps_do_not_dra
         engine = DartEngine(target, random_head(target, seed=2),
                             search_params=SearchParams(top_k=8, beam_width=4, budget=12))
         engine.fold_width = fold
+        engine.hold_steps = 1000 if fold is None else 4
         drafts, held, draft, accept = [], [], engine._draft, engine._accept_step
         engine._draft = lambda *a, _draft=draft, _out=drafts, **kw: _out.append(_draft(*a, **kw)) or _out[-1]
 
         def accept_step(state, *a, _accept=accept, _held=held):
             step = _accept(state, *a)
-            _held.append((len(state.seq_ids), max(len(x) for x in state.pend_next)))
+            _held.append((len(state.seq_ids), len(state.held) + max(len(x) for x in state.pend_next)))
             return step
 
         engine._accept_step = accept_step
@@ -349,9 +350,9 @@ def test_held_draft_inputs_are_folded_into_the_head_cache_while_steps_do_not_dra
         runs[fold] = drafts, held
     (plain, held_all), (folded, held_folded) = runs[None], runs[3]
     # over the autoregressive steps (more than one sequence runs): without folding the inputs pile
-    # up over 12 steps, with it they stay within fold_width
+    # up over 12 steps, with it they stay within hold_steps
     assert max(w for b, w in held_all if b > 1) > 10
-    assert max(w for b, w in held_folded if b > 1) <= 3
+    assert max(w for b, w in held_folded if b > 1) <= 4
     np.testing.assert_array_equal(folded[0][0], plain[0][0])  # the same draft tokens
     np.testing.assert_allclose(folded[0][1], plain[0][1], rtol=1e-4, atol=1e-6)
 
@@ -547,6 +548,62 @@ def test_the_gate_measures_lookup_steps_whatever_is_pending():
         piled = piled or (s.lookup and pending > engine.head.config.draft_length + 2)
         pending = pending + s.accepted_lengths[0] if s.lookup or not s.draft_ms else s.accepted_lengths[0]
     assert piled  # some measured lookup step started with a catch-up's worth of pending positions
+
+
+class _OffThenOn(SpeculationGate):
+    """Keeps speculation off for ``off`` steps, then on."""
+
+    def __init__(self, off):
+        super().__init__()
+        self.off, self.asked = off, 0
+
+    def speculate(self, batch):
+        self.asked += 1
+        return self.asked > self.off
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_gated_off_step_dispatches_the_autoregressive_steps_operators(batch):
+    """A step the gate keeps autoregressive in a speculative batch dispatches the operators of an
+    autoregressive step, plus one view (its root taps, held by reference); the held taps and tokens
+    reach the draft head and the context indexes when speculation resumes, and output stays exact."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    target = tiny_target("llama", seed=3)
+    prompts = prompts_of(np.random.default_rng(3), [5, 9, 7][:batch])
+    sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    ops = {}
+    for mode in ("autoregressive", "gated-off"):
+        engine = DartEngine(target, random_head(target, seed=1), InProcessTreeSearch(None),
+                            SearchParams(top_k=4, beam_width=2, budget=8), gate=_OffThenOn(off=12))
+        counts, step, resumed = [], engine._step, []
+
+        def counted(state, speculative, _step=step, _counts=counts, _resumed=resumed):
+            held = len(state.held)
+            with Count() as c:
+                out = _step(state, speculative)
+            _counts.append(c.n)
+            if speculative and held:  # the first draft after the gated-off stretch: nothing left held
+                _resumed.append((held, len(state.held),  # each context index holds all its row's tokens
+                                 [len(x) for x in state.context] == [len(t) for t in state.tokens]))
+            return out
+
+        engine._step = counted
+        out = engine.generate(prompts, sp, speculative=mode == "gated-off")
+        assert out.token_ids == DartEngine(target).generate(prompts, sp, speculative=False).token_ids
+        ops[mode] = counts[2:10]  # steps 3..10: the gate keeps the gated-off engine autoregressive
+        if mode == "gated-off":
+            assert resumed and resumed[0][0] >= 10 and resumed[0][1] == 0 and resumed[0][2]
+    assert [g - a for g, a in zip(ops["gated-off"], ops["autoregressive"])] == [1] * 8
 
 
 @pytest.mark.parametrize("batch, temperature", [(1, 0.0), (16, 0.0), (1, 0.8), (16, 0.8)])
