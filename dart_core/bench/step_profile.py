@@ -12,9 +12,14 @@ speculative step — draft forward, tree search, tree verification;
 ``gated-off``: the speculative engine with a gate that never speculates, so
 every step is autoregressive but keeps the draft head's inputs, as while
 the speculation gate keeps speculation off) the
-first ``--num-prompts`` prompts are decoded twice after a warm-up: once timed
-(wall ms per target forward, the engine's per-phase ms) and once under
-``torch.profiler`` (device-kernel ms per target forward and kernel launches
+first ``--num-prompts`` prompts are decoded after a warm-up ``--repeats`` times
+timed, the modes alternating prompt group by prompt group in an order rotated
+every repeat (so a machine whose speed drifts slows every mode alike): the
+step is the median over repeats of decoding ms per target forward, prefills
+left out (they are reported apart, per prompt: a speculative engine also
+folds each prompt's draft-head inputs into the head's KV cache there), and
+each mode's ratio to autoregressive decoding is the median of the ratios of
+the same repeat.  Then once more under ``torch.profiler`` (device-kernel ms per target forward and kernel launches
 per target forward).  Wall ms far above kernel ms means the step waits on the
 host (Python, kernel launches); kernel ms far above the floor means the
 kernels themselves are slow (small matrices, many launches).  ``--top-ops N``
@@ -86,6 +91,7 @@ class StepProfileConfig:
     top_ops: int = 0  # per mode, the operators (and CUDA kernels) taking the most time: 0 = none
     top_python: int = 0  # per mode, the Python functions taking the most self time (cProfile): 0 = none
     batch_size: int = 1  # prompts decoded together
+    repeats: int = 3  # timed passes over the prompts, the modes alternating within each
 
 
 def measure_bandwidth(device, mib: int = 1024, repeats: int = 5) -> float:
@@ -305,8 +311,8 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
         raise ValueError(f"modes must be among {', '.join(MODES)}")
     if cfg.top_ops < 0 or cfg.top_python < 0:
         raise ValueError(f"top_ops and top_python must be 0 or more, got {cfg.top_ops}, {cfg.top_python}")
-    if cfg.batch_size < 1:
-        raise ValueError(f"batch_size must be 1 or more, got {cfg.batch_size}")
+    if cfg.batch_size < 1 or cfg.repeats < 1:
+        raise ValueError(f"batch_size and repeats must be 1 or more, got {cfg.batch_size}, {cfg.repeats}")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     started = time.perf_counter()
@@ -329,36 +335,49 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
     profile_cuda = device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if profile_cuda else [])
     rows = []
-    bar = tqdm(total=len(cfg.modes) * len(prompts), desc="step profile", disable=not progress)
+    groups = [prompts[i: i + cfg.batch_size] for i in range(0, len(prompts), cfg.batch_size)]
+    bar = tqdm(total=len(cfg.modes) * len(groups) * cfg.repeats, desc="step profile", disable=not progress)
     gate = model.engine.gate
-    for mode in cfg.modes:
-        speculative = mode != "autoregressive"
+
+    def decode(mode, group):
         model.engine.gate = _GateOff() if mode == "gated-off" else gate
+        return model.generate([[{"role": "user", "content": p}] for p in group],
+                              max_new_tokens=cfg.max_new_tokens, speculative=mode != "autoregressive")
 
-        def decode(group):
-            return model.generate([[{"role": "user", "content": p}] for p in group],
-                                  max_new_tokens=cfg.max_new_tokens, speculative=speculative)
-
-        groups = [prompts[i: i + cfg.batch_size] for i in range(0, len(prompts), cfg.batch_size)]
-        decode(groups[0])  # warm-up: allocator, kernels' first launches
+    for mode in cfg.modes:
+        decode(mode, groups[0])  # warm-up: allocator, kernels' first launches
+    # the timed passes: the modes alternate, prompt group by prompt group, in an order rotated every
+    # repeat, so that a machine whose speed drifts slows every mode alike
+    timed = {m: [] for m in cfg.modes}  # per mode: (prompt group, repeat) -> the decode's figures
+    for rep in range(cfg.repeats):
+        order = cfg.modes[rep % len(cfg.modes):] + cfg.modes[:rep % len(cfg.modes)]
+        for group in groups:
+            for mode in order:
+                _sync(device)
+                t0 = time.perf_counter()
+                stats = decode(mode, group).result
+                _sync(device)
+                timed[mode].append((rep, time.perf_counter() - t0, stats))
+                bar.update(1)
+    for mode in cfg.modes:
         wall_s, forwards, emitted, seq_steps, phases = 0.0, 0, 0, 0, {}
-        kernel_ms, kernels, prof_forwards = 0.0, 0, 0
-        ops = []  # (profiler run, its target forwards) for --top-ops
-        for prompt in groups:
-            _sync(device)
-            t0 = time.perf_counter()
-            out = decode(prompt)
-            _sync(device)
-            wall_s += time.perf_counter() - t0
-            stats = out.result
+        per_repeat = {}  # repeat -> [decode ms without the prefills, target forwards]
+        for rep, wall, stats in timed[mode]:
+            wall_s += wall
             forwards += stats.target_forwards
             emitted += stats.emitted_after_prefill
             seq_steps += stats.sequence_steps
             for k, v in stats.phase_ms.items():
                 phases[k] = phases.get(k, 0.0) + v
-            if profile_cuda or cfg.top_ops:
+            acc = per_repeat.setdefault(rep, [0.0, 0])
+            acc[0] += stats.phase_ms["total"] - stats.phase_ms["prefill"]
+            acc[1] += stats.target_forwards
+        kernel_ms, kernels, prof_forwards = 0.0, 0, 0
+        ops = []  # (profiler run, its target forwards) for --top-ops
+        if profile_cuda or cfg.top_ops:
+            for group in groups:
                 with torch.profiler.profile(activities=activities) as prof:
-                    again = decode(prompt)
+                    again = decode(mode, group)
                     _sync(device)
                 ms, n = _kernel_stats(prof)
                 kernel_ms += ms
@@ -366,16 +385,21 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
                 prof_forwards += again.result.target_forwards
                 if cfg.top_ops:
                     ops.append((prof, again.result.target_forwards))
-            bar.update(1)
-        host = _instrumented(model.engine, lambda: [decode(g) for g in groups])
-        python = _python_times(lambda: [decode(g) for g in groups], cfg.top_python) if cfg.top_python else None
+        host = _instrumented(model.engine, lambda: [decode(mode, g) for g in groups])
+        python = (_python_times(lambda: [decode(mode, g) for g in groups], cfg.top_python)
+                  if cfg.top_python else None)
         fwd = max(forwards, 1)
-        step_ms = phases.get("total", wall_s * 1e3) / fwd
+        # a step: the median over repeats of decoding ms per target forward, the prefills left out
+        step_ms = statistics.median(ms / max(n, 1) for ms, n in per_repeat.values())
         row = {"mode": mode, "target_forwards": forwards, "tokens": emitted,
                "tau": round(emitted / max(seq_steps, 1), 3),  # per sequence and step, bonus included
                "tokens_per_s": round(emitted / max(wall_s, 1e-9), 1),
                "step_ms": round(step_ms, 3),
-               "phase_ms_per_step": {k: round(v / fwd, 3) for k, v in phases.items()},
+               "step_ms_per_repeat": [round(ms / max(n, 1), 3) for ms, n in per_repeat.values()],
+               "prefill_ms_per_prompt": round(phases.get("prefill", 0.0) / (len(prompts) * cfg.repeats), 2),
+               # per decoding step: a prefill's ms count in the engine's "verify" and "total", not here
+               "phase_ms_per_step": {k: round((v - (phases.get("prefill", 0.0) if k in ("verify", "total") else 0.0))
+                                              / fwd, 3) for k, v in phases.items() if k != "prefill"},
                "kernel_ms_per_step": round(kernel_ms / max(prof_forwards, 1), 3) if profile_cuda else None,
                "kernels_per_step": round(kernels / max(prof_forwards, 1), 1) if profile_cuda else None,
                "step_over_floor": round(step_ms / floor_ms, 1), **host}
@@ -395,6 +419,17 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
             "seconds": round(time.perf_counter() - started, 1)}
 
 
+def step_ratio(row: dict, plain: dict | None) -> float | None:
+    """A mode's step ÷ the autoregressive step: the median of the ratios of the same repeat (the
+    modes alternate within a repeat), or of the medians where a row has no per-repeat figures."""
+    if plain is None:
+        return None
+    mine, theirs = row.get("step_ms_per_repeat"), plain.get("step_ms_per_repeat")
+    if mine and theirs and len(mine) == len(theirs):
+        return statistics.median(a / b for a, b in zip(mine, theirs))
+    return row["step_ms"] / plain["step_ms"]
+
+
 def markdown_table(result: dict) -> str:
     """The rows as a Markdown table, with the floor above it: per mode the step's wall ms (and its
     ratio to the autoregressive row's, when that mode ran: a gated-off step should cost what an
@@ -405,16 +440,18 @@ def markdown_table(result: dict) -> str:
     head = (f"{hardware_line(result['hardware'])}. Target weights {result['weights_bytes'] / 1e6:.1f} MB "
             f"({result['weights_dtype']}), measured bandwidth {result['bandwidth_gbs']:.0f} GB/s: "
             f"floor {result['floor_ms']:.3f} ms per target forward.\n\n")
-    lines = ["| mode | τ | tokens/s | step ms | step ÷ autoregressive | draft ms | tree ms | verify ms | kernel ms | "
-             "kernels/step | host share | step ÷ floor | host reads/step | ops/step | host-only ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    plain = next((r["step_ms"] for r in result["rows"] if r["mode"] == "autoregressive"), None)
+    lines = ["| mode | τ | tokens/s | step ms | step ÷ autoregressive | prefill ms/prompt | draft ms | tree ms | "
+             "verify ms | kernel ms | kernels/step | host share | step ÷ floor | host reads/step | ops/step | "
+             "host-only ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    plain = next((r for r in result["rows"] if r["mode"] == "autoregressive"), None)
     for r in result["rows"]:
         def f(v, spec):
             return "—" if v is None else format(v, spec)
         phase = r.get("phase_ms_per_step", {})
         lines.append(f"| {r['mode']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {r['step_ms']:.2f} | "
-                     f"{f(r['step_ms'] / plain if plain else None, '.3f')} | {f(phase.get('draft'), '.2f')} | "
+                     f"{f(step_ratio(r, plain), '.3f')} | {f(r.get('prefill_ms_per_prompt'), '.1f')} | "
+                     f"{f(phase.get('draft'), '.2f')} | "
                      f"{f(phase.get('tree_search'), '.2f')} | {f(phase.get('verify'), '.2f')} | "
                      f"{f(r['kernel_ms_per_step'], '.2f')} | {f(r['kernels_per_step'], '.0f')} | "
                      f"{f(r.get('host_share'), '.0%')} | {r['step_over_floor']:.0f}× | "
@@ -456,6 +493,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     ap.add_argument("--modes", nargs="+", default=d.modes, choices=MODES)
     ap.add_argument("--batch-size", type=int, default=d.batch_size, help="prompts decoded together [1]")
+    ap.add_argument("--repeats", type=int, default=d.repeats,
+                    help="timed passes, the modes alternating prompt group by prompt group [3]")
     ap.add_argument("--copy-mib", type=int, default=d.copy_mib, help="size of the bandwidth copy [1024]")
     ap.add_argument("--top-ops", type=int, default=d.top_ops,
                     help="per mode, the N operators (and CUDA kernels) with the most time per target forward [0]")
