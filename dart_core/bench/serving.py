@@ -15,6 +15,15 @@ requests ÷ wall time of the level), requests/s, errors, time to first token
 (TTFT, request sent → first content chunk) p50/p99, inter-token latency (ITL,
 per request: (last chunk − first chunk) ÷ (completion tokens − 1), the
 definition of vLLM's TPOT) p50/p99, and the server's mean τ.
+
+``--in-process`` also loads the engine in the benchmark's own process
+(``DartModel.from_pretrained``, the embedded default unless
+``--in-process-model``) and, right after each 1-client pass, decodes the same
+requests through it one at a time in the same mode (streamed and
+detokenised, as the server does): the table then gives served ÷ in-process
+tokens/s per mode, what the serving path (HTTP, Ray Serve's handles, the
+replica's batcher, the n-gram service's gRPC hop, processes sharing the
+cores) costs against the engine alone.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import os
 import statistics
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 __all__ = ["ServingConfig", "MODES", "run_serving", "run_sweep", "markdown_table", "plot_serving", "save"]
@@ -44,6 +53,10 @@ class ServingConfig:
     api_key: str | None = None  # default: $DART_API_KEY, else a placeholder
     timeout_s: float = 900.0
     repeats: int = 1  # passes per level; each (level, mode) reports its median pass (run_sweep)
+    # after each 1-client pass, the same requests through DartModel.from_pretrained(in_process_model) in
+    # this process, one at a time (streamed, detokenised): the served path against the engine alone
+    in_process: bool = False
+    in_process_model: str | None = None  # None: the embedded default model, which deployments/dart.yaml serves
 
 
 def run_sweep(levels: list[int], modes: list[str], repeats: int, run_level, bar) -> list[dict]:
@@ -161,6 +174,19 @@ def _level(client, model: str, prompts: list[str], concurrency: int, speculative
     return level_row(concurrency, speculative, run_clients(concurrency, worker), rec)
 
 
+def in_process_pass(model, prompts: list[str], cfg: ServingConfig, speculative: bool) -> float:
+    """The 1-client level's requests (``prompts[k]``, k < ``requests_per_client``) decoded one at a
+    time by ``model`` (a :class:`~dart_core.api.DartModel`) in this process, each streamed and
+    detokenised as the server does, T = 0; returns output tokens/s (tokens ÷ wall seconds of the
+    pass, chat templating included)."""
+    tokens, t0 = 0, time.perf_counter()
+    for k in range(cfg.requests_per_client):
+        messages = [{"role": "user", "content": prompts[k % len(prompts)]}]
+        for chunk in model.generate(messages, max_new_tokens=cfg.max_tokens, stream=True, speculative=speculative):
+            tokens += len(chunk.token_ids)
+    return round(tokens / (time.perf_counter() - t0), 2)
+
+
 def run_serving(cfg: ServingConfig, *, progress: bool = True) -> dict:
     """Runs the sweep against ``cfg.url``; returns ``{"config", "server", "rows", "seconds"}``.
 
@@ -192,10 +218,22 @@ def run_serving(cfg: ServingConfig, *, progress: bool = True) -> dict:
         raise ConnectionError(f"{cfg.url}/models answered HTTP {e.status_code}: not a ready dart-serve app "
                               "(still deploying? wait for GET /health to answer ok)") from None
     prompts = load_prompts(cfg.dataset)
+    local = None
+    if cfg.in_process and 1 in cfg.concurrency:
+        from dart_core.api import DartModel
+
+        local = DartModel.from_pretrained(cfg.in_process_model)
+        in_process_pass(local, prompts[:1], replace(cfg, requests_per_client=1, max_tokens=8), True)  # warm-up
+
+    def run_level(c: int, mode: str) -> dict:
+        row = _level(client, model, prompts, c, mode == "dart", cfg)
+        if local is not None and c == 1:  # right after the served pass: the same drift weighs on both
+            row["in_process_tokens_per_s"] = in_process_pass(local, prompts, cfg, mode == "dart")
+        return row
+
     bar = tqdm(total=len(cfg.concurrency) * len(cfg.modes) * cfg.repeats, desc="serving benchmark", unit="level",
                disable=not progress)
-    rows = run_sweep(cfg.concurrency, list(cfg.modes), cfg.repeats,
-                     lambda c, mode: _level(client, model, prompts, c, mode == "dart", cfg), bar)
+    rows = run_sweep(cfg.concurrency, list(cfg.modes), cfg.repeats, run_level, bar)
     bar.close()
     return {"config": asdict(cfg) | {"api_key": None}, "server": {"url": cfg.url, "model": model},
             "rows": rows, "seconds": round(time.perf_counter() - started, 1)}
@@ -222,6 +260,14 @@ def markdown_table(result: dict) -> str:
         lines.append(f"| {r['concurrency']} | {r['mode']} | {r['tokens_per_s']:.1f} | {ratio} | {r['requests']} | "
                      f"{r['errors']} | {f(r['ttft_ms']['p50'])} | {f(r['ttft_ms']['p99'])} | "
                      f"{f(r['itl_ms']['p50'])} | {f(r['itl_ms']['p99'])} | {tau} |")
+    local = [r for r in result["rows"] if r.get("in_process_tokens_per_s")]
+    if local:
+        lines += ["", "Served against in process (the same requests one at a time through `DartModel` in the "
+                  "benchmark's process, right after each served pass; the median served pass and its pair):", "",
+                  "| clients | mode | served tokens/s | in-process tokens/s | served ÷ in process |",
+                  "|---:|---|---:|---:|---:|"]
+        lines += [f"| 1 | {r['mode']} | {r['tokens_per_s']:.1f} | {r['in_process_tokens_per_s']:.1f} | "
+                  f"{r['tokens_per_s'] / r['in_process_tokens_per_s']:.2f}× |" for r in local]
     if cfg.get("repeats", 1) > 1:
         lines += ["", "| clients | mode | tokens/s per pass, in the order run |", "|---:|---|---|"]
         lines += [f"| {r['concurrency']} | {r['mode']} | {', '.join(f'{x:.1f}' for x in r['tokens_per_s_runs'])} |"
@@ -292,6 +338,10 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=d.model, help="served model name [the first of /v1/models]")
     add_sweep_arguments(ap, d)
     ap.add_argument("--api-key", default=None, help="[$DART_API_KEY]")
+    ap.add_argument("--in-process", action="store_true",
+                    help="after each 1-client pass, the same requests through the engine in this process")
+    ap.add_argument("--in-process-model", default=d.in_process_model,
+                    help="model of the in-process engine [the embedded default, which deployments/dart.yaml serves]")
     ap.add_argument("--out", default="bench/results", help="folder for serving.json/.md/.png")
     ap.add_argument("--no-progress", action="store_true")
     return run_cli(ServingConfig, ap.parse_args(argv), run_serving, save, markdown_table, requires=("openai",))

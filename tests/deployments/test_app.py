@@ -452,9 +452,10 @@ def test_killing_the_ngram_replica_fails_no_request(app):
     assert engine.stats.remote().result()["ngram_fallbacks"] == fb
 
 
-def test_per_request_opt_out_and_the_serving_benchmark(app, reference, tmp_path):
+def test_per_request_opt_out_and_the_serving_benchmark(app, reference, tmp_path, tiny_model_dir):
     """``"speculative": false`` (the benchmark's baseline mode) gives the same greedy text
-    with τ = 1; the serving benchmark sweeps both modes on this app without an error."""
+    with τ = 1; the serving benchmark sweeps both modes on this app without an error, and pairs
+    each 1-client pass with the same requests through the engine in its own process."""
     from dart_core.bench import serving
 
     msgs = [{"role": "user", "content": "Say something about rivers."}]
@@ -473,15 +474,21 @@ def test_per_request_opt_out_and_the_serving_benchmark(app, reference, tmp_path)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": f"Tell me about the number {i}."}) for i in range(5)))
     cfg = serving.ServingConfig(url=f"{HTTP}/v1", concurrency=[1, 3], requests_per_client=1, max_tokens=8,
-                                dataset=str(prompts))
+                                dataset=str(prompts), in_process=True, in_process_model=tiny_model_dir)
     result = serving.run_serving(cfg, progress=False)
     rows = {(r["concurrency"], r["mode"]): r for r in result["rows"]}
     assert set(rows) == {(1, "dart"), (1, "no-speculation"), (3, "dart"), (3, "no-speculation")}
     assert all(r["errors"] == 0 and r["requests"] == r["concurrency"] for r in rows.values())
     assert all(r["tokens_per_s"] > 0 and r["ttft_ms"]["p50"] is not None for r in rows.values())
     assert rows[(1, "no-speculation")]["tau_mean"] == 1.0
+    assert all(rows[(1, m)]["in_process_tokens_per_s"] > 0 and "in_process_tokens_per_s" not in rows[(3, m)]
+               for m in ("dart", "no-speculation"))
     paths = serving.save(result, tmp_path)
-    assert paths["png"].stat().st_size > 0 and "| 3 | no-speculation |" in paths["md"].read_text()
+    md = paths["md"].read_text()
+    assert paths["png"].stat().st_size > 0 and "| 3 | no-speculation |" in md
+    local = rows[(1, "no-speculation")]
+    assert (f"| 1 | no-speculation | {local['tokens_per_s']:.1f} | {local['in_process_tokens_per_s']:.1f} | "
+            f"{local['tokens_per_s'] / local['in_process_tokens_per_s']:.2f}× |") in md
 
 
 def test_api_key_and_full_queue(guarded):
