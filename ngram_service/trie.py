@@ -2,8 +2,11 @@
 
 The file format (``csrc/trie_format.hpp``) stores the counts of every m-gram
 (1 <= m <= order) as level-wise sorted arrays, KenLM-style, so a trie of any
-size opens with ``mmap`` in O(1) and is shared by every process on the host
-through the page cache.  This module owns the two CRC-32 checksums of the
+size opens with ``mmap`` and is shared by every process on the host through
+the page cache.  A file up to 1 GiB is read into the page cache as it opens
+(one sequential read), a larger one is asked in, in the background:
+searches touch the file at random, and each page first touched on a cold disk would cost a
+read of its own, milliseconds each, inside a decoding step.  This module owns the two CRC-32 checksums of the
 format (``zlib.crc32``): the header checksum is checked at every open, the
 payload checksum by :meth:`NgramTrie.verify` (O(size); its speed: BENCHMARKS.md, "The trie
 at a billion tokens"), which also runs a full structural check.
@@ -173,7 +176,7 @@ class NgramTrie:
     Args:
         path: a file written by ``python -m ngram_service.build``.
         verify: also check the payload checksum and the full structure
-            (O(file size); opening alone is O(1)).
+            (O(file size)).
 
     Raises:
         FileNotFoundError / OSError: the file cannot be opened.

@@ -11,7 +11,7 @@
 
 namespace dart_ngram {
 
-MappedFile::MappedFile(const std::string& path, const std::string& label) {
+MappedFile::MappedFile(const std::string& path, const std::string& label, size_t populate_max_bytes) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw std::runtime_error("cannot open " + label + " '" + path + "': " + std::strerror(errno));
   struct stat st {};
@@ -25,7 +25,8 @@ MappedFile::MappedFile(const std::string& path, const std::string& label) {
     ::close(fd);
     return;
   }
-  void* mem = ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd, 0);
+  const int flags = MAP_SHARED | (size_ <= populate_max_bytes ? MAP_POPULATE : 0);
+  void* mem = ::mmap(nullptr, size_, PROT_READ, flags, fd, 0);
   const int err = errno;
   ::close(fd);
   if (mem == MAP_FAILED) throw std::runtime_error("cannot mmap " + label + " '" + path + "': " + std::strerror(err));

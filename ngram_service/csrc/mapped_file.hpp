@@ -14,7 +14,9 @@ class MappedFile {
   // label names the file in errors ("n-gram trie", "reference trie").  An empty file
   // maps to data() == nullptr.  Throws std::runtime_error when it cannot be opened,
   // stat'ed or mapped (the descriptor is closed either way).
-  MappedFile(const std::string& path, const std::string& label);
+  // populate_max_bytes: a file no larger is read into the page cache while it is mapped
+  // (MAP_POPULATE: the constructor returns once it is resident); 0 never.
+  MappedFile(const std::string& path, const std::string& label, size_t populate_max_bytes = 0);
   ~MappedFile();
   MappedFile(const MappedFile&) = delete;
   MappedFile& operator=(const MappedFile&) = delete;

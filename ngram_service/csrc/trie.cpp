@@ -29,13 +29,18 @@ uint64_t read_uint(const uint8_t* base, uint32_t width, uint64_t i) {
 
 }  // namespace
 
-MappedTrie::MappedTrie(const std::string& path) : path_(path), file_(path, "n-gram trie") {
+MappedTrie::MappedTrie(const std::string& path) : path_(path), file_(path, "n-gram trie", kPopulateMaxBytes) {
   size_ = file_.size();
   if (size_ < sizeof(FileHeader)) {
     corrupt(path, "file is " + std::to_string(size_) + " bytes, shorter than the header");
   }
   base_ = file_.data();
+  // searches touch the file at random (no read-ahead on a fault); a cold file would cost a disk read
+  // per page a search first touches, milliseconds each, for as long as the traffic keeps reaching new
+  // parts of it.  So a file up to kPopulateMaxBytes was read in while mapped, and a larger one is
+  // asked into the page cache now, in the background
   file_.advise(MADV_RANDOM);
+  if (size_ > kPopulateMaxBytes) file_.advise(MADV_WILLNEED);
   std::memcpy(&header_, base_, sizeof(FileHeader));
   const FileHeader& h = header_;
   if (std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0) corrupt(path, "bad magic bytes");

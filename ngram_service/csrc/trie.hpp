@@ -26,6 +26,10 @@ struct NodeRef {
   uint64_t index = 0;
 };
 
+// Tries up to this size are read into the page cache when opened (the default trie: well under a
+// second from a cold disk); larger ones are asked in, in the background (MADV_WILLNEED).
+inline constexpr size_t kPopulateMaxBytes = size_t{1} << 30;
+
 class MappedTrie {
  public:
   explicit MappedTrie(const std::string& path);

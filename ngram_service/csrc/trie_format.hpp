@@ -15,8 +15,8 @@
 // of level m+1, sorted by token, so a lookup is one binary search per level.
 // Count and offset widths are chosen per level by the builder (4 bytes when
 // the values fit), which gives ~8 bytes per node on the last level and ~12 on
-// inner levels.  The file is read with mmap, so opening costs O(1) whatever
-// the size and every process on the host shares one copy in the page cache.
+// inner levels.  The file is read with mmap, so every process on the host
+// shares one copy in the page cache (MappedTrie reads small files in at open).
 //
 // File = fixed header (352 bytes) | metadata JSON | padding to 64 | arrays.
 // Every array starts at a multiple of 64.  Integers are little-endian.
