@@ -836,7 +836,10 @@ class _BatchState:
         """Keeps the given rows (finished or cancelled sequences leave)."""
         if len(rows) == len(self.seq_ids):
             return
-        self.release_held()
+        if rows:
+            self.release_held()  # held steps are laid out by the old rows
+        else:  # nobody stays: nothing to catch up on
+            self.held = []
         for name in ("seq_ids", "tokens", "produced", "samplings", "generators", "reasons", "spec_ok", "pend_next",
                      "context", "constraints"):
             setattr(self, name, [getattr(self, name)[i] for i in rows])
