@@ -388,9 +388,8 @@ class StaticDrafter:
     def _topk(self, taps, next_ids, pos, last_index, keys, values, lengths, levels=None):
         """The draft and its top-k: (ids [B, L, k] target ids, probs [B, L, k] float32)."""
         head = self.head
-        logits = head.forward_static(taps, self.embed(next_ids).to(head.dtype), pos, last_index, keys, values,
-                                     lengths, levels)  # [B, L, V_draft]
-        return head.top_k(logits, self.top_k)
+        return head.topk_static(taps, self.embed(next_ids).to(head.dtype), pos, last_index, keys, values, lengths,
+                                self.top_k, levels)
 
     def _run(self, s: _DraftShape, keys: torch.Tensor, values: torch.Tensor) -> None:
         s.ids, s.probs = self._topk(s.taps, s.next_ids, s.pos, s.last_index, keys, values, s.lengths)

@@ -362,6 +362,61 @@ class DartDraftHead(nn.Module):
             object.__setattr__(self, "_row_fused", fused)  # a plain attribute: not a submodule
         return self._row_fused
 
+    def topk_static(self, taps: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor,
+                    last_index: torch.Tensor, key_buffer: torch.Tensor, value_buffer: torch.Tensor,
+                    past_lengths: torch.Tensor, k: int, levels: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``top_k(forward_static(...), k)``: (ids [B, L, k] int64 target ids, probs [B, L, k] float32), the
+        same arguments and cache writes as :meth:`forward_static`.  For one sequence on the CPU with every
+        product on a qmm kernel (a Q8_0 head) the layer, the draft logits and their top-k run in one C++
+        call (``_kernels.DraftRow``: no tensor operator between the kernels), equal to the operator path up
+        to float32 rounding (tested); otherwise :meth:`forward_static` then :meth:`top_k`.
+
+        Raises:
+            ValueError: ``levels`` outside 1..d."""
+        slots = self._slots(levels)
+        row = self._draft_row() if self._row_kernel_fits(taps, key_buffer, value_buffer) else None
+        if row is None:
+            return self.top_k(self.forward_static(taps, next_embeds, positions, last_index, key_buffer, value_buffer,
+                                                  past_lengths, levels), k)
+        from dart_core.kernels import PARALLEL_WORK, RopeTables
+
+        n = int(last_index.numpy()[0]) + 1  # host values of CPU tensors: no device read
+        start = int(past_lengths.numpy()[0])
+        pos = positions.numpy()[0, :n]
+        pos = np.concatenate([pos, pos[-1] + np.arange(1, slots + 1)])
+        if not hasattr(self, "_row_rope"):
+            self._row_rope = RopeTables(self._inv_freq, getattr(self.rotary, "attention_scaling", 1.0))
+        cos, sin = (x.numpy() for x in self._row_rope(pos, int(pos[-1]) + 1))
+        k = min(k, self.config.draft_vocab_size)
+        ids = torch.empty(1, slots + 1, k, dtype=torch.int64)
+        probs = torch.empty(1, slots + 1, k, dtype=torch.float32)
+        row.forward(_contiguous_rows(taps[0, :n]), _contiguous_rows(next_embeds[0, :n]), cos, sin,
+                    key_buffer.numpy(), value_buffer.numpy(), start, slots, ids[0].numpy(), probs[0].numpy(),
+                    PARALLEL_WORK)
+        return ids, probs
+
+    def _draft_row(self):
+        """The ``_kernels.DraftRow`` of this head (its fused products, norms, mask embedding and d2t), when
+        :meth:`_row_products` fuses them; else None.  Made on first use, kept outside the module's children."""
+        if not hasattr(self, "_row_call"):
+            fused, call = self._row_products(), None
+            if fused is not None and self.dtype == torch.float32:
+                from dart_core import _kernels
+
+                c, mid = self.config, self.midlayer
+                products = (self.fc, fused[0], mid.self_attn.o_proj, fused[1], mid.mlp.down_proj, self.lm_head)
+                norms = (mid.input_layernorm, mid.hidden_norm, mid.post_attention_layernorm, self.norm)
+                call = _kernels.DraftRow(tuple(p.kernel_args() for p in products),
+                                         tuple(x.weight.detach().numpy() for x in norms),
+                                         tuple(float(x.variance_epsilon) for x in norms),
+                                         mid.mask_rep.detach().float().contiguous().numpy(),
+                                         self.d2t.contiguous().numpy(), c.num_attention_heads,
+                                         c.num_key_value_heads, c.head_dim, c.head_dim ** -0.5,
+                                         bool(c.final_norm_twice))
+            object.__setattr__(self, "_row_call", call)
+        return self._row_call
+
     def _forward_static_row(self, taps, next_embeds, positions, last_index, key_buffer, value_buffer, past_lengths,
                             slots: int) -> torch.Tensor:
         """:meth:`forward_static` for one sequence on the CPU (logits [1, slots + 1, V_draft], equal up to
@@ -522,6 +577,11 @@ class DartDraftHead(nn.Module):
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Maps draft-vocabulary indices to target token ids (``i + d2t[i]``)."""
         return draft_ids + self.d2t[draft_ids]
+
+
+def _contiguous_rows(x: torch.Tensor) -> np.ndarray:
+    """A float32 C-contiguous numpy view of ``x`` (a copy only where it is not)."""
+    return x.float().contiguous().detach().numpy()
 
 
 def _head_mask(past_lengths, past_len, last_index, t, slots, dtype):

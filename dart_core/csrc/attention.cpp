@@ -309,6 +309,57 @@ void rope_attend(const F32& qkv, const F32& cos, const F32& sin, int64_t H, int6
   attend_views(qv, kv, vv, m.data ? &m : nullptr, scale, out, parallel_work);
 }
 
+// A linear layer on one of dart-serve's GGUF kernels, as Int4Linear.kernel_args() gives it: (codes, scale,
+// minimum or None, out_features, q8, a8), checked against its kernel's layout; ``keep`` holds the arrays.
+struct Product {
+  dart_kernels::QWeight w;
+  bool a8;  // the qmm-a8 kernel (else qmm)
+};
+
+Product parse_product(const py::handle& h, std::vector<py::object>& keep, const char* who) {
+  const std::string name(who);
+  const auto t = h.cast<py::tuple>();
+  if (t.size() != 6) throw std::invalid_argument(name + ": a product is (codes, scale, minimum, n, q8, a8)");
+  auto codes = t[0].cast<py::array_t<uint8_t, 0>>();
+  auto scale = t[1].cast<F32>();
+  const int64_t n = t[3].cast<int64_t>();
+  const bool q8 = t[4].cast<bool>(), a8 = t[5].cast<bool>();
+  // qmm-a8: codes [NB, K/32, 1024 | 2048]; qmm: [NB, K, 32 | 64]
+  const int64_t groups = a8 ? codes.shape(1) : codes.shape(1) / 32;
+  const int64_t row_bytes = a8 ? (q8 ? 2048 : 1024) : (q8 ? 64 : 32);
+  if (codes.ndim() != 3 || scale.ndim() != 3 || !(codes.flags() & py::array::c_style) ||
+      !(scale.flags() & py::array::c_style) || codes.shape(2) != row_bytes || scale.shape(0) != codes.shape(0) ||
+      scale.shape(1) != groups || scale.shape(2) != 64 || codes.shape(0) * 64 < n || (codes.shape(0) - 1) * 64 >= n ||
+      (!a8 && codes.shape(1) % 32))
+    throw std::invalid_argument(name + ": a product's arrays are not in its kernel's layout");
+  const float* minimum = nullptr;
+  if (!q8) {
+    auto mins = t[2].cast<F32>();
+    if (mins.ndim() != 3 || mins.shape(0) != scale.shape(0) || mins.shape(1) != scale.shape(1) ||
+        mins.shape(2) != 64 || !(mins.flags() & py::array::c_style))
+      throw std::invalid_argument(name + ": 4-bit weights need minimums in their kernel's layout");
+    minimum = mins.data();
+    keep.push_back(mins);
+  }
+  keep.push_back(codes);
+  keep.push_back(scale);
+  return {{codes.data(), scale.data(), minimum, n, groups * 32, q8}, a8};
+}
+
+void run_product(const Product& p, const float* x, int64_t m, float* y, const float* norm, float eps, bool gated,
+                 bool accumulate) {
+  if (p.a8) dart_kernels::qmm_a8_run(x, m, p.w, y, norm, eps, gated, accumulate);
+  else dart_kernels::qmm_run(x, m, p.w, y, norm, eps, gated, accumulate);
+}
+
+const float* norm_vector(const py::handle& h, int64_t size, std::vector<py::object>& keep, const char* who) {
+  auto a = h.cast<F32>();
+  if (a.ndim() != 1 || a.shape(0) != size || !(a.flags() & py::array::c_style))
+    throw std::invalid_argument(std::string(who) + ": a norm weight must be a contiguous float32 [H]");
+  keep.push_back(a);
+  return a.data();
+}
+
 // The decoder layers of a Llama-family target whose linear layers all run one of dart-serve's GGUF
 // kernels (qmm or qmm-a8), in one call (dart_core.decoder.LlamaDecoder): per layer, RMS norm + q/k/v
 // product, rotation + KV-cache append + row-exact attention, o product added to the residual, RMS
@@ -316,10 +367,6 @@ void rope_attend(const F32& qkv, const F32& cos, const F32& sin, int64_t H, int6
 // calls, in the same order, as the decoder's Python loop over Int4Linear.fused_into, so the same bits.
 class GGUFLayers {
  public:
-  struct Product {
-    dart_kernels::QWeight w;
-    bool a8;  // the qmm-a8 kernel (else qmm)
-  };
   struct Layer {
     Product qkv, o, gate_up, down;
     const float *ln1, *ln2;
@@ -407,51 +454,150 @@ class GGUFLayers {
  private:
   static void run(const Product& p, const float* x, int64_t m, float* y, const float* norm, float eps, bool gated,
                   bool accumulate) {
-    if (p.a8) dart_kernels::qmm_a8_run(x, m, p.w, y, norm, eps, gated, accumulate);
-    else dart_kernels::qmm_run(x, m, p.w, y, norm, eps, gated, accumulate);
+    run_product(p, x, m, y, norm, eps, gated, accumulate);
   }
 
-  Product weight(const py::handle& h) {
-    const auto t = h.cast<py::tuple>();
-    if (t.size() != 6) throw std::invalid_argument("GGUFLayers: a product is (codes, scale, minimum, n, q8, a8)");
-    auto codes = t[0].cast<py::array_t<uint8_t, 0>>();
-    auto scale = t[1].cast<F32>();
-    const int64_t n = t[3].cast<int64_t>();
-    const bool q8 = t[4].cast<bool>(), a8 = t[5].cast<bool>();
-    // qmm-a8: codes [NB, K/32, 1024 | 2048]; qmm: [NB, K, 32 | 64]
-    const int64_t groups = a8 ? codes.shape(1) : codes.shape(1) / 32;
-    const int64_t row_bytes = a8 ? (q8 ? 2048 : 1024) : (q8 ? 64 : 32);
-    if (codes.ndim() != 3 || scale.ndim() != 3 || !(codes.flags() & py::array::c_style) ||
-        !(scale.flags() & py::array::c_style) || codes.shape(2) != row_bytes || scale.shape(0) != codes.shape(0) ||
-        scale.shape(1) != groups || scale.shape(2) != 64 || codes.shape(0) * 64 < n || (codes.shape(0) - 1) * 64 >= n ||
-        (!a8 && codes.shape(1) % 32))
-      throw std::invalid_argument("GGUFLayers: a product's arrays are not in its kernel's layout");
-    const float* minimum = nullptr;
-    if (!q8) {
-      auto mins = t[2].cast<F32>();
-      if (mins.ndim() != 3 || mins.shape(0) != scale.shape(0) || mins.shape(1) != scale.shape(1) ||
-          mins.shape(2) != 64 || !(mins.flags() & py::array::c_style))
-        throw std::invalid_argument("GGUFLayers: 4-bit weights need minimums in their kernel's layout");
-      minimum = mins.data();
-      keep_.push_back(mins);
-    }
-    keep_.push_back(codes);
-    keep_.push_back(scale);
-    return {{codes.data(), scale.data(), minimum, n, groups * 32, q8}, a8};
-  }
+  Product weight(const py::handle& h) { return parse_product(h, keep_, "GGUFLayers"); }
 
-  const float* vector(const py::handle& h, int64_t size) {
-    auto a = h.cast<F32>();
-    if (a.ndim() != 1 || a.shape(0) != size)
-      throw std::invalid_argument("GGUFLayers: a norm weight must be float32 [H]");
-    keep_.push_back(a);
-    return a.data();
-  }
+  const float* vector(const py::handle& h, int64_t size) { return norm_vector(h, size, keep_, "GGUFLayers"); }
 
   int64_t heads_, kv_heads_, head_dim_;
   float scale_;
   std::vector<Layer> layers_;
   std::vector<py::object> keep_;  // the arrays the pointers read
+};
+
+
+// The DART draft head's layer for one sequence (dart_core.draft_head.DartDraftHead: one decoder layer fed
+// by the target's hidden-state taps, paper §3), every product on a qmm kernel, in one call: what
+// DartDraftHead._forward_static_row computes with a dozen tensor operators and kernel calls, followed by
+// the top-k of each drafted level and its softmax (DartDraftHead.top_k).  Per call, for the n new real
+// positions and S mask slots (rows R = n + S):
+//   g = fc(taps) [n, H]; x = [input_norm(embeds) | hidden_norm(g)] for the real rows, mask_rep for the
+//   slots [R, 2H]; qkv = x·W_qkv; rotation and KV-cache append at start .. start + R - 1; attention of
+//   the last real row and the slots (Q = S + 1 queries; row r sees the cache up to start + r); h = the
+//   residual (g of those rows, mask_rep's first half for the slots) + o(attn); h += down(silu(gate)·up)
+//   of post_norm(h); logits = lm_head(final_norm(h)) [Q, V_draft] (final_norm applied twice with
+//   final_norm_twice); per query row the k largest logits (high to low, ties to the lower index), their
+//   softmax, and their target ids (index + d2t[index]).
+class DraftRow {
+ public:
+  // products: (fc, qkv, o, gate_up, down, lm_head), each as parse_product takes it; norms: (input_norm,
+  // hidden_norm, post_norm, final_norm) float32 [H] with their eps; mask_rep float32 [2H]; d2t int64 [V_draft].
+  DraftRow(const py::tuple& products, const py::tuple& norms, const py::tuple& eps, const F32& mask_rep,
+           const py::array_t<int64_t, 0>& d2t, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
+           bool final_norm_twice)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), scale_(scale), twice_(final_norm_twice) {
+    if (products.size() != 6 || norms.size() != 4 || eps.size() != 4)
+      throw std::invalid_argument("DraftRow: products (fc, qkv, o, gate_up, down, lm_head), four norms and their eps");
+    for (int i = 0; i < 6; ++i) p_[i] = parse_product(products[i], keep_, "DraftRow");
+    const int64_t H = p_[0].w.n;  // fc: [3·H_target] -> [H]
+    for (int i = 0; i < 4; ++i) {
+      norm_[i] = norm_vector(norms[i], H, keep_, "DraftRow");
+      eps_[i] = eps[i].cast<float>();
+    }
+    const auto &qkv = p_[1].w, &o = p_[2].w, &gu = p_[3].w, &down = p_[4].w, &lm = p_[5].w;
+    if (heads <= 0 || kv_heads <= 0 || heads % kv_heads || head_dim <= 0 || head_dim % 2 || qkv.k != 2 * H ||
+        qkv.n != (heads + 2 * kv_heads) * head_dim || o.k != heads * head_dim || o.n != H || gu.k != H ||
+        gu.n % 2 || down.k != gu.n / 2 || down.n != H || lm.k != H)
+      throw std::invalid_argument("DraftRow: the products' shapes do not form the draft head's layer");
+    if (mask_rep.ndim() != 1 || mask_rep.shape(0) != 2 * H || !(mask_rep.flags() & py::array::c_style))
+      throw std::invalid_argument("DraftRow: mask_rep must be a contiguous float32 [2H]");
+    if (d2t.ndim() != 1 || d2t.shape(0) != lm.n || !(d2t.flags() & py::array::c_style))
+      throw std::invalid_argument("DraftRow: d2t must be a contiguous int64 [V_draft]");
+    keep_.push_back(mask_rep);
+    keep_.push_back(d2t);
+    mask_rep_ = mask_rep.data();
+    d2t_ = d2t.data();
+    hidden_ = H;
+  }
+
+  // taps [n, 3·H_target], embeds [n, H] (the target's embeddings of each position's next token), cos/sin
+  // [n + S, D] (rotary tables at the rows' positions), key/value buffers [1, Hkv, >= start + n + S, D]
+  // written at start .., ids [S + 1, k] int64 and probs [S + 1, k] float32 written.
+  void forward(const F32& taps, const F32& embeds, const F32& cos, const F32& sin, py::array_t<float, 0> key,
+               py::array_t<float, 0> value, int64_t start, int64_t slots, py::array_t<int64_t, 0> ids_arr,
+               py::array_t<float, 0> probs_arr, int64_t parallel_work) {
+    const int64_t H = hidden_, D = head_dim_, n = taps.ndim() == 2 ? taps.shape(0) : -1;
+    const int64_t rows = n + slots, queries = slots + 1, vocab = p_[5].w.n;
+    if (n < 1 || slots < 0 || start < 0 || taps.shape(1) != p_[0].w.k || !(taps.flags() & py::array::c_style) ||
+        embeds.ndim() != 2 || embeds.shape(0) != n || embeds.shape(1) != H || !(embeds.flags() & py::array::c_style))
+      throw std::invalid_argument("DraftRow: taps [n >= 1, 3·H_target] and embeds [n, H], contiguous, slots >= 0");
+    const int64_t k = ids_arr.ndim() == 2 ? ids_arr.shape(1) : -1;
+    if (ids_arr.ndim() != 2 || ids_arr.shape(0) != queries || k < 1 || k > vocab || probs_arr.ndim() != 2 ||
+        probs_arr.shape(0) != queries || probs_arr.shape(1) != k || !(ids_arr.flags() & py::array::c_style) ||
+        !(probs_arr.flags() & py::array::c_style) || !ids_arr.writeable() || !probs_arr.writeable())
+      throw std::invalid_argument("DraftRow: ids and probs must be writeable contiguous [slots + 1, k], 1 <= k <= V_draft");
+    py::array_t<float, 0> qkv_arr({rows, p_[1].w.n});
+    const RopeArgs a = rope_args(qkv_arr, cos, sin, 1, rows, heads_, kv_heads_, key, value, start);
+    const float *tp = taps.data(), *ep = embeds.data();
+    float* qkv = qkv_arr.mutable_data();
+    int64_t* ids = ids_arr.mutable_data();
+    float* probs = probs_arr.mutable_data();
+    py::gil_scoped_release release;
+    std::vector<float> g(static_cast<size_t>(n * H)), x(static_cast<size_t>(rows * 2 * H)), normed;
+    run_product(p_[0], tp, n, g.data(), nullptr, 0.0f, false, false);
+    const float* ne = dart_kernels::prepare_rows(ep, n, H, norm_[0], eps_[0], false, normed);
+    for (int64_t r = 0; r < n; ++r) std::memcpy(x.data() + r * 2 * H, ne + r * H, H * sizeof(float));
+    const float* ng = dart_kernels::prepare_rows(g.data(), n, H, norm_[1], eps_[1], false, normed);
+    for (int64_t r = 0; r < n; ++r) std::memcpy(x.data() + r * 2 * H + H, ng + r * H, H * sizeof(float));
+    for (int64_t r = n; r < rows; ++r) std::memcpy(x.data() + r * 2 * H, mask_rep_, 2 * H * sizeof(float));
+    run_product(p_[1], x.data(), rows, qkv, nullptr, 0.0f, false, false);
+    std::vector<float> query(static_cast<size_t>(rows * heads_ * D)), attn(static_cast<size_t>(queries * heads_ * D));
+    rope_core(a, query.data());
+    // the queries: the last real row and the slots; query i sees the cache up to start + n - 1 + i
+    const int64_t T = start + rows;
+    std::vector<float> mask(static_cast<size_t>(queries * T), 0.0f);
+    for (int64_t i = 0; i < queries; ++i)
+      std::fill(mask.begin() + i * T + start + n + i, mask.begin() + (i + 1) * T, std::numeric_limits<float>::lowest());
+    const Strided4 qv{query.data() + (n - 1) * heads_ * D, {1, heads_, queries, D}, {queries * heads_ * D, D, heads_ * D, 1}};
+    const Strided4 kv{a.key, {1, kv_heads_, T, D}, {a.ks[0], a.ks[1], a.ks[2], 1}};
+    const Strided4 vv{a.value, {1, kv_heads_, T, D}, {a.vs[0], a.vs[1], a.vs[2], 1}};
+    const Strided4 mv{mask.data(), {1, 1, queries, T}, {queries * T, queries * T, T, 1}};
+    attend_views(qv, kv, vv, &mv, scale_, attn.data(), parallel_work);
+    std::vector<float> h(static_cast<size_t>(queries * H)), gate_up(static_cast<size_t>(queries * p_[3].w.n));
+    std::memcpy(h.data(), g.data() + (n - 1) * H, H * sizeof(float));
+    for (int64_t i = 1; i < queries; ++i) std::memcpy(h.data() + i * H, mask_rep_, H * sizeof(float));
+    run_product(p_[2], attn.data(), queries, h.data(), nullptr, 0.0f, false, true);
+    run_product(p_[3], h.data(), queries, gate_up.data(), norm_[2], eps_[2], false, false);
+    run_product(p_[4], gate_up.data(), queries, h.data(), nullptr, 0.0f, true, true);
+    const float* hf = h.data();
+    if (twice_) hf = dart_kernels::prepare_rows(h.data(), queries, H, norm_[3], eps_[3], false, normed);
+    std::vector<float> logits(static_cast<size_t>(queries * vocab));
+    run_product(p_[5], hf, queries, logits.data(), norm_[3], eps_[3], false, false);
+    std::vector<int32_t> order(static_cast<size_t>(vocab));
+    for (int64_t i = 0; i < queries; ++i) {
+      const float* l = logits.data() + i * vocab;
+      for (int32_t j = 0; j < vocab; ++j) order[j] = j;
+      const auto key_of = [l](int32_t j) { return std::isnan(l[j]) ? -std::numeric_limits<float>::infinity() : l[j]; };
+      std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t u, int32_t v) {
+        const float a_ = key_of(u), b_ = key_of(v);
+        return a_ > b_ || (a_ == b_ && u < v);
+      });
+      const float top = key_of(order[0]);
+      float sum = 0.0f;
+      for (int64_t j = 0; j < k; ++j) {
+        const float e = std::isinf(top) ? (j == 0 ? 1.0f : 0.0f) : std::exp(key_of(order[j]) - top);
+        probs[i * k + j] = e;
+        sum += e;
+      }
+      for (int64_t j = 0; j < k; ++j) {
+        probs[i * k + j] /= sum;
+        ids[i * k + j] = order[j] + d2t_[order[j]];
+      }
+    }
+  }
+
+ private:
+  int64_t heads_, kv_heads_, head_dim_, hidden_ = 0;
+  float scale_;
+  bool twice_;
+  Product p_[6];
+  const float* norm_[4];
+  float eps_[4];
+  const float* mask_rep_ = nullptr;
+  const int64_t* d2t_ = nullptr;
+  std::vector<py::object> keep_;
 };
 
 }  // namespace
@@ -472,6 +618,14 @@ PYBIND11_MODULE(_kernels, mod) {
       .def("forward", &GGUFLayers::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("keys"),
            py::arg("values"), py::arg("t"), py::arg("batch"), py::arg("query_len"), py::arg("mask"),
            py::arg("tap_layers"), py::arg("taps"), py::arg("parallel_work"));
+  py::class_<DraftRow>(mod, "DraftRow", "the draft head's layer and top-k for one sequence (dart_core.draft_head)")
+      .def(py::init<const py::tuple&, const py::tuple&, const py::tuple&, const F32&, const py::array_t<int64_t, 0>&,
+                    int64_t, int64_t, int64_t, float, bool>(),
+           py::arg("products"), py::arg("norms"), py::arg("eps"), py::arg("mask_rep"), py::arg("d2t"), py::arg("heads"),
+           py::arg("kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("final_norm_twice"))
+      .def("forward", &DraftRow::forward, py::arg("taps"), py::arg("embeds"), py::arg("cos"), py::arg("sin"),
+           py::arg("key_buffer"), py::arg("value_buffer"), py::arg("start"), py::arg("slots"), py::arg("ids"),
+           py::arg("probs"), py::arg("parallel_work"));
   mod.def("row_exact_attention", &attention, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("mask"),
           py::arg("scale"), py::arg("out"), py::arg("parallel_work"),
           "softmax(scale * q.k^T + mask).v, each query row on its own (see dart_core.kernels)");

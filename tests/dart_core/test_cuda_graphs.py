@@ -315,6 +315,79 @@ def test_the_one_sequence_static_draft_on_the_cpu_equals_the_batched_one(levels,
         assert not head.to(torch.bfloat16)._row_kernel_fits(taps.bfloat16(), keys.bfloat16(), values.bfloat16())
 
 
+@pytest.mark.parametrize("levels, final_norm_twice", [(None, False), (1, False), (3, True)])
+def test_the_one_call_draft_of_a_q8_head_equals_its_top_k_of_forward(levels, final_norm_twice):
+    """topk_static for one sequence with a Q8_0 head runs the layer, the logits and their top-k in one
+    C++ call (_kernels.DraftRow): the same top-k ids and probabilities as top_k(forward(...)), the same
+    cache writes, the prefix untouched; a batch of two takes the operator path and agrees too."""
+    import dataclasses
+
+    from dart_core.draft_head import DartDraftHead, DraftHeadConfig
+    from dart_core.quant import quantize_linears
+
+    target = tiny_target("llama", seed=2)
+    config = dataclasses.replace(DraftHeadConfig.for_target(target.config), hidden_size=64, num_attention_heads=2,
+                                 num_key_value_heads=1, head_dim=64, intermediate_size=128,
+                                 final_norm_twice=final_norm_twice)
+    head = DartDraftHead(config)
+    head.reset_parameters(7)
+    with torch.no_grad():
+        head.d2t.copy_(torch.arange(config.draft_vocab_size) % 3)  # a draft vocabulary that is not the first ids
+    quantize_linears(head.eval(), "qmm")
+    c, k = head.config, 5
+    t, cap, n = 3, 32, 6
+    g = torch.Generator().manual_seed(3)
+    taps = torch.randn(1, t, 3 * c.target_hidden_size, generator=g)
+    emb = torch.randn(1, t, c.hidden_size, generator=g)
+    past_len, last = torch.tensor([n]), torch.tensor([1])  # the third position is padding
+    pos = past_len[:, None] + torch.arange(t)[None]
+    keys = torch.randn(1, c.num_key_value_heads, cap, c.head_dim, generator=g)
+    values = torch.randn(1, c.num_key_value_heads, cap, c.head_dim, generator=g)
+    k0, v0 = keys.clone(), values.clone()
+    with torch.inference_mode():
+        ids, probs = head.topk_static(taps, emb, pos, last, keys, values, past_len, k, levels)
+        logits, new_k, new_v = head(taps, emb, pos, last, k0[:, :, :n], v0[:, :, :n], past_len, levels)
+        ref_ids, ref_probs = head.top_k(logits, k)
+        bk, bv = k0.expand(2, -1, -1, -1).clone(), v0.expand(2, -1, -1, -1).clone()
+        b_ids, b_probs = head.topk_static(taps.expand(2, -1, -1), emb.expand(2, -1, -1), pos.expand(2, -1),
+                                          last.expand(2), bk, bv, past_len.expand(2), k, levels)
+    assert head._draft_row() is not None
+    assert ids.shape == probs.shape == (1, levels or c.depth, k)
+    assert torch.equal(ids, ref_ids) and torch.equal(b_ids[:1], ids)
+    torch.testing.assert_close(probs, ref_probs, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(b_probs[:1], probs, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(keys[:, :, n:n + 2], new_k[:, :, :2], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(values[:, :, n:n + 2], new_v[:, :, :2], rtol=1e-6, atol=1e-6)
+    assert torch.equal(keys[:, :, :n], k0[:, :, :n]) and torch.equal(values[:, :, :n], v0[:, :, :n])
+
+
+def test_the_one_call_draft_refuses_bad_shapes():
+    """_kernels.DraftRow checks its arguments: a wrong k or a taps width is a ValueError, not a crash."""
+    import dataclasses
+
+    from dart_core.draft_head import DartDraftHead, DraftHeadConfig
+    from dart_core.quant import quantize_linears
+
+    target = tiny_target("llama", seed=2)
+    config = dataclasses.replace(DraftHeadConfig.for_target(target.config), hidden_size=64, num_attention_heads=2,
+                                 num_key_value_heads=1, head_dim=64, intermediate_size=128)
+    head = DartDraftHead(config)
+    quantize_linears(head.eval(), "qmm")
+    row, c = head._draft_row(), head.config
+    keys = np.zeros((1, 1, 16, 64), np.float32)
+    cos = np.ones((2, 64), np.float32)
+    ids, probs = np.zeros((2, 3), np.int64), np.zeros((2, 3), np.float32)
+    taps = np.zeros((1, 3 * c.target_hidden_size), np.float32)
+    emb = np.zeros((1, 64), np.float32)
+    row.forward(taps, emb, cos, cos, keys, keys.copy(), 0, 1, ids, probs, 1 << 20)  # accepted
+    with pytest.raises(ValueError, match="taps"):
+        row.forward(taps[:, :-32], emb, cos, cos, keys, keys.copy(), 0, 1, ids, probs, 1 << 20)
+    with pytest.raises(ValueError, match="ids and probs"):
+        row.forward(taps, emb, cos, cos, keys, keys.copy(), 0, 2, ids, probs, 1 << 20)
+    with pytest.raises(ValueError, match="cache buffers"):
+        row.forward(taps, emb, cos, cos, keys[:, :, :1], keys.copy(), 0, 1, ids, probs, 1 << 20)
+
+
 def test_bad_static_draft_settings_are_refused():
     target = tiny_target("llama")
     head = random_head(target)
