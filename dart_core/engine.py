@@ -664,6 +664,8 @@ class DartEngine:
                                         head_cache.keys, head_cache.values, head_cache.lengths, levels)
             head_cache.append(new_k, new_v, last_index + 1)
             ids, probs = head.top_k(logits, self.search_params.top_k)
+        if ids.device.type == "cpu" and self.cheap_host_reads:  # already on the host: views, no copy
+            return ids.long().numpy(), probs.float().contiguous().numpy()
         # one copy to the host: the ids as int32 beside the probabilities' bits
         host = torch.stack([ids.to(torch.int32), probs.contiguous().view(torch.int32)]).cpu().numpy()
         return host[0].astype(np.int64), host[1].view(np.float32)

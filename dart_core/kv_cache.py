@@ -162,8 +162,9 @@ def compact_buffered(layers, lengths: list[int], offset: int, paths, counts: np.
     lengths = np.asarray(lengths, dtype=np.int64)
     _kernels.compact_paths([a for layer in layers for a in layer.buffer_arrays()], lengths, offset, flat, counts)
     new_len = int((lengths + counts).max()) if len(counts) else 0
-    for layer in layers:
-        layer.commit(new_len)
+    for layer in layers:  # a layer already at that length (every row kept its one entry) keeps its views
+        if layer.keys.shape[2] != new_len:
+            layer.commit(new_len)
     return True
 
 
