@@ -362,6 +362,22 @@ class DartDraftHead(nn.Module):
             object.__setattr__(self, "_row_fused", fused)  # a plain attribute: not a submodule
         return self._row_fused
 
+    def _row_rope(self, positions: torch.Tensor, last_index: torch.Tensor, past_lengths: torch.Tensor, slots: int
+                  ) -> tuple[int, int, np.ndarray, np.ndarray]:
+        """For one sequence on the CPU (:meth:`_row_kernel_fits`): (n real positions, the cache length L,
+        cos and sin [n + slots, D] numpy arrays at the real positions and the slots after the last),
+        the host values of CPU tensors (no device read) and the rotary tables grown on demand."""
+        from dart_core.kernels import RopeTables
+
+        n = int(last_index.numpy()[0]) + 1
+        start = int(past_lengths.numpy()[0])
+        pos = positions.numpy()[0, :n]
+        pos = np.concatenate([pos, pos[-1] + np.arange(1, slots + 1)])
+        if not hasattr(self, "_rope_tables"):
+            self._rope_tables = RopeTables(self._inv_freq, getattr(self.rotary, "attention_scaling", 1.0))
+        cos, sin = (x.numpy() for x in self._rope_tables(pos, int(pos[-1]) + 1))
+        return n, start, cos, sin
+
     def topk_static(self, taps: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor,
                     last_index: torch.Tensor, key_buffer: torch.Tensor, value_buffer: torch.Tensor,
                     past_lengths: torch.Tensor, k: int, levels: int | None = None
@@ -379,15 +395,9 @@ class DartDraftHead(nn.Module):
         if row is None:
             return self.top_k(self.forward_static(taps, next_embeds, positions, last_index, key_buffer, value_buffer,
                                                   past_lengths, levels), k)
-        from dart_core.kernels import PARALLEL_WORK, RopeTables
+        from dart_core.kernels import PARALLEL_WORK
 
-        n = int(last_index.numpy()[0]) + 1  # host values of CPU tensors: no device read
-        start = int(past_lengths.numpy()[0])
-        pos = positions.numpy()[0, :n]
-        pos = np.concatenate([pos, pos[-1] + np.arange(1, slots + 1)])
-        if not hasattr(self, "_row_rope"):
-            self._row_rope = RopeTables(self._inv_freq, getattr(self.rotary, "attention_scaling", 1.0))
-        cos, sin = (x.numpy() for x in self._row_rope(pos, int(pos[-1]) + 1))
+        n, start, cos, sin = self._row_rope(positions, last_index, past_lengths, slots)
         k = min(k, self.config.draft_vocab_size)
         ids = torch.empty(1, slots + 1, k, dtype=torch.int64)
         probs = torch.empty(1, slots + 1, k, dtype=torch.float32)
@@ -427,11 +437,10 @@ class DartDraftHead(nn.Module):
         slots are written at [L, L + n + slots) (L = the cache's length); a causal mask over them is
         the head's mask for one sequence (the slots follow the last real position); queries at the
         real positions before the last are computed and dropped."""
-        from dart_core.kernels import RopeTables, rope_attend
+        from dart_core.kernels import rope_attend
 
         c, mid = self.config, self.midlayer
-        n = int(last_index.numpy()[0]) + 1  # host values of CPU tensors: no device read
-        start = int(past_lengths.numpy()[0])
+        n, start, cos, sin = self._row_rope(positions, last_index, past_lengths, slots)
         taps, next_embeds = taps[:, :n], next_embeds[:, :n]
         g, real_in = self._real_inputs(taps, next_embeds)  # [1, n, H], [1, n, 2H]
         mask_in = mid.mask_rep.to(g.dtype).expand(1, slots, 2 * c.hidden_size)
@@ -443,11 +452,6 @@ class DartDraftHead(nn.Module):
         else:
             a = mid.self_attn
             qkv = torch.cat([a.q_proj(x), a.k_proj(x), a.v_proj(x)], dim=-1)  # [1, rows, (H + 2·Hkv)·D]
-        pos = positions.numpy()[0, :n]
-        pos = np.concatenate([pos, pos[-1] + np.arange(1, slots + 1)])
-        if not hasattr(self, "_row_rope"):
-            self._row_rope = RopeTables(self._inv_freq, getattr(self.rotary, "attention_scaling", 1.0))
-        cos, sin = (x.numpy() for x in self._row_rope(pos, int(pos[-1]) + 1))
         mask = np.triu(np.full((rows, start + rows), np.finfo(np.float32).min, dtype=np.float32), start + 1)
         out = rope_attend(qkv, cos, sin, c.num_attention_heads, c.num_key_value_heads, key_buffer, value_buffer,
                           start, mask[None, None], c.head_dim ** -0.5)  # [1, rows, H, D]
