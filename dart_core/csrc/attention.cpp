@@ -150,7 +150,7 @@ void attend_views(const Strided4& q, const Strided4& k, const Strided4& v, const
     std::vector<float> scores(static_cast<size_t>(per_pass * T));
     std::vector<int64_t> kept(static_cast<size_t>(T));
     std::vector<float> acc(static_cast<size_t>(per_pass * D));
-#pragma omp for schedule(static)
+#pragma omp for schedule(guided)  // as qmm's blocks: a preempted thread's tail is taken over
     for (int64_t u = 0; u < units; ++u) {
       const int64_t i = u % Q, pass = (u / Q) % passes, hk = (u / (Q * passes)) % Hkv, b = u / (Q * passes * Hkv);
       const int64_t h0 = hk * groups + pass * kMaxGroup;

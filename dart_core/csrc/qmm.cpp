@@ -79,7 +79,7 @@ void qmm_portable(const float* x, int64_t m_rows, const Weight& w, const float* 
                   bool accumulate, dart_kernels::ArgmaxSink* sink) {
   const int64_t G = w.k / kGroup;
   if (sink) accumulate = false;
-#pragma omp parallel for schedule(static) if (m_rows * w.n * w.k >= (1 << 16))
+#pragma omp parallel for schedule(guided) if (m_rows * w.n * w.k >= (1 << 16))
   for (int64_t b = 0; b < w.blocks(); ++b) {
     const uint8_t* codes = w.codes + b * code_stride(w);
     const float* sc = w.scale + b * scale_stride(w);
@@ -181,7 +181,12 @@ DART_AVX512 void qmm_avx512(const float* x, int64_t m_rows, const Weight& w, con
                             int64_t ldy, bool accumulate, dart_kernels::ArgmaxSink* sink) {
   const int64_t K = w.k, G = K / kGroup;
   if (sink) accumulate = false;
-#pragma omp parallel for schedule(static) if (w.blocks() > 1)
+// guided, not static: each thread still streams contiguous runs of blocks (dynamic's one-block
+// turns broke the weights' sequential stream and measured slower: bench/results/served_schedule), and when another process
+// takes a core mid-kernel (a served replica shares its cores) the other thread takes over the tail
+// of the preempted one's share instead of waiting for it at the barrier.  A thread's blocks still
+// come in increasing order, as ArgmaxSink needs.
+#pragma omp parallel for schedule(guided) if (w.blocks() > 1)
   for (int64_t b = 0; b < w.blocks(); ++b) {
     const int cols = static_cast<int>(std::min<int64_t>(kBlockN, w.n - b * kBlockN));
     const int t = omp_get_thread_num();

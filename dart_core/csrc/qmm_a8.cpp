@@ -141,7 +141,7 @@ void qmm_a8_portable(const Quantised& xq, int64_t m_rows, const Weight& w, float
                      dart_kernels::ArgmaxSink* sink) {
   const int64_t G = w.k / kGroup;
   if (sink) accumulate = false;
-#pragma omp parallel for schedule(static) if (m_rows * w.n * w.k >= (1 << 16))
+#pragma omp parallel for schedule(guided) if (m_rows * w.n * w.k >= (1 << 16))
   for (int64_t b = 0; b < w.blocks(); ++b) {
     const int cols = static_cast<int>(std::min<int64_t>(kBlockN, w.n - b * kBlockN));
     const int t = omp_get_thread_num();
@@ -290,7 +290,12 @@ template <bool kQ8>
 void qmm_a8_vnni(const Quantised& xq, int64_t m_rows, const Weight& w, float* y, int64_t ldy, bool accumulate,
                  dart_kernels::ArgmaxSink* sink) {
   if (sink) accumulate = false;
-#pragma omp parallel for schedule(static) if (w.blocks() > 1)
+// guided, not static: each thread still streams contiguous runs of blocks (dynamic's one-block
+// turns broke the weights' sequential stream and measured slower: bench/results/served_schedule), and when another process
+// takes a core mid-kernel (a served replica shares its cores) the other thread takes over the tail
+// of the preempted one's share instead of waiting for it at the barrier.  A thread's blocks still
+// come in increasing order, as ArgmaxSink needs.
+#pragma omp parallel for schedule(guided) if (w.blocks() > 1)
   for (int64_t b = 0; b < w.blocks(); ++b) {
     const int cols = static_cast<int>(std::min<int64_t>(kBlockN, w.n - b * kBlockN));
     const int t = omp_get_thread_num();
