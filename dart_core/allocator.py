@@ -16,7 +16,7 @@ again every step.  :meth:`DartModel.from_pretrained <dart_core.api.DartModel.fro
 calls it for a CPU target.  It changes nothing where the C library is not glibc (musl, macOS, a
 preloaded jemalloc or tcmalloc, which keep freed memory themselves), where the environment
 already sets ``MALLOC_MMAP_THRESHOLD_`` (glibc's own setting wins), or with
-``DART_KEEP_FREED_MEMORY=0`` (for measurements).
+``KernelConfig.keep_freed_memory`` False (for measurements; from_pretrained then does not call it).
 """
 
 from __future__ import annotations
@@ -27,11 +27,10 @@ import logging
 import os
 import platform
 
-__all__ = ["keep_freed_memory", "ENV_VAR"]
+__all__ = ["keep_freed_memory"]
 
 logger = logging.getLogger(__name__)
 
-ENV_VAR = "DART_KEEP_FREED_MEMORY"
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 _done: bool | None = None
 
@@ -42,15 +41,13 @@ def keep_freed_memory(mmap_threshold: int = 1 << 30, trim_threshold: int = 1 << 
 
     Returns:
         True when the thresholds are in effect (set now or by an earlier call), False when left
-        alone: not glibc, ``MALLOC_MMAP_THRESHOLD_`` set, ``DART_KEEP_FREED_MEMORY=0``, or
-        ``mallopt`` refused the values.
+        alone: not glibc, ``MALLOC_MMAP_THRESHOLD_`` set (glibc's own setting), or ``mallopt``
+        refused the values.
     """
     global _done
     if _done is not None:
         return _done
     _done = False
-    if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "off", "false", "no"):
-        return False
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or platform.libc_ver()[0] != "glibc":
         return False
     try:

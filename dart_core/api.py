@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import numbers
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Sequence, Union
@@ -31,6 +30,7 @@ from dart_core.detokenizer import IncrementalDetokenizer
 from dart_core.draft_head import DartDraftHead, DraftHeadConfig, load_draft_head
 from dart_core.engine import DartEngine, GenerationResult
 from dart_core.grammar import Grammar, GrammarCompiler, GrammarSpec
+from dart_core.kernel_config import KernelConfig
 from dart_core.sampling import SamplingParams
 from dart_core.speculative import SpeculativeConfig
 from dart_core.target import TargetModel, can_pack, pack_linears
@@ -186,6 +186,7 @@ class DartModel:
         is_small_ngram: bool = False,
         cuda_graphs: bool = False,
         speculative_config: SpeculativeConfig | None = None,
+        kernel_config: KernelConfig | None = None,
     ) -> "DartModel":
         """Loads everything from local files.
 
@@ -241,14 +242,17 @@ class DartModel:
                 sizes, each (batch bucket, size bucket) captured once as a CUDA graph and replayed
                 (:class:`~dart_core.cuda_graphs.StaticVerifier`; the verification cost curve
                 is then measured with the graphs), and draft likewise over a static head KV cache
-                (:class:`~dart_core.cuda_graphs.StaticDrafter`; the environment variable
-                ``DART_DRAFT_GRAPHS=0`` keeps the draft eager, for comparisons).  Off by default,
+                (:class:`~dart_core.cuda_graphs.StaticDrafter`;
+                ``SpeculativeConfig.draft_graphs=False`` keeps the draft eager, for comparisons).  Off by default,
                 since it is refused off CUDA; on a GPU turn it on (BENCHMARKS.md, "GPU", measures
                 both).
             speculative_config: every speculation setting in one object
                 (:class:`~dart_core.speculative.SpeculativeConfig`: budget, tree search, context,
                 lookup steps, gate, prefill grouping, CUDA graphs); instead of ``search_params``,
                 ``budget`` and ``cuda_graphs``, which build one when it is not given.
+            kernel_config: the kernel and memory switches (:class:`~dart_core.kernel_config.KernelConfig`:
+                SDPA backends, grouped-query attention, static-cache windows, freed CPU memory kept);
+                None: its defaults. Both configs are logged at start-up.
 
         Raises:
             TypeError: a value given under both its name and its reference alias, or
@@ -277,14 +281,16 @@ class DartModel:
         dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
         if cuda_graphs and not str(device).startswith("cuda"):
             raise ValueError(f"cuda_graphs needs a CUDA device, not {device}")
-        if str(device) == "cpu" and device_map is None:  # large per-step tensors reused, not faulted in again
-            keep_freed_memory()
+        kernels = kernel_config or KernelConfig()
+        logger.info("speculative config: %s; kernel config: %s", spec, kernels.as_dict())
+        if str(device) == "cpu" and device_map is None and kernels.keep_freed_memory:
+            keep_freed_memory()  # large per-step tensors reused, not faulted in again
         if weights == "auto":
             weights = default_weights(model, dtype=dtype, device=device, device_map=device_map)
         target = TargetModel.from_pretrained(model, dtype=dtype, device=device, device_map=device_map,
                                              weights=weights,
                                              gguf_kernel=None if gguf_kernel == "auto" or weights != "gguf-native"
-                                             else gguf_kernel)
+                                             else gguf_kernel, kernels=kernels)
         if cuda_graphs:
             target.enable_static_cache()
         name = getattr(target.tokenizer, "dart_model_name", DEFAULT_MODEL)
@@ -309,8 +315,10 @@ class DartModel:
             policy = AdaptiveBudget(VerifyCostCurve.measure(target, node_counts=sizes, batch_sizes=batches),
                                     lookup_preference=spec.lookup_preference)
             gate = SpeculationGate(probe_every=spec.gate_probe_every, can_pay=policy.can_pay)
+        if draft is not None:
+            draft.use_kernels(kernels)
         engine = DartEngine(target, draft, tree_search, params, budget=policy, gate=gate, **spec.engine_kwargs())
-        if cuda_graphs and draft is not None and os.environ.get("DART_DRAFT_GRAPHS", "1") != "0":
+        if cuda_graphs and draft is not None and spec.draft_graphs:
             engine.enable_static_draft()
         return cls(engine, target.tokenizer)
 

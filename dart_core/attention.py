@@ -19,9 +19,10 @@ The engine therefore runs its attention under an explicit choice,
 - **CPU** (``auto``): PyTorch's own choice, unchanged (its flash kernel for
   CPUs takes masks and builds no plans).
 
-The environment variable ``DART_SDPA_BACKENDS`` overrides the choice for
-measurements: ``default`` (PyTorch's own priority, cuDNN included), or a
-comma-separated list of ``flash``, ``efficient``, ``math``, ``cudnn``.
+``KernelConfig.sdpa_backends`` (:mod:`dart_core.kernel_config`) overrides
+the choice for measurements: ``default`` (PyTorch's own priority, cuDNN
+included), or a comma-separated list of ``flash``, ``efficient``, ``math``,
+``cudnn``.
 
 **Grouped-query attention under a mask.** SmolLM2 shares each key/value
 head among three query heads.  PyTorch's grouped-head option
@@ -32,69 +33,64 @@ copy grows with the batch and the cache, in every layer of every step.
 :func:`grouped_query_sdpa` stacks the query heads of a group along the query
 axis instead, so the keys and values are read once and never copied; the
 target's and the draft head's masked attention on CUDA go through it
-(:func:`use_grouped_query`; ``DART_GROUPED_QUERY=off`` restores the
-repeated heads, for measurements).
+(:func:`use_grouped_query`; ``KernelConfig.grouped_query=False`` restores
+the repeated heads, for measurements).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = ["sdpa_backends", "attention_backend", "grouped_query_sdpa", "use_grouped_query", "ENV_VAR",
-           "GROUPED_QUERY_ENV"]
+from dart_core.kernel_config import KernelConfig
 
-ENV_VAR = "DART_SDPA_BACKENDS"
-GROUPED_QUERY_ENV = "DART_GROUPED_QUERY"  # "off": repeat the key/value heads instead (measurements)
+__all__ = ["sdpa_backends", "attention_backend", "grouped_query_sdpa", "use_grouped_query"]
 
 _NAMES = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
           "math": SDPBackend.MATH, "cudnn": SDPBackend.CUDNN_ATTENTION}
 _CUDA_AUTO = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
-def sdpa_backends(device: torch.device | str, setting: str | None = None) -> tuple[SDPBackend, ...] | None:
+def sdpa_backends(device: torch.device | str, setting: str = "auto") -> tuple[SDPBackend, ...] | None:
     """The SDPA backends the engine allows on ``device``; None leaves PyTorch's own choice.
 
     Args:
         device: where the attention runs.
-        setting: ``auto`` (the module docstring's choice), ``default`` or a comma-separated list
-            of backend names; None reads ``DART_SDPA_BACKENDS`` (``auto`` when unset).
+        setting: ``KernelConfig.sdpa_backends``: ``auto`` (the module docstring's choice),
+            ``default`` or a comma-separated list of backend names.
 
     Raises:
-        ValueError: an unknown backend name.
+        ValueError: an unknown backend name (as :class:`~dart_core.kernel_config.KernelConfig`).
     """
-    setting = (os.environ.get(ENV_VAR, "auto") if setting is None else setting).strip().lower() or "auto"
+    if setting != "auto":
+        setting = KernelConfig(sdpa_backends=setting).sdpa_backends
     if setting == "default":
         return None
     if setting == "auto":
         return _CUDA_AUTO if torch.device(device).type == "cuda" else None
-    names = [x.strip() for x in setting.split(",") if x.strip()]
-    unknown = [x for x in names if x not in _NAMES]
-    if unknown or not names:
-        raise ValueError(f"{ENV_VAR}={setting!r}: use auto, default or a list of {', '.join(_NAMES)}")
-    return tuple(_NAMES[x] for x in names)
+    return tuple(_NAMES[x] for x in setting.split(","))
 
 
-def attention_backend(device: torch.device | str) -> contextlib.AbstractContextManager:
+def attention_backend(device: torch.device | str, setting: str = "auto") -> contextlib.AbstractContextManager:
     """A context under which SDPA calls use :func:`sdpa_backends` (a no-op where that is None).
 
     Raises:
         ValueError: as :func:`sdpa_backends`.
     """
-    backends = sdpa_backends(device)
+    backends = sdpa_backends(device, setting)
     return contextlib.nullcontext() if backends is None else sdpa_kernel(list(backends))
 
 
-def use_grouped_query(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    """Whether a masked attention call takes :func:`grouped_query_sdpa`: on CUDA, an additive mask
-    shared by the heads ([B or 1, 1, Q, ≥T], floating point), fewer key/value heads than query heads,
-    and ``DART_GROUPED_QUERY`` not ``off``.  Shapes: query [B, H, Q, D], key [B, H_kv, T, D]."""
-    return (query.device.type == "cuda" and mask is not None and mask.is_floating_point() and mask.dim() == 4
-            and mask.shape[1] == 1 and key.shape[1] != query.shape[1]
-            and os.environ.get(GROUPED_QUERY_ENV, "").strip().lower() not in ("off", "0"))
+def use_grouped_query(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None,
+                      enabled: bool = True) -> bool:
+    """Whether a masked attention call takes :func:`grouped_query_sdpa`: ``enabled``
+    (``KernelConfig.grouped_query``), on CUDA, an additive mask shared by the heads ([B or 1, 1, Q,
+    ≥T], floating point), fewer key/value heads than query heads.  Shapes: query [B, H, Q, D],
+    key [B, H_kv, T, D]."""
+    return (enabled and query.device.type == "cuda" and mask is not None and mask.is_floating_point()
+            and mask.dim() == 4 and mask.shape[1] == 1 and key.shape[1] != query.shape[1])
 
 
 def grouped_query_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,

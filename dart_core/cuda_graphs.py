@@ -30,9 +30,9 @@ is a tree of one node) exactly that:
   (256, 512, 1024, ... up to the capacity by default), so a step reads
   the keys and values its sequences have, rounded up, instead of the
   whole capacity: the attention and the key/value traffic of a step grow
-  with the context, not with the capacity.  The environment variable
-  ``DART_STATIC_WINDOWS=off`` attends over the whole capacity (one window),
-  for measurements.
+  with the context, not with the capacity.  ``KernelConfig.static_windows``
+  False (the target's :attr:`~dart_core.target.TargetModel.kernels`) attends
+  over the whole capacity (one window), for measurements.
 - **Static inputs and outputs**: token ids, positions and the
   [Bb, 1, Nb, Wb] mask are copied into fixed tensors before each
   replay; logits and taps are returned as views of the graph's outputs,
@@ -53,7 +53,6 @@ way over a static head KV cache.  Prefill stays eager.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -66,13 +65,13 @@ __all__ = ["StaticVerifier", "StaticDrafter", "DEFAULT_BUCKETS", "DEFAULT_BATCH_
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-WINDOWS_ENV = "DART_STATIC_WINDOWS"  # "off": one window, the whole capacity (measurements)
 
 
-def default_windows(capacity: int, smallest: int = 256) -> tuple[int, ...]:
+def default_windows(capacity: int, smallest: int = 256, windowed: bool = True) -> tuple[int, ...]:
     """The attention windows of a static cache of ``capacity`` positions: ``smallest``, doubling,
-    then the capacity itself (only the capacity when ``DART_STATIC_WINDOWS=off``)."""
-    if os.environ.get(WINDOWS_ENV, "").strip().lower() in ("off", "0", "none"):
+    then the capacity itself (only the capacity when not ``windowed``: ``KernelConfig.static_windows``
+    False, for measurements)."""
+    if not windowed:
         return (capacity,)
     windows, w = [], smallest
     while w < capacity:
@@ -119,8 +118,8 @@ class StaticVerifier:
         buckets: the padded query sizes, ascending; larger forwards run eagerly.
         batch_buckets: the padded batch sizes, ascending; larger batches run eagerly.
         windows: the attention windows, ascending, the last one the capacity (default
-            :func:`default_windows`): a forward attends over the smallest that holds its cache
-            and padded tree.
+            :func:`default_windows`, windowed as the target's ``kernels.static_windows`` says): a
+            forward attends over the smallest that holds its cache and padded tree.
         use_graphs: capture and replay CUDA graphs (default: on a CUDA device); False runs the
             static path eagerly (tests, or to compare).
 
@@ -133,7 +132,10 @@ class StaticVerifier:
     def __init__(self, target, *, capacity: int = 2048, buckets: tuple[int, ...] = DEFAULT_BUCKETS,
                  batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS, windows: tuple[int, ...] | None = None,
                  use_graphs: bool | None = None) -> None:
-        windows = default_windows(capacity) if windows is None else tuple(windows)
+        if windows is None:
+            kernels = getattr(target, "kernels", None)
+            windows = default_windows(capacity, windowed=kernels is None or kernels.static_windows)
+        windows = tuple(windows)
         use_graphs = _check_settings("target", target.device, use_graphs, buckets=buckets, batch_buckets=batch_buckets,
                                      windows=windows)
         if capacity < buckets[-1]:

@@ -43,6 +43,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from dart_core.attention import attention_backend, grouped_query_sdpa, sdpa_backends, use_grouped_query
+from dart_core.kernel_config import KernelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +145,7 @@ class _DraftAttention(nn.Module):
         self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.kernels = KernelConfig()  # SDPA backends and grouped-query switch (DartDraftHead.use_kernels)
 
     def keys_values(self, x, cos, sin):
         """Keys (rotated) and values [B, Hkv, N, D] of the positions x [B, N, 2H] (cos/sin [B, N, D])."""
@@ -171,16 +173,17 @@ class _DraftAttention(nn.Module):
         else:
             at = write_index[:, None, :, None].expand(b, c.num_key_value_heads, n, c.head_dim)
             keys, values = past_k.scatter_(2, at, ks), past_v.scatter_(2, at, vs)
-        if use_grouped_query(qs, keys, mask):  # CUDA: the grouped heads without copies (dart_core.attention)
-            with attention_backend(qs.device):
+        k = self.kernels
+        if use_grouped_query(qs, keys, mask, k.grouped_query):  # CUDA: the grouped heads without copies
+            with attention_backend(qs.device, k.sdpa_backends):
                 out = grouped_query_sdpa(qs, keys, values, mask, None)
             return self.o_proj(out.reshape(b, q, -1)), ks, vs
         grouped = c.num_key_value_heads != c.num_attention_heads
-        if grouped and sdpa_backends(qs.device) is not None:  # not every chosen kernel takes grouped heads
+        if grouped and sdpa_backends(qs.device, k.sdpa_backends) is not None:  # not every kernel takes grouped heads
             groups = c.num_attention_heads // c.num_key_value_heads
             keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
             grouped = False
-        with attention_backend(qs.device):
+        with attention_backend(qs.device, k.sdpa_backends):
             out = nn.functional.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, enable_gqa=grouped)
         return self.o_proj(out.transpose(1, 2).reshape(b, q, -1)), ks, vs
 
@@ -228,6 +231,14 @@ class DartDraftHead(nn.Module):
         angle at position 500 is off by up to 2 radians for the fastest frequency."""
         super()._apply(fn, recurse)
         self.rotary.inv_freq = self._inv_freq.to(self.rotary.inv_freq.device)
+        return self
+
+    def use_kernels(self, kernels: KernelConfig) -> "DartDraftHead":
+        """Runs the head's attention under ``kernels``' SDPA backends and grouped-query switch
+        (:class:`~dart_core.kernel_config.KernelConfig`; the defaults until called); returns self."""
+        for m in self.modules():
+            if isinstance(m, _DraftAttention):
+                m.kernels = kernels
         return self
 
     @torch.no_grad()

@@ -34,12 +34,13 @@ import numpy as np
 import torch
 
 from dart_core.budget import AdaptiveBudget, SpeculationGate
-from dart_core.cuda_graphs import DEFAULT_DRAFT_WIDTHS, StaticDrafter
+from dart_core.cuda_graphs import StaticDrafter
 from dart_core.draft_head import DartDraftHead
 from dart_core.drafters import DartDrafter, DraftBatch, Drafter, NoDraft, Proposal
 from dart_core.grammar import row_constraint
 from dart_core.kv_cache import HeadKVCache, cache_mask, zero_pad
 from dart_core.sampling import SamplingParams, target_probs
+from dart_core.speculative import FOLD_WIDTH
 from dart_core.target import TargetCache, TargetModel, TargetOutput, padded_rows
 from dart_core.target import sync_device as _sync
 from dart_core.verify import (accept_constrained, accept_greedy, accept_greedy_batch, accept_greedy_cpu,
@@ -172,6 +173,9 @@ class DartEngine:
         drafter: what proposes each step's draft trees (:class:`~dart_core.drafters.Drafter`);
             None: :class:`~dart_core.drafters.DartDrafter` with a head (lookup steps, or the head
             plus the tree search), no speculation without one.
+        pooled_budget, grammar_drafting, fold_width: as the fields of
+            :class:`~dart_core.speculative.SpeculativeConfig` (their comments there, and the
+            attributes' below).
         max_prefill_tokens: sequences that join together are prefilled in groups of at most this
             many padded tokens (rows x longest prompt of the group; a longer prompt goes alone):
             a prefill returns [rows, length, vocabulary] logits and every layer's hidden states,
@@ -187,7 +191,8 @@ class DartEngine:
                  tree_search: TreeSearchClient | None = None, search_params: SearchParams | None = None,
                  budget: AdaptiveBudget | None = None, gate: SpeculationGate | None = None,
                  context_window: int = 1 << 16, context_order: int = 4, lookup_length: int = 24,
-                 max_prefill_tokens: int = 8192, drafter: Drafter | None = None) -> None:
+                 max_prefill_tokens: int = 8192, drafter: Drafter | None = None, pooled_budget: bool = False,
+                 grammar_drafting: bool = True, fold_width: int | None = FOLD_WIDTH) -> None:
         self.target = target
         self.head = head
         # what proposes each step's trees (dart_core.drafters); None: autoregressive decoding only
@@ -202,15 +207,15 @@ class DartEngine:
         self.cheap_host_reads = self.target.device.type == "cpu"
         # one verification budget pooled across the batch, verified without computing padding
         # (packed_verification); off by default: not measured faster yet (bench/results/pooled_budget)
-        self.pooled_budget = False
+        self.pooled_budget = pooled_budget
         # structured output: draft trees cut to what the grammar allows, with the tokens it forces added
         # (GrammarState.draft_tree); False leaves the trees as drafted (verification masks either way)
-        self.grammar_drafting = True
+        self.grammar_drafting = grammar_drafting
         # a sequence's draft-head inputs held past this many positions after an autoregressive step
         # (the gate or max_speculative_batch keeps speculation off) are folded into its head KV cache
         # (_fold_held), as is a new prompt, so that a draft after such steps reads no more than the
         # static drafter's widest graph-captured width; None holds them until the next draft
-        self.fold_width: int | None = DEFAULT_DRAFT_WIDTHS[-1] - 1
+        self.fold_width: int | None = fold_width
         # a gated-off step (the batch speculates, this step does not) keeps only references to its
         # taps and tokens (_BatchState.hold): the step's work is the autoregressive step's.  They
         # become pending draft-head inputs (and the context indexes see the tokens) when speculation

@@ -3,7 +3,9 @@
 Every setting that decides what a decoding step drafts and verifies lives in
 :class:`SpeculativeConfig`, validated once when it is built: the tree budget
 and its gate, the tree-search parameters, the request's context (window and
-order), lookup steps, prefill grouping and CUDA graphs.
+order), lookup steps, prefill grouping, CUDA graphs, and the engine's
+switches that used to be mutable attributes or environment variables
+(pooled budget, grammar drafting, the held-input fold width, draft graphs).
 :meth:`DartModel.from_pretrained <dart_core.api.DartModel.from_pretrained>`
 takes it, and the Serve application's config (``deployments/dart.yaml``)
 builds it from its fields, so every one is reachable from there.  This module imports
@@ -17,8 +19,11 @@ from typing import Union
 
 from ngram_service.tree_search import SearchParams
 
-__all__ = ["SpeculativeConfig", "LOOKUP_PREFERENCE"]
+__all__ = ["SpeculativeConfig", "LOOKUP_PREFERENCE", "FOLD_WIDTH"]
 
+# a sequence's held draft-head inputs past this many positions are folded into its head KV cache: one
+# below the static drafter's widest graph-captured width (dart_core.cuda_graphs.DEFAULT_DRAFT_WIDTHS; tested)
+FOLD_WIDTH = 15
 LOOKUP_PREFERENCE = 1.0  # a lookup step when its expected rate reaches the tree steps' measured one (tuning split, docs/engine.md)
 
 
@@ -41,6 +46,10 @@ class SpeculativeConfig:
     gate_probe_every: int = 64  # the gate re-measures the path it is not on every this many steps
     max_prefill_tokens: int = 8192  # joining prompts are prefilled in groups of at most this many padded tokens
     cuda_graphs: bool = False  # CUDA: verification and draft replayed as CUDA graphs over static KV caches
+    draft_graphs: bool = True  # with cuda_graphs: False keeps the draft head eager beside captured verification
+    pooled_budget: bool = False  # one verification budget across the batch, padding not computed (CPU packed target)
+    grammar_drafting: bool = True  # structured output: trees cut to what the grammar allows (False: as drafted)
+    fold_width: int | None = FOLD_WIDTH  # held draft-head inputs folded past this many positions; None: held
 
     def __post_init__(self) -> None:
         if not (self.budget == "auto" or (isinstance(self.budget, int) and not isinstance(self.budget, bool)
@@ -51,6 +60,11 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < low or (high is not None and value > high):
                 raise ValueError(f"{name} must be an int in {low}..{high or 'any'}, got {value!r}")
+        if self.fold_width is not None and (not isinstance(self.fold_width, int) or self.fold_width < 0):
+            raise ValueError(f"fold_width must be None or an int >= 0, got {self.fold_width!r}")
+        for name in ("cuda_graphs", "draft_graphs", "pooled_budget", "grammar_drafting"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not self.lookup_preference > 0:
             raise ValueError(f"lookup_preference must be > 0, got {self.lookup_preference!r}")
 
@@ -64,4 +78,6 @@ class SpeculativeConfig:
     def engine_kwargs(self) -> dict:
         """The :class:`~dart_core.engine.DartEngine` arguments this config sets directly."""
         return {"context_window": self.context_window, "context_order": self.context_order,
-                "lookup_length": self.lookup_length, "max_prefill_tokens": self.max_prefill_tokens}
+                "lookup_length": self.lookup_length, "max_prefill_tokens": self.max_prefill_tokens,
+                "pooled_budget": self.pooled_budget, "grammar_drafting": self.grammar_drafting,
+                "fold_width": self.fold_width}

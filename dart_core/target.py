@@ -29,6 +29,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from dart_core.attention import attention_backend, grouped_query_sdpa, use_grouped_query
+from dart_core.kernel_config import KernelConfig
 from dart_core.kv_cache import (BufferedKVCache, KVPool, cache_mask, compact_buffered, compact_layers,
                                 compaction_plan, compaction_plan_host)
 from dart_core.tokenizer import converted_cache, load_tokenizer, resolve_model, save_converted
@@ -155,7 +156,7 @@ def _grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
             # no mask means causal (transformers' own forwards, e.g. generate's prefill): the last q of t positions
             attention_mask = torch.ones(q, t, dtype=torch.bool, device=query.device).tril(t - q)[None, None]
         return _row_exact_attention(query, key, value, attention_mask, scaling), None
-    if not dropout and use_grouped_query(query, key, attention_mask):
+    if not dropout and use_grouped_query(query, key, attention_mask, getattr(module, "dart_grouped_query", True)):
         return grouped_query_sdpa(query, key, value, attention_mask, scaling), None
     if query.device.type != "cpu" or attention_mask is None or query.shape[2] == 1 or dropout:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -383,8 +384,11 @@ class TargetModel:
             one the decoder does not cover, or a target with fewer than 5 layers (DART's taps need them).
     """
 
-    def __init__(self, model, tokenizer=None, *, pack: bool | None = None, decoder: bool | None = None) -> None:
+    def __init__(self, model, tokenizer=None, *, pack: bool | None = None, decoder: bool | None = None,
+                 kernels: KernelConfig | None = None) -> None:
         self.model = model.eval()
+        # the SDPA backends and grouped-query switch of every attention call (dart_core.kernel_config)
+        self.kernels = kernels or KernelConfig()
         if pack is None:
             pack = can_pack(model)
         elif pack and not can_pack(model):
@@ -397,10 +401,10 @@ class TargetModel:
             self.model.set_attn_implementation(GROUPED_SDPA)
         # 4-bit layers round activations to bfloat16: attention must then be row-exact too
         self.row_exact = any(getattr(m, "row_exact", False) for m in self.model.modules())
-        if self.row_exact:
-            for m in self.model.modules():
-                if hasattr(m, "is_causal") and hasattr(m, "head_dim"):  # attention modules
-                    m.dart_row_exact = True
+        for m in self.model.modules():
+            if hasattr(m, "is_causal") and hasattr(m, "head_dim"):  # attention modules: what the plug-in reads
+                m.dart_row_exact = self.row_exact
+                m.dart_grouped_query = self.kernels.grouped_query
         self.tokenizer = tokenizer
         self.config = model.config
         # the KV cache argument: `cache` from transformers 5.24 on (`past_key_values` deprecated there)
@@ -439,7 +443,7 @@ class TargetModel:
     def from_pretrained(cls, spec: str | None = None, *, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu", device_map=None,
                         pack: bool | None = None, weights: str = "dense",
-                        gguf_kernel: str | None = None) -> "TargetModel":
+                        gguf_kernel: str | None = None, kernels: KernelConfig | None = None) -> "TargetModel":
         """Loads a local model (see :func:`dart_core.tokenizer.resolve_model`); never a hub.
 
         Args:
@@ -455,6 +459,8 @@ class TargetModel:
                 model).
             gguf_kernel: with "gguf-native", the 4-bit layers' kernel (one of
                 :data:`dart_core.quant.KERNELS`); None: :func:`dart_core.quant.default_kernel`.
+            kernels: the attention switches (:class:`~dart_core.kernel_config.KernelConfig`;
+                None: its defaults).
 
         Raises:
             ValueError: ``pack=True`` together with a ``device_map``; "gguf-native" for a source that
@@ -498,7 +504,7 @@ class TargetModel:
 
             quantize_from_gguf(model, source.folder / source.gguf_file, cache=converted_cache(source, "int4"),
                                kernel=gguf_kernel)
-        return cls(model, load_tokenizer(spec), pack=pack if device_map is None else False)
+        return cls(model, load_tokenizer(spec), pack=pack if device_map is None else False, kernels=kernels)
 
     @property
     def device(self) -> torch.device:
@@ -563,7 +569,8 @@ class TargetModel:
         ``logit_index``: int64 [B], one query position per row: the logits are then [B, 1, V], that
         position's only (the output layer runs on B rows instead of B · Q; the taps stay [B, Q, 3H]).
         ``greedy``: as :meth:`forward`."""
-        with attention_backend(input_ids.device):  # an explicit SDPA choice (dart_core.attention)
+        # an explicit SDPA choice (dart_core.attention)
+        with attention_backend(input_ids.device, self.kernels.sdpa_backends):
             if self.decoder is not None:
                 logits, taps, argmax = self.decoder.forward(input_ids, position_ids, attention_mask, cache.cache,
                                                             logit_index=logit_index, greedy=greedy)

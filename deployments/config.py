@@ -130,6 +130,15 @@ class AppConfig(BaseModel):
                                                            "(default: the engine's)")
     max_prefill_tokens: int | None = Field(None, description="joining prompts are prefilled in groups of at most this "
                                                              "many padded tokens (default: the engine's)")
+    draft_graphs: bool | None = Field(None, description="with cuda_graphs: false keeps the draft head eager beside "
+                                                        "graph-captured verification (default: the engine's, true)")
+    pooled_budget: bool | None = Field(None, description="one verification budget across the batch, padding not "
+                                                         "computed, on a packed CPU target (default: the engine's, "
+                                                         "false)")
+    grammar_drafting: bool | None = Field(None, description="structured output: draft trees cut to what the grammar "
+                                                            "allows (default: the engine's, true)")
+    fold_width: int | None = Field(None, ge=0, description="held draft-head inputs past this many positions are folded "
+                                                           "into the head's KV cache (default: the engine's)")
     ngram: NgramConfig = Field(default_factory=NgramConfig)
 
     @model_validator(mode="after")
@@ -147,7 +156,9 @@ class AppConfig(BaseModel):
 
         optional = {name: getattr(self, name) for name in ("context_window", "context_order", "lookup_length",
                                                            "lookup_preference", "gate_probe_every",
-                                                           "max_prefill_tokens") if getattr(self, name) is not None}
+                                                           "max_prefill_tokens", "draft_graphs", "pooled_budget",
+                                                           "grammar_drafting", "fold_width")
+                    if getattr(self, name) is not None}
         return SpeculativeConfig(budget=self.budget, search=self.search_params(), cuda_graphs=self.cuda_graphs,
                                  **optional)
 

@@ -9,11 +9,46 @@ import dataclasses
 import importlib.util
 import json
 import logging
+import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 logger = logging.getLogger(__name__)
+
+# The measurement switches, as benchmark command lines may set them (the GPU session scripts do):
+# variable -> (field, value when the variable is unset).  The library reads no environment variable:
+# these become a KernelConfig and SpeculativeConfig.draft_graphs here, at the benchmarks' entry
+# points, and hardware() writes the result into every result file.
+SWITCH_VARIABLES = {"DART_SDPA_BACKENDS": ("sdpa_backends", "auto"), "DART_GROUPED_QUERY": ("grouped_query", True),
+                    "DART_STATIC_WINDOWS": ("static_windows", True),
+                    "DART_KEEP_FREED_MEMORY": ("keep_freed_memory", True), "DART_DRAFT_GRAPHS": ("draft_graphs", True)}
+_OFF = ("0", "off", "false", "no", "none")
+
+
+def bench_switches(environ: Mapping[str, str] | None = None) -> dict:
+    """The measurement switches a benchmark runs with: :data:`SWITCH_VARIABLES` read from ``environ``
+    (default ``os.environ``): the fields of :class:`~dart_core.kernel_config.KernelConfig` plus
+    ``draft_graphs`` (:class:`~dart_core.speculative.SpeculativeConfig`).
+
+    Raises:
+        ValueError: an unknown ``DART_SDPA_BACKENDS`` value (as KernelConfig)."""
+    from dart_core.kernel_config import KernelConfig
+
+    environ = os.environ if environ is None else environ
+    out = {}
+    for var, (name, default) in SWITCH_VARIABLES.items():
+        raw = environ.get(var, "").strip().lower()
+        out[name] = (raw or default) if isinstance(default, str) else (default if not raw else raw not in _OFF)
+    KernelConfig(**{k: v for k, v in out.items() if k != "draft_graphs"})  # validated before anything loads
+    return out
+
+
+def bench_kernel_config(environ: Mapping[str, str] | None = None):
+    """:func:`bench_switches` as the :class:`~dart_core.kernel_config.KernelConfig` to load with."""
+    from dart_core.kernel_config import KernelConfig
+
+    return KernelConfig(**{k: v for k, v in bench_switches(environ).items() if k != "draft_graphs"})
 
 INSTALL_HINT = "pip install 'dart-serve[bench]'"
 
@@ -68,7 +103,8 @@ def add_weights_argument(ap, defaults) -> None:
 def add_cuda_graphs_argument(ap) -> None:
     """``--cuda-graphs``: the engine's verification and draft replayed as CUDA graphs (every benchmark CLI)."""
     ap.add_argument("--cuda-graphs", action="store_true", help="CUDA only: verify and draft over static KV caches "
-                    "replayed as CUDA graphs (dart_core.cuda_graphs; DART_DRAFT_GRAPHS=0 keeps the draft eager)")
+                    "replayed as CUDA graphs (dart_core.cuda_graphs; DART_DRAFT_GRAPHS=0 in the command's environment "
+                    "keeps the draft eager: SpeculativeConfig.draft_graphs)")
 
 
 def run_cli(config_cls, args, run, save, table, requires: tuple[str, ...] = ()) -> int:

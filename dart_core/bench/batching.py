@@ -171,6 +171,8 @@ def run_batching(cfg: BatchingConfig, *, progress: bool = True) -> dict:
     from dart_core.bench.datasets import load_prompts
     from dart_core.bench.decoding import hardware
     from dart_core.request import GenerationRequest
+    from dart_core.bench import bench_kernel_config, bench_switches
+    from dart_core.speculative import SpeculativeConfig
 
     if set(cfg.modes) - set(MODES) or not cfg.modes:
         raise ValueError(f"modes must be among {', '.join(MODES)}")
@@ -189,12 +191,14 @@ def run_batching(cfg: BatchingConfig, *, progress: bool = True) -> dict:
         trie = str(ensure_default_trie(cfg.model, progress=progress))
     # as the Serve deployment loads it: on a thread that ends (load_in_own_thread says why)
     model = load_in_own_thread(lambda: DartModel.from_pretrained(
-        cfg.model, head=cfg.head, trie=trie, budget=budget, dtype=getattr(torch, cfg.dtype) if cfg.dtype else None,
-        weights=cfg.weights, gguf_kernel=cfg.gguf_kernel,
-        draft_weights=cfg.draft_weights, device=cfg.device, cuda_graphs=cfg.cuda_graphs))
+        cfg.model, head=cfg.head, trie=trie, dtype=getattr(torch, cfg.dtype) if cfg.dtype else None,
+        weights=cfg.weights, gguf_kernel=cfg.gguf_kernel, draft_weights=cfg.draft_weights, device=cfg.device,
+        speculative_config=SpeculativeConfig(budget=budget, cuda_graphs=cfg.cuda_graphs,
+                                             pooled_budget=cfg.pooled_budget,
+                                             draft_graphs=bench_switches()["draft_graphs"]),
+        kernel_config=bench_kernel_config()))
     if not cfg.gate:
         model.engine.gate = None
-    model.engine.pooled_budget = cfg.pooled_budget
     prompts = load_prompts(cfg.dataset)
     batch = BatcherConfig(max_batch_size=max(cfg.max_batch_size, max(cfg.concurrency)),
                           max_speculative_batch=cfg.max_speculative_batch, max_tokens_limit=max(cfg.max_tokens, 8))

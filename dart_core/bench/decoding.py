@@ -61,6 +61,9 @@ from pathlib import Path
 
 import torch
 
+from dart_core.bench import bench_kernel_config, bench_switches
+from dart_core.speculative import SpeculativeConfig
+
 __all__ = ["pass_ratios", "METHODS", "DEFAULT_METHODS", "LLAMA_CPP_METHODS", "DART_METHODS", "STOCK_METHODS", "DecodingConfig", "run_decoding", "hardware", "hardware_line", "markdown_table", "plot_speedup",
            "agreement"]
 
@@ -142,7 +145,7 @@ def hardware(device: torch.device | str) -> dict:
         pass
     out = {"cpu": cpu, "cpu_count": os.cpu_count(), "cpu_flags": flags, "torch": torch.__version__,
            "threads": torch.get_num_threads(), "python": platform.python_version(),
-           "date": time.strftime("%Y-%m-%d", time.gmtime())}
+           "date": time.strftime("%Y-%m-%d", time.gmtime()), "switches": bench_switches()}
     if str(device).startswith("cuda"):
         out["gpu"] = torch.cuda.get_device_name(torch.device(device))
     try:
@@ -209,10 +212,13 @@ class _Bench:
             trie = str(ensure_default_trie(None if cfg.model is None else cfg.model))
         self.trie_path = None if trie in (None, "none", "auto") else str(trie)
         dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
-        self.model = DartModel.from_pretrained(cfg.model, head=cfg.head, trie=self.trie_path, budget=budget,
-                                               dtype=dtype, weights=cfg.weights, gguf_kernel=cfg.gguf_kernel,
-                                               draft_weights=cfg.draft_weights, device=cfg.device,
-                                               cuda_graphs=cfg.cuda_graphs)
+        switches = bench_switches()
+        self.model = DartModel.from_pretrained(
+            cfg.model, head=cfg.head, trie=self.trie_path, dtype=dtype, weights=cfg.weights,
+            gguf_kernel=cfg.gguf_kernel, draft_weights=cfg.draft_weights, device=cfg.device,
+            speculative_config=SpeculativeConfig(budget=budget, cuda_graphs=cfg.cuda_graphs,
+                                                 draft_graphs=switches["draft_graphs"]),
+            kernel_config=bench_kernel_config())
         self.engine = self.model.engine
         self.skipped: dict[str, str] = {}  # method -> why it did not run
         self.dense = self.llama = self.llama_lookup = None

@@ -221,8 +221,9 @@ def run_serving(cfg: ServingConfig, *, progress: bool = True) -> dict:
     local = None
     if cfg.in_process and 1 in cfg.concurrency:
         from dart_core.api import DartModel
+        from dart_core.bench import bench_kernel_config
 
-        local = DartModel.from_pretrained(cfg.in_process_model)
+        local = DartModel.from_pretrained(cfg.in_process_model, kernel_config=bench_kernel_config())
         in_process_pass(local, prompts[:1], replace(cfg, requests_per_client=1, max_tokens=8), True)  # warm-up
 
     def run_level(c: int, mode: str) -> dict:

@@ -303,6 +303,8 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
     from tqdm import tqdm
 
     from dart_core.api import DartModel
+    from dart_core.bench import bench_kernel_config, bench_switches
+    from dart_core.speculative import SpeculativeConfig
     from dart_core.bench.datasets import load_prompts
     from dart_core.bench.decoding import hardware
     from dart_core.engine import _sync
@@ -323,10 +325,12 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
         trie = str(ensure_default_trie(cfg.model, progress=progress))
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
     budget = cfg.budget if cfg.budget == "auto" else int(cfg.budget)
-    model = DartModel.from_pretrained(cfg.model, head=cfg.head, trie=trie, budget=budget, dtype=dtype,
-                                      weights=cfg.weights, gguf_kernel=cfg.gguf_kernel,
-                                      draft_weights=cfg.draft_weights, device=cfg.device,
-                                      cuda_graphs=cfg.cuda_graphs)
+    model = DartModel.from_pretrained(
+        cfg.model, head=cfg.head, trie=trie, dtype=dtype, weights=cfg.weights, gguf_kernel=cfg.gguf_kernel,
+        draft_weights=cfg.draft_weights, device=cfg.device,
+        speculative_config=SpeculativeConfig(budget=budget, cuda_graphs=cfg.cuda_graphs,
+                                             draft_graphs=bench_switches()["draft_graphs"]),
+        kernel_config=bench_kernel_config())
     device = model.engine.target.device
     weights = weight_bytes(model.engine.target.model)
     bandwidth = measure_bandwidth(device, cfg.copy_mib)

@@ -108,12 +108,13 @@ def measure_in_process(schemas_path: str | Path = DEFAULT_SCHEMAS, *, model: str
     from tqdm import tqdm
 
     from dart_core.api import DartModel
+    from dart_core.bench import bench_kernel_config
     from dart_core.bench.decoding import _weights, hardware
     from dart_core.grammar import GrammarSpec
 
     rows = load_schemas(schemas_path)
     m = DartModel.from_pretrained(model, head=head, device=device, cuda_graphs=cuda_graphs,
-                                  dtype=getattr(torch, dtype) if dtype else None)
+                                  dtype=getattr(torch, dtype) if dtype else None, kernel_config=bench_kernel_config())
     engine = m.engine
     prompts = [m.tokenizer.apply_chat_template([{"role": "user", "content": user_message(r)}],
                                                add_generation_prompt=True, tokenize=True, return_dict=True)

@@ -93,6 +93,7 @@ def run_tuning(cfg: TuningConfig, *, progress: bool = True) -> dict:
     from tqdm import tqdm
 
     from dart_core.api import DartModel
+    from dart_core.bench import bench_kernel_config
     from dart_core.bench.decoding import hardware
 
     if not cfg.weights or not cfg.orders:
@@ -106,7 +107,7 @@ def run_tuning(cfg: TuningConfig, *, progress: bool = True) -> dict:
 
         trie = str(ensure_default_trie(cfg.model))
     model = DartModel.from_pretrained(cfg.model, head=cfg.head, trie=None if trie == "none" else trie,
-                                      budget=cfg.budget)
+                                      budget=cfg.budget, kernel_config=bench_kernel_config())
     engine = model.engine
     engine.gate = None  # each row measures speculation, as the decoding benchmark does
     if engine.head is None:

@@ -41,6 +41,7 @@ def measure_curves(model: str | None, weights: list[str], node_counts: tuple[int
             model that is not a GGUF)."""
     import torch
 
+    from dart_core.bench import bench_kernel_config
     from dart_core.bench.decoding import hardware
     from dart_core.bench.step_profile import weights_format
     from dart_core.budget import VerifyCostCurve
@@ -51,7 +52,7 @@ def measure_curves(model: str | None, weights: list[str], node_counts: tuple[int
     started = time.perf_counter()
     curves = {}
     for w in weights:
-        target = TargetModel.from_pretrained(model, weights=w,
+        target = TargetModel.from_pretrained(model, weights=w, kernels=bench_kernel_config(),
                                              gguf_kernel=gguf_kernel if w == "gguf-native" else None)
         curve = VerifyCostCurve.measure(target, node_counts=node_counts, repeats=repeats, batch_sizes=batch_sizes)
         curves[w] = {"nodes": list(curve.nodes), "ms": list(curve.ms), "batches": list(curve.batches),

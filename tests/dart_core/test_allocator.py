@@ -9,11 +9,6 @@ from dart_core import allocator
 
 def test_keep_freed_memory_respects_the_switches(monkeypatch):
     monkeypatch.setattr(allocator, "_done", None)
-    monkeypatch.setenv("DART_KEEP_FREED_MEMORY", "0")
-    assert allocator.keep_freed_memory() is False
-    assert allocator.keep_freed_memory() is False  # decided once per process
-    monkeypatch.setattr(allocator, "_done", None)
-    monkeypatch.delenv("DART_KEEP_FREED_MEMORY")
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # glibc's own setting wins
     assert allocator.keep_freed_memory() is False
     monkeypatch.setattr(allocator, "_done", None)

@@ -7,30 +7,27 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend
 
-from dart_core.attention import ENV_VAR, attention_backend, sdpa_backends
+from dart_core.attention import attention_backend, sdpa_backends
 
 
-def test_auto_leaves_cudnn_out_on_cuda_and_the_cpu_choice_alone(monkeypatch):
-    monkeypatch.delenv(ENV_VAR, raising=False)
+def test_auto_leaves_cudnn_out_on_cuda_and_the_cpu_choice_alone():
     cuda = sdpa_backends("cuda")
     assert SDPBackend.CUDNN_ATTENTION not in cuda and SDPBackend.EFFICIENT_ATTENTION in cuda
     assert SDPBackend.MATH in cuda  # always a fallback
     assert sdpa_backends("cpu") is None and sdpa_backends(torch.device("cpu")) is None
 
 
-def test_the_environment_overrides_the_choice(monkeypatch):
-    monkeypatch.setenv(ENV_VAR, "default")
-    assert sdpa_backends("cuda") is None
-    monkeypatch.setenv(ENV_VAR, " Math, efficient ")
-    assert sdpa_backends("cpu") == (SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION)
-    monkeypatch.setenv(ENV_VAR, "fastest")
+def test_the_kernel_config_overrides_the_choice():
+    """KernelConfig.sdpa_backends (what DartModel.from_pretrained hands the target and the head)."""
+    assert sdpa_backends("cuda", "default") is None
+    assert sdpa_backends("cpu", " Math, efficient ") == (SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION)
     with pytest.raises(ValueError, match="fastest"):
-        sdpa_backends("cuda")
-    with pytest.raises(ValueError, match=ENV_VAR):
-        attention_backend("cpu")
+        sdpa_backends("cuda", "fastest")
+    with pytest.raises(ValueError, match="sdpa_backends"):
+        attention_backend("cpu", "fastest")
 
 
-def test_a_chosen_backend_is_the_one_that_runs(monkeypatch):
+def test_a_chosen_backend_is_the_one_that_runs():
     """Under the context only the named kernels may run: the math kernel gives SDPA's result, and a
     choice that cannot run (cuDNN on a CPU) fails the call instead of silently falling back."""
     g = torch.Generator().manual_seed(0)
@@ -38,10 +35,8 @@ def test_a_chosen_backend_is_the_one_that_runs(monkeypatch):
     mask = torch.zeros(2, 1, 3, 3)
     mask[..., 0] = torch.finfo(torch.float32).min
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    monkeypatch.setenv(ENV_VAR, "math")
-    with attention_backend("cpu"):
+    with attention_backend("cpu", "math"):
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     torch.testing.assert_close(out, ref)
-    monkeypatch.setenv(ENV_VAR, "cudnn")
-    with attention_backend("cpu"), pytest.raises(RuntimeError):
+    with attention_backend("cpu", "cudnn"), pytest.raises(RuntimeError):
         torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -166,13 +166,18 @@ def test_bad_settings_are_refused():
     assert v.windows == (256, 512, 1024, 2048) and v.window(257) == 512 and v.window(2048) == 2048
 
 
-def test_static_windows_can_be_switched_off(monkeypatch):
-    """DART_STATIC_WINDOWS=off: one window, the whole capacity (the measurements' comparison)."""
-    from dart_core.cuda_graphs import default_windows
+def test_static_windows_can_be_switched_off():
+    """KernelConfig.static_windows False: one window, the whole capacity (the measurements'
+    comparison), for default_windows and for a StaticVerifier of a target loaded with it."""
+    from dart_core.cuda_graphs import StaticVerifier, default_windows
+    from dart_core.kernel_config import KernelConfig
 
     assert default_windows(3000) == (256, 512, 1024, 2048, 3000) and default_windows(100) == (100,)
-    monkeypatch.setenv("DART_STATIC_WINDOWS", "off")
-    assert default_windows(2048) == (2048,)
+    assert default_windows(2048, windowed=False) == (2048,)
+    target = tiny_target("llama", seed=3)
+    assert StaticVerifier(target, capacity=1024, use_graphs=False).windows == (256, 512, 1024)
+    target.kernels = KernelConfig(static_windows=False)
+    assert StaticVerifier(target, capacity=1024, use_graphs=False).windows == (1024,)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -214,8 +219,8 @@ def test_greedy_dart_stays_exact_with_grouped_query_attention(monkeypatch):
 
     calls = {"target": 0, "head": 0}
 
-    def on_any_device(query, key, mask):
-        return mask is not None and mask.is_floating_point() and mask.dim() == 4 and mask.shape[1] == 1 \
+    def on_any_device(query, key, mask, enabled=True):
+        return enabled and mask is not None and mask.is_floating_point() and mask.dim() == 4 and mask.shape[1] == 1 \
             and key.shape[1] != query.shape[1]
 
     for name, module in (("target", dart_core.target), ("head", dart_core.draft_head)):

@@ -46,7 +46,8 @@ def test_every_field_is_reachable_from_the_app_config():
 
     values = dict(budget=9, top_k=5, beam_width=4, context_weight=0.25, cuda_graphs=True, context_window=500,
                   context_order=3, lookup_length=6, lookup_preference=1.5, gate_probe_every=32,
-                  max_prefill_tokens=1000)
+                  max_prefill_tokens=1000, draft_graphs=False, pooled_budget=True, grammar_drafting=False,
+                  fold_width=7)
     spec = AppConfig.model_validate(values).speculative_config()
     for f in dataclasses.fields(SpeculativeConfig):
         if f.name != "search":
