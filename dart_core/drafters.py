@@ -19,6 +19,7 @@ Shipped drafters:
 
 from __future__ import annotations
 
+import enum
 import functools
 import time
 from dataclasses import dataclass
@@ -33,7 +34,15 @@ from ngram_service.tree_search import ContextChain, DraftTree, TreeBatch
 if TYPE_CHECKING:
     from dart_core.engine import DartEngine, _BatchState
 
-__all__ = ["Drafter", "Proposal", "DraftBatch", "DartDrafter", "HeadTreeDrafter", "LookupDrafter", "NoDraft"]
+__all__ = ["Drafter", "Proposal", "ProposalKind", "DraftBatch", "DartDrafter", "HeadTreeDrafter", "LookupDrafter", "NoDraft"]
+
+
+class ProposalKind(str, enum.Enum):
+    """How a :class:`Proposal`'s trees reach verification (the values are the former strings)."""
+
+    TREE = "tree"  # the adaptive budget selects each tree's nodes and learns from what is accepted
+    LOOKUP = "lookup"  # each tree is a context chain the budget already sized: verified as it is
+    NONE = "none"  # roots only: an autoregressive step
 
 
 @dataclass
@@ -46,26 +55,29 @@ class Proposal:
             into one on construction); node 0 is the sequence's last token (the root, not yet in
             the KV cache), and ``probs`` are the drafter's acceptance estimates per node (the
             adaptive budget prices nodes by their path products).
-        kind: ``"tree"``: the adaptive budget selects each tree's nodes
+        kind: a :class:`ProposalKind` (its string value is accepted and converted):
+            ``TREE``: the adaptive budget selects each tree's nodes
             (:meth:`~dart_core.budget.AdaptiveBudget.select_batch`) and learns from what is
-            accepted; ``"lookup"``: each tree is a context chain already sized by the budget
-            (:meth:`~dart_core.budget.AdaptiveBudget.select_lookup`); ``"none"``: roots only.
+            accepted; ``LOOKUP``: each tree is a context chain already sized by the budget
+            (:meth:`~dart_core.budget.AdaptiveBudget.select_lookup`); ``NONE``: roots only.
         draft_ms, search_ms: milliseconds spent drafting and searching (reported per step).
-        chains: with ``"lookup"``, each sequence's chain (its match length calibrates the budget).
+        chains: with ``LOOKUP``, each sequence's chain (its match length calibrates the budget).
         catch_up: the draft fed more pending positions than a step normally accepts
             (the step is not typical of its mode; :attr:`~dart_core.engine.StepOutput.catch_up`).
     """
 
     trees: TreeBatch
-    kind: str = "tree"
+    kind: ProposalKind = ProposalKind.TREE
     draft_ms: float = 0.0
     search_ms: float = 0.0
     chains: list[ContextChain] | None = None
     catch_up: bool = False
 
     def __post_init__(self) -> None:
+        """Raises: ValueError: a ``kind`` that is not a :class:`ProposalKind` or one's value."""
         if not isinstance(self.trees, TreeBatch):
             self.trees = TreeBatch.from_trees(self.trees)
+        self.kind = ProposalKind(self.kind)
 
 
 class Drafter:
@@ -92,7 +104,7 @@ class NoDraft(Drafter):
     """Trees of only the root: an autoregressive step through the same verify and accept phases."""
 
     def propose(self, engine: "DartEngine", state: "_BatchState") -> Proposal:
-        return Proposal(TreeBatch.roots([t[-1] for t in state.tokens]), kind="none")
+        return Proposal(TreeBatch.roots([t[-1] for t in state.tokens]), kind=ProposalKind.NONE)
 
 
 class LookupDrafter(Drafter):
@@ -109,7 +121,7 @@ class LookupDrafter(Drafter):
         n = engine.budget.select_lookup(chains)
         if n == 0:
             return None
-        return Proposal(_chain_batch([t[-1] for t in state.tokens], chains, n), kind="lookup",
+        return Proposal(_chain_batch([t[-1] for t in state.tokens], chains, n), kind=ProposalKind.LOOKUP,
                         search_ms=1e3 * (time.perf_counter() - t0), chains=chains)
 
 
@@ -157,7 +169,7 @@ class HeadTreeDrafter(Drafter):
         trees = engine.tree_search.search_batch(topk_ids, topk_probs,
                                                 [np.asarray(t, dtype=np.int64) for t in state.tokens],
                                                 params, chains)
-        return Proposal(trees, kind="tree", draft_ms=draft_ms, search_ms=1e3 * (time.perf_counter() - t0),
+        return Proposal(trees, kind=ProposalKind.TREE, draft_ms=draft_ms, search_ms=1e3 * (time.perf_counter() - t0),
                         catch_up=catch_up)
 
 

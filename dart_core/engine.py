@@ -25,9 +25,10 @@ batch when done.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Container, Iterator, Sequence
 
 import numpy as np
@@ -36,7 +37,7 @@ import torch
 from dart_core.budget import AdaptiveBudget, SpeculationGate
 from dart_core.cuda_graphs import StaticDrafter
 from dart_core.draft_head import DartDraftHead
-from dart_core.drafters import DartDrafter, DraftBatch, Drafter, NoDraft, Proposal
+from dart_core.drafters import DartDrafter, DraftBatch, Drafter, NoDraft, Proposal, ProposalKind
 from dart_core.grammar import row_constraint
 from dart_core.kv_cache import HeadKVCache, cache_mask, zero_pad
 from dart_core.sampling import SamplingParams, target_probs
@@ -58,9 +59,9 @@ GATE_LOG = "gate: batch %d, %s step, %d tokens in %.2f ms (step %.2f ms, verifie
 __all__ = ["DartEngine", "StepOutput", "TokenLogprobs", "GenerationResult", "NewSequence"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepOutput:
-    """One decoding step.  Lists are aligned: entry i is about request seq_ids[i]."""
+    """One decoding step, built by keyword.  Lists are aligned: entry i is about request seq_ids[i]."""
 
     seq_ids: list[int]  # indices into the request batch
     new_tokens: list[list[int]]  # tokens emitted this step (accepted drafts + bonus), stop-trimmed
@@ -325,9 +326,11 @@ class DartEngine:
                 continue
             gone = {i for i, sid in enumerate(state.seq_ids) if sid in cancelled}
             if gone:
-                yield StepOutput([state.seq_ids[i] for i in sorted(gone)], [[] for _ in gone],
-                                 ["cancelled"] * len(gone), [0] * len(gone), [0] * len(gone), 0, 0.0, 0.0, 0.0, 0.0,
-                                 [None] * len(gone))
+                zeros = [0] * len(gone)
+                yield StepOutput(seq_ids=[state.seq_ids[i] for i in sorted(gone)], new_tokens=[[] for _ in gone],
+                                 finish_reasons=["cancelled"] * len(gone), accepted_lengths=zeros, draft_nodes=zeros,
+                                 num_nodes=0, draft_ms=0.0, tree_search_ms=0.0, verify_ms=0.0, step_ms=0.0,
+                                 logprobs=[None] * len(gone))
                 state.keep([i for i in range(len(state.seq_ids)) if i not in gone])
             if not state.seq_ids:  # nothing runs and admit (called above) brought nothing
                 return
@@ -395,8 +398,9 @@ class DartEngine:
         state.merge(new)
         _sync(device)
         ms = 1e3 * (time.perf_counter() - t0)
-        return StepOutput(list(ids), new_tokens, list(new.reasons), [0] * len(ids), [0] * len(ids), 0, 0.0, 0.0,
-                          ms, ms, logprobs)
+        return StepOutput(seq_ids=list(ids), new_tokens=new_tokens, finish_reasons=list(new.reasons),
+                          accepted_lengths=[0] * len(ids), draft_nodes=[0] * len(ids), num_nodes=0, draft_ms=0.0,
+                          tree_search_ms=0.0, verify_ms=ms, step_ms=ms, logprobs=logprobs)
 
     @property
     def uses_context(self) -> bool:
@@ -423,21 +427,21 @@ class DartEngine:
         return self._accept_step(state, proposal, draft, predicted, out, cached, t_step, t_verify)
 
     def _select(self, state: "_BatchState", proposal: Proposal) -> tuple[DraftBatch, np.ndarray | None]:
-        """The budget's choice of nodes (a ``"tree"`` proposal with an adaptive budget; ``predicted``
+        """The budget's choice of nodes (a ``ProposalKind.TREE`` proposal with an adaptive budget; ``predicted``
         [B]: its expected accepted draft nodes per tree), every tree cut to the sequence's remaining
         tokens and context, packed for the device."""
         trees, predicted = proposal.trees, None
-        if self.grammar_drafting and proposal.kind != "none" and any(g is not None for g in state.constraints):
+        if self.grammar_drafting and proposal.kind is not ProposalKind.NONE and any(g is not None for g in state.constraints):
             # grammar-aware drafting, before the budget chooses: forbidden nodes out, forced tokens in
             # with estimate 1, so forced nodes compete for the budget like any other (the plain step stays
             # plain); a grammar reads one tree at a time
             rows = [trees.tree(i) for i in range(len(trees))]
             trees = TreeBatch.from_trees([tr if g is None else g.draft_tree(tr, self.search_params.budget)
                                           for tr, g in zip(rows, state.constraints)])
-        if proposal.kind == "tree" and self.budget is not None:
+        if proposal.kind is ProposalKind.TREE and self.budget is not None:
             trees, predicted = self.budget.select_batch(trees, packed=self.packed_verification)
         # never draft past max_new_tokens or the context window (a root alone never does)
-        if proposal.kind != "none":
+        if proposal.kind is not ProposalKind.NONE:
             trees = trees.clip_depth(np.fromiter(
                 (min(s.max_new_tokens - p - 1, self.target.max_context - len(t))
                  for s, p, t in zip(state.samplings, state.produced, state.tokens)), dtype=np.int64, count=len(trees)))
@@ -461,7 +465,7 @@ class DartEngine:
         verification forward), the emitted tokens, the budget's observations and the step's figures."""
         device = self.target.device
         trees, n, b_size = draft.trees, draft.num_nodes, len(state.seq_ids)
-        speculative, lookup = proposal.kind != "none", proposal.kind == "lookup"
+        speculative, lookup = proposal.kind is not ProposalKind.NONE, proposal.kind is ProposalKind.LOOKUP
         cache = state.cache
         paths, counts_host, bonus, path = self._accept(draft, out, state.samplings, state.generators,
                                                        state.constraints)
@@ -512,9 +516,10 @@ class DartEngine:
         step_ms = 1e3 * (time.perf_counter() - t_step)
         if speculative and self.budget is not None and not proposal.catch_up:
             self.budget.observe_step(b_size, lookup, sum(acc_lens), step_ms, b_size * n)
-        return StepOutput(list(state.seq_ids), new_tokens, list(state.reasons), acc_lens,
-                          (trees.counts - 1).tolist(), n, proposal.draft_ms, proposal.search_ms, verify_ms,
-                          step_ms, logprobs, lookup, proposal.catch_up)
+        return StepOutput(seq_ids=list(state.seq_ids), new_tokens=new_tokens, finish_reasons=list(state.reasons),
+                          accepted_lengths=acc_lens, draft_nodes=(trees.counts - 1).tolist(), num_nodes=n,
+                          draft_ms=proposal.draft_ms, tree_search_ms=proposal.search_ms, verify_ms=verify_ms,
+                          step_ms=step_ms, logprobs=logprobs, lookup=lookup, catch_up=proposal.catch_up)
 
     @property
     def packed_verification(self) -> bool:
@@ -779,36 +784,49 @@ def _append_in_place(buf: torch.Tensor, counts: torch.Tensor, new: torch.Tensor,
     return buf
 
 
+def _rows(**kw):
+    """A per-row list field of :class:`_BatchState`: merged by concatenation, kept by row index."""
+    return field(default_factory=list, metadata={"rows": True}, **kw)
+
+
 @dataclass
 class _BatchState:
-    """Everything about the running sequences, row-aligned (continuous batching merges and drops rows)."""
+    """Everything about the running sequences, row-aligned (continuous batching merges and drops rows).
 
-    seq_ids: list[int]
-    tokens: list[list[int]]  # prompt + generated; tokens[b][-1] is the root, not yet cached
-    produced: list[int]
-    samplings: list[SamplingParams]
-    generators: list[torch.Generator]
-    cache: TargetCache | None
-    # draft-head inputs not yet fed to the head: taps [B, P, 3H] in the head's dtype, positions [B, P] (buffers:
-    # row b's first pend_count[b] entries are valid, the rest padding), valid counts [B],
-    # and the next token of each pending position
-    pend_taps: torch.Tensor | None
-    pend_next: list[list[int]]
-    pend_pos: torch.Tensor | None
-    pend_count: torch.Tensor | None
-    head_cache: HeadKVCache | None
-    reasons: list[str | None]
-    spec_ok: list[bool]  # per row: may this sequence's steps speculate (NewSequence.speculative)
-    context: list[ContextIndex | None]  # per row: its prompt + accepted tokens indexed (None: not used)
-    speculative: bool = False
+    Every per-row list is declared once, with :func:`_rows`: :meth:`merge` and :meth:`keep` act on
+    all of them; the tensors and caches below them are laid out by row as well and handled by name."""
+
+    seq_ids: list[int] = _rows()
+    tokens: list[list[int]] = _rows()  # prompt + generated; tokens[b][-1] is the root, not yet cached
+    produced: list[int] = _rows()
+    samplings: list[SamplingParams] = _rows()
+    generators: list[torch.Generator] = _rows()
+    reasons: list[str | None] = _rows()
+    spec_ok: list[bool] = _rows()  # per row: may this sequence's steps speculate (NewSequence.speculative)
+    context: list[ContextIndex | None] = _rows()  # per row: its prompt + accepted tokens indexed (None: not used)
     # per row: what masks its logits (dart_core.grammar.row_constraint: a grammar's state, min_tokens) or None
-    constraints: list = field(default_factory=list)
+    constraints: list = _rows()
+    pend_next: list[list[int]] = _rows()  # the next token of each pending draft-head position
+    cache: TargetCache | None = None
+    # draft-head inputs not yet fed to the head (with speculation): taps [B, P, 3H] in the head's dtype,
+    # positions [B, P] (buffers: row b's first pend_count[b] entries are valid, the rest padding), valid counts [B]
+    pend_taps: torch.Tensor | None = None
+    pend_pos: torch.Tensor | None = None
+    pend_count: torch.Tensor | None = None
+    head_cache: HeadKVCache | None = None
+    speculative: bool = False
     # gated-off steps not yet pending, oldest first: (taps [B, 1, 3H], positions [B], next tokens per row)
     held: list = field(default_factory=list)
 
     @classmethod
     def empty(cls, speculative: bool) -> "_BatchState":
-        return cls([], [], [], [], [], None, None, [], None, None, None, [], [], [], speculative)
+        return cls(speculative=speculative)
+
+    @classmethod
+    @functools.cache
+    def row_lists(cls) -> tuple[str, ...]:
+        """The names of the per-row list fields."""
+        return tuple(f.name for f in fields(cls) if f.metadata.get("rows"))
 
     def merge(self, new: "_BatchState") -> None:
         self.release_held()  # held steps are laid out by the old rows
@@ -817,16 +835,8 @@ class _BatchState:
             self.__dict__.update(new.__dict__)
             self.speculative = speculative
             return
-        self.seq_ids += new.seq_ids
-        self.tokens += new.tokens
-        self.produced += new.produced
-        self.samplings += new.samplings
-        self.generators += new.generators
-        self.reasons += new.reasons
-        self.spec_ok += new.spec_ok
-        self.context += new.context
-        self.constraints += new.constraints
-        self.pend_next += new.pend_next
+        for name in self.row_lists():
+            getattr(self, name).extend(getattr(new, name))
         old, nc = self.cache, new.cache
         for lo, ln in zip(old.cache.layers, nc.cache.layers):
             lo.keys, lo.values = _pad_cat(lo.keys, ln.keys, 2), _pad_cat(lo.values, ln.values, 2)
@@ -847,8 +857,7 @@ class _BatchState:
             self.release_held()  # held steps are laid out by the old rows
         else:  # nobody stays: nothing to catch up on
             self.held = []
-        for name in ("seq_ids", "tokens", "produced", "samplings", "generators", "reasons", "spec_ok", "pend_next",
-                     "context", "constraints"):
+        for name in self.row_lists():
             setattr(self, name, [getattr(self, name)[i] for i in rows])
         if not rows:
             self.cache = self.head_cache = self.pend_taps = self.pend_pos = self.pend_count = None

@@ -211,13 +211,17 @@ class ScriptedEngine:
                     seqs[sid]["out"] += t
                     toks.append(t)
                     reasons.append(r)
-                yield StepOutput(ids, toks, reasons, [0] * len(ids), [0] * len(ids), 0, 0.0, 0.0, 0.0, 0.0)
+                yield StepOutput(seq_ids=ids, new_tokens=toks, finish_reasons=reasons,
+                                 accepted_lengths=[0] * len(ids), draft_nodes=[0] * len(ids), num_nodes=0,
+                                 draft_ms=0.0, tree_search_ms=0.0, verify_ms=0.0, step_ms=0.0)
                 seqs = {k: v for k, v in seqs.items() if k not in [i for i, r in zip(ids, reasons) if r]}
                 continue
             gone = [sid for sid in seqs if sid in cancelled]
             if gone:
-                yield StepOutput(gone, [[] for _ in gone], ["cancelled"] * len(gone), [0] * len(gone),
-                                 [0] * len(gone), 0, 0.0, 0.0, 0.0, 0.0)
+                yield StepOutput(seq_ids=gone, new_tokens=[[] for _ in gone],
+                                 finish_reasons=["cancelled"] * len(gone), accepted_lengths=[0] * len(gone),
+                                 draft_nodes=[0] * len(gone), num_nodes=0, draft_ms=0.0, tree_search_ms=0.0,
+                                 verify_ms=0.0, step_ms=0.0)
                 seqs = {k: v for k, v in seqs.items() if k not in gone}
             if not seqs:
                 return
@@ -225,8 +229,10 @@ class ScriptedEngine:
             out = [self._emit(seqs[sid], self.per_step) for sid in ids]
             for sid, (t, _) in zip(ids, out):
                 seqs[sid]["out"] += t
-            yield StepOutput(ids, [t for t, _ in out], [r for _, r in out], [len(t) for t, _ in out],
-                             [self.per_step - 1] * len(ids), self.per_step, 0.0, 0.0, 0.0, 0.0)
+            yield StepOutput(seq_ids=ids, new_tokens=[t for t, _ in out], finish_reasons=[r for _, r in out],
+                             accepted_lengths=[len(t) for t, _ in out],
+                             draft_nodes=[self.per_step - 1] * len(ids), num_nodes=self.per_step, draft_ms=0.0,
+                             tree_search_ms=0.0, verify_ms=0.0, step_ms=0.0)
             seqs = {k: v for (k, v), (_, r) in zip(list(seqs.items()), out) if r is None}
 
 

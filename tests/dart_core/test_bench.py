@@ -287,9 +287,12 @@ def test_step_tally_counts_verified_accepted_and_padding():
     from dart_core.engine import StepOutput
 
     tally = StepTally()
-    step = StepOutput([0, 1], [[5], [6, 7]], [None, None], [1, 2], [0, 3], 4, 0.0, 0.0, 0.0, 1.0)
+    step = StepOutput(seq_ids=[0, 1], new_tokens=[[5], [6, 7]], finish_reasons=[None, None], accepted_lengths=[1, 2],
+                      draft_nodes=[0, 3], num_nodes=4, draft_ms=0.0, tree_search_ms=0.0, verify_ms=0.0, step_ms=1.0)
     tally.on_step(step, prefill=False)
-    tally.on_step(StepOutput([0, 1], [[5], [6]], [None, None], [1, 1], [0, 0], 1, 0.0, 0.0, 0.0, 1.0), False)
+    tally.on_step(StepOutput(seq_ids=[0, 1], new_tokens=[[5], [6]], finish_reasons=[None, None],
+                             accepted_lengths=[1, 1], draft_nodes=[0, 0], num_nodes=1, draft_ms=0.0,
+                             tree_search_ms=0.0, verify_ms=0.0, step_ms=1.0), prefill=False)
     tally.on_step(step, prefill=True)  # a prefill is not a decoding step
     # 2 roots + 3 nodes verified out of a layout of 2 x 4; 3 tokens accepted
     assert tally.summary() == {"decode_steps": 2, "speculative_share": 0.5, "verified_per_step": 5.0,

@@ -4,10 +4,11 @@ and decodes losslessly through the same select, verify and accept phases; DraftB
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from dart_core.budget import AdaptiveBudget, VerifyCostCurve, node_acceptance_estimates
-from dart_core.drafters import DraftBatch, Drafter, NoDraft, Proposal
+from dart_core.drafters import DraftBatch, Drafter, NoDraft, Proposal, ProposalKind
 from dart_core.engine import DartEngine
 from dart_core.sampling import SamplingParams
 from ngram_service.tree_search import DraftTree, TreeBatch
@@ -83,7 +84,11 @@ def test_draft_batch_fields():
     assert batch.tree_mask[0, 3].tolist() == [True, True, False, True]
     assert batch.tree_mask[1].equal(torch.eye(4, dtype=torch.bool))  # padding sees only itself
     roots = NoDraft().propose(None, type("S", (), {"tokens": [[1, 2], [3]]})())
-    assert roots.kind == "none" and roots.trees.tokens.tolist() == [[2], [3]] and roots.trees.counts.tolist() == [1, 1]
+    assert roots.kind is ProposalKind.NONE and roots.trees.tokens.tolist() == [[2], [3]]
+    assert roots.trees.counts.tolist() == [1, 1]
+    assert Proposal(roots.trees, kind="lookup").kind is ProposalKind.LOOKUP  # the former strings still work
+    with pytest.raises(ValueError, match="bush"):
+        Proposal(roots.trees, kind="bush")
 
 
 def test_root_only_trees_and_their_batch_equal_the_general_ones():

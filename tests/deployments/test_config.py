@@ -118,10 +118,14 @@ def test_step_metrics_record_the_verification_budget(monkeypatch):
     monkeypatch.setattr(engine_module, "metrics", types.SimpleNamespace(Counter=Metric, Histogram=Metric,
                                                                         Gauge=Metric))
     m = engine_module._Metrics()
-    spec = StepOutput([0, 1], [[5], [6, 7]], [None, None], [1, 2], [0, 3], 4, 1.0, 1.0, 1.0, 4.0)
+    spec = StepOutput(seq_ids=[0, 1], new_tokens=[[5], [6, 7]], finish_reasons=[None, None], accepted_lengths=[1, 2],
+                      draft_nodes=[0, 3], num_nodes=4, draft_ms=1.0, tree_search_ms=1.0, verify_ms=1.0, step_ms=4.0)
     m.on_step(spec, prefill=False)
-    m.on_step(StepOutput([0, 1], [[5], [6]], [None, None], [1, 1], [0, 0], 1, 0.0, 0.0, 1.0, 1.0), False)
-    m.on_step(StepOutput([1], [[8]], [None], [1], [0], 1, 0.0, 0.0, 2.0, 2.5), False)
+    m.on_step(StepOutput(seq_ids=[0, 1], new_tokens=[[5], [6]], finish_reasons=[None, None], accepted_lengths=[1, 1],
+                         draft_nodes=[0, 0], num_nodes=1, draft_ms=0.0, tree_search_ms=0.0, verify_ms=1.0,
+                         step_ms=1.0), prefill=False)
+    m.on_step(StepOutput(seq_ids=[1], new_tokens=[[8]], finish_reasons=[None], accepted_lengths=[1], draft_nodes=[0],
+                         num_nodes=1, draft_ms=0.0, tree_search_ms=0.0, verify_ms=2.0, step_ms=2.5), prefill=False)
     assert m.verified.seen == [5] and m.accepted.seen == [3] and m.padding.seen == [0.375]
     assert m.phase.seen == [("draft", 1.0), ("tree_search", 1.0), ("verify", 1.0), ("step", 4.0),
                             ("verify", 1.0), ("step", 1.0), ("verify", 2.0), ("step", 2.5)]
@@ -132,7 +136,8 @@ def test_step_metrics_record_the_verification_budget(monkeypatch):
     m.flush()  # nothing new: nothing sent
     assert m.tokens.seen == [6] and len(m.steps.seen) == 2 and m.batch.seen == [1]
     m.flush_s = 0.0  # a flush after every step
-    m.on_step(StepOutput([1], [[9]], [None], [1], [0], 1, 0.0, 0.0, 2.0, 2.5), False)
+    m.on_step(StepOutput(seq_ids=[1], new_tokens=[[9]], finish_reasons=[None], accepted_lengths=[1], draft_nodes=[0],
+                         num_nodes=1, draft_ms=0.0, tree_search_ms=0.0, verify_ms=2.0, step_ms=2.5), prefill=False)
     assert m.tokens.seen == [6, 1] and m.steps.seen[-1] == ("autoregressive", 1)
 
 
