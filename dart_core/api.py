@@ -31,12 +31,16 @@ from dart_core.draft_head import DartDraftHead, DraftHeadConfig, load_draft_head
 from dart_core.engine import DartEngine, GenerationResult
 from dart_core.grammar import Grammar, GrammarCompiler, GrammarSpec
 from dart_core.kernel_config import KernelConfig
+from dart_core.quant import can_int4, default_kernel, quantize_linears
+from dart_core.rows import can_pack, pack_linears
 from dart_core.sampling import SamplingParams
 from dart_core.speculative import SpeculativeConfig
-from dart_core.target import TargetModel, can_pack, pack_linears
-from dart_core.tokenizer import DEFAULT_MODEL, tokenizer_identity
-from ngram_service.client import InProcessTreeSearch, TreeSearchClient
+from dart_core.target import TargetModel
+from dart_core.tokenizer import DEFAULT_MODEL, resolve_model, tokenizer_identity
 from ngram_service.cache import default_trie_path
+from ngram_service.client import InProcessTreeSearch, TreeSearchClient
+from ngram_service.convert import resolve_ngram_model
+from ngram_service.tokenizer import TrieTokenizer
 from ngram_service.trie import NgramTrie
 from ngram_service.tree_search import SearchParams
 
@@ -104,8 +108,6 @@ def default_draft_weights(target: TargetModel) -> str:
     (AVX-512: :func:`dart_core.quant.default_kernel`), where the head's weights read from memory
     after each target forward are half their bf16 bytes (docs/engine.md, "Draft weights");
     ``"dense"`` otherwise."""
-    from dart_core.quant import default_kernel
-
     on_cpu = target.device.type == "cpu" and target.dtype == torch.float32
     return "q8_0" if on_cpu and default_kernel() == "qmm" else "dense"
 
@@ -117,8 +119,6 @@ def resolve_draft_weights(draft_weights: str, target: TargetModel, draft_dtype: 
     Raises:
         ValueError: an unknown value; ``"q8_0"`` off the CPU, on a CPU without AVX-512, or with a
             ``draft_dtype`` other than float32 (its layers take float32 inputs)."""
-    from dart_core.quant import default_kernel
-
     if draft_weights not in DRAFT_WEIGHTS:
         raise ValueError(f"draft_weights must be one of {DRAFT_WEIGHTS}, not {draft_weights!r}")
     if draft_weights == "auto":
@@ -137,9 +137,6 @@ def default_weights(model: str | None = None, *, dtype: torch.dtype | None = Non
     ``device_map``, where PyTorch has the CPU int4 kernel; ``"dense"`` otherwise.  The 4-bit
     target decodes faster than the float32 one on the AVX2-only CPU measured, autoregressively and
     with DART (BENCHMARKS.md, "GGUF-native target (CPU)")."""
-    from dart_core.quant import can_int4
-    from dart_core.tokenizer import resolve_model
-
     on_cpu = torch.device(device or "cpu").type == "cpu"
     if not on_cpu or device_map is not None or dtype not in (None, torch.float32) or not can_int4():
         return "dense"
@@ -298,8 +295,6 @@ class DartModel:
         draft = cls._load_head(head, name, target, torch.float32 if draft_weights == "q8_0"
                                else draft_dtype or default_draft_dtype(target))
         if draft is not None and draft_weights == "q8_0":
-            from dart_core.quant import quantize_linears
-
             logger.info("quantised %d linear layers of the draft head to Q8_0", quantize_linears(draft))
         elif draft is not None and can_pack(draft):  # a float32 head on a CPU: oneDNN-packed like the target
             logger.info("packed %d linear layers of the draft head for oneDNN", pack_linears(draft))
@@ -348,9 +343,6 @@ class DartModel:
                 return None
             trie = path
         else:  # ours as it is; the reference's file or folder converted once (cached)
-            from ngram_service.convert import resolve_ngram_model
-            from ngram_service.tokenizer import TrieTokenizer
-
             trie = resolve_ngram_model(trie, lambda: TrieTokenizer.wrap(tokenizer), small=small)
         loaded = NgramTrie(Path(trie).expanduser())
         loaded.check_tokenizer(tokenizer_identity(tokenizer)[1])

@@ -49,9 +49,10 @@ from typing import Callable
 import numpy as np
 import torch
 
+from dart_core.device import sync_device
 from dart_core.kv_cache import cache_mask
 from dart_core.speculative import LOOKUP_PREFERENCE
-from dart_core.target import TargetCache, TargetModel, sync_device
+from dart_core.target import TargetCache, TargetModel
 from ngram_service.tree_search import ContextChain, DraftTree, SearchParams, TreeBatch
 
 logger = logging.getLogger(__name__)

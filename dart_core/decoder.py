@@ -35,9 +35,10 @@ from __future__ import annotations
 import torch
 
 from dart_core import _kernels, kernels
+from dart_core.attention import ROW_EXACT_QUERY, grouped_sdpa
 from dart_core.kv_cache import BufferedKVCache
 from dart_core.quant import Int4Linear
-from dart_core.target import _REAL_ROWS, _ROW_EXACT_QUERY, _grouped_sdpa
+from dart_core.rows import REAL_ROWS
 
 __all__ = ["LlamaDecoder", "decoder_unsupported"]
 
@@ -45,7 +46,7 @@ __all__ = ["LlamaDecoder", "decoder_unsupported"]
 def decoder_unsupported(model) -> str | None:
     """Why :class:`LlamaDecoder` cannot run ``model`` (None: it can): it covers Llama-architecture
     causal LMs on the CPU with the default rotary embedding, no biases, SiLU, and linear layers
-    that honour :func:`dart_core.target.real_rows` (``Int4Linear`` or ``PackedLinear``)."""
+    that honour :func:`dart_core.rows.real_rows` (``Int4Linear`` or ``PackedLinear``)."""
     config = model.config
     if getattr(config, "model_type", None) != "llama":
         return f"model type {getattr(config, 'model_type', None)!r} (only 'llama')"
@@ -168,8 +169,8 @@ class LlamaDecoder:
         x = self.embed(input_ids)
         # a position is at most the cache's padded length plus the query's depth
         cos, sin = self._rope(position_ids, cache.get_seq_length() + q)
-        # the row-exact attention's kernel directly (as _grouped_sdpa would call it), its mask made once
-        exact_mask = kernels.additive_mask(attention_mask) if self.row_exact and q <= _ROW_EXACT_QUERY else False
+        # the row-exact attention's kernel directly (as grouped_sdpa would call it), its mask made once
+        exact_mask = kernels.additive_mask(attention_mask) if self.row_exact and q <= ROW_EXACT_QUERY else False
         n_qk = (self.heads + self.kv_heads) * self.head_dim
         fused = x.dtype == torch.float32 and isinstance(cache, BufferedKVCache)
         cos_np, sin_np = cos.view(b * q, -1).numpy(), sin.view(b * q, -1).numpy()  # read by the kernels
@@ -208,7 +209,7 @@ class LlamaDecoder:
                 if exact_mask is not False:
                     out = kernels.attend(query, key, value, exact_mask, layer.attn.scaling)
                 else:
-                    out, _ = _grouped_sdpa(layer.attn, query, key, value, attention_mask, scaling=layer.attn.scaling)
+                    out, _ = grouped_sdpa(layer.attn, query, key, value, attention_mask, scaling=layer.attn.scaling)
             x = x + layer.o.forward(out.reshape(b, q, -1))
             h = _rms_norm(x, layer.ln2, layer.eps2)
             if layer.gate_up is not None:
@@ -244,14 +245,14 @@ class LlamaDecoder:
         gate/up, SiLU-and-multiply + down_proj added to the residual (:meth:`Int4Linear.fused_into
         <dart_core.quant.Int4Linear.fused_into>`), all in one C++ call (``_kernels.GGUFLayers``).
         Each row is computed on its own, as in the other path; inside
-        :func:`~dart_core.target.real_rows` the same kernel calls run from Python on the real rows
+        :func:`~dart_core.rows.real_rows` the same kernel calls run from Python on the real rows
         only (the same bits).
 
         Returns:
             (x [B, Q, H] after the last layer, taps [B, Q, len(tap_layers)·H]: the tap layers' inputs
             side by side in ``tap_layers`` order)."""
         b, q, hidden = x.shape
-        real = _REAL_ROWS.get()
+        real = REAL_ROWS.get()
         sel = real[0] if real is not None and real[1] == b * q else None
         x = x.reshape(b * q, hidden).contiguous()
         if sel is None and self._stack is not None:  # every row: the layers in one kernel call

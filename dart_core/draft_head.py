@@ -42,8 +42,11 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from dart_core import _kernels
 from dart_core.attention import attention_backend, grouped_query_sdpa, sdpa_backends, use_grouped_query
 from dart_core.kernel_config import KernelConfig
+from dart_core.kernels import PARALLEL_WORK, RopeTables, rope_attend
+from dart_core.quant import QMM_KERNELS, Int4Linear
 
 logger = logging.getLogger(__name__)
 
@@ -360,13 +363,11 @@ class DartDraftHead(nn.Module):
         :class:`~dart_core.quant.Int4Linear` on a qmm kernel (a Q8_0 head on the CPU); else None.
         Made on first use and kept outside the module's children (state dict unchanged)."""
         if not hasattr(self, "_row_fused"):
-            from dart_core.quant import _QMM, Int4Linear
-
             a, mlp = self.midlayer.self_attn, self.midlayer.mlp
             products = [a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj,
                         self.lm_head]
             fused = None
-            if (all(type(x) is Int4Linear and x.kernel in _QMM for x in products)
+            if (all(type(x) is Int4Linear and x.kernel in QMM_KERNELS for x in products)
                     and Int4Linear.can_fuse([a.q_proj, a.k_proj, a.v_proj])
                     and Int4Linear.can_fuse([mlp.gate_proj, mlp.up_proj])):
                 fused = (Int4Linear.fuse([a.q_proj, a.k_proj, a.v_proj]), Int4Linear.fuse([mlp.gate_proj, mlp.up_proj]))
@@ -378,8 +379,6 @@ class DartDraftHead(nn.Module):
         """For one sequence on the CPU (:meth:`_row_kernel_fits`): (n real positions, the cache length L,
         cos and sin [n + slots, D] numpy arrays at the real positions and the slots after the last),
         the host values of CPU tensors (no device read) and the rotary tables grown on demand."""
-        from dart_core.kernels import RopeTables
-
         n = int(last_index.numpy()[0]) + 1
         start = int(past_lengths.numpy()[0])
         pos = positions.numpy()[0, :n]
@@ -406,8 +405,6 @@ class DartDraftHead(nn.Module):
         if row is None:
             return self.top_k(self.forward_static(taps, next_embeds, positions, last_index, key_buffer, value_buffer,
                                                   past_lengths, levels), k)
-        from dart_core.kernels import PARALLEL_WORK
-
         n, start, cos, sin = self._row_rope(positions, last_index, past_lengths, slots)
         k = min(k, self.config.draft_vocab_size)
         ids = torch.empty(1, slots + 1, k, dtype=torch.int64)
@@ -423,8 +420,6 @@ class DartDraftHead(nn.Module):
         if not hasattr(self, "_row_call"):
             fused, call = self._row_products(), None
             if fused is not None and self.dtype == torch.float32:
-                from dart_core import _kernels
-
                 c, mid = self.config, self.midlayer
                 products = (self.fc, fused[0], mid.self_attn.o_proj, fused[1], mid.mlp.down_proj, self.lm_head)
                 norms = (mid.input_layernorm, mid.hidden_norm, mid.post_attention_layernorm, self.norm)
@@ -448,8 +443,6 @@ class DartDraftHead(nn.Module):
         slots are written at [L, L + n + slots) (L = the cache's length); a causal mask over them is
         the head's mask for one sequence (the slots follow the last real position); queries at the
         real positions before the last are computed and dropped."""
-        from dart_core.kernels import rope_attend
-
         c, mid = self.config, self.midlayer
         n, start, cos, sin = self._row_rope(positions, last_index, past_lengths, slots)
         taps, next_embeds = taps[:, :n], next_embeds[:, :n]

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from dart_core.target import sync_device
+from dart_core.device import sync_device
 from ngram_service.tree_search import ContextChain, DraftTree, TreeBatch
 
 if TYPE_CHECKING:

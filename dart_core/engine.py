@@ -36,14 +36,15 @@ import torch
 
 from dart_core.budget import AdaptiveBudget, SpeculationGate
 from dart_core.cuda_graphs import StaticDrafter
+from dart_core.device import sync_device as _sync
 from dart_core.draft_head import DartDraftHead
 from dart_core.drafters import DartDrafter, DraftBatch, Drafter, NoDraft, Proposal, ProposalKind
 from dart_core.grammar import row_constraint
 from dart_core.kv_cache import HeadKVCache, cache_mask, zero_pad
+from dart_core.rows import padded_rows
 from dart_core.sampling import SamplingParams, target_probs
 from dart_core.speculative import FOLD_WIDTH
-from dart_core.target import TargetCache, TargetModel, TargetOutput, padded_rows
-from dart_core.target import sync_device as _sync
+from dart_core.target import TargetCache, TargetModel, TargetOutput
 from dart_core.verify import (accept_constrained, accept_greedy, accept_greedy_batch, accept_greedy_cpu,
                               accept_sampling, accept_sampling_batch, uniform_draws)
 from ngram_service.client import InProcessTreeSearch, TreeSearchClient

@@ -26,6 +26,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
+from dart_core import _kernels
+
 __all__ = ["compact_", "compaction_plan", "compaction_plan_host", "apply_compaction", "compact_layers",
            "compact_buffered", "HeadKVCache", "cache_mask", "BufferedKVLayer", "BufferedKVCache",
            "is_leading_view", "KVPool"]
@@ -126,8 +128,6 @@ def compact_layers(layers, plan: tuple[tuple[torch.Tensor, torch.Tensor, torch.T
     if moves is not None:
         tensors = [t for layer in layers for t in (layer.keys, layer.values)]
         if all(t.device.type == "cpu" and t.dim() == 4 and t.stride(3) == 1 for t in tensors):
-            from dart_core import _kernels
-
             rows, dst, src = (x.numpy() for x in moves)
             same = rows[1:] == rows[:-1]
             if (dst <= src).all() and (rows[1:] >= rows[:-1]).all() and (src[1:][same] > src[:-1][same]).all():
@@ -156,8 +156,6 @@ def compact_buffered(layers, lengths: list[int], offset: int, paths, counts: np.
     if not layers or not all(isinstance(layer, BufferedKVLayer) and layer.holds_last_commit() for layer in layers) \
             or layers[0].keys.device.type != "cpu":
         return False
-    from dart_core import _kernels
-
     counts, flat = _flat_paths(paths, counts)
     lengths = np.asarray(lengths, dtype=np.int64)
     _kernels.compact_paths([a for layer in layers for a in layer.buffer_arrays()], lengths, offset, flat, counts)

@@ -49,13 +49,14 @@ import numpy as np
 import torch
 
 from dart_core import _kernels
-from dart_core.target import _REAL_ROWS, over_real_rows
+from dart_core.rows import REAL_ROWS, over_real_rows
+from ngram_service.cache import save_converted
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["GGUFWeightsError", "Int4Linear", "int4_parts", "quantize_linears", "qmm_weight", "qmm_a8_weight",
            "quantize_from_gguf",
-           "can_int4", "default_compute_dtype", "default_kernel", "KERNELS", "GROUP_SIZE"]
+           "can_int4", "default_compute_dtype", "default_kernel", "KERNELS", "GROUP_SIZE", "QMM_KERNELS"]
 
 GROUP_SIZE = 32  # the GGUF block length of Q4_0, Q4_1 and Q8_0, and the kernel's group size
 
@@ -76,7 +77,7 @@ def default_compute_dtype() -> torch.dtype:
     for ``"qmm-a8"`` and ``"qmm"``; bfloat16 for
     ``"aten"`` (on the AVX2-only CPU measured, torch 2.13 and SmolLM2's layer shapes, PyTorch's CPU
     int4 kernel was many times slower with float32 or float16 activations)."""
-    return torch.float32 if default_kernel() in _QMM else torch.bfloat16
+    return torch.float32 if default_kernel() in QMM_KERNELS else torch.bfloat16
 
 
 def _f16(raw: np.ndarray, at: int) -> np.ndarray:
@@ -140,7 +141,7 @@ def quantize_linears(module: torch.nn.Module, kernel: str | None = None) -> int:
     from gguf.quants import quantize
 
     kernel = kernel or default_kernel()
-    if kernel not in _QMM:
+    if kernel not in QMM_KERNELS:
         raise ValueError(f"Q8_0 linear layers need a qmm kernel (AVX-512), not {kernel!r}")
     count = 0
     for parent in list(module.modules()):
@@ -161,7 +162,7 @@ def quantize_linears(module: torch.nn.Module, kernel: str | None = None) -> int:
 
 #: the three CPU kernels of :class:`Int4Linear`
 KERNELS = ("qmm-a8", "qmm", "aten")
-_QMM = ("qmm-a8", "qmm")  # dart-serve's own kernels: float32 layer inputs and outputs
+QMM_KERNELS = ("qmm-a8", "qmm")  # dart-serve's own kernels: float32 layer inputs and outputs
 
 
 def default_kernel() -> str:
@@ -308,7 +309,7 @@ class Int4Linear(torch.nn.Module):
     Shapes: x [..., in_features] (any float dtype; cast to ``compute_dtype`` for the kernel and
     back) → [..., out_features]. With every kernel a row's result does not depend on the other
     rows of the call, so a verification forward computes each position as a one-token forward
-    does. Honours :func:`dart_core.target.real_rows` like :class:`~dart_core.target.PackedLinear`.
+    does. Honours :func:`dart_core.rows.real_rows` like :class:`~dart_core.rows.PackedLinear`.
     ``weight`` gives the de-quantised weight (float32 [out, in]) for code that reads it; the
     packed tensors are buffers, not parameters: for inference only.
 
@@ -334,13 +335,13 @@ class Int4Linear(torch.nn.Module):
         super().__init__()
         if kernel is None:
             kernel = default_kernel()
-            if kernel in _QMM and compute_dtype not in (None, torch.float32):
+            if kernel in QMM_KERNELS and compute_dtype not in (None, torch.float32):
                 kernel = "aten"
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, not {kernel!r}")
         if compute_dtype is None:
-            compute_dtype = torch.float32 if kernel in _QMM else torch.bfloat16
-        if kernel in _QMM and compute_dtype != torch.float32:
+            compute_dtype = torch.float32 if kernel in QMM_KERNELS else torch.bfloat16
+        if kernel in QMM_KERNELS and compute_dtype != torch.float32:
             raise ValueError(f"the {kernel} kernel takes float32 activations, not {compute_dtype}")
         self.gguf_type = gguf_type  # the GGUF block type the parts came from (for reports)
         self.kernel = kernel
@@ -350,7 +351,7 @@ class Int4Linear(torch.nn.Module):
         for i, (codes, _, _) in enumerate(parts):
             if codes.shape != (self.out_features, self.in_features):
                 raise GGUFWeightsError(f"part {i} is {codes.shape}, part 0 {parts[0][0].shape}")
-        if kernel in _QMM:
+        if kernel in QMM_KERNELS:
             self.q8 = self.n_parts == 2
             codes, scale, minimum = (qmm_a8_weight if kernel == "qmm-a8" else qmm_weight)(parts)
             self.register_buffer("qmm_codes", torch.from_numpy(codes), persistent=False)
@@ -380,7 +381,7 @@ class Int4Linear(torch.nn.Module):
                 f"kernel={self.kernel}, parts={self.n_parts}, compute_dtype={self.compute_dtype}")
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel in _QMM:
+        if self.kernel in QMM_KERNELS:
             if x.requires_grad:  # inference only: no gradient flows through the kernel
                 x = x.detach()
             if not x.is_contiguous():
@@ -414,7 +415,7 @@ class Int4Linear(torch.nn.Module):
 
         Raises:
             ValueError: the ``"aten"`` kernel, or shapes the kernel refuses."""
-        if self.kernel not in _QMM:
+        if self.kernel not in QMM_KERNELS:
             raise ValueError(f"fused_into runs the qmm kernels, this layer's is {self.kernel}")
         codes, scale, minimum = self._qmm_args
         (_kernels.qmm_a8 if self.kernel == "qmm-a8" else _kernels.qmm)(
@@ -427,7 +428,7 @@ class Int4Linear(torch.nn.Module):
         (an output layer at temperature 0 wants only this).  The ``"qmm-a8"`` and ``"qmm"`` kernels
         compute the outputs block by block into a small per-thread buffer and keep each row's best
         (``_kernels.qmm_argmax``): the outputs' own bits, so the same index as torch.argmax over them,
-        ties to the first and a NaN above every number.  Inside :func:`~dart_core.target.real_rows`
+        ties to the first and a NaN above every number.  Inside :func:`~dart_core.rows.real_rows`
         only the selected rows are computed, the others get 0.
 
         Args:
@@ -438,7 +439,7 @@ class Int4Linear(torch.nn.Module):
 
         Raises:
             ValueError: the ``"aten"`` kernel (no fused argmax: use ``self(x).argmax(-1)``)."""
-        if self.kernel not in _QMM:
+        if self.kernel not in QMM_KERNELS:
             raise ValueError(f"argmax runs the qmm kernels, this layer's is {self.kernel}")
         codes, scale, minimum = self._qmm_args
         kernel = _kernels.qmm_a8_argmax if self.kernel == "qmm-a8" else _kernels.qmm_argmax
@@ -454,7 +455,7 @@ class Int4Linear(torch.nn.Module):
     @property
     def fused_argmax(self) -> bool:
         """Whether :meth:`argmax` runs (the qmm kernels)."""
-        return self.kernel in _QMM
+        return self.kernel in QMM_KERNELS
 
     def kernel_args(self) -> tuple:
         """(codes, scale, minimum or None, out_features, q8, a8): the layer as the C++ decoder layers
@@ -493,7 +494,7 @@ class Int4Linear(torch.nn.Module):
         fused.gguf_type = "+".join(sorted({str(x.gguf_type) for x in layers}))
         fused.out_features, fused.in_features = sum(x.out_features for x in layers), first.in_features
         fused.compute_dtype, fused.n_parts, fused.kernel = first.compute_dtype, first.n_parts, first.kernel
-        if first.kernel in _QMM:
+        if first.kernel in QMM_KERNELS:
             fused.q8 = first.q8
             names = ["qmm_codes", "qmm_scale"] + ([] if first.q8 else ["qmm_minimum"])
             fused.register_buffer("qmm_minimum", None, persistent=False)
@@ -532,9 +533,9 @@ class Int4Linear(torch.nn.Module):
         return self._mm(eye).t().float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel in _QMM and x.dtype == torch.float32:
+        if self.kernel in QMM_KERNELS and x.dtype == torch.float32:
             rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-            real = _REAL_ROWS.get()
+            real = REAL_ROWS.get()
             if real is None or real[1] != rows.shape[0]:  # every row: the kernel without Python around it
                 y = self._mm(rows)
                 return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
@@ -596,8 +597,6 @@ def quantize_from_gguf(model: torch.nn.Module, gguf_path: str | Path, compute_dt
     if layers is None:
         layers = _gguf_parts(model, gguf_path)
         if cache is not None:
-            from ngram_service.cache import save_converted
-
             save_converted(lambda folder: _save_parts(layers, folder / _CACHE_FILE), cache)
     for full, (kind, parts) in layers.items():
         module_name, _, child_name = full.rpartition(".")

@@ -17,30 +17,25 @@ from __future__ import annotations
 
 import inspect
 import logging
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers import AutoModelForCausalLM
 
-from dart_core.attention import attention_backend, grouped_query_sdpa, use_grouped_query
+from dart_core.attention import GROUPED_SDPA, attention_backend
+from dart_core.cuda_graphs import StaticVerifier
+from dart_core.decoder import LlamaDecoder, decoder_unsupported
 from dart_core.kernel_config import KernelConfig
 from dart_core.kv_cache import (BufferedKVCache, KVPool, cache_mask, compact_buffered, compact_layers,
                                 compaction_plan, compaction_plan_host)
+from dart_core.quant import KERNELS, quantize_from_gguf
+from dart_core.rows import can_pack, pack_linears, padded_rows, real_rows
 from dart_core.tokenizer import converted_cache, load_tokenizer, resolve_model, save_converted
-
-if TYPE_CHECKING:
-    from dart_core.cuda_graphs import StaticVerifier
-    from dart_core.decoder import LlamaDecoder
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TargetModel", "TargetOutput", "TargetCache", "PackedLinear", "can_pack", "pack_linears"]
+__all__ = ["TargetModel", "TargetOutput", "TargetCache"]
 
 
 @dataclass(frozen=True)
@@ -115,237 +110,6 @@ class TargetCache:
             layer.keys, layer.values = layer.keys[rows, :, :t], layer.values[rows, :, :t]
 
 
-_SMALL_QUERY = 8  # at most this many query tokens per sequence: attention as two batched matmuls
-
-
-def _grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                  is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' ``sdpa`` attention, minus two costs on CPUs.
-
-    1. With a mask and more than one query token (tree verification,
-       prefill) transformers repeats every key/value head
-       ``num_key_value_groups`` times before calling SDPA: a copy of the
-       whole KV cache in every layer, every step.  Here the grouped heads go
-       to PyTorch's SDPA directly (``enable_gqa``), with identical results.
-    2. For 2 to ``_SMALL_QUERY`` query tokens (a verification step) PyTorch's
-       CPU flash-attention kernel is slow at batch > 1; the plain
-       softmax(q·kᵀ)·v in two batched matmuls used here is faster for so few
-       queries (BENCHMARKS.md has the measured figures) and equal to float32
-       rounding.  Each query head group shares its key/value head without a
-       copy, as ``enable_gqa`` does.
-
-    3. On CUDA with an additive mask, where transformers also repeats the
-       key/value heads (its masked kernels do not take grouped heads), for
-       every query size, the one-token step included: the query heads of a
-       group are stacked along the query axis instead, so a layer reads its keys and values
-       once, not ``num_key_value_groups`` times after copying them
-       (:func:`~dart_core.attention.grouped_query_sdpa`).
-
-    Elsewhere (CPU single-token queries, already copy-free) this defers to
-    transformers. Boolean masks (transformers' own, e.g. in ``generate``)
-    take SDPA.
-
-    Shapes: query [B, H, Q, D], key/value [B, H_kv, T, D], attention_mask
-    [B, 1, Q, T] additive (the engine's) or boolean; returns ([B, Q, H, D], None).
-    """
-    if getattr(module, "dart_row_exact", False) and query.device.type == "cpu" and not dropout \
-            and query.shape[2] <= _ROW_EXACT_QUERY:
-        q, t = query.shape[2], key.shape[2]
-        if attention_mask is None and q > 1 and (getattr(module, "is_causal", True) if is_causal is None else is_causal):
-            # no mask means causal (transformers' own forwards, e.g. generate's prefill): the last q of t positions
-            attention_mask = torch.ones(q, t, dtype=torch.bool, device=query.device).tril(t - q)[None, None]
-        return _row_exact_attention(query, key, value, attention_mask, scaling), None
-    if not dropout and use_grouped_query(query, key, attention_mask, getattr(module, "dart_grouped_query", True)):
-        return grouped_query_sdpa(query, key, value, attention_mask, scaling), None
-    if query.device.type != "cpu" or attention_mask is None or query.shape[2] == 1 or dropout:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    attention_mask = attention_mask[:, :, :, : key.shape[-2]]
-    if query.shape[2] > _SMALL_QUERY or attention_mask.shape[1] != 1 or not attention_mask.is_floating_point():
-        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                                               scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
-        return out.transpose(1, 2).contiguous(), None
-    return _matmul_attention(query, key, value, attention_mask, scaling, query.dtype), None
-
-
-_ROW_EXACT_QUERY = 256  # row-exact attention up to this many query tokens per call (prefill above: SDPA)
-
-
-def _row_exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         attention_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
-    """softmax(q·kᵀ + mask)·v with each query row computed on its own by one fixed arithmetic
-    (:func:`dart_core.kernels.row_exact_attention`, a C++ kernel), so a row's result does not depend
-    on how many other rows share the call or where its keys sit in the cache.  Used where the
-    target's other layers are row-exact too (:class:`~dart_core.quant.Int4Linear`), which round
-    activations to bfloat16: there a batched attention's last-bit differences between a one-token
-    step and a tree verification grow into different tokens.  Shapes as :func:`_matmul_attention`."""
-    from dart_core.kernels import row_exact_attention
-
-    return row_exact_attention(query, key, value, attention_mask, scaling)
-
-
-def _matmul_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor | None, scaling: float | None,
-                      accumulate: torch.dtype) -> torch.Tensor:
-    """softmax(q·kᵀ · scale + mask)·v in two batched matmuls computed in ``accumulate`` and returned in
-    the query's dtype; each query head group shares its key/value head without a copy.
-
-    Shapes: query [B, H, Q, D], key/value [B, H_kv, T, D], attention_mask [B, 1, Q, ≥T] additive or
-    boolean (True = attend), or None; returns [B, Q, H, D]."""
-    b, h, q, d = query.shape
-    h_kv, t = key.shape[1], key.shape[2]
-    groups = h // h_kv
-    scale = d ** -0.5 if scaling is None else scaling
-    scores = torch.matmul(query.to(accumulate).reshape(b, h_kv, groups * q, d),
-                          key.to(accumulate).transpose(-1, -2)) * scale
-    scores = scores.view(b, h_kv, groups, q, t)
-    if attention_mask is not None:
-        mask = attention_mask[:, :, :, :t]
-        if not mask.is_floating_point():
-            mask = torch.zeros(mask.shape, dtype=accumulate, device=mask.device).masked_fill_(~mask, float("-inf"))
-        scores = scores + mask.to(accumulate)[:, :, None]
-    probs = scores.softmax(-1).view(b, h_kv, groups * q, t)
-    out = torch.matmul(probs, value.to(accumulate)).view(b, h, q, d).to(query.dtype)
-    return out.transpose(1, 2).contiguous()
-
-
-def sync_device(device: torch.device) -> None:
-    """Waits for the device's queued work (CUDA); a no-op elsewhere. For host-side timings."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-GROUPED_SDPA = "dart_grouped_sdpa"
-AttentionInterface.register(GROUPED_SDPA, _grouped_sdpa)
-AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)  # masks built by transformers (generate) stay sdpa's
-
-
-_PACK_ROWS = 16  # oneDNN picks the weight layout for this many input rows; 8 to 64 all time the same
-
-
-# (flat row indices, row count of the full input) while a forward computes only some rows: see real_rows
-_REAL_ROWS: ContextVar["tuple[torch.Tensor, int] | None"] = ContextVar("dart_real_rows", default=None)
-
-
-@contextmanager
-def real_rows(rows: torch.Tensor | None, total: int):
-    """Within the block, every :class:`PackedLinear` given ``total`` input rows computes only ``rows``
-    (int64 [R], indices into the flattened rows) and leaves the others zero: a batch of draft trees
-    padded to one node count then pays its linear layers (the bulk of a CPU forward) for its real
-    nodes only.  Attention still runs on the padded layout; padding positions see only themselves,
-    so a zero row stays finite.  ``rows=None`` computes everything."""
-    token = _REAL_ROWS.set(None if rows is None else (rows, int(total)))
-    try:
-        yield
-    finally:
-        _REAL_ROWS.reset(token)
-
-
-def padded_rows(sizes, width: int, device) -> torch.Tensor | None:
-    """int64 [Σ sizes] flat indices (b · width + i for i < sizes[b]) of the real positions of rows
-    padded to ``width`` (``sizes``: [B] ints), on ``device``, for :func:`real_rows`; None when no
-    row is padded."""
-    sizes = np.asarray(sizes, dtype=np.int64)
-    if sizes.sum() == len(sizes) * width:
-        return None
-    return torch.from_numpy(np.flatnonzero(np.arange(width)[None, :] < sizes[:, None])).to(device)
-
-
-def over_real_rows(x: torch.Tensor, per_rows) -> torch.Tensor:
-    """``per_rows`` (rows [N, in] -> [N, ...], each result row from its input row alone) applied to
-    ``x`` [..., in]: [..., ...]; inside :func:`real_rows` for x's row count, to the selected rows
-    only, the others left zero.  The forward of the linear layers that honour :func:`real_rows`
-    (``honours_real_rows``), and the fused argmax of a 4-bit output layer."""
-    rows = x.reshape(-1, x.shape[-1])
-    real = _REAL_ROWS.get()
-    sel = real[0] if real is not None and real[1] == rows.shape[0] else None
-    y = per_rows(rows if sel is None else rows.index_select(0, sel))
-    if sel is not None:
-        y = y.new_zeros(rows.shape[0], *y.shape[1:]).index_copy_(0, sel, y)
-    return y.view(*x.shape[:-1], *y.shape[1:])
-
-
-class PackedLinear(torch.nn.Module):
-    """``nn.Linear`` for float32 inference on a CPU, its weight reordered once
-    into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``)
-    and applied by ``torch.ops.mkldnn._linear_pointwise``: the pair that
-    PyTorch's Inductor puts in place of a frozen linear layer on a CPU,
-    called here without compiling the model.  Input and output stay ordinary
-    dense tensors.
-
-    PyTorch's dense float32 ``F.linear`` on a CPU takes MKL's GEMV for one
-    row but a GEMM that costs about twice as much for 2 to 16 rows, which is
-    exactly the range of a verification forward (a draft tree of a few nodes,
-    a batch of a few sequences).  Packed, a forward costs about the same for
-    1 to 8 query tokens (figures in docs/engine.md, "Packed CPU target").
-    Results agree with the dense layer to float32 rounding (SmolLM2 logits
-    within 1e-4, same argmax), and a row's result does not depend on the
-    other rows of the call.
-
-    Shapes: x [..., in_features] float32 → [..., out_features].
-    ``weight`` gives a dense copy of the weight (for code that reads it,
-    e.g. the head trainer's vocabulary initialisation); the packed weight is
-    not a parameter and not in ``state_dict``: pack a model only for inference.
-    """
-
-    honours_real_rows = True  # forward computes only the rows of real_rows
-
-    def __init__(self, linear: torch.nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), _PACK_ROWS)
-        self.register_buffer("packed_weight", weight, persistent=False)
-        self.bias = linear.bias
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.packed_weight.to_dense()
-
-    def __deepcopy__(self, memo: dict) -> "PackedLinear":
-        import copy
-
-        dense = torch.nn.Linear(self.in_features, self.out_features, bias=False)
-        dense.weight = torch.nn.Parameter(self.weight, requires_grad=False)
-        out = PackedLinear(dense)
-        out.bias = copy.deepcopy(self.bias, memo)
-        out.train(self.training)
-        return out
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return over_real_rows(x, lambda rows: torch.ops.mkldnn._linear_pointwise(
-            rows, self.packed_weight, self.bias, "none", [], ""))
-
-
-def can_pack(model) -> bool:
-    """True where :class:`PackedLinear` applies: float32 weights on a CPU, a PyTorch built with
-    oneDNN and its two linear ops (private to PyTorch: a release without them packs nothing).
-    ``model``: a Hugging Face model (its input embeddings are checked) or any module whose
-    linear layers would be packed (its first ``nn.Linear``)."""
-    if hasattr(model, "get_input_embeddings"):
-        weight = model.get_input_embeddings().weight
-    else:
-        weight = next((m.weight for m in model.modules() if type(m) is torch.nn.Linear), None)
-        if weight is None:
-            return False
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-
-
-def pack_linears(model: torch.nn.Module) -> int:
-    """Replaces every ``nn.Linear`` of ``model`` (in place) by a :class:`PackedLinear`; returns how many.
-
-    For inference only: packed layers take no gradients.  The caller checks :func:`can_pack`.
-    """
-    count = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if type(child) is torch.nn.Linear:
-                setattr(module, name, PackedLinear(child))
-                count += 1
-    return count
-
-
 def _save_dequantised(model, folder) -> None:
     """config.json + model.safetensors of a GGUF-loaded model (whose save_pretrained refuses):
     the de-quantised fp32 weights, loaded in seconds next time (shared tensors written once)."""
@@ -418,8 +182,6 @@ class TargetModel:
         self.static: "StaticVerifier | None" = None  # enable_static_cache
         self.decoder: "LlamaDecoder | None" = None
         if decoder is not False:
-            from dart_core.decoder import LlamaDecoder, decoder_unsupported
-
             reason = decoder_unsupported(self.model)
             if reason is None:
                 self.decoder = LlamaDecoder(self.model, self.tap_layers)
@@ -434,8 +196,6 @@ class TargetModel:
 
         Raises:
             ValueError: as :class:`~dart_core.cuda_graphs.StaticVerifier`."""
-        from dart_core.cuda_graphs import StaticVerifier
-
         self.static = StaticVerifier(self, **kwargs)
         return self.static
 
@@ -474,8 +234,6 @@ class TargetModel:
         if weights not in ("dense", "gguf-native"):
             raise ValueError(f"weights must be 'dense' or 'gguf-native', not {weights!r}")
         if gguf_kernel is not None:
-            from dart_core.quant import KERNELS
-
             if gguf_kernel not in KERNELS:
                 raise ValueError(f"gguf_kernel must be one of {', '.join(KERNELS)} (or None), not {gguf_kernel!r}")
             if weights != "gguf-native":
@@ -500,8 +258,6 @@ class TargetModel:
         if device_map is None:
             model = model.to(device)
         if weights == "gguf-native":
-            from dart_core.quant import quantize_from_gguf
-
             quantize_from_gguf(model, source.folder / source.gguf_file, cache=converted_cache(source, "int4"),
                                kernel=gguf_kernel)
         return cls(model, load_tokenizer(spec), pack=pack if device_map is None else False, kernels=kernels)

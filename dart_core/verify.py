@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dart_core import _kernels
 from dart_core.sampling import SamplingParams, batch_target_probs, sample_token, target_probs
 
 __all__ = ["Acceptance", "children_lists", "accept_greedy", "accept_greedy_batch", "accept_sampling",
@@ -128,8 +129,6 @@ def accept_greedy_cpu(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: to
 
     Raises:
         ValueError: shapes that do not match, or a row's node count outside 1 .. N."""
-    from dart_core import _kernels
-
     b, n = tokens.shape
     path, counts, bonus = np.empty((b, n), np.int64), np.empty(b, np.int64), np.empty(b, np.int64)
     _kernels.accept_greedy(tokens.numpy(), parents.numpy(), num_nodes.numpy(), argmax.numpy(), path, counts, bonus)

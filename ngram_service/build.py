@@ -37,9 +37,11 @@ from tqdm import tqdm
 
 from ngram_service import _native
 from ngram_service.cache import create_once, default_trie_path
+from ngram_service.convert import convert_reference_trie
 from ngram_service.corpus import NAMED_CORPORA, iter_corpus, iter_files
+from ngram_service.reference_format import read_levels, reduce_levels, write_reference_levels
 from ngram_service.tokenizer import TrieTokenizer, load_trie_tokenizer, resolve_model
-from ngram_service.trie import pack_ragged, write_checksums
+from ngram_service.trie import NgramTrie, pack_ragged, write_checksums
 
 logger = logging.getLogger(__name__)
 
@@ -210,9 +212,6 @@ def build_trie(
 
 def _reduce_like_reference(path: Path, tmp: Path, threshold: int, vocab_size: int, meta: dict) -> dict:
     """Rewrites the unpruned trie at ``path`` pruned as the reference's ``reduce(threshold)``."""
-    from ngram_service.convert import convert_reference_trie
-    from ngram_service.reference_format import read_levels, reduce_levels, write_reference_levels
-
     reference = tmp / "reduced-reference.trie"
     write_reference_levels(reduce_levels(read_levels(path), threshold), reference, progress=False)
     summary = convert_reference_trie(reference, path, vocab_size=vocab_size,
@@ -483,8 +482,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if summary.total_tokens == 0:
             raise ValueError("the corpus produced no tokens")
         if args.verify:
-            from ngram_service.trie import NgramTrie
-
             NgramTrie(output, verify=True)
     except (FileNotFoundError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

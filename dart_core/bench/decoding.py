@@ -354,7 +354,7 @@ class _Bench:
             kwargs |= dict(do_sample=False, temperature=None, top_p=None, top_k=None)
         if method == "hf-prompt-lookup":
             kwargs["prompt_lookup_num_tokens"] = cfg.prompt_lookup_num_tokens
-        from dart_core.target import sync_device
+        from dart_core.device import sync_device
 
         t0 = time.perf_counter()
         with torch.inference_mode():

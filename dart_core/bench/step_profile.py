@@ -132,13 +132,13 @@ def weights_format(module) -> str:
 
 def weight_bytes(module) -> int:
     """Bytes of weights one forward of ``module`` (a Hugging Face causal LM) reads: its parameters,
-    shared ones once, plus the weights of packed CPU linears (:class:`~dart_core.target.PackedLinear`
+    shared ones once, plus the weights of packed CPU linears (:class:`~dart_core.rows.PackedLinear`
     and :class:`~dart_core.quant.Int4Linear`, which are not parameters), less the input embedding, which a forward only gathers rows of,
     unless that same tensor is the output projection (tied and not packed)."""
     import torch
 
     from dart_core.quant import Int4Linear
-    from dart_core.target import PackedLinear
+    from dart_core.rows import PackedLinear
 
     seen, total = set(), 0
     for t in module.parameters():

@@ -125,7 +125,7 @@ def test_a_greedy_forward_returns_the_argmax_of_the_logits(tmp_path, kernel):
 def test_the_fused_decoder_computes_only_the_real_rows_and_each_alike(tmp_path, kernel):
     """Inside real_rows the fused layers (from Python) compute the real rows only, each equal to its value
     in a forward of every row (one C++ call): the padded batch of draft trees of the batched engine."""
-    from dart_core.target import real_rows
+    from dart_core.rows import real_rows
 
     target = _tiny_4bit_target(tmp_path, kernel, seed=4)
     assert target.decoder.fused_layers

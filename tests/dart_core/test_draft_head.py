@@ -287,7 +287,7 @@ def test_a_packed_float32_head_drafts_as_the_dense_one(head):
     rounding, same cache entries, and its dtype still reads from the head."""
     import copy
 
-    from dart_core.target import PackedLinear, can_pack, pack_linears
+    from dart_core.rows import PackedLinear, can_pack, pack_linears
 
     assert can_pack(head) and not can_pack(copy.deepcopy(head).to(torch.bfloat16))
     dense, packed_head = head, copy.deepcopy(head)

@@ -5,7 +5,7 @@ import torch
 
 from dart_core import kernels
 from dart_core.kernels import row_exact_attention
-from dart_core.target import _matmul_attention
+from dart_core.attention import matmul_attention
 
 MIN = torch.finfo(torch.float32).min
 
@@ -22,7 +22,7 @@ def test_values_match_attention_computed_in_float64():
     mask[0, :, :, 30:] = MIN
     mask[1, :, 2, 5:9] = float("-inf")
     mask[1, :, 3, :7] = -2.5  # an additive bias other than 0 is added, not treated as masked
-    expected = _matmul_attention(query, key, value, mask.double(), 0.3, torch.float64)
+    expected = matmul_attention(query, key, value, mask.double(), 0.3, torch.float64)
     got = row_exact_attention(query, key, value, mask, 0.3)
     assert got.shape == (2, 5, 6, 24) and got.dtype == torch.float32 and got.is_contiguous()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
@@ -30,7 +30,7 @@ def test_values_match_attention_computed_in_float64():
     torch.testing.assert_close(boolean, row_exact_attention(query, key, value, torch.where(
         mask[..., :40] > -1e30, 0.0, MIN), 0.3), rtol=0, atol=0)
     default_scale = row_exact_attention(query, key, value, None)
-    torch.testing.assert_close(default_scale, _matmul_attention(query, key, value, None, 24 ** -0.5, torch.float64),
+    torch.testing.assert_close(default_scale, matmul_attention(query, key, value, None, 24 ** -0.5, torch.float64),
                                rtol=1e-5, atol=1e-6)
 
 
@@ -42,7 +42,7 @@ def test_head_layouts_and_sizes(h, h_kv, d):
     mask = torch.zeros(2, 1, 3, 33)
     mask[1, :, 1, ::3] = MIN
     torch.testing.assert_close(row_exact_attention(query, key, value, mask, 0.2),
-                               _matmul_attention(query, key, value, mask.double(), 0.2, torch.float64),
+                               matmul_attention(query, key, value, mask.double(), 0.2, torch.float64),
                                rtol=1e-5, atol=1e-6)
 
 

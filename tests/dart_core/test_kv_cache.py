@@ -12,7 +12,8 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from dart_core.kv_cache import BufferedKVLayer, cache_mask, compact_, compaction_plan
-from dart_core.target import _SMALL_QUERY, GROUPED_SDPA, TargetCache, _grouped_sdpa
+from dart_core.attention import GROUPED_SDPA, SMALL_QUERY, grouped_sdpa
+from dart_core.target import TargetCache
 
 from .conftest import VOCAB, tiny_target
 
@@ -75,14 +76,14 @@ def test_rows_replaced_by_continuous_batching_are_copied_once():
 
 @torch.inference_mode()
 def test_grouped_attention_equals_transformers_sdpa_on_a_tree_step():
-    """Prefill (more than ``_SMALL_QUERY`` query tokens) goes through SDPA with grouped heads: identical
+    """Prefill (more than ``SMALL_QUERY`` query tokens) goes through SDPA with grouped heads: identical
     to transformers' sdpa.  A small tree step takes the two-matmul path: equal to float32 rounding."""
     target = tiny_target("llama", seed=5)  # 4 query heads, 2 key-value heads
     assert target.model.config._attn_implementation == GROUPED_SDPA
     stock = copy.deepcopy(target)
     stock.model.set_attn_implementation("sdpa")
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (_SMALL_QUERY + 3, 4)]
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (SMALL_QUERY + 3, 4)]
     outs = []
     for model in (target, stock):
         cache = TargetCache(2, "cpu")
@@ -103,7 +104,7 @@ def test_grouped_attention_equals_transformers_sdpa_on_a_tree_step():
 
 @pytest.mark.parametrize("batch,heads,kv_heads,queries", [(1, 4, 2, 2), (3, 9, 3, 5), (2, 4, 4, 8), (4, 6, 1, 3)])
 def test_small_query_attention_equals_sdpa(batch, heads, kv_heads, queries):
-    """The two-matmul path for 2..``_SMALL_QUERY`` query tokens against PyTorch's SDPA on repeated
+    """The two-matmul path for 2..``SMALL_QUERY`` query tokens against PyTorch's SDPA on repeated
     key/value heads, with a mask that hides padding, a tree's off-path nodes and a padded query row."""
     g = torch.Generator().manual_seed(batch * 100 + queries)
     t = 7 + queries
@@ -112,7 +113,7 @@ def test_small_query_attention_equals_sdpa(batch, heads, kv_heads, queries):
     allowed = torch.rand(batch, 1, queries, t, generator=g) > 0.4
     allowed[..., -queries:] = torch.eye(queries, dtype=torch.bool)  # every query sees at least itself
     mask = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)
-    out, _ = _grouped_sdpa(None, q, k, v, mask)
+    out, _ = grouped_sdpa(None, q, k, v, mask)
     groups = heads // kv_heads
     ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1),
                                                            v.repeat_interleave(groups, 1), attn_mask=mask)

@@ -118,7 +118,7 @@ def test_the_fused_argmax_is_the_argmax_of_the_outputs(kernel):
     blocks), a tie across blocks (the first wins), with qmm rows of NaN and -inf outputs (the first
     NaN), the portable loop, and real_rows (the rows not selected get 0)."""
     from dart_core import _kernels
-    from dart_core.target import real_rows
+    from dart_core.rows import real_rows
 
     rng = np.random.default_rng(12)
     function = {"qmm": _kernels.qmm_argmax, "qmm-a8": _kernels.qmm_a8_argmax}[kernel]
@@ -195,7 +195,7 @@ def test_qmm_refuses_arrays_of_the_wrong_shape(kernel):
 def test_the_4bit_layer_computes_only_the_real_rows(kernel):
     """Inside real_rows (a padded batch of draft trees) only the selected rows are computed, each equal
     to its row outside the block; the padding rows are zero; another row count is computed in full."""
-    from dart_core.target import real_rows
+    from dart_core.rows import real_rows
 
     rng = np.random.default_rng(2)
     layer = Int4Linear(int4_parts(_blocks(rng.normal(size=(64, 96)), Q.Q8_0), "Q8_0", (64, 96)),  # two parts

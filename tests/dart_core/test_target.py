@@ -1,4 +1,4 @@
-"""The target adapter's oneDNN-packed linear layers (dart_core.target.PackedLinear)."""
+"""The target adapter's oneDNN-packed linear layers (dart_core.rows.PackedLinear)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 
 from dart_core.engine import DartEngine
 from dart_core.sampling import SamplingParams
-from dart_core.target import PackedLinear, TargetModel, can_pack, pack_linears
+from dart_core.rows import PackedLinear, can_pack, pack_linears
+from dart_core.target import TargetModel
 
 from .conftest import VOCAB, OracleTreeSearch, hf_greedy, tiny_config, tiny_target
 from .test_engine import random_head
@@ -86,7 +87,7 @@ def test_packed_target_stays_exact_against_the_stock_model(arch):
 
 
 def test_packed_linear_computes_only_the_real_rows():
-    from dart_core.target import PackedLinear, can_pack, real_rows
+    from dart_core.rows import PackedLinear, can_pack, real_rows
 
     lin = torch.nn.Linear(8, 5)
     if not can_pack(lin):
