@@ -9,14 +9,20 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
-
-if TYPE_CHECKING:
-    from ngram_service.tokenizer import ModelSource
+from typing import Callable, Protocol
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["cache_root", "default_trie_path", "converted_cache", "save_converted", "create_once"]
+__all__ = ["cache_root", "default_trie_path", "converted_cache", "save_converted", "create_once", "ModelFiles"]
+
+
+class ModelFiles(Protocol):
+    """What :func:`converted_cache` reads of a local model (:class:`ngram_service.tokenizer.ModelSource`
+    is one): its name, its folder and the GGUF file in it, if any."""
+
+    name: str
+    folder: Path
+    gguf_file: str | None
 
 
 def cache_root() -> Path:
@@ -29,7 +35,7 @@ def default_trie_path(model: str, corpus: str, order: int) -> Path:
     return cache_root() / "tries" / f"{model}-{corpus}-{order}gram.trie"
 
 
-def converted_cache(source: "ModelSource", part: str) -> Path | None:
+def converted_cache(source: ModelFiles, part: str) -> Path | None:
     """Where the Hugging Face form of a GGUF model's ``part`` ("model" or
     "tokenizer") is cached, keyed by the GGUF file's size and mtime: reading
     a GGUF (de-quantising the weights, parsing the vocabulary) takes seconds,
