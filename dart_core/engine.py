@@ -25,7 +25,6 @@ batch when done.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from dataclasses import dataclass, field, fields, replace
@@ -785,9 +784,9 @@ def _append_in_place(buf: torch.Tensor, counts: torch.Tensor, new: torch.Tensor,
     return buf
 
 
-def _rows(**kw):
+def _rows():
     """A per-row list field of :class:`_BatchState`: merged by concatenation, kept by row index."""
-    return field(default_factory=list, metadata={"rows": True}, **kw)
+    return field(default_factory=list, metadata={"rows": True})
 
 
 @dataclass
@@ -823,12 +822,6 @@ class _BatchState:
     def empty(cls, speculative: bool) -> "_BatchState":
         return cls(speculative=speculative)
 
-    @classmethod
-    @functools.cache
-    def row_lists(cls) -> tuple[str, ...]:
-        """The names of the per-row list fields."""
-        return tuple(f.name for f in fields(cls) if f.metadata.get("rows"))
-
     def merge(self, new: "_BatchState") -> None:
         self.release_held()  # held steps are laid out by the old rows
         if not self.seq_ids:
@@ -836,7 +829,7 @@ class _BatchState:
             self.__dict__.update(new.__dict__)
             self.speculative = speculative
             return
-        for name in self.row_lists():
+        for name in _ROW_LISTS:
             getattr(self, name).extend(getattr(new, name))
         old, nc = self.cache, new.cache
         for lo, ln in zip(old.cache.layers, nc.cache.layers):
@@ -858,7 +851,7 @@ class _BatchState:
             self.release_held()  # held steps are laid out by the old rows
         else:  # nobody stays: nothing to catch up on
             self.held = []
-        for name in self.row_lists():
+        for name in _ROW_LISTS:
             setattr(self, name, [getattr(self, name)[i] for i in rows])
         if not rows:
             self.cache = self.head_cache = self.pend_taps = self.pend_pos = self.pend_count = None
@@ -910,3 +903,6 @@ class _BatchState:
         self.pend_pos = _append_in_place(self.pend_pos, self.pend_count, positions, longest)
         self.pend_count = self.pend_count + counts
         self.pend_next = [a + b for a, b in zip(self.pend_next, nexts)]
+
+
+_ROW_LISTS = tuple(f.name for f in fields(_BatchState) if f.metadata.get("rows"))  # the per-row list fields

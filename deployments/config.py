@@ -8,6 +8,7 @@ so a value this config accepts is one the service accepts too.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -154,13 +155,11 @@ class AppConfig(BaseModel):
             ValueError: a setting SpeculativeConfig refuses."""
         from dart_core.speculative import SpeculativeConfig
 
-        optional = {name: getattr(self, name) for name in ("context_window", "context_order", "lookup_length",
-                                                           "lookup_preference", "gate_probe_every",
-                                                           "max_prefill_tokens", "draft_graphs", "pooled_budget",
-                                                           "grammar_drafting", "fold_width")
-                    if getattr(self, name) is not None}
-        return SpeculativeConfig(budget=self.budget, search=self.search_params(), cuda_graphs=self.cuda_graphs,
-                                 **optional)
+        given = {"budget": self.budget, "search": self.search_params(), "cuda_graphs": self.cuda_graphs}
+        # every other SpeculativeConfig field is an app field of the same name (null: keep its default)
+        optional = {f.name: getattr(self, f.name) for f in dataclasses.fields(SpeculativeConfig)
+                    if f.name not in given and getattr(self, f.name) is not None}
+        return SpeculativeConfig(**given, **optional)
 
     def search_params(self) -> SearchParams:
         """The engine's tree-search parameters (a fixed budget's node count; "auto" starts at the default)."""

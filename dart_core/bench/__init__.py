@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Mapping
 
+from dart_core.kernel_config import KernelConfig
+
 logger = logging.getLogger(__name__)
 
 # The measurement switches, as benchmark command lines may set them (the GPU session scripts do):
@@ -33,8 +35,6 @@ def bench_switches(environ: Mapping[str, str] | None = None) -> dict:
 
     Raises:
         ValueError: an unknown ``DART_SDPA_BACKENDS`` value (as KernelConfig)."""
-    from dart_core.kernel_config import KernelConfig
-
     environ = os.environ if environ is None else environ
     out = {}
     for var, (name, default) in SWITCH_VARIABLES.items():
@@ -44,10 +44,8 @@ def bench_switches(environ: Mapping[str, str] | None = None) -> dict:
     return out
 
 
-def bench_kernel_config(environ: Mapping[str, str] | None = None):
+def bench_kernel_config(environ: Mapping[str, str] | None = None) -> KernelConfig:
     """:func:`bench_switches` as the :class:`~dart_core.kernel_config.KernelConfig` to load with."""
-    from dart_core.kernel_config import KernelConfig
-
     return KernelConfig(**{k: v for k, v in bench_switches(environ).items() if k != "draft_graphs"})
 
 INSTALL_HINT = "pip install 'dart-serve[bench]'"

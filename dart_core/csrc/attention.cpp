@@ -438,25 +438,20 @@ class GGUFLayers {
         if (tap_layers[j] == i)
           for (int64_t r = 0; r < M; ++r)
             std::memcpy(taps + (r * n_taps + j) * hidden, x + r * hidden, static_cast<size_t>(hidden) * sizeof(float));
-      run(l.qkv, x, M, qkv, l.ln1, l.eps1, false, false);
+      run_product(l.qkv, x, M, qkv, l.ln1, l.eps1, false, false);
       const RopeArgs& a = ropes[i];
       rope_core(a, query.data());
       const Strided4 qv{query.data(), {B, heads_, Q, D}, {Q * heads_ * D, D, heads_ * D, 1}};
       const Strided4 kv{a.key, {B, kv_heads_, T, D}, {a.ks[0], a.ks[1], a.ks[2], 1}};
       const Strided4 vv{a.value, {B, kv_heads_, T, D}, {a.vs[0], a.vs[1], a.vs[2], 1}};
       attend_views(qv, kv, vv, m.data ? &m : nullptr, scale_, attn.data(), parallel_work);
-      run(l.o, attn.data(), M, x, nullptr, 0.0f, false, true);
-      run(l.gate_up, x, M, gate_up.data(), l.ln2, l.eps2, false, false);
-      run(l.down, gate_up.data(), M, x, nullptr, 0.0f, true, true);
+      run_product(l.o, attn.data(), M, x, nullptr, 0.0f, false, true);
+      run_product(l.gate_up, x, M, gate_up.data(), l.ln2, l.eps2, false, false);
+      run_product(l.down, gate_up.data(), M, x, nullptr, 0.0f, true, true);
     }
   }
 
  private:
-  static void run(const Product& p, const float* x, int64_t m, float* y, const float* norm, float eps, bool gated,
-                  bool accumulate) {
-    run_product(p, x, m, y, norm, eps, gated, accumulate);
-  }
-
   Product weight(const py::handle& h) { return parse_product(h, keep_, "GGUFLayers"); }
 
   const float* vector(const py::handle& h, int64_t size) { return norm_vector(h, size, keep_, "GGUFLayers"); }
