@@ -314,7 +314,7 @@ class DartModel:
             draft.use_kernels(kernels)
         engine = DartEngine(target, draft, tree_search, params, budget=policy, gate=gate, **spec.engine_kwargs())
         if cuda_graphs and draft is not None and spec.draft_graphs:
-            engine.enable_static_draft()
+            engine.drafter.enable_static_draft()
         return cls(engine, target.tokenizer)
 
     @staticmethod

@@ -563,7 +563,7 @@ class SpeculationGate:
     skipped), nor is a speculative step whose draft catches up on more
     positions than one step can accept (positions held over steps that did
     not draft).  A new prompt's positions are folded into the head's KV cache
-    at its prefill (``DartEngine.fold_width``, on by default), so the first
+    at its prefill (``HeadTreeDrafter.fold_width``, on by default), so the first
     step after a prefill is measured like any other.
     The first ``warmup`` measured steps of a batch size speculate,
     the next ``warmup`` do not.  When a mode resumes after more than

@@ -4,10 +4,18 @@ A decoding step is four phases (docs/design.md §2): **propose** (a
 :class:`Drafter` gives one draft tree per running sequence), **select** (the
 adaptive budget keeps the nodes worth verifying, and no tree reaches past a
 sequence's token limit), **verify** (one target forward over the
-:class:`DraftBatch`), **accept**. The engine knows drafters only through
-:meth:`Drafter.propose` and :attr:`Drafter.uses_taps`, so a new drafter (a
-deeper one-pass drafter, say) plugs in with ``DartEngine(drafter=...)``
-without touching the engine.
+:class:`DraftBatch`), **accept**.
+
+A drafter is built with everything it reads (head, tree search, parameters,
+budget) and sees a step only as :class:`DraftInputs`: each sequence's tokens,
+its context index, and the drafter's own per-row state.  The engine knows it
+through :meth:`Drafter.propose`, :attr:`Drafter.uses_taps`,
+:meth:`Drafter.new_state` and :meth:`Drafter.catch_up`, so a new drafter (a
+deeper one-pass drafter, an EAGLE-style head) plugs in with
+``DartEngine(drafter=...)`` without touching the engine.  A drafter that reads
+the target's hidden states keeps them in a :class:`HeadState` (pending
+positions, held gated-off steps, its own KV cache), which rides on the batch
+and is merged and selected with the other per-row state.
 
 Shipped drafters:
 
@@ -22,19 +30,23 @@ from __future__ import annotations
 import enum
 import functools
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from dart_core.budget import AdaptiveBudget
+from dart_core.cuda_graphs import StaticDrafter
 from dart_core.device import sync_device
-from ngram_service.tree_search import ContextChain, DraftTree, TreeBatch
+from dart_core.draft_head import DartDraftHead
+from dart_core.kv_cache import HeadKVCache, pad_cat, zero_pad
+from dart_core.speculative import FOLD_WIDTH
+from ngram_service.client import TreeSearchClient
+from ngram_service.context import ContextIndex
+from ngram_service.tree_search import ContextChain, DraftTree, SearchParams, TreeBatch
 
-if TYPE_CHECKING:
-    from dart_core.engine import DartEngine, _BatchState
-
-__all__ = ["Drafter", "Proposal", "ProposalKind", "DraftBatch", "DartDrafter", "HeadTreeDrafter", "LookupDrafter", "NoDraft"]
+__all__ = ["Drafter", "DraftInputs", "HeadState", "Proposal", "ProposalKind", "DraftBatch", "DartDrafter",
+           "HeadTreeDrafter", "LookupDrafter", "NoDraft"]
 
 
 class ProposalKind(str, enum.Enum):
@@ -80,48 +92,88 @@ class Proposal:
         self.kind = ProposalKind(self.kind)
 
 
+@dataclass(frozen=True)
+class DraftInputs:
+    """What a drafter reads for one step, given explicitly (no engine).  Lists are row-aligned.
+
+    Attributes:
+        tokens: per running sequence, its prompt and accepted tokens; the last one is the root
+            (not yet in the target's KV cache).
+        context: per sequence, its :class:`~ngram_service.context.ContextIndex` (prompt and
+            accepted tokens indexed) or None where none is kept (docs/design.md §2).
+        state: the drafter's own per-row state (:meth:`Drafter.new_state`; the draft head's
+            :class:`HeadState`), riding on the batch; None for a drafter that keeps none.
+    """
+
+    tokens: list[list[int]]
+    context: list[ContextIndex | None]
+    state: "HeadState | None" = None
+
+    @property
+    def longest(self) -> int:
+        """The most tokens any row holds (a host-side bound on every row's positions)."""
+        return max(len(t) for t in self.tokens)
+
+
 class Drafter:
     """Proposes draft trees for the running sequences of a batch.
 
-    Subclasses implement :meth:`propose`. ``uses_taps``: the engine keeps the target's
-    hidden-state taps at every accepted position for the drafter (the DART head reads them);
-    a drafter that does not read them leaves it False and the engine skips that bookkeeping.
+    Subclasses implement :meth:`propose`; a drafter is built with everything it reads besides the
+    per-step :class:`DraftInputs`.  ``uses_taps``: the engine keeps the target's hidden-state taps
+    at every accepted position in the drafter's :class:`HeadState` (:meth:`new_state`); a drafter
+    that does not read them leaves it False, and the engine skips that bookkeeping.
     """
 
     uses_taps: bool = False
+    #: CUDA graphs the drafter has captured so far (a step that captured one is not typical of its mode)
+    captures: int = 0
 
-    def propose(self, engine: "DartEngine", state: "_BatchState") -> Proposal | None:
-        """One tree per running sequence (``state.tokens[b]``: its prompt and accepted tokens, the
-        last one the root), or None to step autoregressively this time.
-
-        Reads what it needs from ``engine`` (head, tree search, search parameters, budget) and
-        ``state`` (tokens, context indexes, pending taps); must not change what the engine's
-        other phases read."""
+    def propose(self, inputs: DraftInputs) -> Proposal | None:
+        """One tree per running sequence, or None to step autoregressively this time.  Changes
+        nothing the engine's other phases read; a drafter may consume its own ``inputs.state``."""
         raise NotImplementedError
+
+    def new_state(self, rows: int, device: torch.device) -> "HeadState | None":
+        """The per-row state of ``rows`` joining sequences (with ``uses_taps``: an empty
+        :class:`HeadState`), None for a drafter that keeps none."""
+        return None
+
+    def catch_up(self, state: "HeadState", max_positions: int, *, prompt: bool = False) -> None:
+        """Called once held inputs became pending (speculation resumes) and after a prefill
+        (``prompt``): a drafter may do ahead the work its next draft would do.  Nothing by default."""
 
 
 class NoDraft(Drafter):
     """Trees of only the root: an autoregressive step through the same verify and accept phases."""
 
-    def propose(self, engine: "DartEngine", state: "_BatchState") -> Proposal:
-        return Proposal(TreeBatch.roots([t[-1] for t in state.tokens]), kind=ProposalKind.NONE)
+    def propose(self, inputs: DraftInputs) -> Proposal:
+        return Proposal(TreeBatch.roots([t[-1] for t in inputs.tokens]), kind=ProposalKind.NONE)
 
 
 class LookupDrafter(Drafter):
     """Each sequence's context chain verified alone (prompt lookup's step), without the draft head
     and the tree search, where the adaptive budget expects it to beat a tree step
     (:meth:`~dart_core.budget.AdaptiveBudget.select_lookup`; docs/design.md §2, "Lookup steps").
-    Proposes nothing (None) without the context, an adaptive budget or ``engine.lookup_length``."""
 
-    def propose(self, engine: "DartEngine", state: "_BatchState") -> Proposal | None:
+    Args:
+        budget: the adaptive budget that sizes each lookup (None: never proposes).
+        lookup_length: the longest chain verified, in tokens (0: never proposes).
+        max_nodes: the most draft nodes a tree may have (``SearchParams.budget``).
+
+    Proposes nothing (None) where a row keeps no context index."""
+
+    def __init__(self, budget: AdaptiveBudget | None, lookup_length: int, max_nodes: int) -> None:
+        self.budget, self.lookup_length, self.max_nodes = budget, lookup_length, max_nodes
+
+    def propose(self, inputs: DraftInputs) -> Proposal | None:
         t0 = time.perf_counter()
-        if not (engine.uses_context and engine.budget is not None and engine.lookup_length > 0):
+        if self.budget is None or self.lookup_length <= 0 or any(c is None for c in inputs.context):
             return None
-        chains = [c.continuation(min(engine.lookup_length, engine.search_params.budget)) for c in state.context]
-        n = engine.budget.select_lookup(chains)
+        chains = [c.continuation(min(self.lookup_length, self.max_nodes)) for c in inputs.context]
+        n = self.budget.select_lookup(chains)
         if n == 0:
             return None
-        return Proposal(_chain_batch([t[-1] for t in state.tokens], chains, n), kind=ProposalKind.LOOKUP,
+        return Proposal(_chain_batch([t[-1] for t in inputs.tokens], chains, n), kind=ProposalKind.LOOKUP,
                         search_ms=1e3 * (time.perf_counter() - t0), chains=chains)
 
 
@@ -143,47 +195,278 @@ def _chain_batch(roots: list[int], chains: list[ContextChain], n: int) -> TreeBa
                      np.zeros((b, width)), probs[:, :width], counts)
 
 
+def _padded_ids(rows: list[list[int]], width: int, device) -> torch.Tensor:
+    """[B, width] int64 on ``device``: row b's ids, zero-padded."""
+    ids = np.zeros((len(rows), width), dtype=np.int64)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = row
+    return torch.from_numpy(ids).to(device)
+
+
+def _append_in_place(buf: torch.Tensor, counts: torch.Tensor, new: torch.Tensor, longest: int) -> torch.Tensor:
+    """Writes new[r, :] at buf[r, counts[r]:] and returns the buffer ([B, capacity, ...]);
+    ``longest`` = max(counts), which the caller knows without reading ``counts``.
+
+    Amortised O(new): the buffer grows (doubling, zero-filled, so padding stays finite) only
+    when a row would run past its capacity; entries past a row's count are padding.
+    """
+    rows, t_new = new.shape[0], new.shape[1]
+    need = longest + t_new if rows else 0
+    if need > buf.shape[1]:
+        buf = zero_pad(buf, 1, max(need, 2 * buf.shape[1]))
+    idx = counts[:, None] if t_new == 1 else counts[:, None] + torch.arange(t_new, device=counts.device)[None, :]
+    # an index write, not scatter_: PyTorch's CPU scatter_ into a bfloat16 buffer took milliseconds
+    buf[torch.arange(rows, device=counts.device)[:, None], idx] = new
+    return buf
+
+
+@dataclass
+class HeadState:
+    """A draft head's inputs per running sequence, row-aligned, riding on the batch: the positions
+    accepted since its last draft (pending), the gated-off steps not yet pending (held), and its KV
+    cache.  The batcher merges and selects rows through :meth:`merge` and :meth:`select`.
+
+    Attributes:
+        taps: [B, P, 3H] the target's hidden-state taps of pending positions, in the head's dtype
+            (a buffer: row b's first ``counts[b]`` entries are valid, the rest padding).
+        positions: [B, P] int64 their positions.
+        counts: [B] int64 valid pending positions per row.
+        next: per row, the next token of each pending position (its length is ``counts[b]``, known
+            on the host).
+        cache: the head's :class:`~dart_core.kv_cache.HeadKVCache`.
+        held: gated-off steps, oldest first: (taps [B, 1, 3H], positions [B], next tokens per row),
+            kept by reference (:meth:`hold`, :meth:`release`).
+    """
+
+    taps: torch.Tensor
+    positions: torch.Tensor
+    counts: torch.Tensor
+    next: list[list[int]]
+    cache: HeadKVCache
+    held: list = field(default_factory=list)
+
+    @classmethod
+    def empty(cls, rows: int, head: DartDraftHead, device: torch.device) -> "HeadState":
+        """``rows`` sequences with nothing pending and an empty head KV cache."""
+        c = head.config
+        return cls(torch.zeros(rows, 0, 3 * c.target_hidden_size, dtype=head.dtype, device=device),
+                   torch.zeros(rows, 0, dtype=torch.long, device=device),
+                   torch.zeros(rows, dtype=torch.long, device=device), [[] for _ in range(rows)],
+                   HeadKVCache(rows, c.num_key_value_heads, c.head_dim, device=device, dtype=head.dtype))
+
+    @property
+    def width(self) -> int:
+        """The most pending positions of any row (host-side)."""
+        return max((len(x) for x in self.next), default=0)
+
+    def merge(self, new: "HeadState") -> None:
+        """Appends ``new``'s rows after these (neither may hold gated-off steps: :meth:`release` first).
+
+        Raises:
+            ValueError: either side holds steps (they are laid out by the old rows)."""
+        if self.held or new.held:
+            raise ValueError("release held steps before merging rows")
+        self.taps, self.positions = pad_cat(self.taps, new.taps, 1), pad_cat(self.positions, new.positions, 1)
+        self.counts = torch.cat([self.counts, new.counts])
+        self.next = self.next + new.next
+        h, hn = self.cache, new.cache
+        h.keys, h.values = pad_cat(h.keys, hn.keys, 2), pad_cat(h.values, hn.values, 2)
+        h.lengths = torch.cat([h.lengths, hn.lengths])
+
+    def select(self, rows: list[int]) -> None:
+        """Keeps the given rows, in that order (held steps are dropped: :meth:`release` first to keep them)."""
+        self.held = []
+        sel = torch.tensor(rows, dtype=torch.long, device=self.counts.device)
+        self.cache.select(sel)
+        self.taps, self.positions, self.counts = self.taps[sel], self.positions[sel], self.counts[sel]
+        self.next = [self.next[i] for i in rows]
+
+    def add(self, taps: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor, nexts: list[list[int]]) -> None:
+        """Appends each row's newly accepted positions (taps [B, A, 3H], positions [B, A], counts [B],
+        each row's next tokens: ``counts[b]`` of them)."""
+        taps = taps.to(self.taps.dtype)  # the draft head's dtype
+        longest = self.width  # max(counts), known on the host
+        self.taps = _append_in_place(self.taps, self.counts, taps, longest)
+        self.positions = _append_in_place(self.positions, self.counts, positions, longest)
+        self.counts = self.counts + counts
+        self.next = [a + b for a, b in zip(self.next, nexts)]
+
+    def clear(self) -> None:
+        """Empties every row's pending inputs (the buffers keep their capacity)."""
+        self.counts = torch.zeros(len(self.next), dtype=torch.long, device=self.counts.device)
+        self.next = [[] for _ in self.next]
+
+    def hold(self, taps: torch.Tensor, positions: torch.Tensor, nexts: list[list[int]]) -> None:
+        """Keeps a gated-off step's root taps [B, 1, 3H], positions [B] (the cache lengths before the
+        step) and each row's next token, by reference: no device work."""
+        self.held.append((taps, positions, nexts))
+
+    def release(self) -> list[list[int]] | None:
+        """The held steps, in order, become pending (one concatenation).  Returns each row's tokens
+        of those steps (for the context indexes), or None when nothing was held."""
+        if not self.held:
+            return None
+        held, self.held = self.held, []
+        taps = held[0][0] if len(held) == 1 else torch.cat([h[0] for h in held], 1)
+        positions = torch.stack([h[1] for h in held], 1)
+        nexts = [[tok for h in held for tok in h[2][i]] for i in range(len(self.next))]
+        self.add(taps, positions, torch.full((len(nexts),), len(held), dtype=torch.long, device=positions.device),
+                 nexts)
+        return nexts
+
+
 class HeadTreeDrafter(Drafter):
     """DART's drafter (paper §3): one draft-head forward over each sequence's newly accepted
     positions gives top-k tokens per level, and the tree search (n-gram trie, the request's own
-    context chain) turns them into one prefix-closed tree per sequence."""
+    context chain) turns them into one prefix-closed tree per sequence.
+
+    Args:
+        head: the draft head, on the target's device.
+        embed: the target's input embedding (token ids [B, W] -> [B, W, H]).
+        tree_search: the tree-search client.
+        search_params: ``top_k`` drafts per level; ``budget`` the most draft nodes per tree.
+        budget: an adaptive budget sizes each search (:meth:`AdaptiveBudget.search_params`) and
+            the levels drafted (:meth:`AdaptiveBudget.search_depth`); None: ``search_params`` as given.
+        cheap_host_reads: reading a device tensor costs no sync (a CPU target): the top-k is read in place.
+        fold_width: a sequence's pending inputs past this many positions (after autoregressive
+            steps) are folded into its head KV cache (:meth:`catch_up`), as is a new prompt, so a
+            draft reads no more than the static drafter's widest width; None: they wait for the draft.
+    """
 
     uses_taps = True
 
-    def propose(self, engine: "DartEngine", state: "_BatchState") -> Proposal:
-        device = engine.target.device
+    def __init__(self, head: DartDraftHead, embed: torch.nn.Module, tree_search: TreeSearchClient,
+                 search_params: SearchParams, *, budget: AdaptiveBudget | None = None,
+                 cheap_host_reads: bool = False, fold_width: int | None = FOLD_WIDTH) -> None:
+        self.head, self.embed, self.tree_search, self.search_params = head, embed, tree_search, search_params
+        self.budget, self.cheap_host_reads, self.fold_width = budget, cheap_host_reads, fold_width
+        self.device = head.norm.weight.device
+        # the draft head's static KV cache (eager; enable_static_draft captures it in CUDA graphs)
+        self.static_draft: StaticDrafter | None = StaticDrafter(head, embed, top_k=search_params.top_k,
+                                                                use_graphs=False)
+
+    @property
+    def captures(self) -> int:
+        return self.static_draft.captures if self.static_draft is not None else 0
+
+    def enable_static_draft(self, **kwargs) -> StaticDrafter:
+        """Replaces the static KV cache by one built with ``kwargs``: by default on a GPU one
+        replayed as CUDA graphs (:class:`~dart_core.cuda_graphs.StaticDrafter`: padded widths and
+        batch sizes, one graph per pair, captured when first needed).  Sequences already running
+        keep their cache (it is copied into the new buffers at their next draft).
+
+        Raises:
+            ValueError: as :class:`~dart_core.cuda_graphs.StaticDrafter`."""
+        self.static_draft = StaticDrafter(self.head, self.embed, top_k=self.search_params.top_k, **kwargs)
+        return self.static_draft
+
+    def new_state(self, rows: int, device: torch.device) -> HeadState:
+        return HeadState.empty(rows, self.head, device)
+
+    def draft_levels(self) -> int:
+        """Draft levels this step needs: a tree of n nodes is at most n deep, and the
+        adaptive budget asks for one level more than it recently kept (its ``search_depth``)."""
+        depth = min(self.head.config.depth, self.search_params.max_depth, self.search_params.budget)
+        if self.budget is not None:
+            depth = self.budget.search_depth(depth)
+        return max(1, depth)
+
+    def catch_up(self, state: HeadState, max_positions: int, *, prompt: bool = False) -> None:
+        """Folds pending inputs into the head KV cache (:meth:`fold`) past ``fold_width`` (a new
+        prompt: always), so the catch-up after autoregressive steps is paid once."""
+        if self.fold_width is not None and (prompt or state.width > self.fold_width):
+            self.fold(state, max_positions)
+
+    @torch.inference_mode()
+    def fold(self, state: HeadState, max_positions: int) -> None:
+        """Moves each sequence's pending inputs, all but its last position, into its head KV cache
+        (:meth:`DartDraftHead.keys_values`) with no read of a device tensor; ``max_positions``: a
+        host-side bound on every row's tokens.
+
+        What the next draft would compute from them anyway, done ahead, so that the draft is
+        unchanged (up to rounding) and the inputs held per sequence between steps stay at most
+        ``fold_width`` positions while steps are autoregressive: a held position is 3 · H_target
+        values, a head KV cache entry 2 · H_kv · D, and both are copied whenever sequences join
+        or leave the batch.  The last position stays pending: the next draft queries from it."""
+        width = state.width
+        if width <= 1:
+            return
+        head = self.head
+        nxt = _padded_ids(state.next, width, self.device)
+        keys, values = head.keys_values(state.taps[:, :width], self.embed(nxt).to(head.dtype),
+                                        state.positions[:, :width])
+        last = (state.counts - 1).clamp(min=0)  # [B]; rows that hold nothing fold nothing
+        # a row's head KV cache never holds more entries than the row has tokens
+        state.cache.extend(keys, values, last, max_positions)
+        state.taps = state.taps.gather(1, last[:, None, None].expand(-1, 1, state.taps.shape[-1]))
+        state.positions = state.positions.gather(1, last[:, None])
+        state.counts = state.counts.clamp(max=1)
+        state.next = [row[-1:] for row in state.next]
+
+    @torch.inference_mode()
+    def draft(self, state: HeadState, levels: int | None = None, max_positions: int | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
+        """Draft head forward over every row's pending positions, which it consumes (they enter the
+        head KV cache) → (topk_ids [B, L, k] int64 target ids, topk_probs [B, L, k] float32), on the
+        host; L = ``levels`` (default d): the tree search goes no deeper than L.  With the static
+        drafter (the default; :meth:`enable_static_draft`) and ``max_positions`` (a host-side bound
+        on every row's tokens) the draft runs over its static cache where it fits; either way the
+        top-k comes to the host in one copy."""
+        head, device = self.head, self.device
+        width = max(state.width, 1)
+        taps, positions, last_index = state.taps[:, :width], state.positions[:, :width], state.counts - 1
+        nxt = _padded_ids(state.next, width, device)
+        levels = head.config.depth if levels is None else levels
+        static = None
+        if self.static_draft is not None and max_positions is not None:
+            static = self.static_draft.forward(taps.to(head.dtype), nxt, positions, last_index, state.cache,
+                                               max_positions, levels)
+        if static is not None:
+            ids, probs = static  # [B, L, k] each
+        else:
+            dtype = head.dtype
+            logits, new_k, new_v = head(taps.to(dtype), self.embed(nxt).to(dtype), positions, last_index,
+                                        state.cache.keys, state.cache.values, state.cache.lengths, levels)
+            state.cache.append(new_k, new_v, last_index + 1)
+            ids, probs = head.top_k(logits, self.search_params.top_k)
+        state.clear()
+        if ids.device.type == "cpu" and self.cheap_host_reads:  # already on the host: views, no copy
+            return ids.long().numpy(), probs.float().contiguous().numpy()
+        # one copy to the host: the ids as int32 beside the probabilities' bits
+        host = torch.stack([ids.to(torch.int32), probs.contiguous().view(torch.int32)]).cpu().numpy()
+        return host[0].astype(np.int64), host[1].view(np.float32)
+
+    def propose(self, inputs: DraftInputs) -> Proposal:
+        state = inputs.state
         t0 = time.perf_counter()
-        width = max(len(x) for x in state.pend_next)  # pending positions per row, known on the host
-        catch_up = width > engine.head.config.draft_length + 2
-        topk_ids, topk_probs = engine._draft(state.pend_taps[:, :width], state.pend_next, state.pend_pos[:, :width],
-                                             state.pend_count - 1, state.head_cache, engine._draft_levels(),
-                                             max(len(t) for t in state.tokens))
-        state.clear_pending()
-        sync_device(device)
+        catch_up = state.width > self.head.config.draft_length + 2
+        topk_ids, topk_probs = self.draft(state, self.draft_levels(), inputs.longest)
+        sync_device(self.device)
         draft_ms = 1e3 * (time.perf_counter() - t0)
         t0 = time.perf_counter()
         levels = topk_ids.shape[1]
-        chains = [c.continuation(levels) if c is not None else None for c in state.context] \
-            if engine.uses_context else None
-        params = engine.search_params if engine.budget is None else engine.budget.search_params(engine.search_params)
-        trees = engine.tree_search.search_batch(topk_ids, topk_probs,
-                                                [np.asarray(t, dtype=np.int64) for t in state.tokens],
-                                                params, chains)
+        chains = ([c.continuation(levels) if c is not None else None for c in inputs.context]
+                  if any(c is not None for c in inputs.context) else None)
+        params = self.search_params if self.budget is None else self.budget.search_params(self.search_params)
+        trees = self.tree_search.search_batch(topk_ids, topk_probs,
+                                              [np.asarray(t, dtype=np.int64) for t in inputs.tokens], params, chains)
         return Proposal(trees, kind=ProposalKind.TREE, draft_ms=draft_ms, search_ms=1e3 * (time.perf_counter() - t0),
                         catch_up=catch_up)
 
 
-class DartDrafter(Drafter):
-    """The engine's default with a draft head: a lookup step where the budget prefers one
-    (:class:`LookupDrafter`), otherwise the head and the tree search (:class:`HeadTreeDrafter`)."""
+class DartDrafter(HeadTreeDrafter):
+    """The engine's default with a draft head: a lookup step where the adaptive budget prefers
+    one (:class:`LookupDrafter`, ``lookup_length`` tokens at most, 0: never), otherwise the head
+    and the tree search (:class:`HeadTreeDrafter`, whose arguments it takes)."""
 
-    uses_taps = True
+    def __init__(self, head: DartDraftHead, embed: torch.nn.Module, tree_search: TreeSearchClient,
+                 search_params: SearchParams, *, lookup_length: int = 24, **kwargs) -> None:
+        super().__init__(head, embed, tree_search, search_params, **kwargs)
+        self.lookup = LookupDrafter(self.budget, lookup_length, search_params.budget)
 
-    def __init__(self) -> None:
-        self.lookup, self.tree = LookupDrafter(), HeadTreeDrafter()
-
-    def propose(self, engine: "DartEngine", state: "_BatchState") -> Proposal:
-        return self.lookup.propose(engine, state) or self.tree.propose(engine, state)
+    def propose(self, inputs: DraftInputs) -> Proposal:
+        self.lookup.budget, self.lookup.max_nodes = self.budget, self.search_params.budget  # as set now
+        return self.lookup.propose(inputs) or super().propose(inputs)
 
 
 @dataclass(frozen=True)

@@ -34,18 +34,16 @@ import numpy as np
 import torch
 
 from dart_core.budget import AdaptiveBudget, SpeculationGate
-from dart_core.cuda_graphs import StaticDrafter
 from dart_core.device import sync_device as _sync
 from dart_core.draft_head import DartDraftHead
-from dart_core.drafters import DartDrafter, DraftBatch, Drafter, NoDraft, Proposal, ProposalKind
+from dart_core.drafters import DartDrafter, DraftBatch, Drafter, DraftInputs, HeadState, NoDraft, Proposal, ProposalKind
 from dart_core.grammar import row_constraint
-from dart_core.kv_cache import HeadKVCache, cache_mask, zero_pad
+from dart_core.kv_cache import cache_mask, pad_cat
 from dart_core.rows import padded_rows
 from dart_core.sampling import SamplingParams, target_probs
 from dart_core.speculative import FOLD_WIDTH
-from dart_core.target import TargetCache, TargetModel, TargetOutput
-from dart_core.verify import (accept_constrained, accept_greedy, accept_greedy_batch, accept_greedy_cpu,
-                              accept_sampling, accept_sampling_batch, uniform_draws)
+from dart_core.target import TargetCache, TargetModel
+from dart_core.verify import accept, accept_constrained
 from ngram_service.client import InProcessTreeSearch, TreeSearchClient
 from ngram_service.context import ContextIndex
 from ngram_service.tree_search import SearchParams, TreeBatch
@@ -196,8 +194,15 @@ class DartEngine:
                  grammar_drafting: bool = True, fold_width: int | None = FOLD_WIDTH) -> None:
         self.target = target
         self.head = head
-        # what proposes each step's trees (dart_core.drafters); None: autoregressive decoding only
-        self.drafter = drafter if drafter is not None else (DartDrafter() if head is not None else None)
+        if head is not None:
+            if head.config.target_hidden_size != target.config.hidden_size:
+                raise ValueError("draft head and target hidden sizes differ")
+            if head.config.vocab_size != target.config.vocab_size:
+                raise ValueError("draft head and target vocabularies differ")
+        if lookup_length < 0:
+            raise ValueError("lookup_length must be >= 0")
+        if max_prefill_tokens < 1:
+            raise ValueError("max_prefill_tokens must be >= 1")
         self.tree_search = tree_search or InProcessTreeSearch(None)
         self.search_params = search_params or SearchParams()
         self.budget = budget
@@ -206,39 +211,43 @@ class DartEngine:
         # has ended instead of warping max_depth + 1 distributions per row (verify.accept_sampling_batch),
         # and greedy acceptance walks the trees in one C++ call (verify.accept_greedy_cpu)
         self.cheap_host_reads = self.target.device.type == "cpu"
+        # what proposes each step's trees (dart_core.drafters); None: autoregressive decoding only
+        self._owns_drafter = drafter is None
+        if drafter is None and head is not None:
+            drafter = DartDrafter(head, target.embed_tokens, self.tree_search, self.search_params, budget=budget,
+                                  cheap_host_reads=self.cheap_host_reads, fold_width=fold_width,
+                                  lookup_length=lookup_length)
+        self.drafter = drafter
         # one verification budget pooled across the batch, verified without computing padding
         # (packed_verification); off by default: not measured faster yet (bench/results/pooled_budget)
         self.pooled_budget = pooled_budget
         # structured output: draft trees cut to what the grammar allows, with the tokens it forces added
         # (GrammarState.draft_tree); False leaves the trees as drafted (verification masks either way)
         self.grammar_drafting = grammar_drafting
-        # a sequence's draft-head inputs held past this many positions after an autoregressive step
-        # (the gate or max_speculative_batch keeps speculation off) are folded into its head KV cache
-        # (_fold_held), as is a new prompt, so that a draft after such steps reads no more than the
-        # static drafter's widest graph-captured width; None holds them until the next draft
-        self.fold_width: int | None = fold_width
         # a gated-off step (the batch speculates, this step does not) keeps only references to its
-        # taps and tokens (_BatchState.hold): the step's work is the autoregressive step's.  They
+        # taps and tokens (HeadState.hold): the step's work is the autoregressive step's.  They
         # become pending draft-head inputs (and the context indexes see the tokens) when speculation
         # resumes, when sequences join or leave, or once a sequence's held and pending positions
-        # pass this many (then folded: _fold_held), which bounds what is held
+        # pass this many (then the drafter catches up: Drafter.catch_up), which bounds what is held
         self.hold_steps = 64
         self.context_window = context_window
         self.context_order = context_order
-        if lookup_length < 0:
-            raise ValueError("lookup_length must be >= 0")
-        self.lookup_length = lookup_length
-        if max_prefill_tokens < 1:
-            raise ValueError("max_prefill_tokens must be >= 1")
         self.max_prefill_tokens = max_prefill_tokens
-        # the draft head's static KV cache (eager; enable_static_draft captures it in CUDA graphs)
-        self.static_draft = StaticDrafter(head, target.embed_tokens, top_k=self.search_params.top_k,
-                                          use_graphs=False) if head is not None else None
-        if head is not None:
-            if head.config.target_hidden_size != target.config.hidden_size:
-                raise ValueError("draft head and target hidden sizes differ")
-            if head.config.vocab_size != target.config.vocab_size:
-                raise ValueError("draft head and target vocabularies differ")
+
+    # the tree search, its parameters, the adaptive budget and whether host reads are cheap are the engine's
+    # and its default drafter's:
+    # set on the engine (a server swaps in its gRPC client, a benchmark its searcher), they reach both
+    tree_search = property(lambda self: self._tree_search, lambda self, v: self._share("_tree_search", v))
+    search_params = property(lambda self: self._search_params, lambda self, v: self._share("_search_params", v))
+    budget = property(lambda self: self._budget, lambda self, v: self._share("_budget", v))
+    cheap_host_reads = property(lambda self: self._cheap_host_reads,
+                                lambda self, v: self._share("_cheap_host_reads", v))
+
+    def _share(self, name: str, value) -> None:
+        setattr(self, name, value)
+        drafter = self.__dict__.get("drafter")
+        if self.__dict__.get("_owns_drafter") and hasattr(drafter, name[1:]):
+            setattr(drafter, name[1:], value)
 
     # -- public API -------------------------------------------------------
 
@@ -306,7 +315,7 @@ class DartEngine:
             raise ValueError(f"{len(samplings)} sampling parameters for {len(prompts)} prompts")
         self._check_prompts(prompts)
         # the draft head's inputs (taps of accepted positions, its KV cache) are kept for drafters that read them
-        state = _BatchState.empty(speculative and self.drafter.uses_taps and self.head is not None)
+        state = _BatchState.empty(speculative and self.drafter.uses_taps)
         next_id = 0
         pending = [NewSequence(p, s) for p, s in zip(prompts, samplings)]
         while True:
@@ -370,25 +379,15 @@ class DartEngine:
         first = self._sample_rows(out.logits[:, 0], [x.sampling for x in joining], gens, constraints)
         new = _BatchState(seq_ids=ids, tokens=[list(p) for p in prompts], produced=[0] * len(prompts),
                           samplings=[x.sampling for x in joining], generators=gens, cache=cache,
-                          # held in the draft head's dtype, the one it reads them in: half the bytes to
-                          # copy on every join and leave where a bf16 head drafts for a float32 target
-                          pend_taps=out.taps[:, :0].to(self.head.dtype if self.head is not None else out.taps.dtype),
-                          pend_next=[[] for _ in prompts],
-                          pend_pos=torch.zeros(len(prompts), 0, dtype=torch.long, device=device),
-                          pend_count=torch.zeros(len(prompts), dtype=torch.long, device=device),
-                          head_cache=None, reasons=[None] * len(prompts),
-                          spec_ok=[x.speculative for x in joining],
+                          reasons=[None] * len(prompts), spec_ok=[x.speculative for x in joining],
                           context=[self._new_context(p) if speculative and x.speculative else None
                                    for p, x in zip(prompts, joining)], constraints=constraints)
-        # the prompt's positions feed the first draft (rows that opted out keep none)
-        new.add_pending(out.taps, torch.arange(out.taps.shape[1], device=device)[None, :].expand(len(prompts), -1),
-                        cache.lengths, [p[1:] + [f] for p, f in zip(prompts, first)])
-        if state.speculative:
-            c = self.head.config
-            new.head_cache = HeadKVCache(len(prompts), c.num_key_value_heads, c.head_dim, device=device,
-                                         dtype=self.head.dtype)
-            if self.fold_width is not None:  # the work the first draft would do, and the batch holds 1 position
-                self._fold_held(new)
+        if state.speculative:  # the prompt's positions feed the first draft (rows that opted out keep none)
+            new.draft = self.drafter.new_state(len(prompts), device)
+            new.add_pending(out.taps, torch.arange(out.taps.shape[1], device=device)[None, :].expand(len(prompts), -1),
+                            cache.lengths, [p[1:] + [f] for p, f in zip(prompts, first)])
+            # the work the first draft would do, done now (the batch then holds one position per row)
+            self.drafter.catch_up(new.draft, max(len(p) for p in prompts), prompt=True)
         new_tokens, logprobs = [], []
         for b, f in enumerate(first):
             emitted, new.reasons[b] = self._emit(new, b, [f])
@@ -417,9 +416,10 @@ class DartEngine:
     def _step(self, state: "_BatchState", speculative: bool) -> StepOutput:
         """One step for every running sequence: propose → select → verify → accept."""
         t_step = time.perf_counter()
-        if speculative and state.held:  # speculation resumes: the draft head catches up once
+        if speculative and state.draft is not None and state.draft.held:  # speculation resumes: one catch-up
             self._release_held(state)
-        proposal = (self.drafter.propose(self, state) if speculative else None) or NoDraft().propose(self, state)
+        inputs = DraftInputs(state.tokens, state.context, state.draft)
+        proposal = (self.drafter.propose(inputs) if speculative else None) or NoDraft().propose(inputs)
         draft, predicted = self._select(state, proposal)
         t_verify = time.perf_counter()
         cached = state.cache.padded_length  # before the forward appends the trees' entries
@@ -467,15 +467,13 @@ class DartEngine:
         trees, n, b_size = draft.trees, draft.num_nodes, len(state.seq_ids)
         speculative, lookup = proposal.kind is not ProposalKind.NONE, proposal.kind is ProposalKind.LOOKUP
         cache = state.cache
-        paths, counts_host, bonus, path = self._accept(draft, out, state.samplings, state.generators,
-                                                       state.constraints)
-        a_max = int(counts_host.max())
-        paths = paths[:, :a_max]  # [B, A] accepted node indices (0 past each row's count), host
-        path = path[:, :a_max]  # the same on the device
-        counts = torch.from_numpy(counts_host).to(device)
         old_lengths = cache.lengths
         # the cache holds every token but the root: its lengths are known here without a read
-        cache.compact_paths([len(t) - 1 for t in state.tokens], padded_len, paths, counts, counts_host)
+        accepted = accept(draft, out, state.samplings, state.generators, state.constraints,
+                          cheap_host_reads=self.cheap_host_reads, cache=cache,
+                          cached_lengths=[len(t) - 1 for t in state.tokens], padded_length=padded_len)
+        paths, counts_host, bonus, path = accepted.paths, accepted.counts, accepted.bonus, accepted.device_paths
+        counts, a_max = accepted.device_counts, accepted.longest
         # [B, A + 1]: each row's accepted draft tokens (after its root), then its bonus token
         emitted_rows = np.concatenate([np.take_along_axis(trees.tokens, paths, axis=1)[:, 1:], bonus[:, None]], axis=1)
         if lookup:
@@ -500,8 +498,8 @@ class DartEngine:
         acc_lens = counts_host.tolist()
         if hold:  # references only (a static verifier's output is reused by the next forward: a copy)
             taps = out.taps[:, :1]
-            state.hold(taps if self.target.static is None else taps.clone(), old_lengths, nexts)
-            if len(state.held) + max(len(x) for x in state.pend_next) > self.hold_steps:
+            state.draft.hold(taps if self.target.static is None else taps.clone(), old_lengths, nexts)
+            if len(state.draft.held) + state.draft.width > self.hold_steps:
                 self._release_held(state)
         elif state.speculative:  # the accepted positions feed the next draft
             # no row accepted a draft node: the roots' taps, a view (a run of lookup steps is left to
@@ -589,159 +587,17 @@ class DartEngine:
                 out[i] = int(torch.multinomial(probs, 1, generator=generators[i])[0])
         return out
 
-    def _draft_levels(self) -> int:
-        """Draft levels this step needs: a tree of n nodes is at most n deep, and the
-        adaptive budget asks for one level more than it recently kept (its ``search_depth``)."""
-        depth = min(self.head.config.depth, self.search_params.max_depth, self.search_params.budget)
-        if self.budget is not None:
-            depth = self.budget.search_depth(depth)
-        return max(1, depth)
-
     def _graph_captures(self) -> int:
-        """CUDA graphs captured so far by the target's static verifier and the static drafter."""
-        return (getattr(self.target.static, "captures", 0)
-                + (self.static_draft.captures if self.static_draft is not None else 0))
-
-    def enable_static_draft(self, **kwargs) -> StaticDrafter:
-        """Replaces the drafter's static KV cache by one built with ``kwargs``: by default on a GPU
-        one replayed as CUDA graphs (:class:`~dart_core.cuda_graphs.StaticDrafter`: padded widths
-        and batch sizes, one graph per pair, captured when first needed).  Sequences already
-        running keep their cache (it is copied into the new buffers at their next draft).
-
-        Raises:
-            ValueError: no draft head, or as :class:`~dart_core.cuda_graphs.StaticDrafter`."""
-        if self.head is None:
-            raise ValueError("a static draft needs a draft head")
-        self.static_draft = StaticDrafter(self.head, self.target.embed_tokens, top_k=self.search_params.top_k,
-                                          **kwargs)
-        return self.static_draft
+        """CUDA graphs captured so far by the target's static verifier and the drafter."""
+        return getattr(self.target.static, "captures", 0) + (self.drafter.captures if self.drafter is not None else 0)
 
     def _release_held(self, state: "_BatchState") -> None:
-        """The gated-off steps' held taps and tokens become pending draft-head inputs
-        (:meth:`_BatchState.release_held`), then all but each sequence's last position are folded into
-        its head KV cache past ``fold_width`` (the catch-up paid once, where speculation resumes or
-        the held positions pass ``hold_steps``)."""
+        """The gated-off steps' held taps and tokens become pending draft inputs
+        (:meth:`_BatchState.release_held`), then the drafter catches up on them (the draft head folds
+        all but each sequence's last position into its KV cache past its ``fold_width``): paid once,
+        where speculation resumes or the held positions pass ``hold_steps``."""
         state.release_held()
-        if self.fold_width is not None and max(len(x) for x in state.pend_next) > self.fold_width:
-            self._fold_held(state)
-
-    @torch.inference_mode()
-    def _fold_held(self, state: "_BatchState") -> None:
-        """Moves each sequence's held draft-head inputs, all but its last position, into its head KV
-        cache (:meth:`DartDraftHead.keys_values`) with no read of a device tensor.
-
-        What the next draft would compute from them anyway, done ahead, so that the draft is
-        unchanged (up to rounding) and the inputs held per sequence between steps stay at most
-        ``fold_width`` positions while steps are autoregressive: a held position is 3 · H_target
-        values (1,728 for SmolLM2), a head KV cache entry 2 · H_kv · D (384), and both are copied
-        whenever sequences join or leave the batch.  The last position stays held: the next draft
-        queries from it."""
-        width = max((len(x) for x in state.pend_next), default=0)
-        if width <= 1:
-            return
-        head = self.head
-        nxt = _padded_ids(state.pend_next, width, self.target.device)
-        keys, values = head.keys_values(state.pend_taps[:, :width], self.target.embed(nxt).to(head.dtype),
-                                        state.pend_pos[:, :width])
-        last = (state.pend_count - 1).clamp(min=0)  # [B]; rows that hold nothing fold nothing
-        # a row's head KV cache never holds more entries than the row has tokens
-        state.head_cache.extend(keys, values, last, max(len(t) for t in state.tokens))
-        state.pend_taps = state.pend_taps.gather(1, last[:, None, None].expand(-1, 1, state.pend_taps.shape[-1]))
-        state.pend_pos = state.pend_pos.gather(1, last[:, None])
-        state.pend_count = state.pend_count.clamp(max=1)
-        state.pend_next = [row[-1:] for row in state.pend_next]
-
-    @torch.inference_mode()
-    def _draft(self, taps, next_tokens: list[list[int]], positions, last_index, head_cache: HeadKVCache,
-               levels: int | None = None, max_positions: int | None = None):
-        """Draft head forward → (topk_ids [B, L, k] int64 target ids, topk_probs [B, L, k] float32),
-        L = ``levels`` (default d); the tree search goes no deeper than L.  With a static drafter
-        (the default; :meth:`enable_static_draft`) and ``max_positions`` (a host-side bound on
-        every row's tokens) the draft runs over its static cache where it fits; either way the
-        top-k comes to the host in one copy."""
-        head, device = self.head, self.target.device
-        nxt = _padded_ids(next_tokens, taps.shape[1], device)
-        levels = head.config.depth if levels is None else levels
-        static = None
-        if self.static_draft is not None and max_positions is not None:
-            static = self.static_draft.forward(taps.to(head.dtype), nxt, positions, last_index, head_cache,
-                                               max_positions, levels)
-        if static is not None:
-            ids, probs = static  # [B, L, k] each
-        else:
-            dtype = head.dtype
-            logits, new_k, new_v = head(taps.to(dtype), self.target.embed(nxt).to(dtype), positions, last_index,
-                                        head_cache.keys, head_cache.values, head_cache.lengths, levels)
-            head_cache.append(new_k, new_v, last_index + 1)
-            ids, probs = head.top_k(logits, self.search_params.top_k)
-        if ids.device.type == "cpu" and self.cheap_host_reads:  # already on the host: views, no copy
-            return ids.long().numpy(), probs.float().contiguous().numpy()
-        # one copy to the host: the ids as int32 beside the probabilities' bits
-        host = torch.stack([ids.to(torch.int32), probs.contiguous().view(torch.int32)]).cpu().numpy()
-        return host[0].astype(np.int64), host[1].view(np.float32)
-
-    def _accept(self, batch: DraftBatch, out: TargetOutput, samplings: list[SamplingParams],
-                generators: list[torch.Generator], constraints: list
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, torch.Tensor]:
-        """Each sequence's accepted path and bonus token, on the host and the paths on the device, from
-        the verification forward's output (its logits, or for a greedy batch possibly its fused argmax
-        alone: :meth:`TargetOutput.greedy_tokens <dart_core.target.TargetOutput.greedy_tokens>`).
-
-        Returns:
-            (paths [B, W] int64 accepted node indices from the root, 0 past each row's count, W ≥ the
-            longest count; counts [B] int64 accepted nodes, root included; bonus [B] int64 bonus
-            tokens), numpy arrays, and the paths [B, W'] int64 on the device (W' ≥ the longest count).
-
-        A greedy unconstrained batch of roots alone (an autoregressive step) takes each root's
-        argmax as its bonus token, read in one copy.  On a CPU (:attr:`cheap_host_reads`) a greedy
-        unconstrained batch of trees is walked in one C++ call over its host tensors
-        (:func:`~dart_core.verify.accept_greedy_cpu`, no read).  Otherwise an unconstrained batch is
-        accepted on the device, greedy and sampling rows alike
-        (:func:`~dart_core.verify.accept_greedy_batch`, or
-        :func:`~dart_core.verify.accept_sampling_batch` with each sampling row's uniforms drawn
-        from its own generator), and read back in one copy; a batch with a constrained row (a
-        grammar, min_tokens) goes through the host, row by row (a constrained row masks the nodes
-        its walk visits: :func:`~dart_core.verify.accept_constrained`)."""
-        logits, device = out.logits, out.taps.device
-        b = len(samplings)
-        if all(g is None for g in constraints):
-            if batch.num_nodes == 1 and all(s.greedy for s in samplings):  # roots alone: the bonus is the argmax
-                bonus = (out.argmax[:, 0] if out.argmax is not None else logits[:, 0].argmax(-1)).cpu().numpy()
-                zeros = np.zeros((b, 1), dtype=np.int64)  # one read above
-                return zeros, np.ones(b, dtype=np.int64), bonus, torch.from_numpy(zeros).to(device)
-            if all(s.greedy for s in samplings) and self.cheap_host_reads and device.type == "cpu":  # no read
-                path, counts, bonus = accept_greedy_cpu(batch.tokens, batch.parents, batch.counts,
-                                                        out.greedy_tokens())
-                return path, counts, bonus, torch.from_numpy(path)
-            if all(s.greedy for s in samplings):
-                path, counts, bonus = accept_greedy_batch(batch.tokens, batch.parents, batch.depths, batch.counts,
-                                                          batch.tree_mask, out.greedy_tokens())
-            else:
-                levels = batch.max_depth + 1
-                uniforms = torch.stack([torch.ones(levels, dtype=torch.float64) if s.greedy else
-                                        uniform_draws(g, levels) for s, g in zip(samplings, generators)])
-                path, counts, bonus = accept_sampling_batch(batch.tokens, batch.parents, batch.counts, logits,
-                                                            samplings, uniforms, batch.max_depth,
-                                                            stop_when_done=self.cheap_host_reads)
-            width = batch.max_depth + 1
-            host = torch.cat([counts[:, None], bonus[:, None], path[:, :width]], dim=1).cpu().numpy()  # one read
-            return host[:, 2:], host[:, 0], host[:, 1], path
-        trees = batch.trees
-        argmax = logits.argmax(-1).cpu().numpy()  # [B, N]
-        accepted = []
-        for i in range(b):  # a constrained row's walk asks its grammar node by node
-            m = int(trees.counts[i])
-            tokens, parents = trees.tokens[i, :m], trees.parents[i, :m]
-            accepted.append(
-                accept_constrained(tokens, parents, logits[i, :m], samplings[i], generators[i], constraints[i])
-                if constraints[i] is not None else accept_greedy(tokens, parents, argmax[i]) if samplings[i].greedy
-                else accept_sampling(tokens, parents, logits[i, :m], samplings[i], generators[i]))
-        path = np.zeros((b, batch.num_nodes), dtype=np.int64)
-        for i, acc in enumerate(accepted):
-            path[i, : len(acc.path)] = acc.path
-        counts = np.fromiter((len(acc.path) for acc in accepted), dtype=np.int64, count=b)
-        bonus = np.fromiter((acc.bonus for acc in accepted), dtype=np.int64, count=b)
-        return path, counts, bonus, torch.from_numpy(path).to(device)
+        self.drafter.catch_up(state.draft, max(len(t) for t in state.tokens))
 
 
 @dataclass(frozen=True)
@@ -751,37 +607,6 @@ class NewSequence:
     prompt: Sequence[int]
     sampling: SamplingParams
     speculative: bool = True  # False: while this sequence runs, every step of the batch is autoregressive
-
-
-def _padded_ids(rows: list[list[int]], width: int, device) -> torch.Tensor:
-    """[B, width] int64 on ``device``: row b's ids, zero-padded."""
-    ids = np.zeros((len(rows), width), dtype=np.int64)
-    for i, row in enumerate(rows):
-        ids[i, : len(row)] = row
-    return torch.from_numpy(ids).to(device)
-
-
-def _pad_cat(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
-    """Concatenates along the batch (dim 0) after zero-padding dimension ``dim`` to the longer one."""
-    n = max(a.shape[dim], b.shape[dim])
-    return torch.cat([zero_pad(a, dim, n), zero_pad(b, dim, n)], dim=0)
-
-
-def _append_in_place(buf: torch.Tensor, counts: torch.Tensor, new: torch.Tensor, longest: int) -> torch.Tensor:
-    """Writes new[r, :] at buf[r, counts[r]:] and returns the buffer ([B, capacity, ...]);
-    ``longest`` = max(counts), which the caller knows without reading ``counts``.
-
-    Amortised O(new): the buffer grows (doubling, zero-filled, so padding stays finite) only
-    when a row would run past its capacity; entries past a row's count are padding.
-    """
-    rows, t_new = new.shape[0], new.shape[1]
-    need = longest + t_new if rows else 0
-    if need > buf.shape[1]:
-        buf = zero_pad(buf, 1, max(need, 2 * buf.shape[1]))
-    idx = counts[:, None] if t_new == 1 else counts[:, None] + torch.arange(t_new, device=counts.device)[None, :]
-    # an index write, not scatter_: PyTorch's CPU scatter_ into a bfloat16 buffer took milliseconds
-    buf[torch.arange(rows, device=counts.device)[:, None], idx] = new
-    return buf
 
 
 def _rows():
@@ -806,17 +631,10 @@ class _BatchState:
     context: list[ContextIndex | None] = _rows()  # per row: its prompt + accepted tokens indexed (None: not used)
     # per row: what masks its logits (dart_core.grammar.row_constraint: a grammar's state, min_tokens) or None
     constraints: list = _rows()
-    pend_next: list[list[int]] = _rows()  # the next token of each pending draft-head position
     cache: TargetCache | None = None
-    # draft-head inputs not yet fed to the head (with speculation): taps [B, P, 3H] in the head's dtype,
-    # positions [B, P] (buffers: row b's first pend_count[b] entries are valid, the rest padding), valid counts [B]
-    pend_taps: torch.Tensor | None = None
-    pend_pos: torch.Tensor | None = None
-    pend_count: torch.Tensor | None = None
-    head_cache: HeadKVCache | None = None
-    speculative: bool = False
-    # gated-off steps not yet pending, oldest first: (taps [B, 1, 3H], positions [B], next tokens per row)
-    held: list = field(default_factory=list)
+    # the drafter's own per-row inputs (with a drafter that reads taps, while the batch may speculate)
+    draft: HeadState | None = None
+    speculative: bool = False  # whether the batch keeps draft inputs (a tap-reading drafter, speculation allowed)
 
     @classmethod
     def empty(cls, speculative: bool) -> "_BatchState":
@@ -833,15 +651,10 @@ class _BatchState:
             getattr(self, name).extend(getattr(new, name))
         old, nc = self.cache, new.cache
         for lo, ln in zip(old.cache.layers, nc.cache.layers):
-            lo.keys, lo.values = _pad_cat(lo.keys, ln.keys, 2), _pad_cat(lo.values, ln.values, 2)
+            lo.keys, lo.values = pad_cat(lo.keys, ln.keys, 2), pad_cat(lo.values, ln.values, 2)
         old.lengths = torch.cat([old.lengths, nc.lengths])
-        if self.speculative:
-            self.pend_taps = _pad_cat(self.pend_taps, new.pend_taps, 1)
-            self.pend_pos = _pad_cat(self.pend_pos, new.pend_pos, 1)
-            self.pend_count = torch.cat([self.pend_count, new.pend_count])
-            h, hn = self.head_cache, new.head_cache
-            h.keys, h.values = _pad_cat(h.keys, hn.keys, 2), _pad_cat(h.values, hn.values, 2)
-            h.lengths = torch.cat([h.lengths, hn.lengths])
+        if self.draft is not None:
+            self.draft.merge(new.draft)
 
     def keep(self, rows: list[int]) -> None:
         """Keeps the given rows (finished or cancelled sequences leave)."""
@@ -849,60 +662,32 @@ class _BatchState:
             return
         if rows:
             self.release_held()  # held steps are laid out by the old rows
-        else:  # nobody stays: nothing to catch up on
-            self.held = []
         for name in _ROW_LISTS:
             setattr(self, name, [getattr(self, name)[i] for i in rows])
-        if not rows:
-            self.cache = self.head_cache = self.pend_taps = self.pend_pos = self.pend_count = None
+        if not rows:  # nobody stays: nothing to catch up on
+            self.cache = self.draft = None
             return
-        sel = torch.tensor(rows, device=self.cache.lengths.device)
-        self.cache.select(sel)
-        if self.speculative:
-            self.head_cache.select(sel)
-            self.pend_taps, self.pend_pos, self.pend_count = self.pend_taps[sel], self.pend_pos[sel], self.pend_count[sel]
-
-    def hold(self, taps: torch.Tensor, positions: torch.Tensor, nexts: list[list[int]]) -> None:
-        """Keeps a gated-off step's root taps [B, 1, 3H], positions [B] (the cache lengths before the
-        step) and each row's next token, by reference: no device work (:meth:`release_held`)."""
-        self.held.append((taps, positions, nexts))
+        self.cache.select(torch.tensor(rows, device=self.cache.lengths.device))
+        if self.draft is not None:
+            self.draft.select(rows)
 
     def release_held(self) -> None:
-        """The held steps, in order, as pending draft-head inputs (one concatenation), and their tokens
-        into each row's context index."""
-        if not self.held:
-            return
-        held, self.held = self.held, []
-        taps = held[0][0] if len(held) == 1 else torch.cat([h[0] for h in held], 1)
-        positions = torch.stack([h[1] for h in held], 1)
-        nexts = [[tok for h in held for tok in h[2][i]] for i in range(len(self.seq_ids))]
-        for ctx, toks in zip(self.context, nexts):
+        """The gated-off steps held by the draft state become pending (:meth:`HeadState.release`),
+        and their tokens enter each row's context index."""
+        nexts = self.draft.release() if self.draft is not None else None
+        for ctx, toks in zip(self.context, nexts or ()):
             if ctx is not None:
                 ctx.append(toks)
-        counts = torch.full((len(nexts),), len(held), dtype=torch.long, device=positions.device)
-        self.add_pending(taps, positions, counts, nexts)
-
-    def clear_pending(self) -> None:
-        """Empties every row's pending inputs (the buffers keep their capacity)."""
-        b = len(self.seq_ids)
-        self.pend_count = torch.zeros(b, dtype=torch.long, device=self.pend_count.device)
-        self.pend_next = [[] for _ in range(b)]
 
     def add_pending(self, taps: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor,
                     nexts: list[list[int]]) -> None:
-        """Appends each row's newly accepted positions (taps [B, A, 3H], positions [B, A], counts [B]).
-
-        Rows that opted out of speculation (``spec_ok`` false) keep none: they never draft.
-        """
-        taps = taps.to(self.pend_taps.dtype)  # the draft head's dtype (_prefill)
+        """Appends each row's newly accepted positions (taps [B, A, 3H], positions [B, A], counts [B])
+        to the draft state.  Rows that opted out of speculation (``spec_ok`` false) keep none: they
+        never draft."""
         if not all(self.spec_ok):
             counts = torch.where(torch.tensor(self.spec_ok, dtype=torch.bool, device=counts.device), counts, 0)
             nexts = [n if ok else [] for n, ok in zip(nexts, self.spec_ok)]
-        longest = max((len(x) for x in self.pend_next), default=0)  # max(pend_count), known on the host
-        self.pend_taps = _append_in_place(self.pend_taps, self.pend_count, taps, longest)
-        self.pend_pos = _append_in_place(self.pend_pos, self.pend_count, positions, longest)
-        self.pend_count = self.pend_count + counts
-        self.pend_next = [a + b for a, b in zip(self.pend_next, nexts)]
+        self.draft.add(taps, positions, counts, nexts)
 
 
 _ROW_LISTS = tuple(f.name for f in fields(_BatchState) if f.metadata.get("rows"))  # the per-row list fields

@@ -28,7 +28,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from dart_core import _kernels
 
-__all__ = ["compact_", "compaction_plan", "compaction_plan_host", "apply_compaction", "compact_layers",
+__all__ = ["pad_cat", "compact_", "compaction_plan", "compaction_plan_host", "apply_compaction", "compact_layers",
            "compact_buffered", "HeadKVCache", "cache_mask", "BufferedKVLayer", "BufferedKVCache",
            "is_leading_view", "KVPool"]
 
@@ -40,6 +40,12 @@ def zero_pad(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = n - x.shape[dim]
     return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+def pad_cat(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
+    """Concatenates along the batch (dim 0) after zero-padding dimension ``dim`` to the longer one."""
+    n = max(a.shape[dim], b.shape[dim])
+    return torch.cat([zero_pad(a, dim, n), zero_pad(b, dim, n)], dim=0)
 
 
 def compaction_plan(lengths: torch.Tensor, src: torch.Tensor, counts: torch.Tensor

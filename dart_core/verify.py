@@ -31,9 +31,11 @@ import numpy as np
 import torch
 
 from dart_core import _kernels
+from dart_core.drafters import DraftBatch
 from dart_core.sampling import SamplingParams, batch_target_probs, sample_token, target_probs
+from dart_core.target import TargetCache, TargetOutput
 
-__all__ = ["Acceptance", "children_lists", "accept_greedy", "accept_greedy_batch", "accept_sampling",
+__all__ = ["accept", "AcceptedBatch", "Acceptance", "children_lists", "accept_greedy", "accept_greedy_batch", "accept_sampling",
            "accept_sampling_batch", "accept_constrained", "uniform_draws"]
 
 
@@ -244,3 +246,133 @@ def _draw_walk(tokens: np.ndarray, parents: np.ndarray, logits: torch.Tensor, pa
         return (None, x) if nxt is None else (nxt, None)
 
     return _walk(tokens, parents, choose)
+
+
+@dataclass(frozen=True)
+class AcceptedBatch:
+    """What a step accepted, per sequence (:func:`accept`).
+
+    Attributes:
+        paths: [B, A] int64 host array: each row's accepted node indices from the root, 0 past its
+            count; A = the longest count.
+        counts: [B] int64 host array: accepted nodes, root included (τ of the step).
+        bonus: [B] int64 host array: each row's bonus token.
+        device_paths: [B, A] int64, ``paths`` on the target's device.
+        device_counts: [B] int64, ``counts`` on the target's device.
+    """
+
+    paths: np.ndarray
+    counts: np.ndarray
+    bonus: np.ndarray
+    device_paths: torch.Tensor
+    device_counts: torch.Tensor
+
+    @property
+    def longest(self) -> int:
+        """A: the most nodes any row accepted, root included."""
+        return self.paths.shape[1]
+
+
+def accept(batch: DraftBatch, out: TargetOutput, samplings: list[SamplingParams],
+           generators: list[torch.Generator], constraints: list, *, cheap_host_reads: bool,
+           cache: TargetCache | None = None, cached_lengths: list[int] | None = None,
+           padded_length: int = 0) -> AcceptedBatch:
+    """The accept phase of a step (docs/design.md §2): each sequence's accepted path and bonus token
+    from the verification forward's output, then (given ``cache``) the KV cache compacted to the
+    accepted entries.
+
+    The path is chosen here, per batch:
+
+    - a greedy unconstrained batch of roots alone (an autoregressive step): each root's argmax
+      (the fused one where the forward computed it: :meth:`TargetOutput.greedy_tokens`), one read;
+    - greedy unconstrained trees with ``cheap_host_reads`` on a CPU: one C++ walk over the host
+      tensors (:func:`accept_greedy_cpu`, no read);
+    - otherwise unconstrained rows on the device, greedy and sampling alike
+      (:func:`accept_greedy_batch`, or :func:`accept_sampling_batch` with each sampling row's
+      uniforms from its own generator), read back in one copy;
+    - a constrained row (a grammar, min_tokens: ``constraints[b]`` not None) walks on the host,
+      masking the nodes it visits (:func:`accept_constrained`); the batch's unconstrained rows stay
+      batched beside it.
+
+    Args:
+        batch: the step's :class:`~dart_core.drafters.DraftBatch` ([B, N] trees).
+        out: the verification forward's :class:`~dart_core.target.TargetOutput` (logits [B, N, V],
+            or for a greedy batch possibly its fused argmax alone).
+        samplings, generators, constraints: per row (B each).
+        cheap_host_reads: reading a device tensor costs no sync (a CPU target).
+        cache: the target's KV cache, holding the verified trees after ``padded_length`` entries;
+            compacted so each row keeps its accepted nodes' entries after its ``cached_lengths[b]``.
+
+    Returns:
+        an :class:`AcceptedBatch`.
+    """
+    device = out.taps.device
+    free = [i for i, g in enumerate(constraints) if g is None]
+    if len(free) == len(constraints):
+        paths, counts, bonus, device_paths = _accept_unconstrained(batch, out, samplings, generators,
+                                                                   cheap_host_reads)
+    else:
+        b = len(constraints)
+        paths, counts, bonus = np.zeros((b, batch.num_nodes), np.int64), np.ones(b, np.int64), np.zeros(b, np.int64)
+        if free:
+            sel = torch.tensor(free, dtype=torch.long, device=batch.tokens.device)
+            sub = _rows(batch, free, sel)
+            sub_out = TargetOutput(None if out.logits is None else out.logits[sel], out.taps[sel],
+                                   None if out.argmax is None else out.argmax[sel])
+            p, c, bn, _ = _accept_unconstrained(sub, sub_out, [samplings[i] for i in free],
+                                                [generators[i] for i in free], cheap_host_reads)
+            paths[free, : p.shape[1]], counts[free], bonus[free] = p, c, bn
+        trees, logits = batch.trees, out.logits
+        for i, g in enumerate(constraints):  # a constrained row's walk asks its grammar node by node
+            if g is not None:
+                m = int(trees.counts[i])
+                acc = accept_constrained(trees.tokens[i, :m], trees.parents[i, :m], logits[i, :m], samplings[i],
+                                         generators[i], g)
+                paths[i, : len(acc.path)], counts[i], bonus[i] = acc.path, len(acc.path), acc.bonus
+        device_paths = None
+    longest = int(counts.max())
+    paths = paths[:, :longest]
+    device_paths = torch.from_numpy(np.ascontiguousarray(paths)).to(device) if device_paths is None \
+        else device_paths[:, :longest]
+    device_counts = torch.from_numpy(counts).to(device)
+    if cache is not None:
+        cache.compact_paths(cached_lengths, padded_length, paths, device_counts, counts)
+    return AcceptedBatch(paths, counts, bonus, device_paths, device_counts)
+
+
+def _rows(batch: DraftBatch, rows: list[int], sel: torch.Tensor) -> DraftBatch:
+    """The given rows of ``batch`` (``sel``: the same indices on its device), trees kept at N nodes."""
+    t = batch.trees
+    trees = type(t)(t.tokens[rows], t.parents[rows], t.depths[rows], t.scores[rows], t.probs[rows], t.counts[rows])
+    return DraftBatch(trees, batch.tokens[sel], batch.parents[sel], batch.depths[sel], batch.counts[sel],
+                      batch.tree_mask[sel], batch.num_nodes, batch.max_depth)
+
+
+def _accept_unconstrained(batch: DraftBatch, out: TargetOutput, samplings: list[SamplingParams],
+                          generators: list[torch.Generator], cheap_host_reads: bool
+                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, torch.Tensor]:
+    """:func:`accept`'s unconstrained paths → (paths [B, W] int64, W ≥ the longest count; counts [B];
+    bonus [B]) on the host, and the paths [B, W'] on the device."""
+    logits, device = out.logits, out.taps.device
+    b = len(samplings)
+    greedy = all(s.greedy for s in samplings)
+    if batch.num_nodes == 1 and greedy:  # roots alone: the bonus is the argmax
+        bonus = out.greedy_tokens()[:, 0].cpu().numpy()
+        zeros = np.zeros((b, 1), dtype=np.int64)  # one read above
+        return zeros, np.ones(b, dtype=np.int64), bonus, torch.from_numpy(zeros).to(device)
+    if greedy and cheap_host_reads and device.type == "cpu":  # no read
+        path, counts, bonus = accept_greedy_cpu(batch.tokens, batch.parents, batch.counts, out.greedy_tokens())
+        return path, counts, bonus, torch.from_numpy(path)
+    if greedy:
+        path, counts, bonus = accept_greedy_batch(batch.tokens, batch.parents, batch.depths, batch.counts,
+                                                  batch.tree_mask, out.greedy_tokens())
+    else:
+        levels = batch.max_depth + 1
+        uniforms = torch.stack([torch.ones(levels, dtype=torch.float64) if s.greedy else
+                                uniform_draws(g, levels) for s, g in zip(samplings, generators)])
+        path, counts, bonus = accept_sampling_batch(batch.tokens, batch.parents, batch.counts, logits,
+                                                    samplings, uniforms, batch.max_depth,
+                                                    stop_when_done=cheap_host_reads)
+    width = batch.max_depth + 1
+    host = torch.cat([counts[:, None], bonus[:, None], path[:, :width]], dim=1).cpu().numpy()  # one read
+    return host[:, 2:], host[:, 0], host[:, 1], path

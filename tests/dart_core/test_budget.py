@@ -223,7 +223,7 @@ def test_measured_curve_and_lossless_with_adaptive_budget():
             out[sid].extend(toks)
     assert out == ar.token_ids
     # tree steps keep at most the oracle's 12 nodes; lookup steps verify at most lookup_length chain tokens
-    assert all(1 <= n <= (engine.lookup_length if s.lookup else 12) for s in steps[1:] for n in s.draft_nodes if n)
+    assert all(1 <= n <= (engine.drafter.lookup.lookup_length if s.lookup else 12) for s in steps[1:] for n in s.draft_nodes if n)
 
 
 def _drive(gate, batch, steps, spec_rate, ar_rate):
@@ -407,7 +407,7 @@ def test_engine_follows_the_gate_and_stays_exact(fold):
     engine = DartEngine(target, random_head(target), OracleTreeSearch([p + o for p, o in zip(prompts, ar.token_ids)]),
                         gate=gate)
     if not fold:
-        engine.fold_width = None  # the prompts' taps wait for the first draft
+        engine.drafter.fold_width = None  # the prompts' taps wait for the first draft
     out = [[], []]
     decode_steps = []
     for s in engine.generate_stream(prompts, sp):

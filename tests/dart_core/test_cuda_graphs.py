@@ -105,9 +105,9 @@ def _dart_with_joins(target, prompts, lengths, truth, static_draft: dict | str |
     engine = DartEngine(target, random_head(target, seed=head_seed), oracle,
                         SearchParams(top_k=10, beam_width=6, budget=6))
     if static_draft == "eager":
-        engine.static_draft = None
+        engine.drafter.static_draft = None
     elif static_draft is not None:
-        engine.enable_static_draft(use_graphs=False, **static_draft)
+        engine.drafter.enable_static_draft(use_graphs=False, **static_draft)
     schedule = {2: [1], 4: [2, 3]}
     calls = {"n": 0}
 
@@ -197,7 +197,7 @@ def test_the_static_draft_equals_the_ordinary_draft(arch):
     for settings in (None, dict(capacity=48, widths=(1, 2, 4, 8), batch_buckets=(1, 2, 4))):
         out, search, engine, _ = _dart_with_joins(target, prompts, lengths, truth, settings, head_seed=3)
         assert out == truth
-        static = engine.static_draft
+        static = engine.drafter.static_draft
         if settings is None:
             assert static.replays == len(search.drafts) and static.eager == 0
         else:  # prompts wider than 8 and sequences past 48 positions draft eagerly
@@ -403,8 +403,7 @@ def test_bad_static_draft_settings_are_refused():
         StaticDrafter(head, target.embed_tokens, top_k=4, widths=(4, 2))
     with pytest.raises(ValueError, match="no room"):
         StaticDrafter(head, target.embed_tokens, top_k=4, capacity=16, widths=(1, 16))
-    with pytest.raises(ValueError, match="draft head"):
-        DartEngine(target).enable_static_draft()
+    assert DartEngine(target).drafter is None  # no draft head: nothing drafts, so no static draft either
 
 
 @pytest.mark.gpu
@@ -421,7 +420,7 @@ def test_cuda_graph_replays_equal_eager_decoding():
     for speculative in (False, True):
         engine = DartEngine(target, random_head(target).to("cuda"), OracleTreeSearch(truth, depth=5, seed=1),
                             SearchParams(top_k=10, beam_width=6, budget=6))
-        drafter = engine.enable_static_draft(capacity=128)
+        drafter = engine.drafter.enable_static_draft(capacity=128)
         assert drafter.use_graphs
         assert engine.generate(prompts, sp, speculative=speculative).token_ids == ar.token_ids
     assert static.replays > 0 and all(s.graph is not None for s in static._shapes.values())

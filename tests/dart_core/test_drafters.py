@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dart_core.budget import AdaptiveBudget, VerifyCostCurve, node_acceptance_estimates
-from dart_core.drafters import DraftBatch, Drafter, NoDraft, Proposal, ProposalKind
+from dart_core.drafters import DraftBatch, Drafter, DraftInputs, NoDraft, Proposal, ProposalKind
 from dart_core.engine import DartEngine
 from dart_core.sampling import SamplingParams
 from ngram_service.tree_search import DraftTree, TreeBatch
@@ -26,9 +26,9 @@ class ChainOracle(Drafter):
         self.truth, self.depth, self.rng = truth, depth, np.random.default_rng(seed)
         self.proposed = []
 
-    def propose(self, engine, state):
+    def propose(self, inputs):
         trees = []
-        for seq in state.tokens:
+        for seq in inputs.tokens:
             full = next((t for t in self.truth if t[: len(seq)] == seq), seq)
             chain = list(full[len(seq): len(seq) + self.depth])
             cut = int(self.rng.integers(0, len(chain) + 1))
@@ -67,7 +67,7 @@ def test_a_new_drafter_plugs_in_without_engine_changes_and_stays_lossless():
     assert DartEngine(target, drafter=drafter).generate(prompts, sp, speculative=False).tau == 1.0
 
     class Silent(Drafter):
-        def propose(self, engine, state):
+        def propose(self, inputs):
             return None
 
     assert DartEngine(target, drafter=Silent()).generate(prompts, sp).token_ids == ar.token_ids
@@ -83,7 +83,7 @@ def test_draft_batch_fields():
     assert batch.estimates[1].tolist() == [1.0, 0.0, 0.0, 0.0]  # padding is worth nothing
     assert batch.tree_mask[0, 3].tolist() == [True, True, False, True]
     assert batch.tree_mask[1].equal(torch.eye(4, dtype=torch.bool))  # padding sees only itself
-    roots = NoDraft().propose(None, type("S", (), {"tokens": [[1, 2], [3]]})())
+    roots = NoDraft().propose(DraftInputs([[1, 2], [3]], [None, None]))
     assert roots.kind is ProposalKind.NONE and roots.trees.tokens.tolist() == [[2], [3]]
     assert roots.trees.counts.tolist() == [1, 1]
     assert Proposal(roots.trees, kind="lookup").kind is ProposalKind.LOOKUP  # the former strings still work
@@ -109,3 +109,24 @@ def test_root_only_trees_and_their_batch_equal_the_general_ones():
         a, b = getattr(batch, name), getattr(general, name)[:3, :1]
         assert a.dtype == b.dtype and a.equal(b), name
     assert batch.counts.equal(general.counts[:3]) and batch.tree_mask.equal(general.tree_mask[:3, :1, :1])
+
+
+def test_what_is_set_on_the_engine_reaches_its_default_drafter():
+    """A server swaps in its gRPC tree search and a benchmark its parameters or budget on the engine:
+    the default drafter reads the same objects; a drafter given to the engine is left alone."""
+    from ngram_service.client import InProcessTreeSearch
+    from ngram_service.tree_search import SearchParams
+
+    from .test_engine import random_head
+
+    target = tiny_target("llama")
+    engine = DartEngine(target, random_head(target))
+    search, params = InProcessTreeSearch(None), SearchParams(top_k=3, budget=5)
+    budget = AdaptiveBudget(VerifyCostCurve((1, 64), (10.0, 74.0)))
+    engine.tree_search, engine.search_params, engine.budget = search, params, budget
+    d = engine.drafter
+    assert (d.tree_search, d.search_params, d.budget) == (search, params, budget)
+    mine = ChainOracle([[1]])
+    engine = DartEngine(target, drafter=mine)
+    engine.tree_search = search
+    assert not hasattr(mine, "tree_search") and engine.tree_search is search

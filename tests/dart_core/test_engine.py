@@ -329,14 +329,14 @@ def test_held_draft_inputs_are_folded_into_the_head_cache_while_steps_do_not_dra
     for fold in (None, 3):
         engine = DartEngine(target, random_head(target, seed=2),
                             search_params=SearchParams(top_k=8, beam_width=4, budget=12))
-        engine.fold_width = fold
+        engine.drafter.fold_width = fold
         engine.hold_steps = 1000 if fold is None else 4
-        drafts, held, draft, accept = [], [], engine._draft, engine._accept_step
-        engine._draft = lambda *a, _draft=draft, _out=drafts, **kw: _out.append(_draft(*a, **kw)) or _out[-1]
+        drafts, held, draft, accept = [], [], engine.drafter.draft, engine._accept_step
+        engine.drafter.draft = lambda *a, _draft=draft, _out=drafts, **kw: _out.append(_draft(*a, **kw)) or _out[-1]
 
         def accept_step(state, *a, _accept=accept, _held=held):
             step = _accept(state, *a)
-            _held.append((len(state.seq_ids), len(state.held) + max(len(x) for x in state.pend_next)))
+            _held.append((len(state.seq_ids), len(state.draft.held) + state.draft.width))
             return step
 
         engine._accept_step = accept_step
@@ -370,8 +370,8 @@ def test_a_bf16_head_beside_an_fp32_target_stays_exact(arch):
     ar = DartEngine(target).generate(prompts, sp, speculative=False).token_ids
     head = random_head(target, seed=1).to(torch.bfloat16)
     engine = DartEngine(target, head, search_params=SearchParams(top_k=8, beam_width=4, budget=12))
-    held, draft = [], engine._draft
-    engine._draft = lambda taps, *a, **kw: held.append(taps.dtype) or draft(taps, *a, **kw)
+    held, draft = [], engine.drafter.draft
+    engine.drafter.draft = lambda state, *a, **kw: held.append(state.taps.dtype) or draft(state, *a, **kw)
     outputs, drafted = run_with_a_late_join(engine, prompts, sp)
     assert outputs == ar
     assert drafted > 0 and held and set(held) == {torch.bfloat16}
@@ -427,7 +427,7 @@ def test_the_draft_goes_no_deeper_than_the_trees_can():
 def test_pending_inputs_append_in_place():
     """Row r keeps its first counts[r] entries and gets the new ones right after; the buffer grows
     (zero-filled) only when a row would run past it, so appends are amortised O(new)."""
-    from dart_core.engine import _append_in_place
+    from dart_core.drafters import _append_in_place
 
     g = torch.Generator().manual_seed(0)
     buf = torch.zeros(3, 0, 2)
@@ -588,12 +588,12 @@ def test_a_gated_off_step_dispatches_the_autoregressive_steps_operators(batch):
         counts, step, resumed = [], engine._step, []
 
         def counted(state, speculative, _step=step, _counts=counts, _resumed=resumed):
-            held = len(state.held)
+            held = len(state.draft.held) if state.draft is not None else 0
             with Count() as c:
                 out = _step(state, speculative)
             _counts.append(c.n)
             if speculative and held:  # the first draft after the gated-off stretch: nothing left held
-                _resumed.append((held, len(state.held),  # each context index holds all its row's tokens
+                _resumed.append((held, len(state.draft.held),  # each context index holds all its row's tokens
                                  [len(x) for x in state.context] == [len(t) for t in state.tokens]))
             return out
 
@@ -693,7 +693,7 @@ def test_a_step_that_captures_a_cuda_graph_is_not_measured_by_the_gate():
     def capturing_step(state, speculative):  # the 4th step captures a graph, as a new shape would on CUDA
         calls.append(speculative)
         if len(calls) == 4:
-            engine.static_draft.captures += 1
+            engine.drafter.static_draft.captures += 1
         return real_step(state, speculative)
 
     engine._step = capturing_step

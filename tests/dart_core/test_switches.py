@@ -88,7 +88,7 @@ def test_from_pretrained_hands_every_switch_to_what_it_switches(tiny_model_dir, 
         m = DartModel.from_pretrained(tiny_model_dir, head="random", trie=None, speculative_config=spec,
                                       kernel_config=kernels)
     e = m.engine
-    assert (e.pooled_budget, e.grammar_drafting, e.fold_width) == (True, False, None)
+    assert (e.pooled_budget, e.grammar_drafting, e.drafter.fold_width) == (True, False, None)
     assert e.target.kernels is kernels
     attention = [x for x in e.target.model.modules() if hasattr(x, "is_causal") and hasattr(x, "head_dim")]
     assert attention and all(x.dart_grouped_query is False for x in attention)

@@ -151,3 +151,39 @@ def test_sample_token_never_draws_a_token_of_probability_zero():
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]] * 4)
     u = torch.tensor([1.0, 1e-300, 0.5, 0.5000001], dtype=torch.float64)
     assert sample_token(probs, u).tolist() == [3, 1, 1, 3]
+
+
+def test_accept_keeps_free_rows_batched_beside_a_constrained_one(monkeypatch):
+    """accept(): one constrained row (min_tokens masking a stop token) walks on the host while the other
+    rows go through the one batched C++ walk; every row's path and bonus equal the per-row reference."""
+    from dart_core import verify
+    from dart_core.grammar import MinTokens
+    from dart_core.target import TargetOutput
+
+    rng = np.random.default_rng(5)
+    trees = random_trees(rng, 6)
+    batch = DraftBatch.pack(trees, torch.device("cpu"))
+    logits = torch.randn(6, batch.num_nodes, VOCAB, generator=torch.Generator().manual_seed(2))
+    for b, tr in enumerate(trees):  # acceptance likely
+        for c in range(1, tr.num_nodes):
+            if rng.random() < 0.7:
+                logits[b, tr.parents[c], tr.tokens[c]] += 10
+    stop = int(logits[2, 0].argmax())  # the constrained row's root argmax becomes a masked stop token
+    constraints = [None, None, MinTokens(None, [stop], 5), None, None, None]
+    calls = []
+    real = verify.accept_greedy_cpu
+    monkeypatch.setattr(verify, "accept_greedy_cpu", lambda tok, *a: calls.append(tok.shape[0]) or real(tok, *a))
+    out = TargetOutput(logits, torch.zeros(6, batch.num_nodes, 3))
+    got = verify.accept(batch, out, [SamplingParams()] * 6, [torch.Generator()] * 6, constraints, cheap_host_reads=True)
+    assert calls == [5]  # the five free rows in one call
+    for b, tr in enumerate(trees):
+        if b == 2:
+            masked = logits[b, : tr.num_nodes].clone()
+            masked[:, stop] = float("-inf")
+            ref = accept_greedy(tr.tokens, tr.parents, masked.argmax(-1).numpy())
+            assert got.bonus[b] != stop
+        else:
+            ref = accept_greedy(tr.tokens, tr.parents, logits[b, : tr.num_nodes].argmax(-1).numpy())
+        assert got.paths[b, : got.counts[b]].tolist() == list(ref.path) and got.bonus[b] == ref.bonus
+        assert not got.paths[b, got.counts[b]:].any()
+    assert got.longest == got.counts.max() >= 2 and torch.equal(got.device_paths, torch.from_numpy(got.paths))
