@@ -24,19 +24,19 @@ from typing import Iterator, Sequence, Union
 
 import torch
 
-from dart_core.allocator import keep_freed_memory
-from dart_core.budget import AdaptiveBudget, SpeculationGate, VerifyCostCurve, curve_shapes
-from dart_core.detokenizer import IncrementalDetokenizer
-from dart_core.draft_head import DartDraftHead, DraftHeadConfig, load_draft_head
-from dart_core.engine import DartEngine, GenerationResult
-from dart_core.grammar import Grammar, GrammarCompiler, GrammarSpec
-from dart_core.kernel_config import KernelConfig
-from dart_core.quant import can_int4, default_kernel, quantize_linears
-from dart_core.rows import can_pack, pack_linears
-from dart_core.sampling import SamplingParams
-from dart_core.speculative import SpeculativeConfig
-from dart_core.target import TargetModel
-from dart_core.tokenizer import DEFAULT_MODEL, resolve_model, tokenizer_identity
+from dart_core.model.allocator import keep_freed_memory
+from dart_core.spec.budget import AdaptiveBudget, SpeculationGate, VerifyCostCurve, curve_shapes
+from dart_core.serve.detokenizer import IncrementalDetokenizer
+from dart_core.spec.draft_head import DartDraftHead, DraftHeadConfig, load_draft_head
+from dart_core.step.engine import DartEngine, GenerationResult
+from dart_core.step.grammar import Grammar, GrammarCompiler, GrammarSpec
+from dart_core.model.kernel_config import KernelConfig
+from dart_core.model.quant import can_int4, default_kernel, quantize_linears
+from dart_core.model.rows import can_pack, pack_linears
+from dart_core.step.sampling import SamplingParams
+from dart_core.spec.speculative import SpeculativeConfig
+from dart_core.model.target import TargetModel
+from dart_core.model.tokenizer import DEFAULT_MODEL, resolve_model, tokenizer_identity
 from ngram_service.cache import default_trie_path
 from ngram_service.client import InProcessTreeSearch, TreeSearchClient
 from ngram_service.convert import resolve_ngram_model
@@ -105,7 +105,7 @@ DRAFT_WEIGHTS = ("auto", "dense", "q8_0")
 
 def default_draft_weights(target: TargetModel) -> str:
     """``draft_weights="auto"``: ``"q8_0"`` beside a float32 CPU target where the CPU runs the qmm kernel
-    (AVX-512: :func:`dart_core.quant.default_kernel`), where the head's weights read from memory
+    (AVX-512: :func:`dart_core.model.quant.default_kernel`), where the head's weights read from memory
     after each target forward are half their bf16 bytes (docs/engine.md, "Draft weights");
     ``"dense"`` otherwise."""
     on_cpu = target.device.type == "cpu" and target.dtype == torch.float32
@@ -209,27 +209,27 @@ class DartModel:
             dtype: the target's; default bfloat16 on CUDA, float32 on CPU.
             weights: the target's weight format: ``"dense"`` (de-quantised to ``dtype``),
                 ``"gguf-native"`` (a GGUF's 4-bit blocks run as they are, CPU only:
-                :func:`dart_core.quant.quantize_from_gguf`) or ``"auto"``: :func:`default_weights`.
+                :func:`dart_core.model.quant.quantize_from_gguf`) or ``"auto"``: :func:`default_weights`.
             gguf_kernel: the kernel of GGUF-native layers (``"qmm"``: float32 activations, the
                 de-quantised model's arithmetic; ``"qmm-a8"``: 8-bit activations, llama.cpp's
                 arithmetic, faster; ``"aten"``: PyTorch's int4 kernel) or ``"auto"``:
-                :func:`dart_core.quant.default_kernel`. Ignored when the weights are dense.
+                :func:`dart_core.model.quant.default_kernel`. Ignored when the weights are dense.
             draft_dtype: the draft head's; default the target's, except bfloat16
                 beside a float32 target on a CPU with native bf16 matrix
                 multiplication (AVX512-BF16 / AMX; figures in docs/engine.md).  Output is
                 exact either way: the target verifies.
             draft_weights: the draft head's linear layers: ``"dense"`` (``draft_dtype``),
                 ``"q8_0"`` (quantised to Q8_0 blocks at load and run by the float32 qmm kernel,
-                CPU with AVX-512 only: :func:`dart_core.quant.quantize_linears`; the rest of the
+                CPU with AVX-512 only: :func:`dart_core.model.quant.quantize_linears`; the rest of the
                 head in float32) or ``"auto"``: ``"dense"`` when ``draft_dtype`` is given, else
                 :func:`default_draft_weights`.  Output is exact either way.
             device: default CUDA when available; ignored with ``device_map``. A CPU target also
-                keeps freed tensor memory mapped for reuse (:func:`~dart_core.allocator.keep_freed_memory`).
+                keeps freed tensor memory mapped for reuse (:func:`~dart_core.model.allocator.keep_freed_memory`).
             device_map: forwarded to transformers/accelerate for targets larger than one device.
             budget: ``"auto"`` measures verification cost at start-up, adapts the
-                tree size per step (:class:`~dart_core.budget.AdaptiveBudget`) and, per
+                tree size per step (:class:`~dart_core.spec.budget.AdaptiveBudget`) and, per
                 batch size, speculates only while speculative steps measure faster than
-                autoregressive ones (:class:`~dart_core.budget.SpeculationGate`); an int
+                autoregressive ones (:class:`~dart_core.spec.budget.SpeculationGate`); an int
                 fixes the number of draft nodes per tree and always speculates.
             tree_search: a tree-search client to use instead of the in-process one.
             base_model_name_or_path, dart_model_name_or_path, ngram_model_name_or_path:
@@ -237,17 +237,17 @@ class DartModel:
             is_small_ngram: with a reference n-gram folder, use its ``small.trie``.
             cuda_graphs: on CUDA, verify over a static KV cache with padded tree and batch
                 sizes, each (batch bucket, size bucket) captured once as a CUDA graph and replayed
-                (:class:`~dart_core.cuda_graphs.StaticVerifier`; the verification cost curve
+                (:class:`~dart_core.model.cuda_graphs.StaticVerifier`; the verification cost curve
                 is then measured with the graphs), and draft likewise over a static head KV cache
-                (:class:`~dart_core.cuda_graphs.StaticDrafter`;
+                (:class:`~dart_core.model.cuda_graphs.StaticDrafter`;
                 ``SpeculativeConfig.draft_graphs=False`` keeps the draft eager, for comparisons).  Off by default,
                 since it is refused off CUDA; on a GPU turn it on (BENCHMARKS.md, "GPU", measures
                 both).
             speculative_config: every speculation setting in one object
-                (:class:`~dart_core.speculative.SpeculativeConfig`: budget, tree search, context,
+                (:class:`~dart_core.spec.speculative.SpeculativeConfig`: budget, tree search, context,
                 lookup steps, gate, prefill grouping, CUDA graphs); instead of ``search_params``,
                 ``budget`` and ``cuda_graphs``, which build one when it is not given.
-            kernel_config: the kernel and memory switches (:class:`~dart_core.kernel_config.KernelConfig`:
+            kernel_config: the kernel and memory switches (:class:`~dart_core.model.kernel_config.KernelConfig`:
                 SDPA backends, grouped-query attention, static-cache windows, freed CPU memory kept);
                 None: its defaults. Both configs are logged at start-up.
 
@@ -370,7 +370,7 @@ class DartModel:
                         ) -> SamplingParams:
         """:class:`SamplingParams` for this model: generation stops at its EOS token unless
         ``stop_token_ids`` says otherwise; ``grammar`` (structured output) is compiled here when
-        given as a :class:`~dart_core.grammar.GrammarSpec` (see :meth:`compile_grammar`).
+        given as a :class:`~dart_core.step.grammar.GrammarSpec` (see :meth:`compile_grammar`).
 
         Raises:
             ValueError: a value out of range; GrammarError (a ValueError) for a grammar that
@@ -388,7 +388,7 @@ class DartModel:
         ``model.sampling_params(grammar=model.compile_grammar(GrammarSpec.json_schema(schema)))``.
 
         Raises:
-            GrammarError: as :meth:`~dart_core.grammar.GrammarCompiler.compile`.
+            GrammarError: as :meth:`~dart_core.step.grammar.GrammarCompiler.compile`.
             ImportError: llguidance is not installed.
         """
         if self._grammars is None:

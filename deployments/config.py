@@ -85,7 +85,7 @@ class AppConfig(BaseModel):
                             'float32 qmm kernel; CPU with AVX-512), "dense" (dtype of the head: bfloat16 beside a '
                             'float32 target where the CPU has native bf16); "auto" = q8_0 where the CPU has AVX-512')
     cuda_graphs: bool = Field(False, description="CUDA only: verify and draft over static KV caches replayed as "
-                                                 "CUDA graphs (dart_core.cuda_graphs); refused off CUDA")
+                                                 "CUDA graphs (dart_core.model.cuda_graphs); refused off CUDA")
     budget: Budget = Field("auto", description='draft nodes per tree: "auto" adapts the tree to the measured '
                                                "verify cost and speculates only at batch sizes where it measures "
                                                "faster than autoregressive steps; an int (1.."
@@ -117,7 +117,7 @@ class AppConfig(BaseModel):
                                                   "interval')")
     api_key_env: str = Field("DART_API_KEY", description="environment variable with an optional API key; when set, "
                                                          "requests need `Authorization: Bearer <key>`")
-    # the rest of dart_core.speculative.SpeculativeConfig: null keeps its default; validated there (below)
+    # the rest of dart_core.spec.speculative.SpeculativeConfig: null keeps its default; validated there (below)
     context_window: int | None = Field(None, description="tokens of a request's prompt and output indexed for its "
                                                          "context chains (default: the engine's)")
     context_order: int | None = Field(None, description="longest context the index matches, in tokens (default: "
@@ -148,12 +148,12 @@ class AppConfig(BaseModel):
         return self
 
     def speculative_config(self):
-        """The engine's :class:`~dart_core.speculative.SpeculativeConfig` (fields left null keep its
+        """The engine's :class:`~dart_core.spec.speculative.SpeculativeConfig` (fields left null keep its
         defaults).
 
         Raises:
             ValueError: a setting SpeculativeConfig refuses."""
-        from dart_core.speculative import SpeculativeConfig
+        from dart_core.spec.speculative import SpeculativeConfig
 
         given = {"budget": self.budget, "search": self.search_params(), "cuda_graphs": self.cuda_graphs}
         # every other SpeculativeConfig field is an app field of the same name (null: keep its default)

@@ -1,5 +1,5 @@
 """The DART engine deployment: a thin Ray Serve shell around
-:class:`dart_core.batcher.ContinuousBatcher` (docs/design.md §1).
+:class:`dart_core.serve.batcher.ContinuousBatcher` (docs/design.md §1).
 
 One replica loads the target model and its draft head
 (:meth:`dart_core.DartModel.from_pretrained`), points the engine's tree search
@@ -9,7 +9,7 @@ away — a request never fails because of the trie), and hands everything else
 to the batcher: queueing, admission, cancellation, detokenisation, stop
 strings.  What this class adds is Serve's: the handle method
 :meth:`DartEngineDeployment.generate` streaming lists of
-:class:`~dart_core.request.GenerationChunk` s, Prometheus metrics fed by the
+:class:`~dart_core.serve.request.GenerationChunk` s, Prometheus metrics fed by the
 batcher's observer hooks, and the health check.
 """
 
@@ -22,7 +22,7 @@ from typing import AsyncIterator
 from ray import serve
 from ray.serve import metrics
 
-from dart_core.request import GenerationChunk, GenerationRequest
+from dart_core.serve.request import GenerationChunk, GenerationRequest
 from deployments.config import AppConfig, NgramConfig
 
 logger = logging.getLogger("ray.serve")
@@ -34,7 +34,7 @@ _MS_BUCKETS = [0.5, 1, 1.5, 2, 3, 4, 5, 7, 10, 14, 20, 28, 40, 56, 80, 110, 150,
 
 
 class _Metrics:
-    """The batcher's observer hooks (:class:`dart_core.batcher.BatcherObserver`) as Ray Serve
+    """The batcher's observer hooks (:class:`dart_core.serve.batcher.BatcherObserver`) as Ray Serve
     metrics, exported to Prometheus.  (This module imports no torch: the ingress imports it too.)"""
 
     def __init__(self, tree_search=None) -> None:
@@ -145,8 +145,8 @@ class DartEngineDeployment:
         import torch
 
         from dart_core.api import DartModel
-        from dart_core.batcher import BatcherConfig, ContinuousBatcher, load_in_own_thread
-        from dart_core.tokenizer import tokenizer_identity
+        from dart_core.serve.batcher import BatcherConfig, ContinuousBatcher, load_in_own_thread
+        from dart_core.model.tokenizer import tokenizer_identity
 
         self.cfg = cfg = AppConfig.model_validate(config)
         self._ngram = ngram if cfg.ngram.enabled else None

@@ -11,13 +11,13 @@ clients ignore; ``logprobs`` / ``top_logprobs`` return the target's
 log-probabilities.  ``GET /`` and ``GET /compare`` serve the compare page
 (DART beside autoregressive decoding in the browser, from files in the
 package).  Every request becomes a validated
-:class:`dart_core.request.GenerationRequest` before it reaches the engine,
+:class:`dart_core.serve.request.GenerationRequest` before it reaches the engine,
 and every field the server would not honour is refused: an OpenAI field it
 does not implement (penalties, logit bias, tools, n > 1, ...) unless it has
 its neutral value, and any unknown field.  Structured output:
 ``response_format`` (``json_object``, ``json_schema``) and vLLM's
 ``guided_json`` / ``guided_regex`` / ``guided_choice`` become a
-:class:`dart_core.grammar.GrammarSpec`, compiled on the engine replica.
+:class:`dart_core.step.grammar.GrammarSpec`, compiled on the engine replica.
 Errors use the OpenAI error body ``{"error": {"message", "type", "param",
 "code"}}``, for whatever fails — a body that is not JSON or not UTF-8, an
 unknown route, invalid parameters → 400/404/405, unknown model → 404,
@@ -51,8 +51,8 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dart_core.grammar import GrammarError, GrammarSpec
-from dart_core.request import (MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN, ChatMessage, GenerationChunk, GenerationRequest,
+from dart_core.step.grammar import GrammarError, GrammarSpec
+from dart_core.serve.request import (MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN, ChatMessage, GenerationChunk, GenerationRequest,
                                InvalidRequest)
 from deployments.config import AppConfig
 from deployments.engine import DartEngineDeployment
@@ -465,7 +465,7 @@ def _usage(last: GenerationChunk | None) -> dict:
 
 def _step_stats(chunk: GenerationChunk) -> dict:
     """The ``dart`` extension field of a streamed chunk: this verification step's figures
-    (see :class:`~dart_core.request.GenerationChunk`); OpenAI clients ignore the field."""
+    (see :class:`~dart_core.serve.request.GenerationChunk`); OpenAI clients ignore the field."""
     return {"tokens": len(chunk.token_ids), "accepted": chunk.accepted, "draft_nodes": chunk.draft_nodes,
             "bonus_chars": chunk.bonus_chars, "prefill": chunk.steps == 0}
 

@@ -280,7 +280,7 @@ class TreeBatch:
         """(eff, est), [B, N] float64 each, in one C++ pass: ``eff`` the lowest search score along
         each node's path (root +inf, padding -inf), the search's rank key (``csrc/search.cpp``);
         ``est`` the product of ``probs`` along it (root 1, padding 0), as
-        :func:`dart_core.budget.node_acceptance_estimates` per tree.
+        :func:`dart_core.spec.budget.node_acceptance_estimates` per tree.
 
         Raises:
             ValueError: a node whose parent does not come before it (this and :meth:`ancestor_mask`,

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Mapping
 
-from dart_core.kernel_config import KernelConfig
+from dart_core.model.kernel_config import KernelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +30,8 @@ _OFF = ("0", "off", "false", "no", "none")
 
 def bench_switches(environ: Mapping[str, str] | None = None) -> dict:
     """The measurement switches a benchmark runs with: :data:`SWITCH_VARIABLES` read from ``environ``
-    (default ``os.environ``): the fields of :class:`~dart_core.kernel_config.KernelConfig` plus
-    ``draft_graphs`` (:class:`~dart_core.speculative.SpeculativeConfig`).
+    (default ``os.environ``): the fields of :class:`~dart_core.model.kernel_config.KernelConfig` plus
+    ``draft_graphs`` (:class:`~dart_core.spec.speculative.SpeculativeConfig`).
 
     Raises:
         ValueError: an unknown ``DART_SDPA_BACKENDS`` value (as KernelConfig)."""
@@ -45,7 +45,7 @@ def bench_switches(environ: Mapping[str, str] | None = None) -> dict:
 
 
 def bench_kernel_config(environ: Mapping[str, str] | None = None) -> KernelConfig:
-    """:func:`bench_switches` as the :class:`~dart_core.kernel_config.KernelConfig` to load with."""
+    """:func:`bench_switches` as the :class:`~dart_core.model.kernel_config.KernelConfig` to load with."""
     return KernelConfig(**{k: v for k, v in bench_switches(environ).items() if k != "draft_graphs"})
 
 INSTALL_HINT = "pip install 'dart-serve[bench]'"
@@ -91,8 +91,8 @@ def add_weights_argument(ap, defaults) -> None:
                     help="the target's weights: a GGUF's own 4-bit blocks (gguf-native, CPU), de-quantised to "
                          "--dtype (dense), or auto [%(default)s: gguf-native for a GGUF on the CPU]")
     ap.add_argument("--gguf-kernel", default="auto", choices=["auto", "qmm-a8", "qmm", "aten"],
-                    help="the kernel of GGUF-native layers (dart_core.quant.KERNELS) [%(default)s: "
-                         "dart_core.quant.default_kernel()]")
+                    help="the kernel of GGUF-native layers (dart_core.model.quant.KERNELS) [%(default)s: "
+                         "dart_core.model.quant.default_kernel()]")
     ap.add_argument("--draft-weights", default="auto", choices=["auto", "dense", "q8_0"],
                     help="the draft head's linear layers: Q8_0 blocks run by the qmm kernel (CPU with AVX-512), "
                          "dense, or auto [%(default)s: dart_core.api.default_draft_weights()]")
@@ -101,7 +101,7 @@ def add_weights_argument(ap, defaults) -> None:
 def add_cuda_graphs_argument(ap) -> None:
     """``--cuda-graphs``: the engine's verification and draft replayed as CUDA graphs (every benchmark CLI)."""
     ap.add_argument("--cuda-graphs", action="store_true", help="CUDA only: verify and draft over static KV caches "
-                    "replayed as CUDA graphs (dart_core.cuda_graphs; DART_DRAFT_GRAPHS=0 in the command's environment "
+                    "replayed as CUDA graphs (dart_core.model.cuda_graphs; DART_DRAFT_GRAPHS=0 in the command's environment "
                     "keeps the draft eager: SpeculativeConfig.draft_graphs)")
 
 

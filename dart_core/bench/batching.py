@@ -1,7 +1,7 @@
 """Continuous-batching benchmark without Ray: ``python -m dart_core.bench.batching``.
 
 The serving benchmark's sweep (:mod:`dart_core.bench.serving`), run in one
-process against :class:`~dart_core.batcher.ContinuousBatcher`: no Ray, no
+process against :class:`~dart_core.serve.batcher.ContinuousBatcher`: no Ray, no
 HTTP, no gRPC hop to the n-gram service (the trie is searched in process).
 It measures what the serving core itself does under concurrency, on any
 machine torch runs on (a GPU machine without Ray included), and separates it
@@ -67,7 +67,7 @@ class BatchingConfig:
     max_speculative_batch: int | None = 8
     dtype: str | None = None
     weights: str = "auto"  # the target's weights: "auto", "dense" or "gguf-native"
-    gguf_kernel: str = "auto"  # the GGUF-native layers' kernel: "auto" or one of dart_core.quant.KERNELS
+    gguf_kernel: str = "auto"  # the GGUF-native layers' kernel: "auto" or one of dart_core.model.quant.KERNELS
     draft_weights: str = "auto"  # the draft head's linear layers: "auto" or one of dart_core.api.DRAFT_WEIGHTS
     device: str | None = None
     threads: int | None = None  # torch CPU threads (default: torch's)
@@ -77,7 +77,7 @@ class BatchingConfig:
 
 
 class StepTally:
-    """A batcher observer (the hooks of :class:`dart_core.batcher.BatcherObserver`, duck-typed so this module
+    """A batcher observer (the hooks of :class:`dart_core.serve.batcher.BatcherObserver`, duck-typed so this module
     imports no torch) that counts a level's decoding steps (see the module docstring)."""
 
     def __init__(self) -> None:
@@ -129,7 +129,7 @@ def step_table(result: dict) -> str:
 
 def _level(batcher, prompts: list[str], concurrency: int, speculative: bool, cfg: BatchingConfig) -> dict:
     from dart_core.bench.serving import add_request, level_row, new_record, run_clients
-    from dart_core.request import ChatMessage, GenerationRequest
+    from dart_core.serve.request import ChatMessage, GenerationRequest
 
     lock = threading.Lock()
     rec = new_record()
@@ -167,12 +167,12 @@ def run_batching(cfg: BatchingConfig, *, progress: bool = True) -> dict:
     from tqdm import tqdm
 
     from dart_core.api import DartModel
-    from dart_core.batcher import BatcherConfig, ContinuousBatcher, load_in_own_thread
+    from dart_core.serve.batcher import BatcherConfig, ContinuousBatcher, load_in_own_thread
     from dart_core.bench.datasets import load_prompts
     from dart_core.bench.decoding import hardware
-    from dart_core.request import GenerationRequest
+    from dart_core.serve.request import GenerationRequest
     from dart_core.bench import bench_kernel_config, bench_switches
-    from dart_core.speculative import SpeculativeConfig
+    from dart_core.spec.speculative import SpeculativeConfig
 
     if set(cfg.modes) - set(MODES) or not cfg.modes:
         raise ValueError(f"modes must be among {', '.join(MODES)}")

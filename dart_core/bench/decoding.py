@@ -21,7 +21,7 @@ Methods (all batch 1, same target weights, prompts, max new tokens and temperatu
   the float32 one);
 - ``stock-autoregressive``, ``stock-dart-context``: ``autoregressive`` and
   ``dart-context`` with the target's forward run by transformers' modules
-  instead of :class:`~dart_core.decoder.LlamaDecoder` (the same values bit for
+  instead of :class:`~dart_core.model.decoder.LlamaDecoder` (the same values bit for
   bit, so the rows differ in speed only); skipped where the target has no decoder;
 - ``llama-cpp``, ``llama-cpp-lookup``: llama.cpp (``llama-cpp-python``,
   installed separately) on the same GGUF file and prompt token ids, plain
@@ -62,7 +62,7 @@ from pathlib import Path
 import torch
 
 from dart_core.bench import bench_kernel_config, bench_switches
-from dart_core.speculative import SpeculativeConfig
+from dart_core.spec.speculative import SpeculativeConfig
 
 __all__ = ["pass_ratios", "METHODS", "DEFAULT_METHODS", "LLAMA_CPP_METHODS", "DART_METHODS", "STOCK_METHODS", "DecodingConfig", "run_decoding", "hardware", "hardware_line", "markdown_table", "plot_speedup",
            "agreement"]
@@ -95,7 +95,7 @@ class DecodingConfig:
     grpc_timeout_ms: float = 1000.0
     dtype: str | None = None  # default: bfloat16 on CUDA, float32 on CPU
     weights: str = "auto"  # the target's weights: "auto", "dense" or "gguf-native" (DartModel.from_pretrained)
-    gguf_kernel: str = "auto"  # the GGUF-native layers' kernel: "auto" or one of dart_core.quant.KERNELS
+    gguf_kernel: str = "auto"  # the GGUF-native layers' kernel: "auto" or one of dart_core.model.quant.KERNELS
     draft_weights: str = "auto"  # the draft head's linear layers: "auto" or one of dart_core.api.DRAFT_WEIGHTS
     device: str | None = None
     threads: int | None = None  # torch CPU threads (default: torch's)
@@ -195,7 +195,7 @@ class _GrpcServer:
 class _Bench:
     def __init__(self, cfg: DecodingConfig) -> None:
         from dart_core.api import DartModel
-        from dart_core.tokenizer import tokenizer_identity
+        from dart_core.model.tokenizer import tokenizer_identity
         from ngram_service.client import InProcessTreeSearch
 
         if cfg.threads:
@@ -253,8 +253,8 @@ class _Bench:
                 vocab_hash=tokenizer_identity(self.tokenizer)[1])
 
     def _load_dense(self, cfg: DecodingConfig) -> None:
-        from dart_core.engine import DartEngine
-        from dart_core.target import TargetModel
+        from dart_core.step.engine import DartEngine
+        from dart_core.model.target import TargetModel
 
         if _weights(self.engine.target) == "dense":
             self.skipped["dense-autoregressive"] = "the run's target is already dense"
@@ -263,7 +263,7 @@ class _Bench:
         self.dense = DartEngine(target, None, self.engine.tree_search, search_params=self.engine.search_params)
 
     def _load_llama_cpp(self, cfg: DecodingConfig) -> None:
-        from dart_core.tokenizer import resolve_model
+        from dart_core.model.tokenizer import resolve_model
 
         source = resolve_model(cfg.model)
         try:
@@ -354,7 +354,7 @@ class _Bench:
             kwargs |= dict(do_sample=False, temperature=None, top_p=None, top_k=None)
         if method == "hf-prompt-lookup":
             kwargs["prompt_lookup_num_tokens"] = cfg.prompt_lookup_num_tokens
-        from dart_core.device import sync_device
+        from dart_core.model.device import sync_device
 
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -422,8 +422,8 @@ def run_decoding(cfg: DecodingConfig, *, progress: bool = True) -> dict:
 
 def _weights(target) -> str:
     """The target's weight format, for the report: "gguf-native (210× Q4_1, 1× Q8_0; qmm kernel)" (the
-    GGUF block types and :attr:`~dart_core.quant.Int4Linear.kernel`) or "dense"."""
-    from dart_core.quant import Int4Linear
+    GGUF block types and :attr:`~dart_core.model.quant.Int4Linear.kernel`) or "dense"."""
+    from dart_core.model.quant import Int4Linear
 
     layers = [m for m in target.model.modules() if isinstance(m, Int4Linear)]
     if not layers:

@@ -1,11 +1,11 @@
 """The speculation gate replayed over measured steps: ``python -m dart_core.bench.gate_replay LOG ...``.
 
 A benchmark run with ``--log-level debug`` logs every gated step of the engine (``gate: batch 1,
-speculative step, 3 tokens in 12.60 ms ...``: :data:`dart_core.engine.GATE_LOG`).
+speculative step, 3 tokens in 12.60 ms ...``: :data:`dart_core.step.engine.GATE_LOG`).
 From such logs this module takes the steps of one batch size as three pools (speculative steps,
 autoregressive steps, and the speculative steps the gate did not measure: the draft catching up
 after autoregressive steps or on a new prompt) and replays them through
-:class:`~dart_core.budget.SpeculationGate`: at each step the gate chooses a mode, a step of that
+:class:`~dart_core.spec.budget.SpeculationGate`: at each step the gate chooses a mode, a step of that
 mode is drawn at random from its pool (a catch-up step where the mode switches to speculation),
 and the gate observes it as the engine would.  Over many seeded replays this gives the throughput
 each gate setting reaches (tokens per ms, as a multiple of always stepping autoregressively) and
@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from dart_core.budget import SpeculationGate
+from dart_core.spec.budget import SpeculationGate
 
 __all__ = ["Steps", "read_steps", "replay", "render", "SETTINGS", "main"]
 

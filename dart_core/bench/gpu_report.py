@@ -126,7 +126,7 @@ def render_gpu_section(folder: str | Path, page: str | Path) -> str:
     if probe.is_file():
         lines += ["### Attention backend", "",
                   "One masked attention call per SDPA backend (`scripts/gpu_session/sdpa_probe.py`): `default` is "
-                  "PyTorch's own choice, `auto` the engine's (`dart_core.attention`).", "",
+                  "PyTorch's own choice, `auto` the engine's (`dart_core.model.attention`).", "",
                   probe_table(json.loads(probe.read_text())), ""]
     lines += ["### Decoding (batch 1)", ""]
     medians = median_table(dec)

@@ -174,7 +174,7 @@ def measure_engines(schemas_path: str | Path = DEFAULT_SCHEMAS, engines: tuple[s
         FileNotFoundError: the schema file is missing.
         ValueError: an unknown engine name, or a schema line without ``schema`` / ``example``."""
     from dart_core.bench.decoding import hardware
-    from dart_core.tokenizer import load_tokenizer
+    from dart_core.model.tokenizer import load_tokenizer
 
     unknown = [e for e in engines if e not in _ADAPTERS]
     if unknown:

@@ -82,7 +82,7 @@ class StepProfileConfig:
     modes: list[str] = field(default_factory=lambda: ["autoregressive", "dart"])  # or any of MODES
     dtype: str | None = None  # default: bfloat16 on CUDA, float32 on CPU
     weights: str = "auto"  # the target's weights: "auto", "dense" or "gguf-native"
-    gguf_kernel: str = "auto"  # the GGUF-native layers' kernel: "auto" or one of dart_core.quant.KERNELS
+    gguf_kernel: str = "auto"  # the GGUF-native layers' kernel: "auto" or one of dart_core.model.quant.KERNELS
     draft_weights: str = "auto"  # the draft head's linear layers: "auto" or one of dart_core.api.DRAFT_WEIGHTS
     device: str | None = None
     threads: int | None = None
@@ -99,7 +99,7 @@ def measure_bandwidth(device, mib: int = 1024, repeats: int = 5) -> float:
     median of ``repeats`` after one warm-up."""
     import torch
 
-    from dart_core.engine import _sync
+    from dart_core.step.engine import _sync
 
     n = (mib << 20) // 4
     src = torch.ones(n, dtype=torch.float32, device=device)
@@ -118,9 +118,9 @@ def measure_bandwidth(device, mib: int = 1024, repeats: int = 5) -> float:
 
 def weights_format(module) -> str:
     """What the linear layers' weights are, for the report: the GGUF block types and kernel of 4-bit
-    layers (:class:`~dart_core.quant.Int4Linear`, e.g. ``"4-bit GGUF Q4_1+Q8_0, qmm kernel"``), else the
+    layers (:class:`~dart_core.model.quant.Int4Linear`, e.g. ``"4-bit GGUF Q4_1+Q8_0, qmm kernel"``), else the
     parameters' dtype."""
-    from dart_core.quant import Int4Linear
+    from dart_core.model.quant import Int4Linear
 
     layers = [m for m in module.modules() if isinstance(m, Int4Linear)]
     if layers:
@@ -132,13 +132,13 @@ def weights_format(module) -> str:
 
 def weight_bytes(module) -> int:
     """Bytes of weights one forward of ``module`` (a Hugging Face causal LM) reads: its parameters,
-    shared ones once, plus the weights of packed CPU linears (:class:`~dart_core.rows.PackedLinear`
-    and :class:`~dart_core.quant.Int4Linear`, which are not parameters), less the input embedding, which a forward only gathers rows of,
+    shared ones once, plus the weights of packed CPU linears (:class:`~dart_core.model.rows.PackedLinear`
+    and :class:`~dart_core.model.quant.Int4Linear`, which are not parameters), less the input embedding, which a forward only gathers rows of,
     unless that same tensor is the output projection (tied and not packed)."""
     import torch
 
-    from dart_core.quant import Int4Linear
-    from dart_core.rows import PackedLinear
+    from dart_core.model.quant import Int4Linear
+    from dart_core.model.rows import PackedLinear
 
     seen, total = set(), 0
     for t in module.parameters():
@@ -237,7 +237,7 @@ def _instrumented(engine, run) -> dict:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from dart_core.bench.host_reads import count_host_reads
-    from dart_core.engine import _sync
+    from dart_core.step.engine import _sync
 
     device = engine.target.device
     target_forward, step = engine.target.forward, engine._step
@@ -304,10 +304,10 @@ def run_step_profile(cfg: StepProfileConfig, *, progress: bool = True) -> dict:
 
     from dart_core.api import DartModel
     from dart_core.bench import bench_kernel_config, bench_switches
-    from dart_core.speculative import SpeculativeConfig
+    from dart_core.spec.speculative import SpeculativeConfig
     from dart_core.bench.datasets import load_prompts
     from dart_core.bench.decoding import hardware
-    from dart_core.engine import _sync
+    from dart_core.step.engine import _sync
 
     if not cfg.modes or set(cfg.modes) - set(MODES):
         raise ValueError(f"modes must be among {', '.join(MODES)}")

@@ -110,7 +110,7 @@ def measure_in_process(schemas_path: str | Path = DEFAULT_SCHEMAS, *, model: str
     from dart_core.api import DartModel
     from dart_core.bench import bench_kernel_config
     from dart_core.bench.decoding import _weights, hardware
-    from dart_core.grammar import GrammarSpec
+    from dart_core.step.grammar import GrammarSpec
 
     rows = load_schemas(schemas_path)
     m = DartModel.from_pretrained(model, head=head, device=device, cuda_graphs=cuda_graphs,

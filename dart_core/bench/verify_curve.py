@@ -1,7 +1,7 @@
 """Verification latency against query tokens, per weight format of the target:
 ``python -m dart_core.bench.verify_curve --weights gguf-native dense``.
 
-For each format the target is loaded and :meth:`~dart_core.budget.VerifyCostCurve.measure`
+For each format the target is loaded and :meth:`~dart_core.spec.budget.VerifyCostCurve.measure`
 times one forward of 1, 2, 4, ... 64 query tokens after a 256-token prefix (batch 1; untimed
 warm-up, then passes over every size in turn, median per size, made non-decreasing): the curve
 the adaptive budget measures at start-up and prices draft trees with. ``--batch-sizes 1 4``
@@ -33,19 +33,19 @@ def measure_curves(model: str | None, weights: list[str], node_counts: tuple[int
                    threads: int | None, batch_sizes: tuple[int, ...] = (1,), gguf_kernel: str | None = None) -> dict:
     """{"config", "hardware", "curves": {weights: {"nodes", "ms", "batches", "batch_ms", "format"}}}
     (``format``: the layers' weights and kernel, :func:`~dart_core.bench.step_profile.weights_format`).
-    ``gguf_kernel`` (one of :data:`dart_core.quant.KERNELS`; default the target's own choice) is the
+    ``gguf_kernel`` (one of :data:`dart_core.model.quant.KERNELS`; default the target's own choice) is the
     kernel of gguf-native weights.
 
     Raises:
-        ValueError: as :meth:`~dart_core.target.TargetModel.from_pretrained` (e.g. gguf-native for a
+        ValueError: as :meth:`~dart_core.model.target.TargetModel.from_pretrained` (e.g. gguf-native for a
             model that is not a GGUF)."""
     import torch
 
     from dart_core.bench import bench_kernel_config
     from dart_core.bench.decoding import hardware
     from dart_core.bench.step_profile import weights_format
-    from dart_core.budget import VerifyCostCurve
-    from dart_core.target import TargetModel
+    from dart_core.spec.budget import VerifyCostCurve
+    from dart_core.model.target import TargetModel
 
     if threads:
         torch.set_num_threads(threads)
@@ -66,7 +66,7 @@ def measure_curves(model: str | None, weights: list[str], node_counts: tuple[int
 def markdown_table(result: dict) -> str:
     """ms per verification forward by query tokens per sequence, one column per weight format and
     measured batch size; for a batch B > 1 also the batch-1 curve's price of B · n tokens."""
-    from dart_core.budget import VerifyCostCurve
+    from dart_core.spec.budget import VerifyCostCurve
 
     names = list(result["curves"])
     nodes = result["curves"][names[0]]["nodes"]
@@ -96,11 +96,11 @@ def ceiling_table(result: dict, acceptances: tuple[float, ...] = ACCEPTANCES) ->
       only if it is accepted more often than this (B (1 + α) tokens in ms(B, 2) against B tokens
       in ms(B, 1)), before any drafting cost;
     - the best speed-up at each per-node acceptance α of ``acceptances``, with its node count
-      (:func:`dart_core.budget.chain_speedup`).
+      (:func:`dart_core.spec.budget.chain_speedup`).
 
     Raises:
         ValueError: node counts without 1 or 2; a value of ``acceptances`` outside [0, 1]."""
-    from dart_core.budget import chain_speedup
+    from dart_core.spec.budget import chain_speedup
 
     names = list(result["curves"])
     nodes = result["curves"][names[0]]["nodes"]
@@ -129,8 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--nodes", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1], help="batch sizes timed (1 always)")
     ap.add_argument("--gguf-kernel", default="auto", choices=["auto", "qmm-a8", "qmm", "aten"],
-                    help="the kernel of gguf-native weights (dart_core.quant.KERNELS) [%(default)s: "
-                         "dart_core.quant.default_kernel()]")
+                    help="the kernel of gguf-native weights (dart_core.model.quant.KERNELS) [%(default)s: "
+                         "dart_core.model.quant.default_kernel()]")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default="bench/results", help="folder for verify_curve.json/.md")

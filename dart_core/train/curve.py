@@ -62,7 +62,7 @@ def fit_log_linear(xs: list[float], ys: list[float]) -> tuple[float, float]:
 def measure_tau(head_dir: Path, target, *, prompts: dict[str, list[list[int]]], budget: int,
                 max_new_tokens: int) -> dict[str, float]:
     """τ per set of the head in ``head_dir`` (κ = 0, default trie), cached in ``tau.json`` there."""
-    from dart_core.draft_head import load_draft_head
+    from dart_core.spec.draft_head import load_draft_head
     from dart_core.train.trainer import evaluate_tau
 
     key = {"prompts": {k: len(v) for k, v in prompts.items()}, "budget": budget, "max_new_tokens": max_new_tokens,
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         summaries.append((head_dir, summary))
 
     from dart_core.bench.datasets import load_prompts
-    from dart_core.target import TargetModel
+    from dart_core.model.target import TargetModel
 
     target = TargetModel.from_pretrained(base.model)
     tok = target.tokenizer

@@ -176,7 +176,7 @@ def generate_responses(target, config: DataConfig, folder: str | Path, *, progre
     """Answers the training prompts with the target (resumable); returns the JSONL path.
 
     Args:
-        target: a :class:`dart_core.target.TargetModel` with its tokenizer.
+        target: a :class:`dart_core.model.target.TargetModel` with its tokenizer.
         folder: data folder; ``responses.jsonl`` is appended there.
         prompts: :func:`training_prompts` of ``config`` when the caller has it already.
 
@@ -229,8 +229,8 @@ def answer_prompts(target, prompts: list[Example], folder: str | Path, config: D
     # prompts join in list order (continuous batching: a finished answer's slot goes to the next
     # prompt at the next step), so a run stopped early holds about a prefix of the list (give that
     # prefix's size as num_prompts to use it); answers are written as they finish
-    from dart_core.engine import DartEngine, NewSequence
-    from dart_core.sampling import SamplingParams
+    from dart_core.step.engine import DartEngine, NewSequence
+    from dart_core.step.sampling import SamplingParams
 
     eos = None if tok is None else tok.eos_token_id
     sampling = SamplingParams(max_new_tokens=config.max_new_tokens, stop_token_ids=() if eos is None else (eos,))

@@ -123,7 +123,7 @@ def pack(dest: str | Path, *, model: str | None, data, work_dir: str | Path | No
         ValueError: no examples, or a part size under 1 MiB.
         FileNotFoundError: the model cannot be found.
     """
-    from dart_core.tokenizer import load_tokenizer, resolve_model
+    from dart_core.model.tokenizer import load_tokenizer, resolve_model
     from dart_core.train.data import (is_teacher_forced, later_turn_prompts, stored_examples, unanswered_prompts,
                                       write_examples)
     from ngram_service.cache import cache_root
@@ -289,9 +289,9 @@ def unpack(folder: str | Path, out: str | Path) -> Path:
 
     Raises:
         RecipeError: no finished head in ``folder``, or a checksum mismatch.
-        dart_core.draft_head.HeadLoadError: the joined head does not load.
+        dart_core.spec.draft_head.HeadLoadError: the joined head does not load.
     """
-    from dart_core.draft_head import load_draft_head
+    from dart_core.spec.draft_head import load_draft_head
 
     folder, out = Path(folder), Path(out)
     if not (folder / "head.json").is_file():

@@ -45,8 +45,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from dart_core.draft_head import DartDraftHead, DraftHeadConfig, save_draft_head
-from dart_core.engine import _sync
+from dart_core.spec.draft_head import DartDraftHead, DraftHeadConfig, save_draft_head
+from dart_core.step.engine import _sync
 from dart_core.train.data import (RESPONSES, DataConfig, Example, answer_prompts, is_teacher_forced,
                                   later_turn_prompts, load_examples, prompt_examples, read_examples,
                                   stored_examples, training_prompts)
@@ -146,7 +146,7 @@ def warm_start_head(folder: str | Path, target, *, final_norm_twice: bool = Fals
         ValueError: its final-norm path differs from ``final_norm_twice`` (:func:`train` also
             refuses a ``draft_vocab_size`` other than the head's).
     """
-    from dart_core.draft_head import load_draft_head
+    from dart_core.spec.draft_head import load_draft_head
 
     head = load_draft_head(folder, target.config)
     if head.config.final_norm_twice != final_norm_twice:
@@ -263,8 +263,8 @@ def evaluate_tau(head, target, prompts: list[list[int]], *, budget: int, max_new
     if not prompts:
         return None
     from dart_core.api import DartModel
-    from dart_core.engine import DartEngine
-    from dart_core.sampling import SamplingParams
+    from dart_core.step.engine import DartEngine
+    from dart_core.step.sampling import SamplingParams
     from ngram_service.client import InProcessTreeSearch
     from ngram_service.tree_search import SearchParams
 
@@ -368,13 +368,13 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
     stopped it first: run it again to continue).
 
     Args:
-        target: an already loaded :class:`~dart_core.target.TargetModel` (tests), used in its own dtype;
+        target: an already loaded :class:`~dart_core.model.target.TargetModel` (tests), used in its own dtype;
             default loads ``cfg.model`` in ``cfg.teacher_dtype``.
 
     Raises:
         ValueError: no usable training sequences, or a bad ``autocast`` or ``teacher_dtype``.
     """
-    from dart_core.target import TargetModel
+    from dart_core.model.target import TargetModel
 
     started = time.time()
     if cfg.threads:

@@ -1,6 +1,6 @@
 """Time one masked SDPA call per SDPA backend, at shapes that change every call or stay fixed.
 
-The question (dart_core/attention.py): does PyTorch's default backend choice for a bf16 masked
+The question (dart_core/model/attention.py): does PyTorch's default backend choice for a bf16 masked
 attention on this GPU build a new plan for every new shape, as the engine's draft head and eager
 verification present one every step?  For each backend setting: the milliseconds per call when
 the key length grows by one every call (a new shape each time), and when it stays fixed.

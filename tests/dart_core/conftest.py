@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-from dart_core.target import TargetModel
+from dart_core.model.target import TargetModel
 from ngram_service.client import TreeSearchClient
 from ngram_service.tree_search import DraftTree
 

@@ -1,10 +1,10 @@
-"""dart_core.allocator: glibc's thresholds set once, and left alone where the user or the platform decides."""
+"""dart_core.model.allocator: glibc's thresholds set once, and left alone where the user or the platform decides."""
 
 from __future__ import annotations
 
 import platform
 
-from dart_core import allocator
+from dart_core.model import allocator
 
 
 def test_keep_freed_memory_respects_the_switches(monkeypatch):

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from dart_core import DartModel
-from dart_core.draft_head import DartDraftHead, DraftHeadConfig, save_draft_head
+from dart_core.spec.draft_head import DartDraftHead, DraftHeadConfig, save_draft_head
 from ngram_service.build import build_trie_from_texts
 from ngram_service.trie import TokenizerMismatchError
 
@@ -195,7 +195,7 @@ def test_draft_weights_choose_the_heads_linear_layers(tiny_folder):
     """``draft_weights``: "auto" is Q8_0 beside a float32 CPU target where the qmm kernel runs (else
     dense, and dense when a draft dtype is given); "dense" keeps nn.Linear; an unknown value is
     refused. Output is the same either way."""
-    from dart_core.quant import Int4Linear, default_kernel
+    from dart_core.model.quant import Int4Linear, default_kernel
 
     dense = DartModel.from_pretrained(str(tiny_folder), head="random", trie=None, budget=4, device="cpu",
                                       draft_weights="dense")

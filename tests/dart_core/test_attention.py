@@ -1,4 +1,4 @@
-"""The engine's SDPA backend choice (dart_core.attention): cuDNN left out on CUDA, PyTorch's own
+"""The engine's SDPA backend choice (dart_core.model.attention): cuDNN left out on CUDA, PyTorch's own
 choice on a CPU, the override for measurements, and a clear error for a bad name."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend
 
-from dart_core.attention import attention_backend, sdpa_backends
+from dart_core.model.attention import attention_backend, sdpa_backends
 
 
 def test_auto_leaves_cudnn_out_on_cuda_and_the_cpu_choice_alone():

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from dart_core.api import DartModel
-from dart_core.batcher import BatcherConfig, BatcherObserver, ContinuousBatcher
-from dart_core.engine import StepOutput
-from dart_core.request import ChatMessage, GenerationRequest, InvalidRequest
-from dart_core.sampling import SamplingParams
+from dart_core.serve.batcher import BatcherConfig, BatcherObserver, ContinuousBatcher
+from dart_core.step.engine import StepOutput
+from dart_core.serve.request import ChatMessage, GenerationRequest, InvalidRequest
+from dart_core.step.sampling import SamplingParams
 
 from .conftest import OracleTreeSearch
 
@@ -369,7 +369,7 @@ def test_a_model_loaded_in_its_own_thread_leaves_no_openmp_pool_behind():
     """What the Serve deployment loads its model with: the loading thread's OpenMP worker pool ends
     with it (a pool left on a thread that stays would make the engine thread's the second one; see
     load_in_own_thread), while a thread that stays keeps its workers; results and errors come back."""
-    from dart_core.batcher import load_in_own_thread
+    from dart_core.serve.batcher import load_in_own_thread
 
     def parallel_work():
         return float(torch.ones(1 << 22).exp().sum())  # large enough to run on every intra-op thread

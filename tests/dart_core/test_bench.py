@@ -73,7 +73,7 @@ def test_the_4bit_target_is_compared_with_its_float32_weights_and_llama_cpp(prom
                                   repeats=1, methods=["autoregressive", "dense-autoregressive", "llama-cpp"])
     result = decoding.run_decoding(cfg, progress=False)
     rows = {r["method"]: r for r in result["rows"]}
-    from dart_core.quant import default_kernel
+    from dart_core.model.quant import default_kernel
 
     assert result["weights"] == f"gguf-native (210× Q4_1, 1× Q8_0; {default_kernel()} kernel)"
     assert rows["dense-autoregressive"]["tokens"] > 0 and rows["dense-autoregressive"]["agreement"]["prompts"] == 1
@@ -284,7 +284,7 @@ def test_a_sweep_with_repeats_alternates_the_first_mode_and_reports_the_median_p
 
 def test_step_tally_counts_verified_accepted_and_padding():
     from dart_core.bench.batching import StepTally
-    from dart_core.engine import StepOutput
+    from dart_core.step.engine import StepOutput
 
     tally = StepTally()
     step = StepOutput(seq_ids=[0, 1], new_tokens=[[5], [6, 7]], finish_reasons=[None, None], accepted_lengths=[1, 2],
@@ -541,7 +541,7 @@ def test_the_speculation_ceiling_follows_its_formula_from_the_timings():
     """chain_speedup: τ(n) = 1 + α + … + α^(n−1) tokens per sequence in ms(n) against one in ms(1); the
     ceiling table's break-even acceptance is ms(2) ÷ ms(1) − 1 and a draft node costs (ms(2) − ms(1)) ÷ B."""
     from dart_core.bench import verify_curve
-    from dart_core.budget import chain_speedup
+    from dart_core.spec.budget import chain_speedup
 
     nodes, ms = [1, 2, 4], [10.0, 15.0, 30.0]
     # α = 1: n = 2 gives 2·10/15, n = 4 gives 4·10/30, the same: the tie goes to fewer nodes
@@ -804,7 +804,7 @@ def test_log_level_option_sets_dart_serves_own_loggers(tmp_path):
                                                 weights="auto", device="cpu", threads=None))
     ap.add_argument("--out", default=str(tmp_path))
     ap.add_argument("--no-progress", action="store_true")
-    engine_logger, other = logging.getLogger("dart_core.engine"), logging.getLogger("urllib3")
+    engine_logger, other = logging.getLogger("dart_core.step.engine"), logging.getLogger("urllib3")
     saved = (logging.getLogger("dart_core").level, logging.getLogger("ngram_service").level, other.level)
     try:
         assert run_cli(Cfg, ap.parse_args(["--log-level", "debug"]), lambda cfg, progress: {"rows": []},
@@ -824,10 +824,10 @@ def test_gate_replay_reads_the_engine_log_and_replays_it(tmp_path):
     steps as catch-ups, other batch sizes ignored); fixed choices give each pool's own rate; a gate speculates
     where speculation pays and mostly not where it is slowed down; a log without gated steps is an error."""
     from dart_core.bench.gate_replay import read_steps, render, replay
-    from dart_core.engine import GATE_LOG
+    from dart_core.step.engine import GATE_LOG
 
     def line(batch, mode, tokens, ms, measured=True):  # a record as the engine logs it
-        return "x DEBUG dart_core.engine: " + GATE_LOG % (batch, mode, tokens, ms, ms - 1, 4, "" if measured else
+        return "x DEBUG dart_core.step.engine: " + GATE_LOG % (batch, mode, tokens, ms, ms - 1, 4, "" if measured else
                                                           ", not measured", None)
 
     log = tmp_path / "gate.log"

@@ -10,10 +10,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dart_core.budget import (AdaptiveBudget, SpeculationGate, VerifyCostCurve, chain_speedup, curve_shapes,
+from dart_core.spec.budget import (AdaptiveBudget, SpeculationGate, VerifyCostCurve, chain_speedup, curve_shapes,
                               node_acceptance_estimates)
-from dart_core.engine import DartEngine
-from dart_core.sampling import SamplingParams
+from dart_core.step.engine import DartEngine
+from dart_core.step.sampling import SamplingParams
 from ngram_service.tree_search import ContextChain
 
 from .conftest import OracleTreeSearch, make_tree, tiny_target

@@ -1,4 +1,4 @@
-"""The static-KV-cache verification and draft paths (dart_core.cuda_graphs): on a CPU they run
+"""The static-KV-cache verification and draft paths (dart_core.model.cuda_graphs): on a CPU they run
 eagerly and must give the ordinary forwards' logits, taps, drafts and caches, and leave DART's
 greedy output exact at every tree size, with continuous batching; on a GPU the same paths are
 captured and replayed as CUDA graphs (gpu-marked)."""
@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from dart_core.cuda_graphs import StaticDrafter, StaticVerifier
-from dart_core.engine import DartEngine, NewSequence
-from dart_core.kv_cache import cache_mask
-from dart_core.sampling import SamplingParams
-from dart_core.target import TargetCache
+from dart_core.model.cuda_graphs import StaticDrafter, StaticVerifier
+from dart_core.step.engine import DartEngine, NewSequence
+from dart_core.model.kv_cache import cache_mask
+from dart_core.step.sampling import SamplingParams
+from dart_core.model.target import TargetCache
 from ngram_service.tree_search import SearchParams
 
 from .conftest import OracleTreeSearch, hf_greedy, tiny_target
@@ -169,8 +169,8 @@ def test_bad_settings_are_refused():
 def test_static_windows_can_be_switched_off():
     """KernelConfig.static_windows False: one window, the whole capacity (the measurements'
     comparison), for default_windows and for a StaticVerifier of a target loaded with it."""
-    from dart_core.cuda_graphs import StaticVerifier, default_windows
-    from dart_core.kernel_config import KernelConfig
+    from dart_core.model.cuda_graphs import StaticVerifier, default_windows
+    from dart_core.model.kernel_config import KernelConfig
 
     assert default_windows(3000) == (256, 512, 1024, 2048, 3000) and default_windows(100) == (100,)
     assert default_windows(2048, windowed=False) == (2048,)
@@ -210,11 +210,11 @@ def test_the_static_draft_equals_the_ordinary_draft(arch):
 
 
 def test_greedy_dart_stays_exact_with_grouped_query_attention(monkeypatch):
-    """The CUDA path's masked grouped-query attention (dart_core.attention.grouped_query_sdpa),
+    """The CUDA path's masked grouped-query attention (dart_core.model.attention.grouped_query_sdpa),
     forced on here on the CPU for the target's and the draft head's attention over static caches
     with windows: greedy DART still equals transformers' generate, and both models took it."""
-    import dart_core.draft_head
-    from dart_core import attention
+    import dart_core.spec.draft_head
+    from dart_core.model import attention
 
     calls = {"target": 0, "head": 0}
     original = attention.grouped_query_sdpa
@@ -223,8 +223,8 @@ def test_greedy_dart_stays_exact_with_grouped_query_attention(monkeypatch):
         return enabled and mask is not None and mask.is_floating_point() and mask.dim() == 4 and mask.shape[1] == 1 \
             and key.shape[1] != query.shape[1]
 
-    # the target's attention plug-in lives in dart_core.attention; the head imports the functions by name
-    for name, module in (("target", attention), ("head", dart_core.draft_head)):
+    # the target's attention plug-in lives in dart_core.model.attention; the head imports the functions by name
+    for name, module in (("target", attention), ("head", dart_core.spec.draft_head)):
         def counting(*args, _name=name, **kwargs):
             calls[_name] += 1
             return original(*args, **kwargs)
@@ -277,11 +277,11 @@ def test_the_one_sequence_static_draft_on_the_cpu_equals_the_batched_one(levels,
     call; with a Q8_0 head the norms, SiLU and residual adds inside the qmm calls, q/k/v and
     gate/up fused): its distributions equal forward's, and the buffers hold the real keys and values
     after the prefix, as the batched path writes them; a bfloat16 head keeps the batched path."""
-    from dart_core.quant import quantize_linears
+    from dart_core.model.quant import quantize_linears
 
     import dataclasses
 
-    from dart_core.draft_head import DartDraftHead, DraftHeadConfig
+    from dart_core.spec.draft_head import DartDraftHead, DraftHeadConfig
 
     target = tiny_target("llama", seed=2)
     head = random_head(target, seed=4)
@@ -328,8 +328,8 @@ def test_the_one_call_draft_of_a_q8_head_equals_its_top_k_of_forward(levels, fin
     cache writes, the prefix untouched; a batch of two takes the operator path and agrees too."""
     import dataclasses
 
-    from dart_core.draft_head import DartDraftHead, DraftHeadConfig
-    from dart_core.quant import quantize_linears
+    from dart_core.spec.draft_head import DartDraftHead, DraftHeadConfig
+    from dart_core.model.quant import quantize_linears
 
     target = tiny_target("llama", seed=2)
     config = dataclasses.replace(DraftHeadConfig.for_target(target.config), hidden_size=64, num_attention_heads=2,
@@ -371,8 +371,8 @@ def test_the_one_call_draft_refuses_bad_shapes():
     """_kernels.DraftRow checks its arguments: a wrong k or a taps width is a ValueError, not a crash."""
     import dataclasses
 
-    from dart_core.draft_head import DartDraftHead, DraftHeadConfig
-    from dart_core.quant import quantize_linears
+    from dart_core.spec.draft_head import DartDraftHead, DraftHeadConfig
+    from dart_core.model.quant import quantize_linears
 
     target = tiny_target("llama", seed=2)
     config = dataclasses.replace(DraftHeadConfig.for_target(target.config), hidden_size=64, num_attention_heads=2,
@@ -433,7 +433,7 @@ def test_cuda_graph_replays_equal_eager_decoding():
 def test_a_draft_batch_packed_for_cuda_through_pinned_memory_equals_the_cpu_one():
     """DraftBatch.pack on CUDA stages the host arrays in pinned memory and copies them without
     blocking; the fields equal the CPU packing's, also when batches of other shapes follow at once."""
-    from dart_core.drafters import DraftBatch
+    from dart_core.spec.drafters import DraftBatch
     from ngram_service.tree_search import search_tree_batch
 
     rng = np.random.default_rng(2)

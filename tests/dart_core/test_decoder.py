@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dart_core.decoder import LlamaDecoder, decoder_unsupported
-from dart_core.kv_cache import cache_mask
-from dart_core.target import TargetCache, TargetModel
+from dart_core.model.decoder import LlamaDecoder, decoder_unsupported
+from dart_core.model.kv_cache import cache_mask
+from dart_core.model.target import TargetCache, TargetModel
 
 from .conftest import VOCAB, tiny_config, tiny_target
 
@@ -65,7 +65,7 @@ def test_the_decoder_equals_the_stock_forward_on_the_float32_target():
 def _tiny_4bit_target(tmp_path, kernel: str, seed: int) -> TargetModel:
     """A tiny Llama written as a GGUF with SmolLM2's head size (64), loaded GGUF-native with ``kernel``."""
     pytest.importorskip("gguf")
-    from dart_core.quant import can_int4, quantize_from_gguf
+    from dart_core.model.quant import can_int4, quantize_from_gguf
 
     if not can_int4():
         pytest.skip("this PyTorch has no CPU int4 kernel")
@@ -82,7 +82,7 @@ def test_the_decoder_equals_the_stock_forward_on_the_4bit_target(tmp_path, kerne
     """aten: bit for bit. qmm and qmm-a8: the decoder's layers run as five kernel calls with the RMS norms
     and SiLU inside (summed in another order than PyTorch's): float32 rounding apart with qmm; with
     qmm-a8, 8-bit activations round those slightly different inputs, so further apart."""
-    from dart_core.quant import Int4Linear
+    from dart_core.model.quant import Int4Linear
 
     target = _tiny_4bit_target(tmp_path, kernel, seed=5)
     assert target.row_exact and isinstance(target.decoder.layers[0].qkv, Int4Linear)
@@ -125,7 +125,7 @@ def test_a_greedy_forward_returns_the_argmax_of_the_logits(tmp_path, kernel):
 def test_the_fused_decoder_computes_only_the_real_rows_and_each_alike(tmp_path, kernel):
     """Inside real_rows the fused layers (from Python) compute the real rows only, each equal to its value
     in a forward of every row (one C++ call): the padded batch of draft trees of the batched engine."""
-    from dart_core.rows import real_rows
+    from dart_core.model.rows import real_rows
 
     target = _tiny_4bit_target(tmp_path, kernel, seed=4)
     assert target.decoder.fused_layers
@@ -150,7 +150,7 @@ def test_the_fused_decoder_computes_only_the_real_rows_and_each_alike(tmp_path, 
 @pytest.mark.parametrize("kernel", ["qmm-a8", "qmm", "aten"])
 def test_fused_4bit_layers_equal_their_parts_and_share_their_weights(tmp_path, kernel):
     pytest.importorskip("gguf")
-    from dart_core.quant import PACK_BLOCK_ROWS, Int4Linear, can_int4, quantize_from_gguf
+    from dart_core.model.quant import PACK_BLOCK_ROWS, Int4Linear, can_int4, quantize_from_gguf
 
     if not can_int4():
         pytest.skip("this PyTorch has no CPU int4 kernel")

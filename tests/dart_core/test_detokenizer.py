@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dart_core.detokenizer import IncrementalDetokenizer
+from dart_core.serve.detokenizer import IncrementalDetokenizer
 
 
 def stream(tok, ids, chunks, stop=()):

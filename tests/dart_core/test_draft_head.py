@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from dart_core.draft_head import DartDraftHead, DraftHeadConfig, HeadLoadError, load_draft_head, save_draft_head
+from dart_core.spec.draft_head import DartDraftHead, DraftHeadConfig, HeadLoadError, load_draft_head, save_draft_head
 
 from .conftest import tiny_config
 
@@ -109,7 +109,7 @@ def test_forward_shapes_and_ragged_batch(head):
 
 def test_cached_forward_equals_full_forward(head):
     """Drafting from the head's KV cache equals one forward over all positions."""
-    from dart_core.kv_cache import HeadKVCache
+    from dart_core.model.kv_cache import HeadKVCache
 
     torch.manual_seed(1)
     c = head.config
@@ -128,7 +128,7 @@ def test_keys_values_equal_the_forwards_new_cache_entries(head):
     """keys_values (used to fold held inputs into the head KV cache without drafting) gives the
     entries forward returns for the same real positions, and drafting from a cache filled by it
     equals drafting from one filled by forward."""
-    from dart_core.kv_cache import HeadKVCache
+    from dart_core.model.kv_cache import HeadKVCache
 
     torch.manual_seed(2)
     c = head.config
@@ -287,7 +287,7 @@ def test_a_packed_float32_head_drafts_as_the_dense_one(head):
     rounding, same cache entries, and its dtype still reads from the head."""
     import copy
 
-    from dart_core.rows import PackedLinear, can_pack, pack_linears
+    from dart_core.model.rows import PackedLinear, can_pack, pack_linears
 
     assert can_pack(head) and not can_pack(copy.deepcopy(head).to(torch.bfloat16))
     dense, packed_head = head, copy.deepcopy(head)

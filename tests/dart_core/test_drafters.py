@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from dart_core.budget import AdaptiveBudget, VerifyCostCurve, node_acceptance_estimates
-from dart_core.drafters import DraftBatch, Drafter, DraftInputs, NoDraft, Proposal, ProposalKind
-from dart_core.engine import DartEngine
-from dart_core.sampling import SamplingParams
+from dart_core.spec.budget import AdaptiveBudget, VerifyCostCurve, node_acceptance_estimates
+from dart_core.spec.drafters import DraftBatch, Drafter, DraftInputs, NoDraft, Proposal, ProposalKind
+from dart_core.step.engine import DartEngine
+from dart_core.step.sampling import SamplingParams
 from ngram_service.tree_search import DraftTree, TreeBatch
 
 from .conftest import make_tree, tiny_target

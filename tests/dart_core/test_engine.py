@@ -10,10 +10,10 @@ import pytest
 import torch
 from scipy import stats
 
-from dart_core.budget import AdaptiveBudget, SpeculationGate, VerifyCostCurve
-from dart_core.draft_head import DartDraftHead, DraftHeadConfig
-from dart_core.engine import DartEngine, NewSequence
-from dart_core.sampling import SamplingParams, target_probs
+from dart_core.spec.budget import AdaptiveBudget, SpeculationGate, VerifyCostCurve
+from dart_core.spec.draft_head import DartDraftHead, DraftHeadConfig
+from dart_core.step.engine import DartEngine, NewSequence
+from dart_core.step.sampling import SamplingParams, target_probs
 from ngram_service.client import InProcessTreeSearch
 from ngram_service.build import build_trie
 from ngram_service.trie import NgramTrie
@@ -255,7 +255,7 @@ def test_continuous_batching_joins_leaves_and_stays_exact(arch, speculative):
 
     def admit():
         calls["n"] += 1
-        from dart_core.engine import NewSequence
+        from dart_core.step.engine import NewSequence
         return [NewSequence(p, s) for p, s in schedule.pop(calls["n"], [])]
 
     cancelled = set()
@@ -290,7 +290,7 @@ def test_a_sequence_that_opts_out_of_speculation_makes_its_batch_autoregressive(
     truth = [hf_greedy(target, p, 24) for p in prompts]
     oracle = OracleTreeSearch([p + t for p, t in zip(prompts, truth)], depth=5, seed=2)
     engine = DartEngine(target, random_head(target), oracle, SearchParams(top_k=10, beam_width=6, budget=16))
-    from dart_core.engine import NewSequence
+    from dart_core.step.engine import NewSequence
 
     joining = {2: [NewSequence(prompts[1], SamplingParams(max_new_tokens=6), speculative=False)]}
     calls = {"n": 0}
@@ -380,7 +380,7 @@ def test_a_bf16_head_beside_an_fp32_target_stays_exact(arch):
 def run_with_a_late_join(engine: DartEngine, prompts, sp) -> tuple[list[list[int]], int]:
     """Decodes all prompts but the last, the last joining at the second step: (each prompt's
     output, draft nodes verified in all)."""
-    from dart_core.engine import NewSequence
+    from dart_core.step.engine import NewSequence
 
     joined = iter([[], [NewSequence(prompts[-1], sp)]])
     out: dict[int, list[int]] = {}
@@ -427,7 +427,7 @@ def test_the_draft_goes_no_deeper_than_the_trees_can():
 def test_pending_inputs_append_in_place():
     """Row r keeps its first counts[r] entries and gets the new ones right after; the buffer grows
     (zero-filled) only when a row would run past it, so appends are amortised O(new)."""
-    from dart_core.drafters import _append_in_place
+    from dart_core.spec.drafters import _append_in_place
 
     g = torch.Generator().manual_seed(0)
     buf = torch.zeros(3, 0, 2)
@@ -639,7 +639,7 @@ def test_a_speculative_step_builds_no_per_tree_objects(monkeypatch, temperature,
     (padded or packed) and the request's context in the search, greedy or sampling; the output is
     unchanged by the guard (greedy equals the target's own)."""
     from ngram_service.tree_search import DraftTree
-    from dart_core import verify
+    from dart_core.step import verify
 
     target = tiny_target("llama")
     prompts = prompts_of(np.random.default_rng(11), [3 + i % 5 for i in range(8)])

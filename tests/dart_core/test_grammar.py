@@ -16,12 +16,12 @@ import torch
 from scipy import stats
 
 from dart_core.api import DartModel
-from dart_core.batcher import BatcherConfig, ContinuousBatcher
-from dart_core.budget import AdaptiveBudget, VerifyCostCurve
-from dart_core.grammar import GrammarCompiler, GrammarError, GrammarSpec
-from dart_core.request import GenerationRequest, InvalidRequest
-from dart_core.sampling import SamplingParams, target_probs
-from dart_core.verify import accept_constrained
+from dart_core.serve.batcher import BatcherConfig, ContinuousBatcher
+from dart_core.spec.budget import AdaptiveBudget, VerifyCostCurve
+from dart_core.step.grammar import GrammarCompiler, GrammarError, GrammarSpec
+from dart_core.serve.request import GenerationRequest, InvalidRequest
+from dart_core.step.sampling import SamplingParams, target_probs
+from dart_core.step.verify import accept_constrained
 from ngram_service.tree_search import DraftTree
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "ok", "n", "tags"],

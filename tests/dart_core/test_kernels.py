@@ -1,11 +1,11 @@
-"""The row-exact attention kernel (dart_core.kernels): values, row independence, errors."""
+"""The row-exact attention kernel (dart_core.model.kernels): values, row independence, errors."""
 
 import pytest
 import torch
 
-from dart_core import kernels
-from dart_core.kernels import row_exact_attention
-from dart_core.attention import matmul_attention
+from dart_core.model import kernels
+from dart_core.model.kernels import row_exact_attention
+from dart_core.model.attention import matmul_attention
 
 MIN = torch.finfo(torch.float32).min
 
@@ -118,8 +118,8 @@ def _rope_inputs(seed, b, q, h, h_kv, d, capacity):
 
 
 def test_rope_append_equals_the_rotation_and_cache_write_of_pytorch_operators():
-    from dart_core.decoder import _rotate
-    from dart_core.kernels import rope_append
+    from dart_core.model.decoder import _rotate
+    from dart_core.model.kernels import rope_append
 
     b, q, h, h_kv, d, t = 2, 3, 6, 2, 64, 5
     qkv, cos, sin, kb, vb = _rope_inputs(3, b, q, h, h_kv, d, 16)
@@ -142,7 +142,7 @@ def test_rope_append_equals_the_rotation_and_cache_write_of_pytorch_operators():
 
 
 def test_rope_attend_equals_rope_append_then_attention():
-    from dart_core.kernels import additive_mask, rope_append, rope_attend
+    from dart_core.model.kernels import additive_mask, rope_append, rope_attend
 
     b, q, h, h_kv, d, t = 2, 4, 9, 3, 64, 7
     qkv, cos, sin, kb, vb = _rope_inputs(4, b, q, h, h_kv, d, 32)

@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from dart_core.kv_cache import BufferedKVLayer, cache_mask, compact_, compaction_plan
-from dart_core.attention import GROUPED_SDPA, SMALL_QUERY, grouped_sdpa
-from dart_core.target import TargetCache
+from dart_core.model.kv_cache import BufferedKVLayer, cache_mask, compact_, compaction_plan
+from dart_core.model.attention import GROUPED_SDPA, SMALL_QUERY, grouped_sdpa
+from dart_core.model.target import TargetCache
 
 from .conftest import VOCAB, tiny_target
 
@@ -127,7 +127,7 @@ def test_grouped_query_sdpa_equals_repeated_heads(batch, heads, kv_heads, querie
     repeated along the query axis; run here on the CPU) against SDPA on repeated key/value heads
     (what transformers does with a mask), for one-token steps and trees, a per-row mask or one
     broadcast over the batch, and a mask wider than the keys (a static window's padding columns)."""
-    from dart_core.attention import grouped_query_sdpa as _grouped_query_sdpa
+    from dart_core.model.attention import grouped_query_sdpa as _grouped_query_sdpa
 
     g = torch.Generator().manual_seed(batch * 100 + queries)
     t = 11 + queries
@@ -204,7 +204,7 @@ def test_the_pool_compacts_every_layer_in_one_pass_as_each_layer_would():
     tensors were replaced since the pool bound them is no longer held."""
     from types import SimpleNamespace
 
-    from dart_core.kv_cache import KVPool, apply_compaction, compaction_plan_host
+    from dart_core.model.kv_cache import KVPool, apply_compaction, compaction_plan_host
 
     g = torch.Generator().manual_seed(3)
     pool = KVPool(torch.randn(3, 2, 4, 2, 16, 5, generator=g))
@@ -236,7 +236,7 @@ def test_one_call_compaction_of_every_layer_equals_the_per_layer_gather(dtype):
     engine makes) takes the gather path and still equals it."""
     from types import SimpleNamespace
 
-    from dart_core.kv_cache import apply_compaction, compact_layers, compaction_plan_host
+    from dart_core.model.kv_cache import apply_compaction, compact_layers, compaction_plan_host
 
     g = torch.Generator().manual_seed(5)
     offset = 7
@@ -283,7 +283,7 @@ def test_compaction_keeps_buffered_layers_on_their_own_views():
     """After compact_layers a BufferedKVLayer still holds the views of its last commit (the next
     step's append then needs only the identity test), with or without moves, and its entries equal
     apply_compaction's."""
-    from dart_core.kv_cache import apply_compaction, compact_layers, compaction_plan_host
+    from dart_core.model.kv_cache import apply_compaction, compact_layers, compaction_plan_host
 
     g = torch.Generator().manual_seed(11)
     for lengths, paths in (([4, 2], [[0, 2], [0]]), ([4, 4], [[0], [0]])):
@@ -305,7 +305,7 @@ def test_compaction_from_the_paths_in_one_call_equals_the_plan(dtype):
     a path that does not increase is refused before anything moves."""
     from types import SimpleNamespace
 
-    from dart_core.kv_cache import apply_compaction, compact_buffered, compaction_plan_host
+    from dart_core.model.kv_cache import apply_compaction, compact_buffered, compaction_plan_host
 
     g = torch.Generator().manual_seed(13)
     lengths, offset, paths = [3, 7, 5, 0, 7], 7, [[0, 2, 3, 6], [0, 1, 4], [0], [0, 1, 2], [0, 1]]

@@ -1,6 +1,8 @@
 """dart_core's modules import each other in one direction: no import circle among the library
-modules (TYPE_CHECKING-only imports aside), and no module imports one of the project's own modules
-inside a function to dodge a circle (the package's lazy top-level exports aside)."""
+modules (TYPE_CHECKING-only imports aside), no module imports one of the project's own modules
+inside a function to dodge a circle (the package's lazy top-level exports aside), and the layers
+import downwards only: ngram_service ← dart_core.model ← spec ← step ← serve ← the API, training and
+benchmarks on top."""
 
 from __future__ import annotations
 
@@ -80,6 +82,54 @@ def test_no_import_circle_and_no_hidden_import():
 
 def test_the_check_sees_a_circle_and_a_hidden_import(tmp_path):
     a = tmp_path / "a.py"
-    a.write_text("import os\n\ndef f():\n    from dart_core.engine import DartEngine\n")
-    top, inner = _imports(a, {"dart_core.engine": None})
-    assert top == set() and inner == {"dart_core.engine"}
+    a.write_text("import os\n\ndef f():\n    from dart_core.step.engine import DartEngine\n")
+    top, inner = _imports(a, {"dart_core.step.engine": None})
+    assert top == set() and inner == {"dart_core.step.engine"}
+
+
+#: dart_core's layers, bottom first; a module may import its own layer and the ones below it
+LAYERS = ("ngram_service", "dart_core.model", "dart_core.spec", "dart_core.step", "dart_core.serve")
+
+
+def _layer(module: str) -> int:
+    """The layer index of a module (the top, everything else in dart_core: len(LAYERS))."""
+    for i, prefix in reversed(list(enumerate(LAYERS))):
+        if module == prefix or module.startswith(prefix + "."):
+            return i
+    return len(LAYERS)
+
+
+def _all_modules() -> dict[str, Path]:
+    """Every module of both packages, the entry points (bench, train) included."""
+    out = {}
+    for pkg in PACKAGES:
+        for p in (ROOT / pkg).rglob("*.py"):
+            if "_proto" in p.parts:
+                continue
+            name = ".".join(p.relative_to(ROOT).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = p
+    return out
+
+
+def test_the_layers_import_downwards_only():
+    modules = _all_modules()
+    assert {"dart_core.model.target", "dart_core.spec.drafters", "dart_core.step.engine",
+            "dart_core.serve.batcher", "dart_core.api"} <= set(modules)
+    upward = {}
+    for name, path in modules.items():
+        top, inner = _imports(path, modules)
+        up = sorted(m for m in top | inner if _layer(m) > _layer(name))
+        if up:
+            upward[name] = up
+    assert upward == {}, f"imports from a higher layer: {upward}"
+    # every module of dart_core but the package root, the API and the entry points sits in a layer
+    loose = [n for n in modules if n.startswith("dart_core.") and _layer(n) == len(LAYERS)
+             and n != "dart_core.api" and not n.startswith(("dart_core.bench", "dart_core.train"))]
+    assert loose == []
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path):
+    a = tmp_path / "a.py"
+    a.write_text("from dart_core.step.engine import DartEngine\n")
+    top, _ = _imports(a, {"dart_core.step.engine": None})
+    assert [m for m in top if _layer(m) > _layer("dart_core.spec.drafters")] == ["dart_core.step.engine"]

@@ -10,15 +10,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dart_core.engine import DartEngine
-from dart_core.sampling import SamplingParams
-from dart_core.target import TargetModel
+from dart_core.step.engine import DartEngine
+from dart_core.step.sampling import SamplingParams
+from dart_core.model.target import TargetModel
 
 from .conftest import VOCAB, OracleTreeSearch, tiny_config, tiny_target
 from .test_engine import prompts_of, random_head, run_with_a_late_join
 
 gguf = pytest.importorskip("gguf")
-from dart_core.quant import (GGUFWeightsError, Int4Linear, KERNELS, can_int4, default_kernel,  # noqa: E402
+from dart_core.model.quant import (GGUFWeightsError, Int4Linear, KERNELS, can_int4, default_kernel,  # noqa: E402
                              int4_parts, quantize_from_gguf, quantize_linears)
 
 pytestmark = pytest.mark.skipif(not can_int4(), reason="this PyTorch has no CPU int4 kernel")
@@ -118,7 +118,7 @@ def test_the_fused_argmax_is_the_argmax_of_the_outputs(kernel):
     blocks), a tie across blocks (the first wins), with qmm rows of NaN and -inf outputs (the first
     NaN), the portable loop, and real_rows (the rows not selected get 0)."""
     from dart_core import _kernels
-    from dart_core.rows import real_rows
+    from dart_core.model.rows import real_rows
 
     rng = np.random.default_rng(12)
     function = {"qmm": _kernels.qmm_argmax, "qmm-a8": _kernels.qmm_a8_argmax}[kernel]
@@ -195,7 +195,7 @@ def test_qmm_refuses_arrays_of_the_wrong_shape(kernel):
 def test_the_4bit_layer_computes_only_the_real_rows(kernel):
     """Inside real_rows (a padded batch of draft trees) only the selected rows are computed, each equal
     to its row outside the block; the padding rows are zero; another row count is computed in full."""
-    from dart_core.rows import real_rows
+    from dart_core.model.rows import real_rows
 
     rng = np.random.default_rng(2)
     layer = Int4Linear(int4_parts(_blocks(rng.normal(size=(64, 96)), Q.Q8_0), "Q8_0", (64, 96)),  # two parts
@@ -279,7 +279,7 @@ def test_conversion_from_a_gguf_file_keeps_every_layer_value(tmp_path, tied):
         assert isinstance(layer, Int4Linear)
         torch.testing.assert_close(layer.weight, weight, rtol=1e-5, atol=1e-6)  # q/k rows in the model's order
     from dart_core.bench.step_profile import weights_format
-    from dart_core.quant import default_kernel
+    from dart_core.model.quant import default_kernel
 
     # what the step profile's report calls these weights (not the float32 of the remaining parameters)
     assert weights_format(model) == ("4-bit GGUF Q4_1+Q8_0" if tied else "4-bit GGUF Q4_0+Q4_1") + \
@@ -328,8 +328,8 @@ def test_gguf_native_needs_a_gguf(tiny_model_dir):
 def test_a_verification_forward_computes_each_position_as_one_token_steps_do(tmp_path, kernel):
     """Bit for bit: the 4-bit layers are row-exact, so attention must be row-exact as well
     (TargetModel.row_exact), or last-bit differences grow into different logits."""
-    from dart_core.kv_cache import cache_mask
-    from dart_core.target import TargetCache
+    from dart_core.model.kv_cache import cache_mask
+    from dart_core.model.target import TargetCache
 
     # SmolLM2's head size (64): float32 attention then differs in the last bits between row counts
     model = tiny_gguf_model(tmp_path / "tiny.gguf", seed=2, hidden_size=256, num_attention_heads=4,

@@ -1,4 +1,4 @@
-"""The one-sequence reference step (dart_core.reference) as the oracle of the engine's fast paths: at
+"""The one-sequence reference step (dart_core.step.reference) as the oracle of the engine's fast paths: at
 a fixed budget the engine (batched, KV cached, folded and static draft caches, C++ acceptance)
 accepts the same tokens step for step, and both equal the target's greedy output."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dart_core.engine import DartEngine
-from dart_core.reference import reference_generate
-from dart_core.sampling import SamplingParams
+from dart_core.step.engine import DartEngine
+from dart_core.step.reference import reference_generate
+from dart_core.step.sampling import SamplingParams
 from ngram_service.client import InProcessTreeSearch
 from ngram_service.tree_search import SearchParams
 

@@ -12,9 +12,9 @@ import torch
 from safetensors import safe_open
 
 from dart_core.api import SHIPPED_HEADS, DartModel, default_draft_dtype
-from dart_core.engine import DartEngine
-from dart_core.sampling import SamplingParams
-from dart_core.tokenizer import DEFAULT_MODEL
+from dart_core.step.engine import DartEngine
+from dart_core.step.sampling import SamplingParams
+from dart_core.model.tokenizer import DEFAULT_MODEL
 from ngram_service.client import InProcessTreeSearch
 from ngram_service.tree_search import SearchParams
 

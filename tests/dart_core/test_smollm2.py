@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dart_core.draft_head import DartDraftHead, DraftHeadConfig
-from dart_core.engine import DartEngine
-from dart_core.sampling import SamplingParams
-from dart_core.target import TargetModel
+from dart_core.spec.draft_head import DartDraftHead, DraftHeadConfig
+from dart_core.step.engine import DartEngine
+from dart_core.step.sampling import SamplingParams
+from dart_core.model.target import TargetModel
 from ngram_service.client import InProcessTreeSearch
 from ngram_service.build import build_trie_from_texts
 from ngram_service.corpus import cpython_stdlib_sources
@@ -86,8 +86,8 @@ def test_a_repeated_span_is_drafted_from_the_context(smollm2):
 def test_converted_gguf_cache_loads_the_same_model(tmp_path, monkeypatch):
     """The first load of the GGUF default writes its Hugging Face form to the cache; the
     next load reads it (seconds instead of de-quantising again) with identical logits and vocabulary."""
-    from dart_core.target import TargetModel
-    from dart_core.tokenizer import converted_cache, resolve_model, tokenizer_identity
+    from dart_core.model.target import TargetModel
+    from dart_core.model.tokenizer import converted_cache, resolve_model, tokenizer_identity
 
     monkeypatch.setenv("DART_SERVE_CACHE", str(tmp_path))
     first = TargetModel.from_pretrained(dtype=torch.float32)
@@ -105,7 +105,7 @@ def test_converted_gguf_cache_loads_the_same_model(tmp_path, monkeypatch):
 def test_gguf_special_tokens_come_from_the_file():
     """The EOS a GGUF file names wins over the one transformers converted (5.17 gives SmolLM2's
     <|im_start|>, so generation ran past <|im_end|> on a machine with that release)."""
-    from dart_core.tokenizer import load_tokenizer, resolve_model
+    from dart_core.model.tokenizer import load_tokenizer, resolve_model
     from ngram_service.tokenizer import gguf_special_tokens
 
     source = resolve_model(None)
@@ -123,7 +123,7 @@ def test_greedy_dart_is_exact_on_the_gguf_native_4bit_target():
     60 nodes accepted deeply, over the first 16 tokens: the part every kernel's 4-bit target repeats
     verbatim; with 8-bit activations, as with llama.cpp, the repetition breaks after 18): every token
     equals the 4-bit target's autoregressive output."""
-    from dart_core.quant import Int4Linear
+    from dart_core.model.quant import Int4Linear
 
     target = TargetModel.from_pretrained(weights="gguf-native")
     kinds = [m.gguf_type for m in target.model.modules() if isinstance(m, Int4Linear)]
@@ -152,7 +152,7 @@ def test_constrained_dart_equals_constrained_autoregressive(smollm2):
     import jsonschema
 
     from dart_core.bench.structured import DEFAULT_SCHEMAS, load_schemas, user_message
-    from dart_core.grammar import GrammarCompiler, GrammarSpec
+    from dart_core.step.grammar import GrammarCompiler, GrammarSpec
 
     rows = {r["name"]: r for r in load_schemas(DEFAULT_SCHEMAS)}
     compiler = GrammarCompiler(smollm2.tokenizer, smollm2.config.vocab_size)

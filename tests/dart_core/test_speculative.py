@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from dart_core.speculative import SpeculativeConfig
+from dart_core.spec.speculative import SpeculativeConfig
 from ngram_service.tree_search import SearchParams
 
 

@@ -11,15 +11,15 @@ import pytest
 
 from dart_core.api import DartModel
 from dart_core.bench import SWITCH_VARIABLES, bench_kernel_config, bench_switches
-from dart_core.cuda_graphs import DEFAULT_DRAFT_WIDTHS
-from dart_core.kernel_config import KernelConfig
-from dart_core.speculative import FOLD_WIDTH, SpeculativeConfig
+from dart_core.model.cuda_graphs import DEFAULT_DRAFT_WIDTHS
+from dart_core.model.kernel_config import KernelConfig
+from dart_core.spec.speculative import FOLD_WIDTH, SpeculativeConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
 # environment reads the library keeps, each for a reason that is not a runtime switch
 ALLOWED = {
-    "dart_core/allocator.py": "MALLOC_MMAP_THRESHOLD_: glibc's own setting, which keep_freed_memory defers to",
+    "dart_core/model/allocator.py": "MALLOC_MMAP_THRESHOLD_: glibc's own setting, which keep_freed_memory defers to",
     "dart_core/train/gpu_recipe.py": "DART_SERVE_CACHE: the cache path (a command-line entry point)",
     "ngram_service/cache.py": "DART_SERVE_CACHE: the cache path",
     "ngram_service/build.py": "TOKENIZERS_PARALLELISM: set for tokenizers' worker processes, not read",

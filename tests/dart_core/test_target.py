@@ -1,4 +1,4 @@
-"""The target adapter's oneDNN-packed linear layers (dart_core.rows.PackedLinear)."""
+"""The target adapter's oneDNN-packed linear layers (dart_core.model.rows.PackedLinear)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from dart_core.engine import DartEngine
-from dart_core.sampling import SamplingParams
-from dart_core.rows import PackedLinear, can_pack, pack_linears
-from dart_core.target import TargetModel
+from dart_core.step.engine import DartEngine
+from dart_core.step.sampling import SamplingParams
+from dart_core.model.rows import PackedLinear, can_pack, pack_linears
+from dart_core.model.target import TargetModel
 
 from .conftest import VOCAB, OracleTreeSearch, hf_greedy, tiny_config, tiny_target
 from .test_engine import random_head
@@ -87,7 +87,7 @@ def test_packed_target_stays_exact_against_the_stock_model(arch):
 
 
 def test_packed_linear_computes_only_the_real_rows():
-    from dart_core.rows import PackedLinear, can_pack, real_rows
+    from dart_core.model.rows import PackedLinear, can_pack, real_rows
 
     lin = torch.nn.Linear(8, 5)
     if not can_pack(lin):
@@ -111,7 +111,7 @@ def test_a_ragged_prefill_computes_only_the_prompts_tokens_with_the_same_results
     """On a packed target a group of prompts of different lengths runs its linear layers over the
     prompts' own tokens only (TargetModel.forward rows); logits, taps and valid KV entries equal the
     forward that computes the padding too, bit for bit."""
-    from dart_core.target import TargetCache
+    from dart_core.model.target import TargetCache
 
     target = tiny_target(kind, seed=3)
     assert target.packed
@@ -148,7 +148,7 @@ def test_prefill_of_the_last_logits_equals_the_full_prefill(kind, packed):
     against the full prefill: the same last-position logits, taps and KV cache, on the decoder path
     (llama packed), the stock forward's (llama unpacked) and a model without the decoder (qwen3);
     ragged prompts, two of one length (one output position shared)."""
-    from dart_core.target import TargetCache
+    from dart_core.model.target import TargetCache
 
     target = tiny_target(kind, seed=4)
     target.packed = packed

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from dart_core.draft_head import load_draft_head
+from dart_core.spec.draft_head import load_draft_head
 from dart_core.train.data import DataConfig, Example, generate_responses, load_examples, training_prompts
 from dart_core.train.features import choose_draft_vocab
 from dart_core.train.trainer import TrainConfig, evaluate_accuracy, init_head, train
@@ -199,7 +199,7 @@ def test_the_teacher_dtype_is_checked_recorded_and_keys_the_feature_store(tmp_pa
 
 
 def test_a_warm_start_continues_from_a_head_and_refuses_a_mismatch(tmp_path, monkeypatch):
-    from dart_core.draft_head import HeadLoadError
+    from dart_core.spec.draft_head import HeadLoadError
 
     target, base = _small_run(tmp_path, monkeypatch)
     first = train(TrainConfig(out=str(tmp_path / "first"), epochs=4, lr=3e-3, **base), target=target, progress=False)
@@ -385,7 +385,7 @@ def test_gpu_recipe_packs_stages_trains_resumably_and_unpacks(tmp_path, tiny_mod
     """The GPU recipe end to end on CPU at a tiny size: parts under the size limit, staged one by one
     (a file joins only when all its chunks are in, checksums checked), training stopped by its time
     limit and resumed by the next call, the head returned in chunks and joined back."""
-    from dart_core.target import TargetModel
+    from dart_core.model.target import TargetModel
     from dart_core.train import gpu_recipe
     from dart_core.train.data import read_examples
 
@@ -443,7 +443,7 @@ def test_gpu_recipe_answers_packed_prompts_there_resumably(tmp_path, tiny_model_
     """``pack --generate-there``: the prompts without a stored answer travel tokenized; ``train``
     answers them there with the target (greedy, its own output), stops admitting prompts at its time
     limit and continues at the next call, then trains on the answers (held-out ones included)."""
-    from dart_core.target import TargetModel
+    from dart_core.model.target import TargetModel
     from dart_core.train import gpu_recipe
     from dart_core.train.data import answer_prompts, read_examples, unanswered_prompts
 
@@ -492,7 +492,7 @@ def test_gpu_recipe_packs_fresh_prompts_first(tmp_path, tiny_model_dir, monkeypa
     """``pack --prompt-skip K --skipped-last``: the held-out and fresh prompts (index >= K) travel first,
     then the unanswered ones below K, which ``train`` answers last; without ``--skipped-last`` those
     stay behind; a prompt below K answered here is not asked again (and, below K, not loaded)."""
-    from dart_core.target import TargetModel
+    from dart_core.model.target import TargetModel
     from dart_core.train import gpu_recipe
     from dart_core.train.data import answer_prompts, read_examples, unanswered_prompts
 
@@ -620,7 +620,7 @@ def test_sequences_padded_into_one_forward_give_each_sequences_own_loss_and_grad
     """_batch_loss (several sequences, one padded forward: the GPU path) equals _sequence_loss
     run per sequence, in the losses and in the summed gradient, with sequences of different
     lengths and anchor counts (so both paddings are exercised)."""
-    from dart_core.draft_head import DartDraftHead, DraftHeadConfig
+    from dart_core.spec.draft_head import DartDraftHead, DraftHeadConfig
     from dart_core.train.trainer import _batch_loss, _sequence_loss
 
     from .conftest import tiny_config

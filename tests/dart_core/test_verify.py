@@ -8,9 +8,9 @@ import pytest
 import torch
 from scipy import stats
 
-from dart_core.drafters import DraftBatch
-from dart_core.sampling import SamplingParams, sample_token, target_probs
-from dart_core.verify import (accept_greedy, accept_greedy_batch, accept_greedy_cpu, accept_sampling_batch,
+from dart_core.spec.drafters import DraftBatch
+from dart_core.step.sampling import SamplingParams, sample_token, target_probs
+from dart_core.step.verify import (accept_greedy, accept_greedy_batch, accept_greedy_cpu, accept_sampling_batch,
                               children_lists)
 
 from .conftest import make_tree
@@ -156,9 +156,9 @@ def test_sample_token_never_draws_a_token_of_probability_zero():
 def test_accept_keeps_free_rows_batched_beside_a_constrained_one(monkeypatch):
     """accept(): one constrained row (min_tokens masking a stop token) walks on the host while the other
     rows go through the one batched C++ walk; every row's path and bonus equal the per-row reference."""
-    from dart_core import verify
-    from dart_core.grammar import MinTokens
-    from dart_core.target import TargetOutput
+    from dart_core.step import verify
+    from dart_core.step.grammar import MinTokens
+    from dart_core.model.target import TargetOutput
 
     rng = np.random.default_rng(5)
     trees = random_trees(rng, 6)

@@ -569,9 +569,9 @@ def test_smollm2_app_serves_the_targets_greedy_text(app):
     cluster, random head so every step drafts and verifies a tree): on a CPU it serves
     the GGUF's own 4-bit weights (``weights: auto``), and the text equals that target's
     autoregressive greedy text."""
-    from dart_core.engine import DartEngine
-    from dart_core.sampling import SamplingParams
-    from dart_core.target import TargetModel
+    from dart_core.step.engine import DartEngine
+    from dart_core.step.sampling import SamplingParams
+    from dart_core.model.target import TargetModel
     from deployments.app import build_app
 
     serve.run(build_app({"head": "random", "budget": 4, "ngram": {"enabled": False}}), name="smol",
@@ -600,7 +600,7 @@ def test_the_engine_streams_chunks_in_groups(app):
     """The engine replica's stream (what the ingress reads) groups chunks by ``stream_interval_ms``:
     the prefill's chunk alone first, fewer Ray items than decoding steps, every step still its own
     chunk (the tokens add up, one chunk per step)."""
-    from dart_core.request import GenerationRequest
+    from dart_core.serve.request import GenerationRequest
 
     engine = serve.get_deployment_handle("DartEngine", app_name="dart")
 

@@ -98,7 +98,7 @@ def test_step_metrics_record_the_verification_budget(monkeypatch):
     request's end (or once a second), not at every step."""
     import types
 
-    from dart_core.engine import StepOutput
+    from dart_core.step.engine import StepOutput
     from deployments import engine as engine_module
 
     class Metric:
@@ -149,7 +149,7 @@ def test_the_torch_free_copies_of_the_kernel_and_draft_weight_choices_match_the_
 
     from dart_core.api import DRAFT_WEIGHTS
     from dart_core.bench import add_weights_argument
-    from dart_core.quant import KERNELS
+    from dart_core.model.quant import KERNELS
     from deployments.config import AppConfig
 
     kernels, drafts = {"auto", *KERNELS}, set(DRAFT_WEIGHTS)

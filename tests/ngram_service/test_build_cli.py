@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from dart_core.tokenizer import tokenizer_identity
+from dart_core.model.tokenizer import tokenizer_identity
 from ngram_service import corpus
 from ngram_service.build import build_trie_from_texts, main
 from ngram_service.trie import NgramTrie

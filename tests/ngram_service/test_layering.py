@@ -54,8 +54,8 @@ def test_the_engines_client_does_not_need_the_servers_packages():
 
 def test_the_check_sees_a_forbidden_import(tmp_path):
     f = tmp_path / "m.py"
-    f.write_text("def g():\n    from dart_core.engine import DartEngine\n")
-    assert "dart_core.engine" in imported_modules(f)
+    f.write_text("def g():\n    from dart_core.step.engine import DartEngine\n")
+    assert "dart_core.step.engine" in imported_modules(f)
 
 
 def test_the_tokenizers_only_tokenizer_is_the_engines(default_tokenizer):

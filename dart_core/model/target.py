@@ -9,7 +9,7 @@ The adapter returns the logits and the three hidden-state taps the DART
 head reads: the inputs of decoder layers 2, L//2 and L-3, i.e. indices
 2, L//2, L-3 of ``output_hidden_states`` (index 0 is the embedding output).
 On a CPU, a Llama-architecture target with packed or 4-bit linear layers runs
-the same operators through :class:`~dart_core.decoder.LlamaDecoder` instead of
+the same operators through :class:`~dart_core.model.decoder.LlamaDecoder` instead of
 transformers' modules (equal values, far less overhead per forward).
 """
 
@@ -23,15 +23,15 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from dart_core.attention import GROUPED_SDPA, attention_backend
-from dart_core.cuda_graphs import StaticVerifier
-from dart_core.decoder import LlamaDecoder, decoder_unsupported
-from dart_core.kernel_config import KernelConfig
-from dart_core.kv_cache import (BufferedKVCache, KVPool, cache_mask, compact_buffered, compact_layers,
+from dart_core.model.attention import GROUPED_SDPA, attention_backend
+from dart_core.model.cuda_graphs import StaticVerifier
+from dart_core.model.decoder import LlamaDecoder, decoder_unsupported
+from dart_core.model.kernel_config import KernelConfig
+from dart_core.model.kv_cache import (BufferedKVCache, KVPool, cache_mask, compact_buffered, compact_layers,
                                 compaction_plan, compaction_plan_host)
-from dart_core.quant import KERNELS, quantize_from_gguf
-from dart_core.rows import can_pack, pack_linears, padded_rows, real_rows
-from dart_core.tokenizer import converted_cache, load_tokenizer, resolve_model, save_converted
+from dart_core.model.quant import KERNELS, quantize_from_gguf
+from dart_core.model.rows import can_pack, pack_linears, padded_rows, real_rows
+from dart_core.model.tokenizer import converted_cache, load_tokenizer, resolve_model, save_converted
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class TargetOutput:
 class TargetCache:
     """The target's KV cache (a ``DynamicCache`` that appends in place) plus per-sequence valid lengths.
 
-    Layout in :mod:`dart_core.kv_cache`.
+    Layout in :mod:`dart_core.model.kv_cache`.
     """
 
     def __init__(self, batch: int, device) -> None:
@@ -71,15 +71,15 @@ class TargetCache:
     def compact(self, src: torch.Tensor, counts: torch.Tensor) -> None:
         """Keeps entries src[b, :counts[b]] (positions in the padded cache) after each prefix.
 
-        The moves are planned once for all layers (:func:`~dart_core.kv_cache.compaction_plan`);
+        The moves are planned once for all layers (:func:`~dart_core.model.kv_cache.compaction_plan`);
         entries already in place are not copied."""
         self.compact_planned(compaction_plan(self.lengths, src, counts), counts)
 
     def compact_planned(self, plan, counts: torch.Tensor) -> None:
-        """:meth:`compact` with its plan already made (:func:`~dart_core.kv_cache.compaction_plan`,
-        or :func:`~dart_core.kv_cache.compaction_plan_host`, which reads no device tensor);
+        """:meth:`compact` with its plan already made (:func:`~dart_core.model.kv_cache.compaction_plan`,
+        or :func:`~dart_core.model.kv_cache.compaction_plan_host`, which reads no device tensor);
         counts [B] entries kept per sequence. Layers that are still the views a static verifier's
-        forward left (:class:`~dart_core.kv_cache.KVPool`) are compacted in one pass for all layers."""
+        forward left (:class:`~dart_core.model.kv_cache.KVPool`) are compacted in one pass for all layers."""
         layers = self.cache.layers
         if self.pool is not None and self.pool.holds(layers):
             self.pool.compact(layers, plan)
@@ -89,11 +89,11 @@ class TargetCache:
 
     def compact_paths(self, lengths: list[int], offset: int, paths: np.ndarray, counts: torch.Tensor,
                       counts_host: np.ndarray) -> None:
-        """:meth:`compact_planned` with :func:`~dart_core.kv_cache.compaction_plan_host`'s plan
+        """:meth:`compact_planned` with :func:`~dart_core.model.kv_cache.compaction_plan_host`'s plan
         (``lengths``: the valid lengths before the step, ``offset``: the cache's padded length before
         it, ``paths`` [B, A]: each row's kept entries as increasing offsets from ``offset``, padded
         past its ``counts_host[b]``; counts [B] the same numbers on the device), planned and applied
-        in one C++ call where the layers are CPU buffers (:func:`~dart_core.kv_cache.compact_buffered`),
+        in one C++ call where the layers are CPU buffers (:func:`~dart_core.model.kv_cache.compact_buffered`),
         else through the plan."""
         layers = self.cache.layers
         if ((self.pool is None or not self.pool.holds(layers))
@@ -136,12 +136,12 @@ class TargetModel:
             CPU with oneDNN (:func:`can_pack`), where it makes a forward cheaper,
             most for 2 to 16 query tokens (docs/engine.md, "Packed CPU target").  The model then serves
             inference only (no gradients through the packed layers).
-        decoder: run forwards with :class:`~dart_core.decoder.LlamaDecoder` (the same values as
+        decoder: run forwards with :class:`~dart_core.model.decoder.LlamaDecoder` (the same values as
             the stock forward, bit for bit, with far less per-operator overhead on a CPU); None
-            (default) where :func:`~dart_core.decoder.decoder_unsupported` accepts the model
+            (default) where :func:`~dart_core.model.decoder.decoder_unsupported` accepts the model
             (a Llama-architecture target on a CPU with packed or 4-bit linear layers), False never.
             The 4-bit q/k/v and gate/up layers are then fused in place (:meth:`Int4Linear.fuse
-            <dart_core.quant.Int4Linear.fuse>`).
+            <dart_core.model.quant.Int4Linear.fuse>`).
 
     Raises:
         ValueError: ``pack=True`` for a model that :func:`can_pack` refuses, ``decoder=True`` for
@@ -151,7 +151,7 @@ class TargetModel:
     def __init__(self, model, tokenizer=None, *, pack: bool | None = None, decoder: bool | None = None,
                  kernels: KernelConfig | None = None) -> None:
         self.model = model.eval()
-        # the SDPA backends and grouped-query switch of every attention call (dart_core.kernel_config)
+        # the SDPA backends and grouped-query switch of every attention call (dart_core.model.kernel_config)
         self.kernels = kernels or KernelConfig()
         if pack is None:
             pack = can_pack(model)
@@ -190,12 +190,12 @@ class TargetModel:
 
     def enable_static_cache(self, **kwargs) -> "StaticVerifier":
         """Runs verification forwards over a static KV cache from now on, replayed as CUDA graphs
-        on a GPU: :class:`~dart_core.cuda_graphs.StaticVerifier` (padded tree and batch sizes,
+        on a GPU: :class:`~dart_core.model.cuda_graphs.StaticVerifier` (padded tree and batch sizes,
         one graph per batch bucket and size bucket, captured when first needed), built with
         ``kwargs``.
 
         Raises:
-            ValueError: as :class:`~dart_core.cuda_graphs.StaticVerifier`."""
+            ValueError: as :class:`~dart_core.model.cuda_graphs.StaticVerifier`."""
         self.static = StaticVerifier(self, **kwargs)
         return self.static
 
@@ -204,7 +204,7 @@ class TargetModel:
                         device: str | torch.device = "cpu", device_map=None,
                         pack: bool | None = None, weights: str = "dense",
                         gguf_kernel: str | None = None, kernels: KernelConfig | None = None) -> "TargetModel":
-        """Loads a local model (see :func:`dart_core.tokenizer.resolve_model`); never a hub.
+        """Loads a local model (see :func:`dart_core.model.tokenizer.resolve_model`); never a hub.
 
         Args:
             spec: None for the embedded SmolLM2-135M-Instruct, a model folder or a .gguf file.
@@ -215,18 +215,18 @@ class TargetModel:
                 the layers and its hooks wrap them).
             weights: "dense" (the weights de-quantised to ``dtype``) or "gguf-native": a GGUF's
                 Q4_0 / Q4_1 / Q8_0 linear layers run from their own 4-bit blocks on the CPU
-                (:func:`dart_core.quant.quantize_from_gguf`; ``dtype`` float32 for the rest of the
+                (:func:`dart_core.model.quant.quantize_from_gguf`; ``dtype`` float32 for the rest of the
                 model).
             gguf_kernel: with "gguf-native", the 4-bit layers' kernel (one of
-                :data:`dart_core.quant.KERNELS`); None: :func:`dart_core.quant.default_kernel`.
-            kernels: the attention switches (:class:`~dart_core.kernel_config.KernelConfig`;
+                :data:`dart_core.model.quant.KERNELS`); None: :func:`dart_core.model.quant.default_kernel`.
+            kernels: the attention switches (:class:`~dart_core.model.kernel_config.KernelConfig`;
                 None: its defaults).
 
         Raises:
             ValueError: ``pack=True`` together with a ``device_map``; "gguf-native" for a source that
                 is not a GGUF, off the CPU, with a ``device_map`` or another dtype than float32; an
                 unknown ``gguf_kernel``, or one given without "gguf-native".
-            dart_core.quant.GGUFWeightsError: a GGUF whose blocks do not match its de-quantised weights.
+            dart_core.model.quant.GGUFWeightsError: a GGUF whose blocks do not match its de-quantised weights.
         """
         if pack and device_map is not None:
             raise ValueError("pack=True cannot be combined with a device_map: accelerate places and wraps the "
@@ -312,7 +312,7 @@ class TargetModel:
     def fused_argmax(self) -> bool:
         """Whether a ``greedy`` forward returns the argmax without the logits (the output layer on
         one of dart-serve's 4-bit kernels, through :attr:`decoder`: :meth:`Int4Linear.argmax
-        <dart_core.quant.Int4Linear.argmax>`); a static-cache forward (CUDA graphs) never does."""
+        <dart_core.model.quant.Int4Linear.argmax>`); a static-cache forward (CUDA graphs) never does."""
         return self.decoder is not None and self.decoder.fused_argmax
 
     @torch.inference_mode()
@@ -325,7 +325,7 @@ class TargetModel:
         ``logit_index``: int64 [B], one query position per row: the logits are then [B, 1, V], that
         position's only (the output layer runs on B rows instead of B · Q; the taps stay [B, Q, 3H]).
         ``greedy``: as :meth:`forward`."""
-        # an explicit SDPA choice (dart_core.attention)
+        # an explicit SDPA choice (dart_core.model.attention)
         with attention_backend(input_ids.device, self.kernels.sdpa_backends):
             if self.decoder is not None:
                 logits, taps, argmax = self.decoder.forward(input_ids, position_ids, attention_mask, cache.cache,

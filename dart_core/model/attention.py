@@ -19,7 +19,7 @@ The engine therefore runs its attention under an explicit choice,
 - **CPU** (``auto``): PyTorch's own choice, unchanged (its flash kernel for
   CPUs takes masks and builds no plans).
 
-``KernelConfig.sdpa_backends`` (:mod:`dart_core.kernel_config`) overrides
+``KernelConfig.sdpa_backends`` (:mod:`dart_core.model.kernel_config`) overrides
 the choice for measurements: ``default`` (PyTorch's own priority, cuDNN
 included), or a comma-separated list of ``flash``, ``efficient``, ``math``,
 ``cudnn``.
@@ -47,8 +47,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from dart_core import kernels
-from dart_core.kernel_config import KernelConfig
+from dart_core.model import kernels
+from dart_core.model.kernel_config import KernelConfig
 
 __all__ = ["sdpa_backends", "attention_backend", "grouped_query_sdpa", "use_grouped_query", "grouped_sdpa",
            "matmul_attention", "row_exact_attention", "GROUPED_SDPA", "SMALL_QUERY", "ROW_EXACT_QUERY"]
@@ -67,7 +67,7 @@ def sdpa_backends(device: torch.device | str, setting: str = "auto") -> tuple[SD
             ``default`` or a comma-separated list of backend names.
 
     Raises:
-        ValueError: an unknown backend name (as :class:`~dart_core.kernel_config.KernelConfig`).
+        ValueError: an unknown backend name (as :class:`~dart_core.model.kernel_config.KernelConfig`).
     """
     if setting != "auto":
         setting = KernelConfig(sdpa_backends=setting).sdpa_backends
@@ -154,7 +154,7 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
        every query size, the one-token step included: the query heads of a
        group are stacked along the query axis instead, so a layer reads its keys and values
        once, not ``num_key_value_groups`` times after copying them
-       (:func:`~dart_core.attention.grouped_query_sdpa`).
+       (:func:`~dart_core.model.attention.grouped_query_sdpa`).
 
     Elsewhere (CPU single-token queries, already copy-free) this defers to
     transformers. Boolean masks (transformers' own, e.g. in ``generate``)
@@ -189,9 +189,9 @@ ROW_EXACT_QUERY = 256  # row-exact attention up to this many query tokens per ca
 def row_exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
     """softmax(q·kᵀ + mask)·v with each query row computed on its own by one fixed arithmetic
-    (:func:`dart_core.kernels.row_exact_attention`, a C++ kernel), so a row's result does not depend
+    (:func:`dart_core.model.kernels.row_exact_attention`, a C++ kernel), so a row's result does not depend
     on how many other rows share the call or where its keys sit in the cache.  Used where the
-    target's other layers are row-exact too (:class:`~dart_core.quant.Int4Linear`), which round
+    target's other layers are row-exact too (:class:`~dart_core.model.quant.Int4Linear`), which round
     activations to bfloat16: there a batched attention's last-bit differences between a one-token
     step and a tree verification grow into different tokens.  Shapes as :func:`matmul_attention`."""
     return kernels.row_exact_attention(query, key, value, attention_mask, scaling)

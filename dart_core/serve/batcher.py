@@ -1,9 +1,9 @@
-"""Continuous batching around a :class:`~dart_core.engine.DartEngine`, without Ray.
+"""Continuous batching around a :class:`~dart_core.step.engine.DartEngine`, without Ray.
 
 The serving core: requests come in from any thread (or asyncio task), join
 the running batch at the next decoding step, leave it when they finish or
 are cancelled, and get their tokens back step by step as
-:class:`~dart_core.request.GenerationChunk` s.  One background thread owns the
+:class:`~dart_core.serve.request.GenerationChunk` s.  One background thread owns the
 engine and runs its single decode loop (:meth:`DartEngine.generate_stream`
 with ``admit`` and ``cancelled``); the Serve deployment is a thin shell
 around this class, and benchmarks and tests drive it directly
@@ -12,11 +12,11 @@ around this class, and benchmarks and tests drive it directly
 Per request, in the caller's thread (:meth:`ContinuousBatcher.submit`): the
 prompt is encoded (chat template for messages), checked against the context
 window and the server's ``max_tokens`` limit, and turned into
-:class:`~dart_core.sampling.SamplingParams`; any problem raises
-:class:`~dart_core.request.InvalidRequest` before anything is queued.
+:class:`~dart_core.step.sampling.SamplingParams`; any problem raises
+:class:`~dart_core.serve.request.InvalidRequest` before anything is queued.
 
 Per step, in the engine thread: each sequence's new tokens go through its
-:class:`~dart_core.detokenizer.IncrementalDetokenizer` (UTF-8 hold-back, stop
+:class:`~dart_core.serve.detokenizer.IncrementalDetokenizer` (UTF-8 hold-back, stop
 strings); a stop string ends the request at once (finish reason ``"stop"``)
 and the engine drops the sequence at its next step.  Steps with more than
 ``max_speculative_batch`` running sequences, and every step while a request
@@ -39,11 +39,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable, Iterator, TypeVar
 
-from dart_core.detokenizer import IncrementalDetokenizer
-from dart_core.engine import DartEngine, NewSequence, StepOutput, TokenLogprobs
-from dart_core.grammar import Grammar, GrammarCompiler, GrammarError
-from dart_core.request import GenerationChunk, GenerationRequest, InvalidRequest, TokenLogprob
-from dart_core.sampling import SamplingParams
+from dart_core.serve.detokenizer import IncrementalDetokenizer
+from dart_core.step.engine import DartEngine, NewSequence, StepOutput, TokenLogprobs
+from dart_core.step.grammar import Grammar, GrammarCompiler, GrammarError
+from dart_core.serve.request import GenerationChunk, GenerationRequest, InvalidRequest, TokenLogprob
+from dart_core.step.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from dart_core import _kernels
-from dart_core.drafters import DraftBatch
-from dart_core.sampling import SamplingParams, batch_target_probs, sample_token, target_probs
-from dart_core.target import TargetCache, TargetOutput
+from dart_core.spec.drafters import DraftBatch
+from dart_core.step.sampling import SamplingParams, batch_target_probs, sample_token, target_probs
+from dart_core.model.target import TargetCache, TargetOutput
 
 __all__ = ["accept", "AcceptedBatch", "Acceptance", "children_lists", "accept_greedy", "accept_greedy_batch", "accept_sampling",
            "accept_sampling_batch", "accept_constrained", "uniform_draws"]
@@ -138,7 +138,7 @@ def accept_greedy_cpu(tokens: torch.Tensor, parents: torch.Tensor, num_nodes: to
 
 
 def uniform_draws(generator: torch.Generator, n: int) -> torch.Tensor:
-    """[n] float64 uniforms in (0, 1] from ``generator`` (CPU), for :func:`~dart_core.sampling.sample_token`."""
+    """[n] float64 uniforms in (0, 1] from ``generator`` (CPU), for :func:`~dart_core.step.sampling.sample_token`."""
     return 1.0 - torch.rand(n, generator=generator, dtype=torch.float64)
 
 
@@ -150,7 +150,7 @@ def accept_sampling_batch(tokens: torch.Tensor, parents: torch.Tensor, num_nodes
     (greedy rows take the argmax), with no host read (module docstring: one draw per visited node).
 
     The walk runs one level per iteration for every row at once: the target's distribution at
-    each row's current node (:func:`~dart_core.sampling.batch_target_probs`), one token drawn from
+    each row's current node (:func:`~dart_core.step.sampling.batch_target_probs`), one token drawn from
     it with the row's uniform for that level, and the child holding that token (the first in node
     order) becomes the current node; a row without one ends with the drawn token as its bonus.
     ``max_depth + 1`` iterations, so a row computes the distributions of at most that many nodes;
@@ -208,7 +208,7 @@ def accept_constrained(tokens: np.ndarray, parents: np.ndarray, logits: torch.Te
     does in Hugging Face's ``generate``).  The output is then that of constrained plain decoding:
     equal at temperature 0, equally distributed otherwise.
 
-    ``grammar`` (a :class:`~dart_core.grammar.GrammarState`) advances over every accepted token
+    ``grammar`` (a :class:`~dart_core.step.grammar.GrammarState`) advances over every accepted token
     and the bonus token.  An accepted node whose token ends the grammar (its EOS) ends the walk:
     that token becomes the bonus token, since nothing may follow it.
 
@@ -295,8 +295,8 @@ def accept(batch: DraftBatch, out: TargetOutput, samplings: list[SamplingParams]
       batched beside it.
 
     Args:
-        batch: the step's :class:`~dart_core.drafters.DraftBatch` ([B, N] trees).
-        out: the verification forward's :class:`~dart_core.target.TargetOutput` (logits [B, N, V],
+        batch: the step's :class:`~dart_core.spec.drafters.DraftBatch` ([B, N] trees).
+        out: the verification forward's :class:`~dart_core.model.target.TargetOutput` (logits [B, N, V],
             or for a greedy batch possibly its fused argmax alone).
         samplings, generators, constraints: per row (B each).
         cheap_host_reads: reading a device tensor costs no sync (a CPU target).

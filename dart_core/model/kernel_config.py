@@ -27,14 +27,14 @@ class KernelConfig:
         sdpa_backends: ``"auto"`` (CUDA: flash, memory-efficient, math, cuDNN left out; CPU:
             PyTorch's own choice), ``"default"`` (PyTorch's own priority everywhere) or a
             comma-separated list of :data:`SDPA_BACKEND_NAMES`
-            (:func:`dart_core.attention.sdpa_backends`).
+            (:func:`dart_core.model.attention.sdpa_backends`).
         grouped_query: on CUDA, masked attention stacks a key/value head's query heads along the
             query axis instead of repeating keys and values per head
-            (:func:`dart_core.attention.grouped_query_sdpa`); False repeats them.
+            (:func:`dart_core.model.attention.grouped_query_sdpa`); False repeats them.
         static_windows: the static KV cache attends over windows of 256, 512, ... positions up to
-            its capacity (:func:`dart_core.cuda_graphs.default_windows`); False: the whole capacity.
+            its capacity (:func:`dart_core.model.cuda_graphs.default_windows`); False: the whole capacity.
         keep_freed_memory: on a CPU, glibc keeps freed tensor memory mapped for reuse
-            (:func:`dart_core.allocator.keep_freed_memory`); False leaves glibc's thresholds.
+            (:func:`dart_core.model.allocator.keep_freed_memory`); False leaves glibc's thresholds.
 
     Raises:
         ValueError: an unknown ``sdpa_backends`` value, or a switch that is not a bool.

@@ -43,10 +43,10 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from dart_core import _kernels
-from dart_core.attention import attention_backend, grouped_query_sdpa, sdpa_backends, use_grouped_query
-from dart_core.kernel_config import KernelConfig
-from dart_core.kernels import PARALLEL_WORK, RopeTables, rope_attend
-from dart_core.quant import QMM_KERNELS, Int4Linear
+from dart_core.model.attention import attention_backend, grouped_query_sdpa, sdpa_backends, use_grouped_query
+from dart_core.model.kernel_config import KernelConfig
+from dart_core.model.kernels import PARALLEL_WORK, RopeTables, rope_attend
+from dart_core.model.quant import QMM_KERNELS, Int4Linear
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ class DartDraftHead(nn.Module):
 
     def use_kernels(self, kernels: KernelConfig) -> "DartDraftHead":
         """Runs the head's attention under ``kernels``' SDPA backends and grouped-query switch
-        (:class:`~dart_core.kernel_config.KernelConfig`; the defaults until called); returns self."""
+        (:class:`~dart_core.model.kernel_config.KernelConfig`; the defaults until called); returns self."""
         for m in self.modules():
             if isinstance(m, _DraftAttention):
                 m.kernels = kernels
@@ -310,7 +310,7 @@ class DartDraftHead(nn.Module):
         levels: int | None = None,
     ) -> torch.Tensor:
         """:meth:`forward` over a static KV cache, with no shape that depends on the cache's contents
-        (so it can be captured in a CUDA graph: ``dart_core.cuda_graphs.StaticDrafter``).
+        (so it can be captured in a CUDA graph: ``dart_core.model.cuda_graphs.StaticDrafter``).
 
         Sequence b's valid real keys go to [L_b, L_b + n_b) (L = ``past_lengths``, n_b =
         ``last_index[b] + 1``), its d - 1 mask slots' keys to [L_b + n_b, L_b + n_b + d - 1), the padded
@@ -358,9 +358,9 @@ class DartDraftHead(nn.Module):
                 and "dynamic" not in rope_type and rope_type != "longrope")
 
     def _row_products(self):
-        """(qkv, gate_up) of the head's layers fused side by side (:meth:`dart_core.quant.Int4Linear.fuse`;
+        """(qkv, gate_up) of the head's layers fused side by side (:meth:`dart_core.model.quant.Int4Linear.fuse`;
         the layers become views of them), when every product of the layer is an
-        :class:`~dart_core.quant.Int4Linear` on a qmm kernel (a Q8_0 head on the CPU); else None.
+        :class:`~dart_core.model.quant.Int4Linear` on a qmm kernel (a Q8_0 head on the CPU); else None.
         Made on first use and kept outside the module's children (state dict unchanged)."""
         if not hasattr(self, "_row_fused"):
             a, mlp = self.midlayer.self_attn, self.midlayer.mlp
@@ -437,9 +437,9 @@ class DartDraftHead(nn.Module):
                             slots: int) -> torch.Tensor:
         """:meth:`forward_static` for one sequence on the CPU (logits [1, slots + 1, V_draft], equal up to
         rounding): the new positions' rotation, cache writes and attention in one call of the row-exact
-        kernel (:func:`dart_core.kernels.rope_attend`) instead of a dozen tensor operators, and with a
+        kernel (:func:`dart_core.model.kernels.rope_attend`) instead of a dozen tensor operators, and with a
         Q8_0 head the norms, SiLU and residual adds inside the qmm kernel's calls
-        (:meth:`dart_core.quant.Int4Linear.fused_into`).  The real positions up to the last and the
+        (:meth:`dart_core.model.quant.Int4Linear.fused_into`).  The real positions up to the last and the
         slots are written at [L, L + n + slots) (L = the cache's length); a causal mask over them is
         the head's mask for one sequence (the slots follow the last real position); queries at the
         real positions before the last are computed and dropped."""

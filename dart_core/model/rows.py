@@ -2,7 +2,7 @@
 
 A batch of draft trees is padded to one node count per sequence; on a CPU its
 linear layers are most of a verification forward, so the layers that honour
-:func:`real_rows` (:class:`PackedLinear` here, :class:`~dart_core.quant.Int4Linear`)
+:func:`real_rows` (:class:`PackedLinear` here, :class:`~dart_core.model.quant.Int4Linear`)
 compute the real nodes only and leave the padding rows zero.  The row
 selection travels in a context variable (:data:`REAL_ROWS`) that the target's
 forward sets and every such layer reads.

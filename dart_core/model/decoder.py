@@ -6,26 +6,26 @@ and the rest is Python (module calls, keyword plumbing, output collection) and s
 :class:`LlamaDecoder` runs the same computation directly over the model's own parameters:
 
 - q, k and v are one 4-bit matrix product, as are gate and up (:meth:`Int4Linear.fuse
-  <dart_core.quant.Int4Linear.fuse>`: the packed rows are concatenated, and the original
+  <dart_core.model.quant.Int4Linear.fuse>`: the packed rows are concatenated, and the original
   layers become views of the fused weight, so nothing is stored twice);
 - the rotary tables are computed once for all positions, the way transformers computes them
   per forward (each entry one product, so the values are the same);
 - the rotation of q and k and the KV-cache append are one C++ call per layer
-  (:func:`dart_core.kernels.rope_append`, PyTorch's arithmetic operator for operator); on the 4-bit
-  target the same call continues with the row-exact attention (:func:`~dart_core.kernels.rope_attend`),
+  (:func:`dart_core.model.kernels.rope_append`, PyTorch's arithmetic operator for operator); on the 4-bit
+  target the same call continues with the row-exact attention (:func:`~dart_core.model.kernels.rope_attend`),
   its mask converted once per forward;
 - taps, logits and the KV cache are what :meth:`TargetModel.model_forward
-  <dart_core.target.TargetModel.model_forward>` returns and writes through transformers.
+  <dart_core.model.target.TargetModel.model_forward>` returns and writes through transformers.
 
 Every operation is the one transformers' Llama applies, in the same order and dtypes, so the
 logits, the taps and the KV entries equal the stock forward's bit for bit (tested), and a row's
 result still does not depend on the other rows of the call (the row-exact property of the 4-bit
 target, docs/engine.md).
 
-When every layer runs one of dart-serve's kernels (``qmm-a8`` or ``qmm``, :mod:`dart_core.quant`),
+When every layer runs one of dart-serve's kernels (``qmm-a8`` or ``qmm``, :mod:`dart_core.model.quant`),
 the layers are one C++ call per forward (``_kernels.GGUFLayers``): RMS norm, SiLU-and-multiply and
 the residual additions happen inside the kernel calls (:meth:`Int4Linear.fused_into
-<dart_core.quant.Int4Linear.fused_into>`), with no Python between them. Those sums run in an order
+<dart_core.model.quant.Int4Linear.fused_into>`), with no Python between them. Those sums run in an order
 of their own, so this path is close to the stock forward rather than equal to it; it stays
 row-exact. Figures: BENCHMARKS.md, "GGUF-native target (CPU)".
 """
@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import torch
 
-from dart_core import _kernels, kernels
-from dart_core.attention import ROW_EXACT_QUERY, grouped_sdpa
-from dart_core.kv_cache import BufferedKVCache
-from dart_core.quant import Int4Linear
-from dart_core.rows import REAL_ROWS
+from dart_core import _kernels
+from dart_core.model import kernels
+from dart_core.model.attention import ROW_EXACT_QUERY, grouped_sdpa
+from dart_core.model.kv_cache import BufferedKVCache
+from dart_core.model.quant import Int4Linear
+from dart_core.model.rows import REAL_ROWS
 
 __all__ = ["LlamaDecoder", "decoder_unsupported"]
 
@@ -46,7 +47,7 @@ __all__ = ["LlamaDecoder", "decoder_unsupported"]
 def decoder_unsupported(model) -> str | None:
     """Why :class:`LlamaDecoder` cannot run ``model`` (None: it can): it covers Llama-architecture
     causal LMs on the CPU with the default rotary embedding, no biases, SiLU, and linear layers
-    that honour :func:`dart_core.rows.real_rows` (``Int4Linear`` or ``PackedLinear``)."""
+    that honour :func:`dart_core.model.rows.real_rows` (``Int4Linear`` or ``PackedLinear``)."""
     config = model.config
     if getattr(config, "model_type", None) != "llama":
         return f"model type {getattr(config, 'model_type', None)!r} (only 'llama')"
@@ -151,7 +152,7 @@ class LlamaDecoder:
 
         Args:
             input_ids, position_ids: [B, Q] int64.
-            attention_mask: [B, 1, Q, T + Q] additive float32 (:func:`~dart_core.kv_cache.cache_mask`).
+            attention_mask: [B, 1, Q, T + Q] additive float32 (:func:`~dart_core.model.kv_cache.cache_mask`).
             cache: the target's ``BufferedKVCache`` (``TargetCache.cache``).
             logit_index: int64 [B] or None: one query position per row whose logits are computed
                 (logits [B, 1, V]); None computes all.
@@ -161,9 +162,9 @@ class LlamaDecoder:
         Returns:
             (logits [B, Q, V] (or [B, 1, V]) float32 or None, taps [B, Q, 3H] float32, argmax [B, Q]
             (or [B, 1]) int64 or None): the logits, or with ``greedy`` and :attr:`fused_argmax` their
-            argmax alone (:meth:`Int4Linear.argmax <dart_core.quant.Int4Linear.argmax>`, the same index
+            argmax alone (:meth:`Int4Linear.argmax <dart_core.model.quant.Int4Linear.argmax>`, the same index
             as the logits' argmax), as :meth:`TargetModel.model_forward
-            <dart_core.target.TargetModel.model_forward>`.
+            <dart_core.model.target.TargetModel.model_forward>`.
         """
         b, q = input_ids.shape
         x = self.embed(input_ids)
@@ -226,7 +227,7 @@ class LlamaDecoder:
     def fused_argmax(self) -> bool:
         """Whether the output layer computes an argmax without writing the logits (a float32 4-bit
         output layer on one of dart-serve's kernels: :meth:`Int4Linear.argmax
-        <dart_core.quant.Int4Linear.argmax>`)."""
+        <dart_core.model.quant.Int4Linear.argmax>`)."""
         return bool(getattr(self.lm_head, "fused_argmax", False)) and self.norm.dtype == torch.float32
 
     def _outputs(self, x: torch.Tensor, taps: torch.Tensor, greedy: bool
@@ -243,9 +244,9 @@ class LlamaDecoder:
         """The decoder layers on a qmm kernel, five kernel calls a layer: RMS norm + q/k/v,
         rotation + cache append + row-exact attention, o_proj added to the residual, RMS norm +
         gate/up, SiLU-and-multiply + down_proj added to the residual (:meth:`Int4Linear.fused_into
-        <dart_core.quant.Int4Linear.fused_into>`), all in one C++ call (``_kernels.GGUFLayers``).
+        <dart_core.model.quant.Int4Linear.fused_into>`), all in one C++ call (``_kernels.GGUFLayers``).
         Each row is computed on its own, as in the other path; inside
-        :func:`~dart_core.rows.real_rows` the same kernel calls run from Python on the real rows
+        :func:`~dart_core.model.rows.real_rows` the same kernel calls run from Python on the real rows
         only (the same bits).
 
         Returns:

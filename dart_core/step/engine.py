@@ -2,21 +2,21 @@
 
 A step for a batch of active sequences (docs/design.md §2) has four phases:
 
-1. **propose** — the engine's :class:`~dart_core.drafters.Drafter` gives one
+1. **propose** — the engine's :class:`~dart_core.spec.drafters.Drafter` gives one
    tree per sequence: by default one forward of the draft head over each
    sequence's newly accepted positions (top-k per level) and one call to the
    :class:`TreeSearchClient` for the whole batch, or a lookup step's context
-   chains (:mod:`dart_core.drafters`);
+   chains (:mod:`dart_core.spec.drafters`);
 2. **select** — the adaptive budget keeps the nodes worth verifying, and no
    tree reaches past its sequence's token limit; the trees are packed into
-   one :class:`~dart_core.drafters.DraftBatch`;
+   one :class:`~dart_core.spec.drafters.DraftBatch`;
 3. **verify** — one target forward over all trees (padded to a common node
    count) with tree attention over each sequence's cached prefix;
 4. **accept** — greedy or stochastic acceptance per sequence, then the
    accepted KV entries are compacted and the rest dropped.
 
 Plain autoregressive decoding is the same loop with trees of only the root
-(:class:`~dart_core.drafters.NoDraft`): the baseline of every benchmark runs
+(:class:`~dart_core.spec.drafters.NoDraft`): the baseline of every benchmark runs
 the same code.  :meth:`DartEngine.generate_stream` yields each step's new
 tokens with its statistics; :meth:`DartEngine.generate` drains it.  Sequences
 have their own lengths, trees, acceptance and stop conditions, and leave the
@@ -33,17 +33,17 @@ from typing import Callable, Container, Iterator, Sequence
 import numpy as np
 import torch
 
-from dart_core.budget import AdaptiveBudget, SpeculationGate
-from dart_core.device import sync_device as _sync
-from dart_core.draft_head import DartDraftHead
-from dart_core.drafters import DartDrafter, DraftBatch, Drafter, DraftInputs, HeadState, NoDraft, Proposal, ProposalKind
-from dart_core.grammar import row_constraint
-from dart_core.kv_cache import cache_mask, pad_cat
-from dart_core.rows import padded_rows
-from dart_core.sampling import SamplingParams, target_probs
-from dart_core.speculative import FOLD_WIDTH
-from dart_core.target import TargetCache, TargetModel
-from dart_core.verify import accept, accept_constrained
+from dart_core.spec.budget import AdaptiveBudget, SpeculationGate
+from dart_core.model.device import sync_device as _sync
+from dart_core.spec.draft_head import DartDraftHead
+from dart_core.spec.drafters import DartDrafter, DraftBatch, Drafter, DraftInputs, HeadState, NoDraft, Proposal, ProposalKind
+from dart_core.step.grammar import row_constraint
+from dart_core.model.kv_cache import cache_mask, pad_cat
+from dart_core.model.rows import padded_rows
+from dart_core.step.sampling import SamplingParams, target_probs
+from dart_core.spec.speculative import FOLD_WIDTH
+from dart_core.model.target import TargetCache, TargetModel
+from dart_core.step.verify import accept, accept_constrained
 from ngram_service.client import InProcessTreeSearch, TreeSearchClient
 from ngram_service.context import ContextIndex
 from ngram_service.tree_search import SearchParams, TreeBatch
@@ -169,11 +169,11 @@ class DartEngine:
             sequence's context chain alone (up to this many tokens), skipping the draft head and
             the tree search, where the budget expects that to be faster
             (:meth:`AdaptiveBudget.select_lookup`; docs/engine.md, "Context in the tree"); 0 never does.
-        drafter: what proposes each step's draft trees (:class:`~dart_core.drafters.Drafter`);
-            None: :class:`~dart_core.drafters.DartDrafter` with a head (lookup steps, or the head
+        drafter: what proposes each step's draft trees (:class:`~dart_core.spec.drafters.Drafter`);
+            None: :class:`~dart_core.spec.drafters.DartDrafter` with a head (lookup steps, or the head
             plus the tree search), no speculation without one.
         pooled_budget, grammar_drafting, fold_width: as the fields of
-            :class:`~dart_core.speculative.SpeculativeConfig` (their comments there, and the
+            :class:`~dart_core.spec.speculative.SpeculativeConfig` (their comments there, and the
             attributes' below).
         max_prefill_tokens: sequences that join together are prefilled in groups of at most this
             many padded tokens (rows x longest prompt of the group; a longer prompt goes alone):
@@ -211,7 +211,7 @@ class DartEngine:
         # has ended instead of warping max_depth + 1 distributions per row (verify.accept_sampling_batch),
         # and greedy acceptance walks the trees in one C++ call (verify.accept_greedy_cpu)
         self.cheap_host_reads = self.target.device.type == "cpu"
-        # what proposes each step's trees (dart_core.drafters); None: autoregressive decoding only
+        # what proposes each step's trees (dart_core.spec.drafters); None: autoregressive decoding only
         self._owns_drafter = drafter is None
         if drafter is None and head is not None:
             drafter = DartDrafter(head, target.embed_tokens, self.tree_search, self.search_params, budget=budget,
@@ -451,7 +451,7 @@ class DartEngine:
         """One target forward over every sequence's tree, with tree attention over its cached prefix.
         A batch that needs no logits (every row greedy and unconstrained, no logprobs) asks for the
         argmax alone, which a 4-bit output layer computes without writing the logits
-        (:attr:`TargetModel.fused_argmax <dart_core.target.TargetModel.fused_argmax>`)."""
+        (:attr:`TargetModel.fused_argmax <dart_core.model.target.TargetModel.fused_argmax>`)."""
         cache = state.cache
         mask = cache_mask(cache.lengths, cache.padded_length, draft.tree_mask, self.target.dtype)
         greedy = (all(s.greedy and s.logprobs is None for s in state.samplings)
@@ -629,7 +629,7 @@ class _BatchState:
     reasons: list[str | None] = _rows()
     spec_ok: list[bool] = _rows()  # per row: may this sequence's steps speculate (NewSequence.speculative)
     context: list[ContextIndex | None] = _rows()  # per row: its prompt + accepted tokens indexed (None: not used)
-    # per row: what masks its logits (dart_core.grammar.row_constraint: a grammar's state, min_tokens) or None
+    # per row: what masks its logits (dart_core.step.grammar.row_constraint: a grammar's state, min_tokens) or None
     constraints: list = _rows()
     cache: TargetCache | None = None
     # the drafter's own per-row inputs (with a drafter that reads taps, while the batch may speculate)

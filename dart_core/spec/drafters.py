@@ -35,12 +35,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dart_core.budget import AdaptiveBudget
-from dart_core.cuda_graphs import StaticDrafter
-from dart_core.device import sync_device
-from dart_core.draft_head import DartDraftHead
-from dart_core.kv_cache import HeadKVCache, pad_cat, zero_pad
-from dart_core.speculative import FOLD_WIDTH
+from dart_core.spec.budget import AdaptiveBudget
+from dart_core.model.cuda_graphs import StaticDrafter
+from dart_core.model.device import sync_device
+from dart_core.spec.draft_head import DartDraftHead
+from dart_core.model.kv_cache import HeadKVCache, pad_cat, zero_pad
+from dart_core.spec.speculative import FOLD_WIDTH
 from ngram_service.client import TreeSearchClient
 from ngram_service.context import ContextIndex
 from ngram_service.tree_search import ContextChain, DraftTree, SearchParams, TreeBatch
@@ -69,13 +69,13 @@ class Proposal:
             adaptive budget prices nodes by their path products).
         kind: a :class:`ProposalKind` (its string value is accepted and converted):
             ``TREE``: the adaptive budget selects each tree's nodes
-            (:meth:`~dart_core.budget.AdaptiveBudget.select_batch`) and learns from what is
+            (:meth:`~dart_core.spec.budget.AdaptiveBudget.select_batch`) and learns from what is
             accepted; ``LOOKUP``: each tree is a context chain already sized by the budget
-            (:meth:`~dart_core.budget.AdaptiveBudget.select_lookup`); ``NONE``: roots only.
+            (:meth:`~dart_core.spec.budget.AdaptiveBudget.select_lookup`); ``NONE``: roots only.
         draft_ms, search_ms: milliseconds spent drafting and searching (reported per step).
         chains: with ``LOOKUP``, each sequence's chain (its match length calibrates the budget).
         catch_up: the draft fed more pending positions than a step normally accepts
-            (the step is not typical of its mode; :attr:`~dart_core.engine.StepOutput.catch_up`).
+            (the step is not typical of its mode; :attr:`~dart_core.step.engine.StepOutput.catch_up`).
     """
 
     trees: TreeBatch
@@ -153,7 +153,7 @@ class NoDraft(Drafter):
 class LookupDrafter(Drafter):
     """Each sequence's context chain verified alone (prompt lookup's step), without the draft head
     and the tree search, where the adaptive budget expects it to beat a tree step
-    (:meth:`~dart_core.budget.AdaptiveBudget.select_lookup`; docs/design.md §2, "Lookup steps").
+    (:meth:`~dart_core.spec.budget.AdaptiveBudget.select_lookup`; docs/design.md §2, "Lookup steps").
 
     Args:
         budget: the adaptive budget that sizes each lookup (None: never proposes).
@@ -233,7 +233,7 @@ class HeadState:
         counts: [B] int64 valid pending positions per row.
         next: per row, the next token of each pending position (its length is ``counts[b]``, known
             on the host).
-        cache: the head's :class:`~dart_core.kv_cache.HeadKVCache`.
+        cache: the head's :class:`~dart_core.model.kv_cache.HeadKVCache`.
         held: gated-off steps, oldest first: (taps [B, 1, 3H], positions [B], next tokens per row),
             kept by reference (:meth:`hold`, :meth:`release`).
     """
@@ -351,12 +351,12 @@ class HeadTreeDrafter(Drafter):
 
     def enable_static_draft(self, **kwargs) -> StaticDrafter:
         """Replaces the static KV cache by one built with ``kwargs``: by default on a GPU one
-        replayed as CUDA graphs (:class:`~dart_core.cuda_graphs.StaticDrafter`: padded widths and
+        replayed as CUDA graphs (:class:`~dart_core.model.cuda_graphs.StaticDrafter`: padded widths and
         batch sizes, one graph per pair, captured when first needed).  Sequences already running
         keep their cache (it is copied into the new buffers at their next draft).
 
         Raises:
-            ValueError: as :class:`~dart_core.cuda_graphs.StaticDrafter`."""
+            ValueError: as :class:`~dart_core.model.cuda_graphs.StaticDrafter`."""
         self.static_draft = StaticDrafter(self.head, self.embed, top_k=self.search_params.top_k, **kwargs)
         return self.static_draft
 
@@ -487,7 +487,7 @@ class DraftBatch:
             attention).
         num_nodes: N.  max_depth: the deepest node of any tree.
         estimates: [B, N] float32 acceptance estimates, the product of ``probs`` along each node's
-            path, as :func:`~dart_core.budget.node_acceptance_estimates` (the root 1, padding 0);
+            path, as :func:`~dart_core.spec.budget.node_acceptance_estimates` (the root 1, padding 0);
             computed from ``trees`` when first read (no phase of the engine's step reads it today,
             so the step does not pay for it).
     """

@@ -12,7 +12,7 @@ How the engine uses the state (docs/engine.md, "Structured output"):
 
 - **Verification** masks the target's logits at every tree node the acceptance
   walk visits by the grammar state after that node's path
-  (:func:`~dart_core.verify.accept_constrained`), so constrained DART output is
+  (:func:`~dart_core.step.verify.accept_constrained`), so constrained DART output is
   constrained plain decoding's output: equal at temperature 0, equally
   distributed above it.  The bonus token is constrained too.
 - **Drafting** (:meth:`GrammarState.draft_tree`) drops every draft node whose
@@ -264,7 +264,7 @@ class GrammarState:
 class MinTokens:
     """vLLM's ``min_tokens``: the sequence's stop tokens (EOS, ``stop_token_ids``) are masked until it
     has ``min_tokens`` tokens, around an optional grammar state (the same interface as
-    :class:`GrammarState`, so verification stays lossless: :func:`~dart_core.verify.accept_constrained`).
+    :class:`GrammarState`, so verification stays lossless: :func:`~dart_core.step.verify.accept_constrained`).
     Where the grammar allows nothing but a stop token, the grammar wins.
 
     Args:
@@ -296,7 +296,7 @@ class MinTokens:
 
 
 def row_constraint(sampling) -> "GrammarState | MinTokens | None":
-    """What masks a new sequence's logits, from its :class:`~dart_core.sampling.SamplingParams`: its
+    """What masks a new sequence's logits, from its :class:`~dart_core.step.sampling.SamplingParams`: its
     grammar's state, wrapped in :class:`MinTokens` when ``min_tokens`` holds back stop tokens;
     None for an unconstrained sequence."""
     inner = sampling.grammar.start() if sampling.grammar is not None else None

@@ -22,7 +22,7 @@ from ngram_service.tree_search import SearchParams
 __all__ = ["SpeculativeConfig", "LOOKUP_PREFERENCE", "FOLD_WIDTH"]
 
 # a sequence's held draft-head inputs past this many positions are folded into its head KV cache: one
-# below the static drafter's widest graph-captured width (dart_core.cuda_graphs.DEFAULT_DRAFT_WIDTHS; tested)
+# below the static drafter's widest graph-captured width (dart_core.model.cuda_graphs.DEFAULT_DRAFT_WIDTHS; tested)
 FOLD_WIDTH = 15
 LOOKUP_PREFERENCE = 1.0  # a lookup step when its expected rate reaches the tree steps' measured one (tuning split, docs/engine.md)
 
@@ -76,7 +76,7 @@ class SpeculativeConfig:
         return replace(self.search, budget=self.budget) if isinstance(self.budget, int) else self.search
 
     def engine_kwargs(self) -> dict:
-        """The :class:`~dart_core.engine.DartEngine` arguments this config sets directly."""
+        """The :class:`~dart_core.step.engine.DartEngine` arguments this config sets directly."""
         return {"context_window": self.context_window, "context_order": self.context_order,
                 "lookup_length": self.lookup_length, "max_prefill_tokens": self.max_prefill_tokens,
                 "pooled_budget": self.pooled_budget, "grammar_drafting": self.grammar_drafting,

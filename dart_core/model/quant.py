@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from dart_core import _kernels
-from dart_core.rows import REAL_ROWS, over_real_rows
+from dart_core.model.rows import REAL_ROWS, over_real_rows
 from ngram_service.cache import save_converted
 
 logger = logging.getLogger(__name__)
@@ -309,7 +309,7 @@ class Int4Linear(torch.nn.Module):
     Shapes: x [..., in_features] (any float dtype; cast to ``compute_dtype`` for the kernel and
     back) → [..., out_features]. With every kernel a row's result does not depend on the other
     rows of the call, so a verification forward computes each position as a one-token forward
-    does. Honours :func:`dart_core.rows.real_rows` like :class:`~dart_core.rows.PackedLinear`.
+    does. Honours :func:`dart_core.model.rows.real_rows` like :class:`~dart_core.model.rows.PackedLinear`.
     ``weight`` gives the de-quantised weight (float32 [out, in]) for code that reads it; the
     packed tensors are buffers, not parameters: for inference only.
 
@@ -397,7 +397,7 @@ class Int4Linear(torch.nn.Module):
     def fused_into(self, x: torch.Tensor, out: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0,
                    gated: bool = False, accumulate: bool = False) -> torch.Tensor:
         """The ``"qmm-a8"`` or ``"qmm"`` kernel with the operations around a layer of a Llama decoder
-        done in the same call (:class:`~dart_core.decoder.LlamaDecoder`), every row on its own:
+        done in the same call (:class:`~dart_core.model.decoder.LlamaDecoder`), every row on its own:
 
         - ``norm`` (float32 [in_features]): the rows are RMS-normalised first,
           ``norm · x / sqrt(mean(x²) + eps)`` (transformers' LlamaRMSNorm; its sum of squares in a
@@ -428,7 +428,7 @@ class Int4Linear(torch.nn.Module):
         (an output layer at temperature 0 wants only this).  The ``"qmm-a8"`` and ``"qmm"`` kernels
         compute the outputs block by block into a small per-thread buffer and keep each row's best
         (``_kernels.qmm_argmax``): the outputs' own bits, so the same index as torch.argmax over them,
-        ties to the first and a NaN above every number.  Inside :func:`~dart_core.rows.real_rows`
+        ties to the first and a NaN above every number.  Inside :func:`~dart_core.model.rows.real_rows`
         only the selected rows are computed, the others get 0.
 
         Args:

@@ -18,7 +18,7 @@ is a tree of one node) exactly that:
   for every bucket up to 64).
 - **A static KV cache**: per batch bucket Bb one [Bb, H_kv, capacity, D] key
   and value buffer per layer.  The cache's layers
-  (:class:`~dart_core.kv_cache.BufferedKVLayer`) are bound to those buffers,
+  (:class:`~dart_core.model.kv_cache.BufferedKVLayer`) are bound to those buffers,
   their ``keys`` / ``values`` views of the first B rows and T positions, so
   the engine's compaction and cropping work unchanged; a forward writes its
   Nb new entries at [T, T + Nb) through an index tensor
@@ -31,7 +31,7 @@ is a tree of one node) exactly that:
   the keys and values its sequences have, rounded up, instead of the
   whole capacity: the attention and the key/value traffic of a step grow
   with the context, not with the capacity.  ``KernelConfig.static_windows``
-  False (the target's :attr:`~dart_core.target.TargetModel.kernels`) attends
+  False (the target's :attr:`~dart_core.model.target.TargetModel.kernels`) attends
   over the whole capacity (one window), for measurements.
 - **Static inputs and outputs**: token ids, positions and the
   [Bb, 1, Nb, Wb] mask are copied into fixed tensors before each
@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dart_core.kv_cache import KVPool, is_leading_view
+from dart_core.model.kv_cache import KVPool, is_leading_view
 
 logger = logging.getLogger(__name__)
 
@@ -108,11 +108,11 @@ class _Shape:
 
 
 class StaticVerifier:
-    """Runs :meth:`TargetModel.forward <dart_core.target.TargetModel.forward>` over a static
+    """Runs :meth:`TargetModel.forward <dart_core.model.target.TargetModel.forward>` over a static
     KV cache, as CUDA graphs on a GPU (module docstring).
 
     Args:
-        target: the :class:`~dart_core.target.TargetModel` (its ``forward`` calls :meth:`forward`).
+        target: the :class:`~dart_core.model.target.TargetModel` (its ``forward`` calls :meth:`forward`).
         capacity: KV positions per sequence in the static buffers; a forward whose cache plus
             padded tree exceeds it runs eagerly.
         buckets: the padded query sizes, ascending; larger forwards run eagerly.
@@ -236,8 +236,8 @@ class StaticVerifier:
 
         Args:
             input_ids, position_ids: [B, N]; attention_mask: [B, 1, N, T + N] additive, as
-                :func:`~dart_core.kv_cache.cache_mask` builds it; cache: the
-                :class:`~dart_core.target.TargetCache` (T = its padded length).
+                :func:`~dart_core.model.kv_cache.cache_mask` builds it; cache: the
+                :class:`~dart_core.model.target.TargetCache` (T = its padded length).
 
         Returns:
             (logits [B, N, V] float32, taps [B, N, 3H]): views of static outputs, overwritten by
@@ -303,12 +303,12 @@ class _DraftShape:
 class StaticDrafter:
     """Runs the draft head's forward over a static head KV cache, as CUDA graphs on a GPU.
 
-    The draft forward (:meth:`DartDraftHead.forward_static <dart_core.draft_head.DartDraftHead.forward_static>`)
+    The draft forward (:meth:`DartDraftHead.forward_static <dart_core.spec.draft_head.DartDraftHead.forward_static>`)
     together with the target's embedding of the next tokens, the top-k per level, its softmax and
     the draft-to-target vocabulary mapping:
 
     - **A static head KV cache**: per batch bucket one [Bb, H_kv, capacity, D] key and value buffer.
-      The :class:`~dart_core.kv_cache.HeadKVCache`'s ``keys``/``values`` become views of its first B
+      The :class:`~dart_core.model.kv_cache.HeadKVCache`'s ``keys``/``values`` become views of its first B
       rows (a cache that lives elsewhere, after continuous batching merged or dropped rows, is
       copied in once); a forward writes the new entries in place and only ``lengths`` advances: no
       concatenation, no compaction, no host read.
@@ -324,7 +324,7 @@ class StaticDrafter:
       every draft takes this path.
 
     Args:
-        head: the :class:`~dart_core.draft_head.DartDraftHead`.
+        head: the :class:`~dart_core.spec.draft_head.DartDraftHead`.
         embed: the target's input embedding module (``TargetModel.embed_tokens``).
         top_k: draft tokens per level (``SearchParams.top_k``; at most the draft vocabulary).
         capacity: head KV positions per sequence in the static buffers (None: 2,048 with graphs,
@@ -418,8 +418,8 @@ class StaticDrafter:
 
         Args:
             taps: [B, W, 3H]; next_ids, positions: [B, W] int64; last_index: [B] int64, as
-                :meth:`DartDraftHead.forward <dart_core.draft_head.DartDraftHead.forward>` takes them.
-            cache: the :class:`~dart_core.kv_cache.HeadKVCache`; its ``lengths`` advance by
+                :meth:`DartDraftHead.forward <dart_core.spec.draft_head.DartDraftHead.forward>` takes them.
+            cache: the :class:`~dart_core.model.kv_cache.HeadKVCache`; its ``lengths`` advance by
                 ``last_index + 1`` and its ``keys``/``values`` become views of the static buffers.
             max_positions: a host-side upper bound on every row's head-cache length after this
                 draft (its tokens so far), so that the capacity check reads no device tensor.

@@ -282,7 +282,7 @@ class KVPool:
 
     Args:
         pool: [L, 2, Bb, H_kv, C, D]: layer l's key buffer is ``pool[l, 0]``, its value buffer
-            ``pool[l, 1]`` (:class:`~dart_core.cuda_graphs.StaticVerifier` allocates one per batch bucket).
+            ``pool[l, 1]`` (:class:`~dart_core.model.cuda_graphs.StaticVerifier` allocates one per batch bucket).
     """
 
     def __init__(self, pool: torch.Tensor) -> None:
@@ -336,7 +336,7 @@ class BufferedKVLayer(DynamicLayer):
     """
 
     granule = 64
-    #: [N] int64 positions set by :class:`~dart_core.cuda_graphs.StaticVerifier` around its forwards:
+    #: [N] int64 positions set by :class:`~dart_core.model.cuda_graphs.StaticVerifier` around its forwards:
     #: an update then writes there in the bound static buffers and returns their first
     #: ``static_window`` positions (the attention window the verifier chose for that forward)
     static_write_index: torch.Tensor | None = None

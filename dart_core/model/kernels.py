@@ -1,7 +1,7 @@
 """C++ kernels of the CPU target's forward: row-exact tree attention, and the rotary embedding fused
 with the KV-cache append.
 
-A target whose linear layers are row-exact (:class:`~dart_core.quant.Int4Linear`: a row's result
+A target whose linear layers are row-exact (:class:`~dart_core.model.quant.Int4Linear`: a row's result
 does not depend on the other rows of the call) verifies a draft tree exactly as one-token steps
 would compute it, provided its attention is row-exact too.  PyTorch's attention kernels are not:
 their blocking, and the order in which they sum over keys, change with the number of query rows

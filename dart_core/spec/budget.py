@@ -49,10 +49,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from dart_core.device import sync_device
-from dart_core.kv_cache import cache_mask
-from dart_core.speculative import LOOKUP_PREFERENCE
-from dart_core.target import TargetCache, TargetModel
+from dart_core.model.device import sync_device
+from dart_core.model.kv_cache import cache_mask
+from dart_core.spec.speculative import LOOKUP_PREFERENCE
+from dart_core.model.target import TargetCache, TargetModel
 from ngram_service.tree_search import ContextChain, DraftTree, SearchParams, TreeBatch
 
 logger = logging.getLogger(__name__)
@@ -358,7 +358,7 @@ class AdaptiveBudget:
             (B + Σ_sequences Σ_{n best nodes} P(node accepted)) / (overhead + cost(B, n + 1))
 
         **Packed** (``packed=True``: the target computes only the real nodes,
-        :meth:`dart_core.target.TargetModel.forward` ``rows``): every node of every
+        :meth:`dart_core.model.target.TargetModel.forward` ``rows``): every node of every
         tree competes for one budget of T nodes.  A node's value is its estimate
         capped by those of the nodes before it in its tree's rank order (so values
         fall along each tree and every prefix of the merged order is prefix-closed

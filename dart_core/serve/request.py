@@ -19,7 +19,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
-from dart_core.grammar import GrammarSpec
+from dart_core.step.grammar import GrammarSpec
 
 __all__ = ["InvalidRequest", "ChatMessage", "GenerationRequest", "TokenLogprob", "GenerationChunk",
            "MAX_STOP_STRINGS", "MAX_TOP_LOGPROBS", "SEED_MIN", "SEED_MAX"]

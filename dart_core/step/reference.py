@@ -12,7 +12,7 @@ recomputes everything from the tokens so far:
    sequence's own context chain where ``search_params.context_weight`` > 0 (docs/design.md §2);
 3. **verify**: one target forward over the tree (node 0 the root) with tree attention over the
    cached prefix;
-4. **accept**: the greedy walk (:func:`~dart_core.verify.accept_greedy`): the accepted draft tokens,
+4. **accept**: the greedy walk (:func:`~dart_core.step.verify.accept_greedy`): the accepted draft tokens,
    then the bonus token.
 
 It is the test oracle the engine's fast paths are checked against (tests/dart_core/test_reference.py):
@@ -26,11 +26,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dart_core.draft_head import DartDraftHead
-from dart_core.drafters import DraftBatch
-from dart_core.kv_cache import HeadKVCache, cache_mask
-from dart_core.target import TargetCache, TargetModel
-from dart_core.verify import accept_greedy
+from dart_core.spec.draft_head import DartDraftHead
+from dart_core.spec.drafters import DraftBatch
+from dart_core.model.kv_cache import HeadKVCache, cache_mask
+from dart_core.model.target import TargetCache, TargetModel
+from dart_core.step.verify import accept_greedy
 from ngram_service.client import TreeSearchClient
 from ngram_service.context import ContextIndex
 from ngram_service.tree_search import SearchParams

@@ -26,7 +26,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0  # vLLM's: stop tokens are masked until this many tokens are generated
     logprobs: int | None = None  # None: none; k >= 0: each emitted token's log-probability and the k most likely
-    # structured output: a compiled dart_core.grammar.Grammar every emitted token follows (None: unconstrained)
+    # structured output: a compiled dart_core.step.grammar.Grammar every emitted token follows (None: unconstrained)
     grammar: object | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
