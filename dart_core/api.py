@@ -136,7 +136,7 @@ def default_weights(model: str | None = None, *, dtype: torch.dtype | None = Non
     embedded default included) loaded on the CPU with float32 (or default) dtype and no
     ``device_map``, where PyTorch has the CPU int4 kernel; ``"dense"`` otherwise.  The 4-bit
     target decodes faster than the float32 one on the AVX2-only CPU measured, autoregressively and
-    with DART (BENCHMARKS.md, "GGUF-native target (CPU)")."""
+    with DART (``bench/results/gguf_native/``)."""
     on_cpu = torch.device(device or "cpu").type == "cpu"
     if not on_cpu or device_map is not None or dtype not in (None, torch.float32) or not can_int4():
         return "dense"
@@ -241,7 +241,7 @@ class DartModel:
                 is then measured with the graphs), and draft likewise over a static head KV cache
                 (:class:`~dart_core.model.cuda_graphs.StaticDrafter`;
                 ``SpeculativeConfig.draft_graphs=False`` keeps the draft eager, for comparisons).  Off by default,
-                since it is refused off CUDA; on a GPU turn it on (BENCHMARKS.md, "GPU", measures
+                since it is refused off CUDA; on a GPU turn it on (``bench/results/gpu/``, measures
                 both).
             speculative_config: every speculation setting in one object
                 (:class:`~dart_core.spec.speculative.SpeculativeConfig`: budget, tree search, context,

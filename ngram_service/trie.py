@@ -8,8 +8,7 @@ the page cache.  A file up to 1 GiB is read into the page cache as it opens
 searches touch the file at random, and each page first touched on a cold disk would cost a
 read of its own, milliseconds each, inside a decoding step.  This module owns the two CRC-32 checksums of the
 format (``zlib.crc32``): the header checksum is checked at every open, the
-payload checksum by :meth:`NgramTrie.verify` (O(size); its speed: BENCHMARKS.md, "The trie
-at a billion tokens"), which also runs a full structural check.
+payload checksum by :meth:`NgramTrie.verify` (O(size); its speed: ``bench/results/billion_trie/``), which also runs a full structural check.
 
 Probabilities follow DART's back-off rule (docs/design.md §2; reference
 ``ACANgram::get_probability``): for each token, p = count(s·tok) / count(s)

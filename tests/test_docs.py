@@ -1,4 +1,4 @@
-"""The docs stay true: every relative link in README.md, BENCHMARKS.md and docs/ resolves, every
+"""The docs stay true: every relative link in README.md, BENCHMARKS.md, docs/ and the study READMEs resolves, every
 ``python -m …`` command they name exists and answers ``--help``, and the README's headline table is
 what ``python -m dart_core.bench.headline`` makes from the result files."""
 
@@ -15,6 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", REPO / "BENCHMARKS.md", *sorted((REPO / "docs").glob("*.md"))]
+STUDY_PAGES = sorted((REPO / "bench" / "results").glob("*/README.md"))  # links checked; their commands are history
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 _COMMAND = re.compile(r"python3? -m ([A-Za-z_][A-Za-z0-9_.]*)")
 _NOT_OURS = {"pytest", "pip"}  # third-party tools named in the commands
@@ -26,7 +27,7 @@ def _outside_fences(text: str) -> str:
 
 def test_every_relative_link_resolves():
     broken = []
-    for page in PAGES:
+    for page in PAGES + STUDY_PAGES:
         for target in _LINK.findall(_outside_fences(page.read_text())):
             if re.match(r"^(https?:|mailto:|#)", target):
                 continue
@@ -108,7 +109,7 @@ def test_a_structured_output_headline_is_the_median_of_its_runs(tmp_path):
 
 
 def test_the_one_off_sections_of_benchmarks_md_are_rendered_from_their_result_files(tmp_path):
-    """BENCHMARKS.md's batching-on-CPU, reference-import and billion-token-trie blocks are what
+    """The one-off studies' generated blocks (batching on the CPU, reference import, billion-token trie, ...) are what
     ``python -m dart_core.bench.sections`` makes from the files; a stale block is caught and rewritten."""
     from dart_core.bench import sections
 
@@ -123,3 +124,32 @@ def test_the_one_off_sections_of_benchmarks_md_are_rendered_from_their_result_fi
     assert sections.render_billion_trie() in text and sections.render_reference_import() in text
     (tmp_path / "bare.md").write_text("# x\n")
     assert sections.main(["--page", str(tmp_path / "bare.md")]) == 2
+
+
+def test_benchmarks_md_is_generated_short_and_indexes_every_study(tmp_path):
+    """BENCHMARKS.md and every study README's header are what ``python -m dart_core.bench.page`` makes
+    from the result files and bench/results/studies.json; the page stays short; every study folder is
+    listed; a stale page or header is caught, a manifest entry without its answer refused."""
+    import shutil
+
+    from dart_core.bench import page
+
+    assert page.main(["--check"]) == 0
+    text = (REPO / "BENCHMARKS.md").read_text()
+    assert text.count("\n") <= page.MAX_LINES
+    folders = {p.name for p in (REPO / "bench" / "results").iterdir() if p.is_dir() and p.name != "quick"}
+    assert folders == {s["folder"] for s in page.load_studies()}
+    # a copy of the results folder: a changed answer makes both the page and that study's header stale
+    results = tmp_path / "results"
+    shutil.copytree(REPO / "bench" / "results", results)
+    out = tmp_path / "B.md"
+    assert page.write_all(results, out) == [out] and not page.write_all(results, out, check=True)
+    manifest = json.loads((results / "studies.json").read_text())
+    manifest["studies"][1]["answer"] = "a different answer"
+    (results / "studies.json").write_text(json.dumps(manifest))
+    stale = page.write_all(results, out, check=True)
+    assert set(stale) == {out, results / manifest["studies"][1]["folder"] / "README.md"}
+    assert "a different answer" not in out.read_text()
+    del manifest["studies"][1]["answer"]
+    (results / "studies.json").write_text(json.dumps(manifest))
+    assert page.main(["--check", "--results", str(results), "--page", str(out)]) == 2

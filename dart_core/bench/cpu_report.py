@@ -1,4 +1,4 @@
-"""The "GGUF-native target" section of BENCHMARKS.md, from a results folder of CPU runs:
+"""The "GGUF-native target" study's tables (bench/results/gguf_native/README.md), from a folder of CPU runs:
 ``python -m dart_core.bench.cpu_report bench/results/gguf_native``.
 
 The folder holds ``decoding-<label>.json`` files of the decoding benchmark
@@ -101,7 +101,8 @@ def write_cpu_section(folder: str | Path, page: str | Path) -> Path:
 def main(argv=None) -> int:
     from dart_core.bench.report import section_main
 
-    return section_main(argv, "python -m dart_core.bench.cpu_report", __doc__.split("\n\n")[0], write_cpu_section)
+    return section_main(argv, "python -m dart_core.bench.cpu_report", __doc__.split("\n\n")[0], write_cpu_section,
+                        "bench/results/gguf_native/README.md")
 
 
 if __name__ == "__main__":

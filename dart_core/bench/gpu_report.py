@@ -1,8 +1,8 @@
-"""The GPU section of BENCHMARKS.md, from a folder of results taken on a GPU machine:
+"""The GPU study's tables (bench/results/gpu/README.md), from a folder of results taken on a GPU machine:
 ``python -m dart_core.bench.gpu_report bench/results/gpu-h100``.
 
 A borrowed GPU machine runs the benchmark tools one by one and sends their
-JSON back; this renders them into the page's ``## GPU`` block (between
+JSON back; this renders them into the page's GPU block (between
 :data:`START` and :data:`END`; text outside the markers is kept), so the
 section holds exactly what the files say.  Files read from the folder, each
 optional except one decoding run:
@@ -193,7 +193,8 @@ def write_gpu_section(folder: str | Path, page: str | Path) -> Path:
 def main(argv=None) -> int:
     from dart_core.bench.report import section_main
 
-    return section_main(argv, "python -m dart_core.bench.gpu_report", __doc__.split("\n\n")[0], write_gpu_section)
+    return section_main(argv, "python -m dart_core.bench.gpu_report", __doc__.split("\n\n")[0], write_gpu_section,
+                        "bench/results/gpu/README.md")
 
 
 if __name__ == "__main__":

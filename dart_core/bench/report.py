@@ -5,9 +5,10 @@
 2. the serving benchmark (:mod:`dart_core.bench.serving`) against a dart-serve
    app: the one at ``--url``, or one this command starts with
    ``serve run`` on ``deployments/dart.yaml`` (with ``--head``) and stops after;
-3. the results block of the page (``BENCHMARKS.md``): tables, plots, the
-   exact command, the hardware.  Text outside the markers
-   ``<!-- results:start -->`` / ``<!-- results:end -->`` is kept.
+3. the results block of the full run's page (``bench/results/report/README.md``): tables, plots,
+   the exact command, the hardware.  Text outside the markers ``<!-- results:start -->`` /
+   ``<!-- results:end -->`` is kept;
+4. BENCHMARKS.md, regenerated from those results (:mod:`dart_core.bench.page`).
 
 Presets: the default is the published run (tens of minutes on a 2-core CPU machine); ``--quick``
 (one prompt per dataset, short generations, one pass) in 5, and writes under
@@ -180,13 +181,13 @@ def save_table(out: str | Path, name: str, result: dict, table: str) -> Path:
     return out
 
 
-def section_main(argv, prog: str, description: str, write) -> int:
+def section_main(argv, prog: str, description: str, write, page: str) -> int:
     """The CLI of a page section rendered from a results folder (``gpu_report``, ``cpu_report``):
-    ``FOLDER [--page BENCHMARKS.md]``; ``write(folder, page)`` renders it; 2 with a one-line error
-    for a folder without the files it needs."""
+    ``FOLDER [--page PAGE]`` (default ``page``: the study's README); ``write(folder, page)`` renders
+    it; 2 with a one-line error for a folder without the files it needs."""
     ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.add_argument("folder", help="results folder")
-    ap.add_argument("--page", default="BENCHMARKS.md")
+    ap.add_argument("--page", default=page, help=f"the page holding the section [{page}]")
     args = ap.parse_args(argv)
     try:
         print(write(args.folder, args.page))
@@ -209,13 +210,14 @@ def main(argv=None) -> int:
     ap.add_argument("--reuse-serving", action="store_true",
                     help="take the serving sweep from <out>/serving.json (an earlier run) instead of serving again")
     ap.add_argument("--out", default=None, help="results folder [bench/results, or bench/results/quick]")
-    ap.add_argument("--page", default=None, help="results page [BENCHMARKS.md, or <out>/BENCHMARKS.md with --quick]")
+    ap.add_argument("--page", default=None, help="the full run's page [bench/results/report/README.md, or "
+                                                  "<out>/BENCHMARKS.md with --quick]")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     args = ap.parse_args(argv)
     preset = PRESETS["quick" if args.quick else "full"]
     out = Path(args.out or (REPO / "bench" / "results" / ("quick" if args.quick else "")))
-    page = Path(args.page or (out / "BENCHMARKS.md" if args.quick else REPO / "BENCHMARKS.md"))
+    page = Path(args.page or (out / "BENCHMARKS.md" if args.quick else REPO / "bench" / "results" / "report" / "README.md"))
     command = " ".join(["python -m dart_core.bench.report"] + [shlex.quote(a) for a in (argv or sys.argv[1:])])
 
     dec_cfg = decoding.DecodingConfig(model=args.model, head=args.head, num_prompts=preset.num_prompts,
@@ -259,6 +261,10 @@ def main(argv=None) -> int:
         print(serving.markdown_table(srv))
     _write_page(page, render_page(dec, srv, command, out, page))
     print(f"wrote {page} and {out}/")
+    if not args.quick and args.page is None and args.out is None:  # the published run: BENCHMARKS.md follows it
+        from dart_core.bench import page as results_page
+
+        results_page.main([])
     return 0
 
 

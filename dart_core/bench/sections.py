@@ -1,7 +1,8 @@
-"""BENCHMARKS.md's sections that come from one-off measurements, rendered from their result files:
-``python -m dart_core.bench.sections`` (``--check`` exits 1 where the page is not what the files give).
+"""The generated blocks of the one-off studies' READMEs (``bench/results/<study>/README.md``),
+rendered from their result files: ``python -m dart_core.bench.sections`` (``--check`` exits 1 where
+a README is not what the files give).
 
-Nine sections of the page hold results that are not re-measured by the report itself:
+Nine studies hold results that are not re-measured by the report itself:
 
 - "Continuous batching without Ray": ``bench/results/batching_cpu/batching.json``
   (:mod:`dart_core.bench.batching`);
@@ -24,7 +25,8 @@ Nine sections of the page hold results that are not re-measured by the report it
   (:mod:`dart_core.bench.verify_curve` at several batch sizes, one folder per GGUF kernel,
   :func:`render_speculation_ceiling`).
 
-Each is written between its own markers; the page's text around them (what the figures mean)
+Each is written between its own markers in its study's README (:data:`SECTION_FOLDERS`); the text
+around them (what the figures mean)
 cites the tables and copies none of their numbers. Derived rows (per-core capacity, the
 extrapolations) are computed here from the measured figures, with the formula beside them.
 """
@@ -39,7 +41,7 @@ import statistics
 import sys
 from pathlib import Path
 
-__all__ = ["render_batching", "render_reference_import", "render_billion_trie", "render_serving_threads",
+__all__ = ["SECTION_FOLDERS", "render_batching", "render_reference_import", "render_billion_trie", "render_serving_threads",
            "render_gate_replay", "render_cpu_memory", "render_stream_interval", "render_draft_weights",
            "render_speculation_ceiling", "CEILING_KERNELS", "GATE_LOGS",
            "CPU_MEMORY_VARIANTS", "STREAM_VARIANTS", "DRAFT_WEIGHT_SETTINGS", "SECTIONS", "write_sections", "main"]
@@ -488,11 +490,20 @@ def _block(name: str, body: str) -> str:
             f"`bench/results/`._\n\n{body}\n\n<!-- {name}:end -->")
 
 
-def write_sections(page: str | Path = REPO / "BENCHMARKS.md", results: Path = RESULTS, *, check: bool = False) -> bool:
-    """Replaces each section's block in ``page``; with ``check``, only says whether any differs.
+#: the study folder whose README holds each section's block (bench/results/<folder>/README.md)
+SECTION_FOLDERS = {"batching-cpu": "batching_cpu", "reference-import": "reference_import",
+                   "billion-trie": "billion_trie", "serving-threads": "serving_threads", "gate-replay": "gate",
+                   "cpu-memory": "cpu_memory", "stream-interval": "stream_interval", "draft-weights": "draft_weights",
+                   "speculation-ceiling": "speculation_ceiling"}
+
+
+def write_sections(page: str | Path | None = None, results: Path = RESULTS, *, check: bool = False) -> bool:
+    """Replaces each section's block in its study's README (``results/<folder>/README.md``,
+    :data:`SECTION_FOLDERS`), or every block in ``page`` when given; with ``check``, only says
+    whether any differs.
 
     Returns:
-        True when the page changed (or, with ``check``, would change).
+        True when a page changed (or, with ``check``, would change).
 
     Raises:
         ValueError: the page lacks a section's markers (they are placed by hand, under the
@@ -500,20 +511,22 @@ def write_sections(page: str | Path = REPO / "BENCHMARKS.md", results: Path = RE
     """
     from dart_core.bench.report import replace_marked
 
-    page = Path(page)
-    text = page.read_text()
-    new = text
+    changed = False
     for name, render in SECTIONS:
-        new = replace_marked(new, _block(name, render(results)), f"<!-- {name}:start -->", f"<!-- {name}:end -->",
-                             page)
-    if new != text and not check:
-        page.write_text(new)
-    return new != text
+        where = Path(page) if page is not None else results / SECTION_FOLDERS[name] / "README.md"
+        text = where.read_text()
+        new = replace_marked(text, _block(name, render(results)), f"<!-- {name}:start -->", f"<!-- {name}:end -->",
+                             where)
+        if new != text:
+            changed = True
+            if not check:
+                where.write_text(new)
+    return changed
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dart_core.bench.sections", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--page", default=str(REPO / "BENCHMARKS.md"))
+    ap.add_argument("--page", default=None, help="one page holding every block [each study's README]")
     ap.add_argument("--check", action="store_true", help="exit 1 where the page is not what the files give")
     args = ap.parse_args(argv)
     try:
@@ -522,10 +535,10 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.check and changed:
-        print(f"{args.page}: a section differs from its result files; run python -m dart_core.bench.sections",
-              file=sys.stderr)
+        print(f"{args.page or 'a study README'}: a section differs from its result files; run "
+              "python -m dart_core.bench.sections", file=sys.stderr)
         return 1
-    print(f"{'updated' if changed else 'unchanged'} {args.page}")
+    print(f"{'updated' if changed else 'unchanged'} {args.page or 'the study READMEs'}")
     return 0
 
 

@@ -6,8 +6,7 @@ request above its mmap threshold (at most 32 MiB by default, however it adapts) 
 then a new mapping whose every page faults on first touch.  A decoding step allocates such
 tensors every time: a batch of draft trees' logits (B · N rows of a 49,152-token vocabulary in
 float32 is 53 MB at 16 trees of 17 nodes), the padded prefill's activations, each paying its
-page faults again.  What keeping the memory changes in the engine: BENCHMARKS.md, "Prefill and
-freed memory (CPU)".
+page faults again.  What keeping the memory changes in the engine: ``bench/results/cpu_memory/``.
 
 :func:`keep_freed_memory` raises glibc's mmap threshold and trim threshold (``mallopt``) so
 such blocks come from the heap and stay there after ``free``: the process keeps its peak

@@ -1,7 +1,7 @@
 """Verification forwards replayed as CUDA graphs over a static KV cache.
 
 On a GPU a step of a small target is bound by the host: in the first GPU run
-(BENCHMARKS.md, "GPU") the kernels of a SmolLM2 step took a small part of
+(``bench/results/gpu/``) the kernels of a SmolLM2 step took a small part of
 it, over a thousand kernel launches issued one by one from Python.  A CUDA graph records those launches once and replays them in one
 call.  A graph replays fixed shapes at fixed addresses, so this module gives
 the target's forward (tree verification and the plain one-token step, which

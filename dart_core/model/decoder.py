@@ -27,7 +27,7 @@ the layers are one C++ call per forward (``_kernels.GGUFLayers``): RMS norm, SiL
 the residual additions happen inside the kernel calls (:meth:`Int4Linear.fused_into
 <dart_core.model.quant.Int4Linear.fused_into>`), with no Python between them. Those sums run in an order
 of their own, so this path is close to the stock forward rather than equal to it; it stays
-row-exact. Figures: BENCHMARKS.md, "GGUF-native target (CPU)".
+row-exact. Figures: ``bench/results/gguf_native/``.
 """
 
 from __future__ import annotations

@@ -6,8 +6,7 @@ static cache's attention windows, glibc's freed-memory thresholds). It is
 validated once, when built, given to
 :meth:`DartModel.from_pretrained <dart_core.api.DartModel.from_pretrained>`,
 logged at start-up and written into benchmark results. The defaults are the
-shipped behaviour; the other values exist for measurements (BENCHMARKS.md,
-"GPU", compares them). This module imports neither torch nor transformers.
+shipped behaviour; the other values exist for measurements (``bench/results/gpu/``, compares them). This module imports neither torch nor transformers.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ de-quantised float32 weights, so every forward streams 4 bytes per weight.
 Here each linear layer is rebuilt from the GGUF's own blocks
 (:class:`Int4Linear`), about 0.6 to 0.75 bytes per weight, and run by one of
 three kernels (:func:`default_kernel` chooses, ``gguf_kernel`` overrides; figures
-in BENCHMARKS.md, "GGUF-native target (CPU)"):
+in ``bench/results/gguf_native/``):
 
 - **qmm-a8** (``dart_core/csrc/qmm_a8.cpp``, where the CPU has AVX-512 VNNI;
   opt-in):
@@ -169,8 +169,7 @@ def default_kernel() -> str:
     """``"qmm"`` (float32 activations, :class:`Int4Linear`) where it runs vectorised (a CPU with
     AVX-512), else ``"aten"`` (PyTorch's int4 kernel with bfloat16 activations): the fastest kernel
     whose greedy output is the de-quantised float32 model's (so ``weights: gguf-native`` and
-    ``dense`` give the same text), measured on an AVX512-BF16 EPYC (BENCHMARKS.md, "GGUF-native
-    target (CPU)"). ``"qmm-a8"`` (8-bit activations, AVX-512 VNNI) is faster still but rounds the
+    ``dense`` give the same text), measured on an AVX512-BF16 EPYC (``bench/results/gguf_native/``). ``"qmm-a8"`` (8-bit activations, AVX-512 VNNI) is faster still but rounds the
     activations as llama.cpp does, so its text departs from the float32 model's as llama.cpp's
     does (the agreement rows there): ``gguf_kernel`` chooses it (``DartModel.from_pretrained``,
     the deployment config). Without AVX-512 only the qmm kernels' portable loops remain."""

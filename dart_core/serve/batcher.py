@@ -98,7 +98,7 @@ def load_in_own_thread(build: Callable[[], _T]) -> _T:
     the process holds more OpenMP threads than CPUs, GNU OpenMP stops spinning between parallel
     regions: every parallel kernel of every step then waits for sleeping workers to wake, and a
     small model's served steps run far slower than the same steps on the loading thread
-    (BENCHMARKS.md, "Serving threads"). A thread that ends frees its pool, so the engine thread's
+    (``bench/results/serving_threads/``). A thread that ends frees its pool, so the engine thread's
     pool is the only one. Nothing else changes: on CUDA, or with another OpenMP runtime, this is
     just a function call on another thread.
 

@@ -106,7 +106,7 @@ class VerifyCostCurve:
     each (the padded layout of :meth:`AdaptiveBudget.select_batch`).  :meth:`cost` prices a batch
     with them; without them it prices B sequences of n tokens as one of B · n (the linear layers
     see B · n rows), which on a GPU, where the batch-1 curve is flat up to its last size, priced
-    a 16-sequence step of several hundred tokens like one token (BENCHMARKS.md "GPU", fifth run).
+    a 16-sequence step of several hundred tokens like one token (``bench/results/gpu/``, fifth run).
     """
 
     nodes: tuple[int, ...]
@@ -151,7 +151,7 @@ class VerifyCostCurve:
         """(the best speed-up over plain decoding, its query tokens per sequence) at ``batch``
         sequences, for chains accepted at ``alpha`` per node (:func:`chain_speedup`) whose
         speculative steps pay ``overhead_ms`` beyond their verification (drafting, tree search,
-        host work; 0: the ceiling of BENCHMARKS.md's "Where speculation can pay").  Where its
+        host work; 0: the ceiling of ``bench/results/speculation_ceiling/``).  Where its
         best at ``alpha`` = 1 is one query token (plain decoding), speculation cannot pay at this
         batch size whatever the drafts.
 
@@ -581,7 +581,7 @@ class SpeculationGate:
     graph being captured, a garbage-collector pause, a reconnecting channel)
     is skipped, a faster one restarts the average (the earlier steps were the
     hiccup).  One such step among the first would otherwise decide the mode
-    for hundreds of steps (found serving on an H200: BENCHMARKS.md "GPU").
+    for hundreds of steps (found serving on an H200: ``bench/results/gpu/``).
     Output is unaffected: both modes are lossless.
 
     **Priced probes.**  A probe loses ``probe_steps`` × the loser's step time × (1 − the
@@ -606,8 +606,7 @@ class SpeculationGate:
             ``1 / ema`` steps are a plain mean).  Speculative steps emit from one
             token to a dozen or more, so their average needs a long memory to tell
             a mode that pays from a break-even one (:mod:`dart_core.bench.gate_replay`
-            replays measured steps through the gate at several settings; BENCHMARKS.md,
-            "The speculation gate, replayed").
+            replays measured steps through the gate at several settings; ``bench/results/gate/``).
         probe_every: first probe period, in steps of one bucket.
         max_probe_every: longest probe period.
         probe_steps: consecutive steps of the other mode per probe (≥ 2: the

@@ -22,8 +22,7 @@ How the engine uses the state (docs/engine.md, "Structured output"):
 
 JSON is written compactly with ``", "`` and ``": "`` separators (no free
 whitespace, which a small model can otherwise repeat until ``max_tokens``).
-The grammar engine is llguidance (chosen by measurement: BENCHMARKS.md,
-"Grammar engines"); no grammar code is our own.
+The grammar engine is llguidance (chosen by measurement: ``bench/results/grammar_engines/``); no grammar code is our own.
 """
 
 from __future__ import annotations
