@@ -47,6 +47,13 @@ class NgramConfig(BaseModel):
     numa_node: int | None = Field(None, ge=0, description="NUMA node to bind to (default: the one with most CPUs)")
     timeout_ms: float = Field(50.0, gt=0, description="engine-side deadline of one tree-search call; slower calls "
                                                       "fall back to the logits-only search")
+    learn: bool = Field(True, description="keep a live corpus of the traffic in the service: every engine replica "
+                                          "sends each finished request's generated tokens (not a request with "
+                                          "\"learn\": false), and every search drafts from what was sent as well "
+                                          "(docs/ngram.md, \"Live corpus\"); false: the service learns nothing")
+    learn_max_tokens: int = Field(1 << 20, ge=64, description="the live corpus's cap in tokens; past it the oldest "
+                                                              "are evicted")
+    learn_prompts: bool = Field(False, description="send each request's prompt tokens too, not only its output")
     auth_token_env: str = Field("DART_NGRAM_AUTH_TOKEN", description="environment variable holding the bearer "
                                                                      "token between engines and service, read where "
                                                                      "the application is built; unset: the "

@@ -37,8 +37,9 @@ class _Metrics:
     """The batcher's observer hooks (:class:`dart_core.serve.batcher.BatcherObserver`) as Ray Serve
     metrics, exported to Prometheus.  (This module imports no torch: the ingress imports it too.)"""
 
-    def __init__(self, tree_search=None) -> None:
+    def __init__(self, tree_search=None, learner=None, learn_prompts: bool = False) -> None:
         self.tree_search = tree_search
+        self.learner, self.learn_prompts = learner, learn_prompts  # a LearnSender, or None: nothing is learned
         self.tokens = metrics.Counter("dart_generated_tokens", description="tokens generated")
         self.tau = metrics.Histogram("dart_tau", description="acceptance length (tau) per request",
                                      boundaries=[1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0])
@@ -119,6 +120,10 @@ class _Metrics:
             self.tau.observe(chunk.tau)
         self.flush()
 
+    def on_sequence(self, prompt: list[int], output: list[int]) -> None:
+        if self.learner is not None:
+            self.learner.put(prompt + output if self.learn_prompts else output)
+
 
 def grpc_tree_search(cfg: NgramConfig, resolver, vocab_hash: str, auth_token: str | None):
     """The engine's tree-search client for the n-gram service (address from ``resolver``, asked
@@ -147,6 +152,7 @@ class DartEngineDeployment:
         from dart_core.api import DartModel
         from dart_core.serve.batcher import BatcherConfig, ContinuousBatcher, load_in_own_thread
         from dart_core.model.tokenizer import tokenizer_identity
+        from ngram_service.client import LearnSender
 
         self.cfg = cfg = AppConfig.model_validate(config)
         self._ngram = ngram if cfg.ngram.enabled else None
@@ -157,17 +163,20 @@ class DartEngineDeployment:
             cfg.model, head=cfg.head, trie=None, dtype=dtype, weights=cfg.weights,
             gguf_kernel=cfg.gguf_kernel, draft_weights=cfg.draft_weights,
             speculative_config=cfg.speculative_config()))
-        self.tree_search = None
+        self.tree_search = self.learner = None
         if self._ngram is not None:
             self.tree_search = grpc_tree_search(cfg.ngram, self._resolve_ngram,
                                                 tokenizer_identity(self.model.tokenizer)[1], ngram_auth_token)
             self.model.engine.tree_search = self.tree_search
+            if cfg.ngram.learn:  # finished requests go to the service's live corpus, off the decoding path
+                self.learner = LearnSender(self.tree_search)
         self.name = cfg.served_model_name or getattr(self.model.tokenizer, "dart_model_name", "model")
         self.batcher = ContinuousBatcher(self.model.engine, self.model.tokenizer, BatcherConfig(
             max_batch_size=cfg.max_batch_size, max_speculative_batch=cfg.max_speculative_batch,
             speculative=cfg.speculative, default_max_tokens=cfg.default_max_tokens,
             max_tokens_limit=cfg.max_tokens_limit, grammar_timeout_s=cfg.grammar_timeout_s,
-            max_grammar_chars=cfg.max_grammar_chars), observer=_Metrics(self.tree_search)).start()
+            max_grammar_chars=cfg.max_grammar_chars),
+            observer=_Metrics(self.tree_search, self.learner, cfg.ngram.learn_prompts)).start()
         logger.info("DART engine ready: %s, head %s, speculative %s, max batch %d", self.name,
                     "none" if self.model.engine.head is None else "loaded", cfg.speculative, cfg.max_batch_size)
 
@@ -192,17 +201,19 @@ class DartEngineDeployment:
 
     def stats(self) -> dict:
         """Counters for tests and operators: running and queued requests, steps by mode, n-gram
-        calls and fallbacks and the service's current address."""
-        g = self.tree_search
+        calls and fallbacks, the service's current address, and the tokens sent to its live corpus
+        (and the sequences dropped because its queue was full)."""
+        g, lr = self.tree_search, self.learner
         return self.batcher.stats() | {"ngram_calls": g.calls if g else 0, "ngram_fallbacks": g.fallbacks if g else 0,
-                                       "ngram_address": g.address if g else None}
+                                       "ngram_address": g.address if g else None,
+                                       "learned_tokens": lr.sent if lr else 0, "learn_dropped": lr.dropped if lr else 0}
 
     def check_health(self) -> None:
         if not self.batcher.alive:
             raise RuntimeError("the engine thread died")
 
     def __del__(self) -> None:
-        for name in ("batcher", "tree_search"):
+        for name in ("batcher", "learner", "tree_search"):
             part = getattr(self, name, None)
             if part is not None:
                 part.close()

@@ -201,6 +201,8 @@ class _Common(BaseModel):
     speculative: bool = Field(True, description="dart-serve extension: false decodes this request without "
                                                 "speculation (A/B comparisons); while it runs, its batch "
                                                 "steps autoregressively")
+    learn: bool = Field(True, description="dart-serve extension: false keeps this request's tokens out of the "
+                                          "n-gram service's live corpus (where the deployment keeps one)")
     # vLLM's sampling extensions, as vLLM means them (load generators such as guidellm send them)
     ignore_eos: bool = Field(False, description="vLLM extension: keep generating past the EOS token")
     min_tokens: int = Field(0, ge=0, description="vLLM extension: EOS and stop_token_ids are held back until this "
@@ -368,7 +370,8 @@ def _generation_request(body: _Common, **prompt) -> GenerationRequest:
     try:
         return GenerationRequest(**prompt, max_tokens=body.max_completion_tokens or body.max_tokens,
                                  temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-                                 stop=body.stop_strings(), speculative=body.speculative, logprobs=body.logprobs_k(),
+                                 stop=body.stop_strings(), speculative=body.speculative, learn=body.learn,
+                                 logprobs=body.logprobs_k(),
                                  ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
                                  stop_token_ids=tuple(body.stop_token_ids or ()),
                                  skip_special_tokens=body.skip_special_tokens,
@@ -661,7 +664,7 @@ class OpenAIIngress:
                 top_k=request.top_k, seed=request.seed if request.HasField("seed") else None,
                 stop=tuple(request.stop),
                 speculative=request.speculative if request.HasField("speculative") else True,
-                ignore_eos=request.ignore_eos, stop_token_ids=tuple(request.stop_token_ids),
+                learn=request.learn if request.HasField("learn") else True, ignore_eos=request.ignore_eos, stop_token_ids=tuple(request.stop_token_ids),
                 skip_special_tokens=request.skip_special_tokens if request.HasField("skip_special_tokens") else True,
                 include_stop_str_in_output=request.include_stop_str_in_output, min_tokens=request.min_tokens,
                 grammar=_grpc_grammar(request))

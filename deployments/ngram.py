@@ -81,7 +81,8 @@ class NgramService:
         node = ray.util.get_node_ip_address()
         self.host = node if cfg.host in (None, "0.0.0.0") else cfg.host  # what the engines are told
         self.server, _ = start_pinned_server(trie, port=cfg.port, threads=cfg.threads, numa_node=cfg.numa_node,
-                                             auth_token=auth_token, host=cfg.host or node)
+                                             auth_token=auth_token, host=cfg.host or node,
+                                             learn_max_tokens=cfg.learn_max_tokens if cfg.learn else None)
         self._local = "127.0.0.1" if cfg.host == "0.0.0.0" else self.host  # where the health check calls
         logger.info("n-gram service on %s:%d (trie %s, %d threads)", self.host, self.server.port, trie,
                     self.server.threads)

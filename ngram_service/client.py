@@ -29,12 +29,14 @@ import grpc
 import numpy as np
 
 from ngram_service._proto import ngram_pb2, ngram_pb2_grpc
+from ngram_service.live import LiveCorpus, with_live_chains
 from ngram_service.tree_search import ContextChain, DraftTree, SearchParams, TreeBatch, search_tree_batch, search_trees
 from ngram_service.trie import NgramTrie
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TreeSearchClient", "InProcessTreeSearch", "GrpcTreeSearch", "MAX_CONTEXT_TAIL", "usable_cpus"]
+__all__ = ["TreeSearchClient", "InProcessTreeSearch", "GrpcTreeSearch", "LearnSender", "MAX_CONTEXT_TAIL",
+           "usable_cpus"]
 
 #: Context tokens sent per sequence before the service's trie order is known (orders go up to 6).
 MAX_CONTEXT_TAIL = 8
@@ -63,6 +65,12 @@ class TreeSearchClient(ABC):
         C++ search write the batch directly."""
         return TreeBatch.from_trees(self.search(topk_ids, topk_probs, contexts, params, chains))
 
+    def learn(self, documents: Sequence[Sequence[int]]) -> int:  # noqa: B027 - optional hook
+        """Sends finished sequences (token ids) to the live corpus, where there is one
+        (:mod:`ngram_service.live`); returns the tokens it took (0: no live corpus here, or the
+        call failed: learning never fails a request).  This default keeps none."""
+        return 0
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Releases resources (channels, threads)."""
 
@@ -85,24 +93,38 @@ class InProcessTreeSearch(TreeSearchClient):
             PyTorch's OpenMP workers may still be spinning on the cores right after a
             forward, and the extra threads then gain little.
 
+        live: a live corpus (:class:`~ngram_service.live.LiveCorpus`) that :meth:`learn` feeds and
+            every search weighs beside the request's own context chain (the longer match wins); None: none.
+
     Raises:
         ValueError: ``threads`` < 1.
     """
 
-    def __init__(self, trie: NgramTrie | None = None, *, threads: int | None = None) -> None:
+    def __init__(self, trie: NgramTrie | None = None, *, threads: int | None = None,
+                 live: LiveCorpus | None = None) -> None:
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self.trie = trie
+        self.live = live
         self.threads = threads or usable_cpus()
         self._threaded: dict[tuple[SearchParams, int], SearchParams] = {}
 
     def search(self, topk_ids, topk_probs, contexts, params, chains=None):
         return search_trees(topk_ids, topk_probs, contexts, trie=self.trie, params=self._params(params, len(contexts)),
-                            chains=chains)
+                            chains=self._chains(topk_ids, contexts, params, chains))
 
     def search_batch(self, topk_ids, topk_probs, contexts, params, chains=None):
         return search_tree_batch(topk_ids, topk_probs, contexts, trie=self.trie,
-                                 params=self._params(params, len(contexts)), chains=chains)
+                                 params=self._params(params, len(contexts)),
+                                 chains=self._chains(topk_ids, contexts, params, chains))
+
+    def learn(self, documents):
+        return self.live.add(documents) if self.live is not None else 0
+
+    def _chains(self, topk_ids, contexts, params: SearchParams, chains):
+        if self.live is None or params.context_weight <= 0:
+            return chains
+        return with_live_chains(self.live, contexts, chains, np.shape(topk_ids)[1])
 
     def _params(self, params: SearchParams, batch: int) -> SearchParams:
         n = max(1, min(self.threads, batch))
@@ -241,8 +263,9 @@ class GrpcTreeSearch(TreeSearchClient):
 
     @property
     def context_tail(self) -> int:
-        """Tokens of each context sent: the trie's order - 1 once the service said it (``Info``),
-        until then :data:`MAX_CONTEXT_TAIL` (enough for any supported order)."""
+        """Tokens of each context sent: the trie's order - 1 (or its live corpus's longest match, if
+        more) once the service said it (``Info``), until then :data:`MAX_CONTEXT_TAIL` (enough for
+        any supported order)."""
         return self._tail or MAX_CONTEXT_TAIL
 
     def _learn_tail(self, stub) -> None:
@@ -254,7 +277,8 @@ class GrpcTreeSearch(TreeSearchClient):
                 return  # keep sending the longer tail; asked again after the next connection
             with self._lock:
                 if self._stub is stub:  # not an answer from an address the client has left since
-                    self._tail = max(info.order - 1, 1)  # a logits-only service (order 0) needs the root only
+                    # a logits-only service (order 0) needs the root only; a live corpus matches up to its max_context
+                    self._tail = max(info.order - 1, info.live.max_context if info.HasField("live") else 0, 1)
 
         threading.Thread(target=run, name="ngram-info", daemon=True).start()
 
@@ -272,6 +296,7 @@ class GrpcTreeSearch(TreeSearchClient):
             request.chain_lengths.extend([0 if c is None else len(c.tokens) for c in chains])
             request.chain_tokens.extend(int(t) for c in present for t in c.tokens)
             request.chain_probs.extend(float(p) for c in present for p in c.probs)
+            request.chain_match_lengths.extend([0 if c is None else int(c.match_length) for c in chains])
         return request
 
     def search(self, topk_ids: np.ndarray, topk_probs: np.ndarray, contexts: Sequence[np.ndarray],
@@ -350,6 +375,30 @@ class GrpcTreeSearch(TreeSearchClient):
         """The service's trie description (raises grpc.RpcError when unreachable)."""
         return self._stub.Info(ngram_pb2.InfoRequest(), timeout=max(self.timeout_s, 1.0), metadata=self.metadata)
 
+    def learn(self, documents: Sequence[Sequence[int]]) -> int:
+        """One ``Learn`` call with every document (token ids); returns the tokens the service took,
+        0 where it keeps no live corpus, is skipped after a failure, or refuses or fails the call
+        (counted in :attr:`errors`, logged at most once per error kind).  Blocks for up to ten
+        times the search timeout: call it off the decoding path."""
+        docs = [np.asarray(d, dtype=np.int64).reshape(-1) for d in documents]
+        docs = [d for d in docs if d.size]
+        stub = self._stub
+        if not docs or stub is None or time.monotonic() < self._skip_until:
+            return 0
+        request = ngram_pb2.LearnRequest(tokens=np.concatenate(docs).tolist(), lengths=[d.size for d in docs],
+                                         vocab_hash=self.vocab_hash)
+        try:
+            return int(stub.Learn(request, timeout=10 * self.timeout_s, metadata=self.metadata).tokens_added)
+        except grpc.RpcError as e:
+            kind = f"learn-{e.code().name}"
+            with self._lock:
+                self.errors[kind] = self.errors.get(kind, 0) + 1
+                first = self.errors[kind] == 1
+            if first:
+                logger.warning("n-gram service did not take the learned sequences (%s): %s", e.code().name,
+                               e.details())
+            return 0
+
     def close(self) -> None:
         """Closes the channel; a resolver still running is ignored when it returns."""
         with self._lock:
@@ -357,3 +406,66 @@ class GrpcTreeSearch(TreeSearchClient):
             if self._channel is not None:
                 self._channel.close()
             self._channel = self._stub = None
+
+
+class LearnSender:
+    """Sends finished sequences to the live corpus off the decoding path: :meth:`put` only queues
+    (the batcher's engine thread calls it), and a daemon thread sends what has queued every
+    ``interval_s``, or sooner once ``batch_tokens`` wait, in one :meth:`TreeSearchClient.learn`
+    call.  The queue holds at most ``max_queued_tokens``; past it new sequences are dropped and
+    counted (a slow or absent service never grows the engine's memory, and never delays a request).
+
+    Args:
+        client: the tree-search client whose :meth:`~TreeSearchClient.learn` sends.
+        interval_s: the longest a sequence waits before it is sent.
+        batch_tokens: queued tokens that trigger a send before the interval ends.
+        max_queued_tokens: the most tokens waiting; more are dropped.
+    """
+
+    def __init__(self, client: TreeSearchClient, *, interval_s: float = 0.5, batch_tokens: int = 16384,
+                 max_queued_tokens: int = 1 << 20) -> None:
+        self.client, self.interval_s = client, interval_s
+        self.batch_tokens, self.max_queued_tokens = batch_tokens, max_queued_tokens
+        self.sent = self.dropped = self.sends = 0  # tokens sent, sequences dropped, calls made
+        self._queue: list[list[int]] = []
+        self._queued = 0
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="ngram-learn", daemon=True)
+        self._thread.start()
+
+    def put(self, tokens: Sequence[int]) -> None:
+        """Queues one sequence (token ids); never blocks on the service."""
+        tokens = list(tokens)
+        if not tokens:
+            return
+        with self._cv:
+            if self._closed or self._queued + len(tokens) > self.max_queued_tokens:
+                self.dropped += 1
+                return
+            self._queue.append(tokens)
+            self._queued += len(tokens)
+            if self._queued >= self.batch_tokens:
+                self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._closed or self._queued >= self.batch_tokens, timeout=self.interval_s)
+                batch, self._queue, self._queued = self._queue, [], 0
+                closed = self._closed
+            if batch:
+                try:
+                    self.sent += self.client.learn(batch)
+                except Exception:  # noqa: BLE001 - learning never fails serving
+                    logger.exception("sending learned sequences failed")
+                self.sends += 1
+            if closed:
+                return
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Sends what is queued (waiting at most ``timeout_s``) and stops the thread."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout_s)

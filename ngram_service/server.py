@@ -12,6 +12,11 @@ answer ``INVALID_ARGUMENT`` with a message saying what is wrong, and the
 server keeps serving.  A request whose deadline has passed is dropped
 before the search.  An optional shared secret (``authorization: Bearer
 <token>`` metadata) protects clusters without network policies.
+
+With a live corpus (``--learn-max-tokens``, :mod:`ngram_service.live`), ``Learn`` takes the
+finished sequences engine replicas send, and every search weighs each sequence's continuation in
+that corpus beside its own context chain (the longer match wins), so what one replica generated
+drafts for all of them.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ngram_service._proto import ngram_pb2, ngram_pb2_grpc
 from ngram_service.client import OVERRIDE_FIELDS, usable_cpus
+from ngram_service.live import LiveCorpus, with_live_chains
 from ngram_service.tree_search import ContextChain, SearchParams, search_tree_batch, search_trees
 from ngram_service.trie import NgramTrie
 
@@ -57,6 +63,7 @@ class ServerLimits:
     max_depth: int = 16
     max_budget: int = 256
     max_context_tokens: int = 1 << 22  # summed over a request
+    max_learn_tokens: int = 1 << 20  # tokens of one Learn call
     max_message_bytes: int = 64 << 20
 
 
@@ -71,8 +78,9 @@ def _require(ok: bool, message: str) -> None:
 
 class _Servicer(ngram_pb2_grpc.NgramTreeSearchServicer):
     def __init__(self, trie: NgramTrie | None, params: SearchParams, limits: ServerLimits,
-                 executor: ThreadPoolExecutor, auth_token: str | None) -> None:
+                 executor: ThreadPoolExecutor, auth_token: str | None, live: LiveCorpus | None = None) -> None:
         self.trie = trie
+        self.live = live
         self.params = params
         self.limits = limits
         self.executor = executor
@@ -134,7 +142,9 @@ class _Servicer(ngram_pb2_grpc.NgramTreeSearchServicer):
         probs = np.asarray(request.chain_probs, dtype=np.float32)
         _require(bool(np.all((probs >= 0) & (probs <= 1))), "chain_probs must lie in [0, 1]")
         ends = np.cumsum(lengths)
-        return [ContextChain(tokens[e - n:e], probs[e - n:e]) for e, n in zip(ends, lengths)]
+        matched = list(request.chain_match_lengths) or [0] * batch
+        _require(len(matched) == batch, f"chain_match_lengths has {len(matched)} entries for batch {batch}")
+        return [ContextChain(tokens[e - n:e], probs[e - n:e], int(m)) for e, n, m in zip(ends, lengths, matched)]
 
     def _params(self, overrides) -> SearchParams:
         changes = {f: getattr(overrides, f) for f in OVERRIDE_FIELDS if overrides.HasField(f)}
@@ -175,6 +185,8 @@ class _Servicer(ngram_pb2_grpc.NgramTreeSearchServicer):
         except _InvalidArgument as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         contexts = [flat[offsets[i]:offsets[i + 1]] for i in range(b)]
+        if self.live is not None and params.context_weight > 0:
+            chains = with_live_chains(self.live, contexts, chains, d)
 
         search = search_tree_batch if request.padded else search_trees
 
@@ -222,18 +234,47 @@ class _Servicer(ngram_pb2_grpc.NgramTreeSearchServicer):
             self.executor, lambda: self.trie.probability_batch(contexts, tokens.reshape(b, m)))
         return ngram_pb2.LookupResponse(probabilities=probs.ravel().tolist())
 
+    async def Learn(self, request, context):
+        await self._guard(context)
+        if self.live is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this service keeps no live corpus (started without --learn-max-tokens)")
+        try:
+            lengths = np.asarray(request.lengths, dtype=np.int64)
+            _require(bool(np.all(lengths >= 0)) and int(lengths.sum()) == len(request.tokens),
+                     f"lengths sum to {int(lengths.sum())} but tokens has {len(request.tokens)} values")
+            _require(len(request.tokens) <= self.limits.max_learn_tokens,
+                     f"{len(request.tokens)} tokens exceed the limit of {self.limits.max_learn_tokens} per call")
+            self._check_vocab_hash(request.vocab_hash)
+            tokens = np.asarray(request.tokens, dtype=np.int64)
+            self._check_ids(tokens, "tokens")
+        except _InvalidArgument as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        ends = np.cumsum(lengths)
+        docs = [tokens[e - n:e] for e, n in zip(ends, lengths)]
+        added = await asyncio.get_running_loop().run_in_executor(self.executor, self.live.add, docs)
+        return ngram_pb2.LearnResponse(tokens_added=added, tokens_held=len(self.live))
+
+    def _live_info(self) -> ngram_pb2.LiveCorpusInfo | None:
+        if self.live is None:
+            return None
+        st = self.live.stats()
+        return ngram_pb2.LiveCorpusInfo(max_context=self.live.max_context, tokens=st.tokens, max_tokens=st.max_tokens,
+                                        bytes=st.bytes, inserts=st.inserts, evicted=st.evicted, lookups=st.lookups,
+                                        hits=st.hits)
+
     async def Info(self, request, context):
         await self._guard(context)
         lim = self.limits
         if self.trie is None:
             return ngram_pb2.InfoResponse(max_batch=lim.max_batch, max_k=lim.max_k, max_depth=lim.max_depth,
-                                          max_budget=lim.max_budget)
+                                          max_budget=lim.max_budget, live=self._live_info())
         i = self.trie.info
         return ngram_pb2.InfoResponse(
             order=i.order, vocab_size=i.vocab_size, num_nodes=i.num_nodes, nodes_per_level=list(i.nodes_per_level),
             total_tokens=i.total_tokens, tokenizer_name=i.tokenizer_name, vocab_hash=i.vocab_hash,
             metadata_json=json.dumps(i.metadata, sort_keys=True), max_batch=lim.max_batch, max_k=lim.max_k,
-            max_depth=lim.max_depth, max_budget=lim.max_budget)
+            max_depth=lim.max_depth, max_budget=lim.max_budget, live=self._live_info())
 
 
 class NgramServer:
@@ -247,12 +288,15 @@ class NgramServer:
             this many calls run at once.
         params: default search parameters (reference defaults); their ``num_threads`` is ``threads``.
         auth_token: shared secret required as ``authorization: Bearer <token>``.
+        learn_max_tokens: keep a live corpus of served sequences (``Learn``) of at most this many
+            tokens (:class:`~ngram_service.live.LiveCorpus`); None: none.
     """
 
     def __init__(self, trie_path: str | None, *, host: str = "127.0.0.1", port: int = 0, threads: int | None = None,
                  params: SearchParams | None = None, limits: ServerLimits | None = None,
-                 auth_token: str | None = None) -> None:
+                 auth_token: str | None = None, learn_max_tokens: int | None = None) -> None:
         self.trie = NgramTrie(trie_path) if trie_path else None
+        self.live = LiveCorpus(learn_max_tokens) if learn_max_tokens else None
         self.host = host
         self.requested_port = port
         self.threads = threads or usable_cpus()
@@ -275,7 +319,7 @@ class NgramServer:
                 ("grpc.so_reuseport", 0), ("grpc.optimization_target", "latency")]
         server = grpc.aio.server(options=opts)
         ngram_pb2_grpc.add_NgramTreeSearchServicer_to_server(
-            _Servicer(self.trie, self.params, self.limits, self._executor, self.auth_token), server)
+            _Servicer(self.trie, self.params, self.limits, self._executor, self.auth_token, self.live), server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -331,12 +375,15 @@ def main(argv=None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=50051)
     ap.add_argument("--threads", type=int, default=None, help="search threads [CPUs available]")
+    ap.add_argument("--learn-max-tokens", type=int, default=0,
+                    help="keep a live corpus of served sequences of at most this many tokens (0: none)")
     ap.add_argument("--auth-token-env", default=AUTH_TOKEN_ENV,
                     help="environment variable holding the shared secret (unset: no auth)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = NgramServer(args.trie, host=args.host, port=args.port, threads=args.threads,
-                         auth_token=os.environ.get(args.auth_token_env) or None).start()
+                         auth_token=os.environ.get(args.auth_token_env) or None,
+                         learn_max_tokens=args.learn_max_tokens or None).start()
     print(f"serving on {server.address}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -83,6 +83,10 @@ class BatcherObserver:
     def on_finish(self, chunk: GenerationChunk) -> None:
         """A request ended (its last chunk; not called for cancelled ones)."""
 
+    def on_sequence(self, prompt: list[int], output: list[int]) -> None:
+        """A request that allows learning (``GenerationRequest.learn``) ended, not cancelled: its
+        prompt and generated token ids (what a live corpus may learn from)."""
+
 
 _T = TypeVar("_T")
 
@@ -146,6 +150,8 @@ class _Request:
     speculative: bool
     detok: IncrementalDetokenizer
     sink: Sink
+    learn: bool = True
+    output: list[int] = field(default_factory=list)  # generated token ids so far (kept when ``learn``)
     arrived: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
     done: bool = False
@@ -220,7 +226,8 @@ class ContinuousBatcher:
         engine: the decoding engine (its draft head, tree search, budget and gate as configured).
         tokenizer: the target's Hugging Face tokenizer (chat template, decoding).
         config: batching limits.
-        observer: metric hooks.
+        observer: metric hooks (a :class:`BatcherObserver`, or any object with its methods; ``on_sequence``
+            is optional, and without it no request's tokens are kept).
 
     Use ``start()`` (or a ``with`` block) before submitting, ``close()`` at the end.
     """
@@ -231,6 +238,8 @@ class ContinuousBatcher:
         self.tokenizer = tokenizer
         self.config = config or BatcherConfig()
         self.observer = observer or BatcherObserver()
+        # optional: an observer written before the hook (duck-typed) has none, and then nothing is collected
+        self._on_sequence = getattr(self.observer, "on_sequence", None)
         self.max_context = engine.target.max_context
         self.running = 0
         self.steps = {"speculative": 0, "autoregressive": 0}
@@ -333,7 +342,7 @@ class ContinuousBatcher:
         sampling = replace(self.sampling_params(request, len(ids)), grammar=self.grammar(request))
         detok = IncrementalDetokenizer(self.tokenizer, request.stop, skip_special_tokens=request.skip_special_tokens,
                                        include_stop=request.include_stop_str_in_output)
-        req = _Request(ids, sampling, request.speculative, detok, sink)
+        req = _Request(ids, sampling, request.speculative, detok, sink, learn=request.learn)
         self._incoming.put(req)
         return RequestHandle(req, len(ids))
 
@@ -487,10 +496,14 @@ class ContinuousBatcher:
                 req.done = True
                 continue
             chunk = self._chunk(req, toks, reason, prefill, lp, acc_len, nodes)
+            if req.learn and self._on_sequence is not None:
+                req.output.extend(toks)
             if chunk.finish_reason is not None:
                 req.done = True
                 req.cancelled = True  # a stop string: the engine drops the sequence at its next step
                 self.observer.on_finish(chunk)
+                if req.learn and self._on_sequence is not None:
+                    self._on_sequence(req.ids, req.output)
             _send(req, chunk)
         self.observer.on_step(step, prefill)
 

@@ -74,6 +74,7 @@ class GenerationRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()  # stop strings, not included in the text
     speculative: bool = True  # False: decode this request without speculation (its batch steps autoregressively)
+    learn: bool = True  # False: this request's tokens never enter the n-gram service's live corpus
     logprobs: int | None = None  # None: none; k >= 0: each token's log-probability and the k most likely
     # vLLM's sampling extensions, with vLLM's meaning
     ignore_eos: bool = False  # keep generating past the model's EOS token (load generators fix lengths so)
@@ -113,6 +114,7 @@ class GenerationRequest:
         _require(len(stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings")
         object.__setattr__(self, "stop", stop)
         _require(isinstance(self.speculative, bool), "speculative must be true or false")
+        _require(isinstance(self.learn, bool), "learn must be true or false")
         _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
                  f"top logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):

@@ -86,6 +86,10 @@ double ContextIndex::probability(const int64_t* extra, size_t n_extra, int64_t t
   const size_t from_seq = std::min<size_t>(tokens_.size(), max_context_ - from_extra);
   tail.insert(tail.end(), tokens_.end() - static_cast<std::ptrdiff_t>(from_seq), tokens_.end());
   tail.insert(tail.end(), extra + (n_extra - from_extra), extra + n_extra);
+  return probability_tail(tail, tok);
+}
+
+double ContextIndex::probability_tail(const std::vector<int64_t>& tail, int64_t tok) const {
   uint64_t hashes[kMaxContext];
   int n = 0;
   suffix_hashes(tail, tail.size(), hashes, &n);
@@ -120,6 +124,45 @@ ContextIndex::Continuation ContextIndex::continuation(size_t max_len) const {
     break;
   }
   return out;
+}
+
+ContextIndex::Continuation ContextIndex::continuation_after(const int64_t* query, size_t n, size_t max_len) const {
+  Continuation out;
+  const size_t take = std::min<size_t>(n, max_context_);
+  std::vector<int64_t> tail(query + (n - take), query + n);
+  uint64_t hashes[kMaxContext];
+  int count = 0;
+  suffix_hashes(tail, tail.size(), hashes, &count);
+  for (int m = count - 1; m >= 0 && max_len > 0; --m) {
+    const auto c = contexts_[m].find(hashes[m]);
+    // a suffix whose most recent occurrence ended its document proposes nothing: a shorter one may
+    if (c == contexts_[m].end() || tokens_[c->second.next_pos] == kBoundary) continue;
+    out.match_length = m + 1;
+    std::vector<int64_t> t = tail;
+    for (size_t pos = c->second.next_pos; out.tokens.size() < max_len && pos < tokens_.size(); ++pos) {
+      const int64_t tok = tokens_[pos];
+      if (tok == kBoundary) break;
+      out.probs.push_back(probability_tail(t, tok));
+      out.tokens.push_back(tok);
+      t.push_back(tok);
+      if (t.size() > static_cast<size_t>(max_context_)) t.erase(t.begin());
+    }
+    break;
+  }
+  return out;
+}
+
+size_t ContextIndex::memory_bytes() const {
+  size_t bytes = tokens_.capacity() * sizeof(int64_t);
+  // a node of an unordered_map: the key, the value and the next pointer (libstdc++ caches no hash for
+  // integer keys), plus one bucket pointer per bucket
+  for (const auto& c : contexts_) {
+    bytes += c.bucket_count() * sizeof(void*) + c.size() * (sizeof(uint64_t) + sizeof(Seen) + sizeof(void*));
+  }
+  for (const auto& f : follows_) {
+    bytes += f.bucket_count() * sizeof(void*) + f.size() * (sizeof(uint64_t) + sizeof(uint32_t) + sizeof(void*));
+  }
+  return bytes;
 }
 
 }  // namespace dart_ngram

@@ -20,6 +20,10 @@
 // The continuation copies what followed the most recent earlier occurrence of
 // the longest suffix that occurred before (prompt-lookup decoding's rule, with
 // the longest match), extended periodically when it runs into the present.
+//
+// The same index serves as the n-gram service's live corpus: documents (finished sequences) are
+// appended each followed by kBoundary, and continuation_after() matches an outside query (a
+// request's last tokens) instead of the index's own suffix, stopping at a document's end.
 #pragma once
 
 #include <cstddef>
@@ -34,6 +38,10 @@ class ContextIndex {
   // max_context: longest suffix looked up (1..8); max_tokens: tokens kept (>= 2 * max_context + 2).
   ContextIndex(int max_context, size_t max_tokens);
 
+  // a token id no tokenizer uses: appended after each document of a live corpus; never matched by a query,
+  // and a continuation stops before it
+  static constexpr int64_t kBoundary = INT64_MAX;
+
   void append(const int64_t* tokens, size_t n);
   size_t size() const { return tokens_.size(); }  // tokens currently indexed
   int max_context() const { return max_context_; }
@@ -47,6 +55,12 @@ class ContextIndex {
     int match_length = 0;         // tokens of the matched suffix (0: no match)
   };
   Continuation continuation(size_t max_len) const;
+  // What followed the most recent occurrence of the longest suffix of query[0..n) (at most max_context
+  // tokens) in the index that did not end its document, up to max_len tokens and never past a
+  // kBoundary; probs under the query followed by the continuation's earlier tokens.
+  Continuation continuation_after(const int64_t* query, size_t n, size_t max_len) const;
+  // bytes held by the token store and the hash maps (an estimate from their sizes and bucket counts)
+  size_t memory_bytes() const;
 
  private:
   struct Seen {
@@ -55,6 +69,8 @@ class ContextIndex {
   };
   void index_position(size_t i);  // tokens_[i] as the follower of each context ending at i - 1
   void rebuild();
+  // q(tok | tail): tail's last max_context tokens matched against the index
+  double probability_tail(const std::vector<int64_t>& tail, int64_t tok) const;
   // hashes of the suffixes of length 1..max_context ending just before `end` in seq
   void suffix_hashes(const std::vector<int64_t>& seq, size_t end, uint64_t* out, int* count) const;
 

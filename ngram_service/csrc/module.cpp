@@ -397,6 +397,19 @@ PYBIND11_MODULE(_native, m) {
                                   cont.match_length);
           },
           py::arg("max_len"))
+      .def(
+          "continuation_after",
+          [](const ContextIndex& c, const I64Array& query, size_t max_len) {
+            if (query.ndim() != 1) throw std::invalid_argument("query must be 1-D");
+            auto cont = c.continuation_after(query.data(), static_cast<size_t>(query.size()), max_len);
+            const auto n = static_cast<py::ssize_t>(cont.tokens.size());
+            std::vector<float> probs(cont.probs.begin(), cont.probs.end());
+            return py::make_tuple(to_array(std::move(cont.tokens), {n}), to_array(std::move(probs), {n}),
+                                  cont.match_length);
+          },
+          py::arg("query"), py::arg("max_len"))
+      .def_property_readonly("memory_bytes", &ContextIndex::memory_bytes)
+      .def_readonly_static("BOUNDARY", &ContextIndex::kBoundary)
       .def_property_readonly("size", &ContextIndex::size)
       .def_property_readonly("max_context", &ContextIndex::max_context);
 

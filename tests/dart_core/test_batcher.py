@@ -143,6 +143,26 @@ def test_opting_out_of_speculation_steps_autoregressively(model):
     assert after["speculative_steps"] == before["speculative_steps"] and chunks[-1].tau == 1.0
 
 
+def test_finished_requests_reach_the_learning_hook_unless_they_opt_out(model):
+    """on_sequence gets each finished request's prompt and generated token ids, from the engine
+    thread; a request with learn=False, or one cancelled, never reaches it."""
+    class Learner(BatcherObserver):
+        def __init__(self) -> None:
+            self.seen: list[tuple[list[int], list[int]]] = []
+
+        def on_sequence(self, prompt, output) -> None:
+            self.seen.append((list(prompt), list(output)))
+
+    rec = Learner()
+    with ContinuousBatcher(model.engine, model.tokenizer, observer=rec) as b:
+        kept = list(b.generate(GenerationRequest(prompt=PROMPTS[0], max_tokens=9)))
+        list(b.generate(GenerationRequest(prompt=PROMPTS[1], max_tokens=9, learn=False)))
+        handle = b.submit(GenerationRequest(prompt=PROMPTS[2], max_tokens=200), lambda item: None)
+        handle.cancel()
+        wait_idle(b)
+    assert rec.seen == [(model.encode(PROMPTS[0]), [t for c in kept for t in c.token_ids])]
+
+
 def test_bad_requests_are_refused_before_queueing(model):
     cfg = BatcherConfig(max_tokens_limit=32)
     with ContinuousBatcher(model.engine, model.tokenizer, cfg) as b:
@@ -154,7 +174,7 @@ def test_bad_requests_are_refused_before_queueing(model):
     for bad in (dict(), dict(prompt="a", messages=(ChatMessage("user", "b"),)), dict(prompt=""),
                 dict(prompt="a", temperature=-1), dict(prompt="a", top_p=0), dict(prompt="a", max_tokens=0),
                 dict(prompt="a", stop=("1", "2", "3", "4", "5")), dict(prompt="a", speculative="no"),
-                dict(prompt="a", logprobs=21)):
+                dict(prompt="a", logprobs=21), dict(prompt="a", learn=1)):
         with pytest.raises(InvalidRequest):
             GenerationRequest(**bad)
 

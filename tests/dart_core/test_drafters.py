@@ -11,10 +11,12 @@ from dart_core.spec.budget import AdaptiveBudget, VerifyCostCurve, node_acceptan
 from dart_core.spec.drafters import DraftBatch, Drafter, DraftInputs, NoDraft, Proposal, ProposalKind
 from dart_core.step.engine import DartEngine
 from dart_core.step.sampling import SamplingParams
-from ngram_service.tree_search import DraftTree, TreeBatch
+from ngram_service.client import InProcessTreeSearch
+from ngram_service.live import LiveCorpus
+from ngram_service.tree_search import DraftTree, SearchParams, TreeBatch
 
 from .conftest import make_tree, tiny_target
-from .test_engine import prompts_of
+from .test_engine import prompts_of, random_head
 
 
 class ChainOracle(Drafter):
@@ -114,11 +116,6 @@ def test_root_only_trees_and_their_batch_equal_the_general_ones():
 def test_what_is_set_on_the_engine_reaches_its_default_drafter():
     """A server swaps in its gRPC tree search and a benchmark its parameters or budget on the engine:
     the default drafter reads the same objects; a drafter given to the engine is left alone."""
-    from ngram_service.client import InProcessTreeSearch
-    from ngram_service.tree_search import SearchParams
-
-    from .test_engine import random_head
-
     target = tiny_target("llama")
     engine = DartEngine(target, random_head(target))
     search, params = InProcessTreeSearch(None), SearchParams(top_k=3, budget=5)
@@ -130,3 +127,19 @@ def test_what_is_set_on_the_engine_reaches_its_default_drafter():
     engine = DartEngine(target, drafter=mine)
     engine.tree_search = search
     assert not hasattr(mine, "tree_search") and engine.tree_search is search
+
+
+def test_an_exact_repeat_drafts_from_the_first_answer_and_stays_exact():
+    """The n-gram service's live corpus (in process here): the engine's answer to a prompt, learned, lets a repeat of the prompt accept more
+    tokens per step, and the greedy output is the same."""
+    target = tiny_target("llama", seed=5)
+    live = LiveCorpus(max_tokens=1 << 14)
+    engine = DartEngine(target, random_head(target, seed=5), InProcessTreeSearch(None, live=live),
+                        SearchParams(top_k=8, beam_width=4, budget=12))
+    prompt = prompts_of(np.random.default_rng(5), [9])
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    first = engine.generate(prompt, sp)
+    engine.tree_search.learn([prompt[0] + first.token_ids[0]])
+    again = engine.generate(prompt, sp)
+    assert again.token_ids == first.token_ids
+    assert again.tau > first.tau + 1.0, (first.tau, again.tau)

@@ -135,6 +135,7 @@ CHAT = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tok
     ("chat", {"stream": 1}, 400, "stream"),
     ("chat", {"max_tokens": 2.0}, 400, "max_tokens"),
     ("chat", {"speculative": "false"}, 400, "speculative"),
+    ("chat", {"learn": "false"}, 400, "learn"),
     ("chat", {"stop": 5}, 400, "stop: must be a string or a list of strings"),
     # integers outside their range
     ("chat", {"seed": 2 ** 70}, 400, "seed"),
@@ -450,6 +451,31 @@ def test_killing_the_ngram_replica_fails_no_request(app):
     fb = engine.stats.remote().result()["ngram_fallbacks"]
     run(1)
     assert engine.stats.remote().result()["ngram_fallbacks"] == fb
+
+
+def test_finished_requests_feed_the_live_corpus_unless_they_opt_out(app):
+    """The engine replica sends each finished request's generated tokens to the n-gram service's live
+    corpus (one document boundary after each), off the decoding path; ``"learn": false`` keeps a
+    request's tokens out."""
+    engine = serve.get_deployment_handle("DartEngine", app_name="dart")
+    msgs = [{"role": "user", "content": "Name three rivers of Europe."}]
+
+    def learned(at_least: int = 0) -> int:
+        for _ in range(100):  # the sender sends every half second
+            n = engine.stats.remote().result()["learned_tokens"]
+            if n >= at_least:
+                return n
+            time.sleep(0.1)
+        return n
+
+    time.sleep(1.0)  # what earlier tests' requests left in the sender's queue goes out first
+    before = learned()
+    client().chat.completions.create(model=NAME, messages=msgs, max_tokens=8, temperature=0,
+                                     extra_body={"learn": False})
+    time.sleep(1.0)
+    assert learned() == before
+    out = client().chat.completions.create(model=NAME, messages=msgs, max_tokens=8, temperature=0)
+    assert learned(before + 1) == before + out.usage.completion_tokens + 1
 
 
 def test_per_request_opt_out_and_the_serving_benchmark(app, reference, tmp_path, tiny_model_dir):

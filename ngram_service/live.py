@@ -1,0 +1,131 @@
+"""The live corpus: the traffic the n-gram service serves, as draft evidence for the next requests.
+
+A static trie pays only where its corpus matches the traffic; the corpus that matches it best is the
+traffic itself (agents retrying a step, tool calls of one JSON shape, templated prompts, exact
+repeats).  :class:`LiveCorpus` keeps the finished sequences that engine replicas send
+(:meth:`LiveCorpus.add`) in one bounded C++ n-gram index (the request context index's structure,
+``csrc/context_index.hpp``, with a boundary after each document), and proposes for a request the
+continuation of its last tokens in that corpus (:meth:`LiveCorpus.chain`): what followed the most
+recent occurrence of the longest matching suffix, up to the end of that document.  The tree search
+weighs the chain as it weighs the request's own context chain (``SearchParams.context_weight``;
+docs/ngram.md, "Live corpus").
+
+Bounded: the index holds at most ``max_tokens`` tokens; past that it keeps the newest half and
+re-indexes them (oldest evicted first).  Thread-safe: one lock around every call, so engine
+replicas' inserts and the service's searches may run on different threads.
+
+Privacy: the output of every request is unchanged (verification decides every token), but one
+request's text can steer the drafts of another, and so its speed; a request opts out with
+``learn = False`` and a deployment with ``ngram.learn: false`` (docs/serving.md).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ngram_service import _native
+from ngram_service.tree_search import ContextChain
+
+__all__ = ["LiveCorpus", "LiveStats", "BOUNDARY", "with_live_chains"]
+
+#: the id appended after each document (no tokenizer uses it; a chain never crosses it)
+BOUNDARY = int(_native.ContextIndex.BOUNDARY)
+
+
+@dataclass(frozen=True)
+class LiveStats:
+    """A snapshot of a :class:`LiveCorpus`'s counters."""
+
+    tokens: int  # tokens held, boundaries included
+    max_tokens: int  # the cap
+    bytes: int  # memory of the index (estimate from its containers' sizes)
+    inserts: int  # documents added since start
+    evicted: int  # tokens dropped to stay under the cap
+    lookups: int  # chains asked for
+    hits: int  # chains that matched something
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+class LiveCorpus:
+    """A bounded, thread-safe index of served sequences (module docstring).
+
+    Args:
+        max_tokens: the cap, in tokens (boundaries included), at least 64.
+        max_context: the longest suffix matched, in tokens (1..8).
+
+    Raises:
+        ValueError: settings out of range.
+    """
+
+    def __init__(self, max_tokens: int = 1 << 20, max_context: int = 4) -> None:
+        if max_tokens < 64:
+            raise ValueError(f"max_tokens must be >= 64, got {max_tokens}")
+        self._index = _native.ContextIndex(max_context, max_tokens)
+        self.max_tokens, self.max_context = max_tokens, max_context
+        self._lock = threading.Lock()
+        self._inserts = self._evicted = self._lookups = self._hits = 0
+
+    def __len__(self) -> int:
+        return self._index.size
+
+    def add(self, documents: Sequence[Sequence[int]]) -> int:
+        """Indexes each document (token ids ≥ 0) followed by :data:`BOUNDARY`; returns the tokens
+        added.  A document longer than half the cap keeps only its last half-cap tokens (a longer
+        one would evict itself).
+
+        Raises:
+            ValueError: a negative token id (nothing of the call is added)."""
+        arrays = [np.asarray(d, dtype=np.int64).reshape(-1) for d in documents]
+        if any(a.size and a.min() < 0 for a in arrays):
+            raise ValueError("token ids must be >= 0")
+        keep = self.max_tokens // 2 - 1
+        added = 0
+        for a in arrays:  # the lock per document: searches wait for one document at most
+            if not a.size:
+                continue
+            a = np.append(a[-keep:], BOUNDARY)
+            with self._lock:
+                before = self._index.size
+                self._index.append(a)
+                self._evicted += max(0, before + a.size - self._index.size)
+                self._inserts += 1
+            added += a.size
+        return added
+
+    def chain(self, context: Sequence[int] | np.ndarray, max_len: int) -> ContextChain:
+        """Up to ``max_len`` tokens that followed the most recent occurrence of the longest suffix
+        of ``context`` in the corpus (empty without one), with their probabilities under the
+        corpus (as :meth:`ContextIndex.probability <ngram_service.context.ContextIndex.probability>`)."""
+        query = np.asarray(context, dtype=np.int64).reshape(-1)
+        with self._lock:
+            tokens, probs, match = self._index.continuation_after(query, int(max_len))
+            self._lookups += 1
+            self._hits += bool(len(tokens))
+        return ContextChain(tokens, probs, int(match))
+
+    def stats(self) -> LiveStats:
+        with self._lock:
+            return LiveStats(self._index.size, self.max_tokens, int(self._index.memory_bytes), self._inserts,
+                             self._evicted, self._lookups, self._hits)
+
+
+def with_live_chains(live: LiveCorpus, contexts: Sequence[np.ndarray], chains: Sequence[ContextChain | None] | None,
+                     max_len: int) -> list[ContextChain | None]:
+    """Each sequence's chain for the tree search: its own context chain (``chains[b]``, the engine's)
+    or the live corpus's continuation of ``contexts[b]``, whichever matched the longer suffix (the
+    request's own on a tie).  ``contexts``: B token arrays ending with each root; ``max_len``: the
+    levels searched."""
+    own = list(chains) if chains is not None else [None] * len(contexts)
+    out = []
+    for c, ctx in zip(own, contexts):
+        lv = live.chain(ctx, max_len)
+        mine = c is not None and len(c.tokens) > 0
+        out.append(lv if len(lv.tokens) and (not mine or lv.match_length > c.match_length) else c)
+    return out

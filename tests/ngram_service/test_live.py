@@ -1,0 +1,232 @@
+"""The live corpus (ngram_service.live): its continuation against a plain Python reference, the cap
+under inserts, concurrent inserts and searches, and the chain choice beside a request's own context."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ngram_service.live import BOUNDARY, LiveCorpus, with_live_chains
+from ngram_service.tree_search import ContextChain
+
+
+def reference_chain(docs: list[list[int]], query: list[int], max_len: int, max_context: int = 4):
+    """What followed the most recent occurrence of the longest suffix of ``query`` (≤ max_context tokens)
+    that did not end its document, up to max_len tokens within that document; each token's q as
+    ContextIndex.probability: (|s| / max_context) · count(s·tok) / count(s) for the longest suffix s of the
+    query and the chain so far with count(s·tok) > 0."""
+    corpus = [t for d in docs for t in d + [BOUNDARY]]
+
+    def q(tail, tok):
+        for m in range(min(max_context, len(tail)), 0, -1):
+            s = tail[-m:]
+            starts = [i for i in range(len(corpus) - m) if corpus[i:i + m] == s]
+            if not starts:
+                continue
+            hits = sum(corpus[i + m] == tok for i in starts)
+            if hits:
+                return m / max_context * hits / len(starts)
+        return 0.0
+
+    for m in range(min(max_context, len(query)), 0, -1):
+        s = query[-m:]
+        ends = [i + m for i in range(len(corpus) - m) if corpus[i:i + m] == s]
+        if not ends or corpus[ends[-1]] == BOUNDARY:
+            continue
+        tokens, probs, tail = [], [], list(query)
+        for tok in corpus[ends[-1]:]:
+            if tok == BOUNDARY or len(tokens) == max_len:
+                break
+            probs.append(q(tail, tok))
+            tokens.append(tok)
+            tail.append(tok)
+        return tokens, probs, m
+    return [], [], 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_the_chain_equals_the_reference(seed):
+    rng = np.random.default_rng(seed)
+    docs = [list(map(int, rng.integers(0, 6, size=int(rng.integers(1, 30))))) for _ in range(12)]
+    live = LiveCorpus(max_tokens=4096)
+    assert live.add(docs) == sum(len(d) + 1 for d in docs)
+    for _ in range(40):
+        query = list(map(int, rng.integers(0, 6, size=int(rng.integers(1, 7)))))
+        got = live.chain(query, 8)
+        tokens, probs, match = reference_chain(docs, query, 8)
+        assert got.tokens.tolist() == tokens and got.match_length == match
+        np.testing.assert_allclose(got.probs, probs, rtol=1e-6)
+    assert live.chain([5, 4, 3], 0).tokens.tolist() == []
+
+
+def test_a_chain_stops_at_its_document_and_skips_a_suffix_that_ended_one():
+    live = LiveCorpus(max_tokens=256)
+    live.add([[1, 2, 3], [3, 4, 5, 6]])
+    assert live.chain([7, 2, 3], 8).tokens.tolist() == [4, 5, 6]  # [2, 3] ended the first document; [3] did not
+    assert live.chain([4], 8).tokens.tolist() == [5, 6]
+    assert live.chain([9, 9], 8).match_length == 0
+
+
+def test_the_cap_holds_under_inserts_and_the_oldest_go_first():
+    live = LiveCorpus(max_tokens=1000)
+    rng = np.random.default_rng(4)
+    sizes = []
+    for i in range(300):
+        live.add([rng.integers(0, 50, size=int(rng.integers(1, 40)))])
+        sizes.append(len(live))
+    assert max(sizes) <= 1000 and live.stats().evicted > 0 and live.stats().inserts == 300
+    live.add([[777, 778, 779, 780]])  # the newest document stays
+    assert live.chain([777, 778], 4).tokens.tolist() == [779, 780]
+    st = live.stats()
+    assert st.tokens == len(live) <= st.max_tokens and st.bytes > 0
+    # a document longer than half the cap keeps its end
+    live.add([list(range(100, 2100))])
+    assert len(live) <= 1000 and live.chain([2097, 2098], 1).tokens.tolist() == [2099]
+    with pytest.raises(ValueError, match="max_tokens"):
+        LiveCorpus(max_tokens=10)
+    with pytest.raises(ValueError, match=">= 0"):
+        live.add([[1, -2]])
+
+
+def test_concurrent_inserts_and_searches():
+    """Four threads insert while four search; every chain is a run of some inserted document."""
+    live = LiveCorpus(max_tokens=2000)
+    docs = [[d * 10 + i for i in range(8)] for d in range(40)]
+    errors = []
+
+    def insert(k):
+        try:
+            for d in docs[k::4] * 5:
+                live.add([d])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def search(k):
+        try:
+            for i in range(2000):
+                d = docs[(i + k) % len(docs)]
+                got = live.chain(d[:3], 5).tokens.tolist()
+                assert got in ([], d[3:8]), got
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=insert, args=(k,)) for k in range(4)]
+    threads += [threading.Thread(target=search, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(live) <= 2000 and live.stats().lookups == 8000
+
+
+def test_the_longer_match_wins_and_the_request_keeps_its_own_on_a_tie():
+    live = LiveCorpus(max_tokens=256)
+    live.add([[1, 2, 3, 4, 5, 6]])
+    own = ContextChain(np.array([9, 9]), np.array([0.5, 0.5], np.float32), 1)
+    contexts = [np.array([2, 3]), np.array([3]), np.array([8])]
+    chains = with_live_chains(live, contexts, [own, own, None], 3)
+    assert chains[0].tokens.tolist() == [4, 5, 6]  # matched 2 tokens against the request's 1
+    assert chains[1] is own  # a tie: the request's own
+    assert chains[2] is None  # nothing anywhere
+    assert with_live_chains(live, contexts[:1], None, 2)[0].tokens.tolist() == [4, 5]
+
+
+def test_the_service_learns_and_every_client_drafts_from_what_another_sent(tmp_path):
+    """Through gRPC: one client's Learn puts a sequence in the service's live corpus; another client's
+    search for a context that matches it gets the continuation into its tree although the draft head's
+    top-k (random here) never proposes it; Info reports the corpus and the client sends enough context
+    for it; bad input is refused, a service without a live corpus says so, and auth holds."""
+    import grpc
+
+    from ngram_service._proto import ngram_pb2, ngram_pb2_grpc
+    from ngram_service.client import GrpcTreeSearch
+    from ngram_service.server import NgramServer
+    from ngram_service.tree_search import SearchParams
+
+    server = NgramServer(None, threads=2, learn_max_tokens=4096, auth_token="s3cret").start()
+    plain = NgramServer(None, threads=1).start()
+    try:
+        a = GrpcTreeSearch(server.address, timeout_ms=2000, auth_token="s3cret")
+        b = GrpcTreeSearch(server.address, timeout_ms=2000, auth_token="s3cret")
+        doc = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+        assert a.learn([doc, []]) == len(doc) + 1
+        rng = np.random.default_rng(0)
+        topk = rng.integers(30, 40, size=(1, 6, 4)).astype(np.int64)  # never the learned tokens
+        probs = np.full((1, 6, 4), 0.25, np.float32)
+        params = SearchParams(top_k=4, beam_width=4, budget=12)
+        for _ in range(100):  # the client asks Info on a background thread (until then it sends 8 tokens)
+            if b.context_tail != 8:
+                break
+            time.sleep(0.02)
+        assert b.context_tail == 4  # the live corpus matches 4 tokens, more than a logits-only search needs
+        tree = b.search_batch(topk, probs, [np.array([1, 2, 12, 13, 14])], params).tree(0)
+        assert {15, 16, 17} <= set(tree.tokens.tolist())
+        without = b.search_batch(topk, probs, [np.array([1, 2, 12, 13, 14])], SearchParams(
+            top_k=4, beam_width=4, budget=12, context_weight=0.0)).tree(0)
+        assert not {15, 16, 17} & set(without.tokens.tolist())  # context weight 0: the paper's search
+        channel = grpc.insecure_channel(server.address)
+        stub = ngram_pb2_grpc.NgramTreeSearchStub(channel)
+        auth = (("authorization", "Bearer s3cret"),)
+        info = stub.Info(ngram_pb2.InfoRequest(), metadata=auth).live
+        assert (info.tokens, info.max_tokens, info.inserts, info.max_context) == (11, 4096, 1, 4)
+        assert info.lookups >= 1 and info.hits >= 1 and info.bytes > 0
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Learn(ngram_pb2.LearnRequest(tokens=[1, 2, 3], lengths=[2]), metadata=auth)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "lengths sum to 2" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Learn(ngram_pb2.LearnRequest(tokens=[1, -3], lengths=[2]), metadata=auth)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "negative" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Learn(ngram_pb2.LearnRequest(tokens=[1, 2], lengths=[2]))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert stub.Info(ngram_pb2.InfoRequest(), metadata=auth).live.tokens == 11  # nothing refused was stored
+        channel.close()
+        c = GrpcTreeSearch(plain.address, timeout_ms=2000)
+        assert c.learn([doc]) == 0 and c.errors == {"learn-FAILED_PRECONDITION": 1}
+        assert not ngram_pb2_grpc.NgramTreeSearchStub(grpc.insecure_channel(plain.address)).Info(
+            ngram_pb2.InfoRequest()).HasField("live")
+        for client in (a, b, c):
+            client.close()
+    finally:
+        server.stop()
+        plain.stop()
+
+
+
+def test_the_learn_sender_batches_off_the_caller_and_drops_what_it_cannot_hold():
+    from ngram_service.client import LearnSender, TreeSearchClient
+
+    class Slow(TreeSearchClient):
+        def __init__(self) -> None:
+            self.calls, self.gate = [], threading.Event()
+
+        def search(self, *a, **k):
+            raise NotImplementedError
+
+        def learn(self, documents):
+            self.gate.wait(5)  # a service that answers slowly
+            self.calls.append([list(d) for d in documents])
+            if len(self.calls) == 2:
+                raise RuntimeError("the service fell over")
+            return sum(len(d) + 1 for d in documents)
+
+    client = Slow()
+    sender = LearnSender(client, interval_s=0.05, batch_tokens=6, max_queued_tokens=10)
+    t0 = time.perf_counter()
+    sender.put([1, 2, 3])
+    sender.put([])
+    sender.put([4, 5, 6])  # 6 tokens queued: sent now, in one call (which waits on the slow service)
+    time.sleep(0.2)
+    for _ in range(4):
+        sender.put([7, 8, 9])  # the first three fit the queue while the send waits; the last is dropped
+    assert time.perf_counter() - t0 < 1.0  # put never waited on the service
+    assert sender.dropped == 1
+    client.gate.set()
+    sender.close()
+    assert client.calls[0] == [[1, 2, 3], [4, 5, 6]] and client.calls[1] == [[7, 8, 9]] * 3
+    assert sender.sent == 8 and sender.sends == 2  # the failed second call counted nothing, and raised nowhere
+    sender.put([1])
+    assert sender.dropped == 2  # closed: nothing more is queued
