@@ -11,6 +11,10 @@ fall back to the logits-only search meanwhile.  On a cluster,
 ``ray_actor_options.resources`` asks for the ``ngram_host`` custom resource
 so the replica lands on the large-RAM node.
 
+With ``ngram.learn`` the server keeps the live corpus of the traffic
+(:mod:`ngram_service.live`), and the replica exports its counters to Prometheus every
+``LIVE_METRICS_S`` seconds (:class:`_LiveMetrics`).
+
 It needs nothing model-side: a trie path (or ``auto``), and for a first
 build a tokenizer and a corpus name.  Given a trie, or a ``tokenizer.json``
 to build one, the n-gram node runs without torch and transformers.
@@ -19,14 +23,43 @@ to build one, the n-gram node runs without torch and transformers.
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import grpc
 from ray import serve
+from ray.serve import metrics
 
 from deployments.config import AppConfig, NgramConfig
 
 logger = logging.getLogger("ray.serve")
+
+LIVE_METRICS_S = 10.0  # how often the live corpus's counters go to Prometheus
+
+
+class _LiveMetrics:
+    """The live corpus's counters (:class:`ngram_service.live.LiveStats`) as Ray Serve metrics:
+    gauges of the tokens and bytes held, counters of documents inserted, tokens evicted, chains
+    asked for and chains that matched (the hit rate is hits / lookups)."""
+
+    def __init__(self, live) -> None:
+        self.live = live
+        self.tokens = metrics.Gauge("dart_ngram_live_tokens", description="tokens the live corpus holds")
+        self.bytes = metrics.Gauge("dart_ngram_live_bytes", description="memory of the live corpus's index, bytes")
+        self.counters = {name: metrics.Counter(f"dart_ngram_live_{name}", description=text) for name, text in (
+            ("inserts", "documents added to the live corpus"), ("evicted", "tokens the live corpus evicted"),
+            ("lookups", "chains asked of the live corpus"), ("hits", "chains the live corpus matched"))}
+        self._last = dict.fromkeys(self.counters, 0)
+
+    def update(self) -> None:
+        st = self.live.stats()
+        self.tokens.set(st.tokens)
+        self.bytes.set(st.bytes)
+        for name, counter in self.counters.items():
+            now = getattr(st, name)
+            if now > self._last[name]:
+                counter.inc(now - self._last[name])
+            self._last[name] = now
 
 
 def resolve_ngram_config(cfg: AppConfig) -> NgramConfig:
@@ -84,8 +117,17 @@ class NgramService:
                                              auth_token=auth_token, host=cfg.host or node,
                                              learn_max_tokens=cfg.learn_max_tokens if cfg.learn else None)
         self._local = "127.0.0.1" if cfg.host == "0.0.0.0" else self.host  # where the health check calls
-        logger.info("n-gram service on %s:%d (trie %s, %d threads)", self.host, self.server.port, trie,
-                    self.server.threads)
+        logger.info("n-gram service on %s:%d (trie %s, %d threads, live corpus %s)", self.host, self.server.port,
+                    trie, self.server.threads, f"of {cfg.learn_max_tokens} tokens" if cfg.learn else "off")
+        self._stop = threading.Event()
+        if self.server.live is not None:
+            live = _LiveMetrics(self.server.live)
+
+            def export() -> None:
+                while not self._stop.wait(LIVE_METRICS_S):
+                    live.update()
+
+            threading.Thread(target=export, name="ngram-live-metrics", daemon=True).start()
 
     def address(self) -> str:
         """``host:port`` of the gRPC tree-search server."""
@@ -101,6 +143,8 @@ class NgramService:
             raise RuntimeError(f"n-gram server reports {status}")
 
     def __del__(self) -> None:
+        if getattr(self, "_stop", None) is not None:
+            self._stop.set()
         server = getattr(self, "server", None)
         if server is not None:
             server.stop(grace_s=0.5)

@@ -141,6 +141,41 @@ def test_step_metrics_record_the_verification_budget(monkeypatch):
     assert m.tokens.seen == [6, 1] and m.steps.seen[-1] == ("autoregressive", 1)
 
 
+def test_the_live_corpus_counters_reach_prometheus_as_deltas(monkeypatch):
+    """The n-gram replica's exporter: gauges of what the corpus holds, counters that grow by what
+    happened since the last export (nothing when nothing did)."""
+    import types
+
+    from deployments import ngram as ngram_module
+    from ngram_service.live import LiveCorpus
+
+    class Metric:
+        def __init__(self, name, **kw):
+            self.name, self.seen = name, []
+
+        def inc(self, value=1):
+            self.seen.append(value)
+
+        def set(self, value):
+            self.seen.append(value)
+
+    ngram_module._LiveMetrics(LiveCorpus(max_tokens=64))  # Ray's own metric classes accept the definitions
+    monkeypatch.setattr(ngram_module, "metrics", types.SimpleNamespace(Counter=Metric, Gauge=Metric))
+    live = LiveCorpus(max_tokens=64)
+    m = ngram_module._LiveMetrics(live)
+    live.add([[1, 2, 3], [2, 3, 4]])
+    live.chain([2, 3], 2)
+    live.chain([9], 2)
+    m.update()
+    assert m.tokens.seen == [8] and m.bytes.seen[0] > 0
+    assert {k: c.seen for k, c in m.counters.items()} == {"inserts": [2], "evicted": [], "lookups": [2], "hits": [1]}
+    m.update()
+    assert m.counters["inserts"].seen == [2] and m.tokens.seen == [8, 8]
+    live.add([list(range(10, 40)), list(range(40, 70))])  # past the cap: the oldest are evicted
+    m.update()
+    assert m.counters["inserts"].seen == [2, 2] and m.counters["evicted"].seen and m.tokens.seen[-1] <= 64
+
+
 def test_the_torch_free_copies_of_the_kernel_and_draft_weight_choices_match_the_engines():
     """deployments.config (imported by the ingress, without torch) and the benchmarks' CLI spell out
     ``gguf_kernel`` and ``draft_weights`` values; they must be the engine's own."""
