@@ -65,6 +65,14 @@ class TreeSearchClient(ABC):
         C++ search write the batch directly."""
         return TreeBatch.from_trees(self.search(topk_ids, topk_probs, contexts, params, chains))
 
+    def chains(self, contexts: Sequence[np.ndarray], chains: Sequence[ContextChain | None],
+               max_len: int) -> list[ContextChain | None]:
+        """The chains a lookup step may verify alone, one per sequence: ``chains`` (the requests'
+        own), or where this client keeps a live corpus in its process, the longer-matching of each
+        and the corpus's continuation of ``contexts[b]`` (:func:`~ngram_service.live.with_live_chains`).
+        This default: ``chains`` as given."""
+        return list(chains)
+
     def learn(self, documents: Sequence[Sequence[int]]) -> int:  # noqa: B027 - optional hook
         """Sends finished sequences (token ids) to the live corpus, where there is one
         (:mod:`ngram_service.live`); returns the tokens it took (0: no live corpus here, or the
@@ -120,6 +128,9 @@ class InProcessTreeSearch(TreeSearchClient):
 
     def learn(self, documents):
         return self.live.add(documents) if self.live is not None else 0
+
+    def chains(self, contexts, chains, max_len):
+        return with_live_chains(self.live, contexts, chains, max_len) if self.live is not None else list(chains)
 
     def _chains(self, topk_ids, contexts, params: SearchParams, chains):
         if self.live is None or params.context_weight <= 0:

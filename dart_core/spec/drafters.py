@@ -159,22 +159,34 @@ class LookupDrafter(Drafter):
         budget: the adaptive budget that sizes each lookup (None: never proposes).
         lookup_length: the longest chain verified, in tokens (0: never proposes).
         max_nodes: the most draft nodes a tree may have (``SearchParams.budget``).
+        tree_search: where a client keeps a live corpus in process, each chain is the longer-matching
+            of the request's own and the corpus's (:meth:`TreeSearchClient.chains`); None: its own.
 
     Proposes nothing (None) where a row keeps no context index."""
 
-    def __init__(self, budget: AdaptiveBudget | None, lookup_length: int, max_nodes: int) -> None:
+    def __init__(self, budget: AdaptiveBudget | None, lookup_length: int, max_nodes: int,
+                 tree_search: TreeSearchClient | None = None) -> None:
         self.budget, self.lookup_length, self.max_nodes = budget, lookup_length, max_nodes
+        self.tree_search = tree_search
 
     def propose(self, inputs: DraftInputs) -> Proposal | None:
         t0 = time.perf_counter()
         if self.budget is None or self.lookup_length <= 0 or any(c is None for c in inputs.context):
             return None
-        chains = [c.continuation(min(self.lookup_length, self.max_nodes)) for c in inputs.context]
+        length = min(self.lookup_length, self.max_nodes)
+        chains = [c.continuation(length) for c in inputs.context]
+        if self.tree_search is not None:  # the last tokens are all a live corpus's lookup reads
+            tails = [np.asarray(t[-_LIVE_TAIL:], dtype=np.int64) for t in inputs.tokens]
+            chains = self.tree_search.chains(tails, chains, length)
         n = self.budget.select_lookup(chains)
         if n == 0:
             return None
         return Proposal(_chain_batch([t[-1] for t in inputs.tokens], chains, n), kind=ProposalKind.LOOKUP,
                         search_ms=1e3 * (time.perf_counter() - t0), chains=chains)
+
+
+#: tokens of each sequence's end a live corpus's lookup is given (it matches at most 8)
+_LIVE_TAIL = 8
 
 
 def _chain_batch(roots: list[int], chains: list[ContextChain], n: int) -> TreeBatch:
@@ -465,7 +477,9 @@ class DartDrafter(HeadTreeDrafter):
         self.lookup = LookupDrafter(self.budget, lookup_length, search_params.budget)
 
     def propose(self, inputs: DraftInputs) -> Proposal:
-        self.lookup.budget, self.lookup.max_nodes = self.budget, self.search_params.budget  # as set now
+        # as set now
+        self.lookup.budget, self.lookup.max_nodes, self.lookup.tree_search = (self.budget, self.search_params.budget,
+                                                                              self.tree_search)
         return self.lookup.propose(inputs) or super().propose(inputs)
 
 
