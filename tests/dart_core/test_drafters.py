@@ -143,3 +143,25 @@ def test_an_exact_repeat_drafts_from_the_first_answer_and_stays_exact():
     again = engine.generate(prompt, sp)
     assert again.token_ids == first.token_ids
     assert again.tau > first.tau + 1.0, (first.tau, again.tau)
+
+
+def test_a_lookup_step_takes_the_live_corpus_chain_where_it_matches_longer():
+    """The lookup drafter asks its tree-search client for the chains (each sequence's last tokens):
+    with a live corpus in process, the corpus's chain replaces a request's own where it matched a
+    longer suffix; without one, the own chains stay."""
+    import types
+
+    from dart_core.spec.drafters import LookupDrafter
+    from ngram_service.context import ContextIndex
+
+    live = LiveCorpus(max_tokens=256)
+    live.add([[1, 9, 3, 4, 5, 6, 7, 8]])
+    own = ContextIndex(4, 1 << 16)
+    own.append([3, 4, 9, 3, 4])  # its own chain: after [3, 4] came 9 (a 2-token match)
+    budget = types.SimpleNamespace(select_lookup=lambda chains: 3)  # verify 3 chain tokens
+    inputs = DraftInputs([[3, 4, 9, 3, 4]], [own])
+    with_live = LookupDrafter(budget, 24, 60, InProcessTreeSearch(None, live=live)).propose(inputs)
+    # the corpus matched [9, 3, 4]: 3 tokens
+    assert with_live.trees.tokens[0, :4].tolist() == [4, 5, 6, 7] and with_live.chains[0].match_length == 3
+    alone = LookupDrafter(budget, 24, 60, InProcessTreeSearch(None)).propose(inputs)
+    assert alone.trees.tokens[0, :4].tolist() == [4, 9, 3, 4] and alone.chains[0].match_length == 2
