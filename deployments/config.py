@@ -54,6 +54,10 @@ class NgramConfig(BaseModel):
     learn_max_tokens: int = Field(1 << 20, ge=64, description="the live corpus's cap in tokens; past it the oldest "
                                                               "are evicted")
     learn_prompts: bool = Field(False, description="send each request's prompt tokens too, not only its output")
+    learn_snapshot: str | None = Field(None, description="a file on the n-gram node the live corpus is written to "
+                                                         "every minute and at shutdown, and reloaded from at start "
+                                                         "(a corrupt one is logged and the corpus starts empty); "
+                                                         "null: the corpus lives as long as the service")
     auth_token_env: str = Field("DART_NGRAM_AUTH_TOKEN", description="environment variable holding the bearer "
                                                                      "token between engines and service, read where "
                                                                      "the application is built; unset: the "

@@ -115,7 +115,8 @@ class NgramService:
         self.host = node if cfg.host in (None, "0.0.0.0") else cfg.host  # what the engines are told
         self.server, _ = start_pinned_server(trie, port=cfg.port, threads=cfg.threads, numa_node=cfg.numa_node,
                                              auth_token=auth_token, host=cfg.host or node,
-                                             learn_max_tokens=cfg.learn_max_tokens if cfg.learn else None)
+                                             learn_max_tokens=cfg.learn_max_tokens if cfg.learn else None,
+                                             learn_snapshot=cfg.learn_snapshot)
         self._local = "127.0.0.1" if cfg.host == "0.0.0.0" else self.host  # where the health check calls
         logger.info("n-gram service on %s:%d (trie %s, %d threads, live corpus %s)", self.host, self.server.port,
                     trie, self.server.threads, f"of {cfg.learn_max_tokens} tokens" if cfg.learn else "off")

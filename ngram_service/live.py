@@ -14,6 +14,11 @@ Bounded: the index holds at most ``max_tokens`` tokens; past that it keeps the n
 re-indexes them (oldest evicted first).  Thread-safe: one lock around every call, so engine
 replicas' inserts and the service's searches may run on different threads.
 
+Nothing learned is lost on a restart: :meth:`LiveCorpus.save` writes the corpus's tokens to a
+snapshot file (atomically: a temporary file renamed over the old one) and
+:meth:`LiveCorpus.load` re-indexes them; a snapshot that is not one, is truncated or fails its
+checksum raises :class:`CorruptSnapshot` (the service then logs it and starts empty).
+
 Privacy: the output of every request is unchanged (verification decides every token), but one
 request's text can steer the drafts of another, and so its speed; a request opts out with
 ``learn = False`` and a deployment with ``ngram.learn: false`` (docs/serving.md).
@@ -21,8 +26,12 @@ request's text can steer the drafts of another, and so its speed; a request opts
 
 from __future__ import annotations
 
+import os
+import struct
 import threading
+import zlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -30,10 +39,20 @@ import numpy as np
 from ngram_service import _native
 from ngram_service.tree_search import ContextChain
 
-__all__ = ["LiveCorpus", "LiveStats", "BOUNDARY", "with_live_chains"]
+__all__ = ["LiveCorpus", "LiveStats", "CorruptSnapshot", "BOUNDARY", "with_live_chains"]
 
 #: the id appended after each document (no tokenizer uses it; a chain never crosses it)
 BOUNDARY = int(_native.ContextIndex.BOUNDARY)
+
+
+#: a snapshot: magic, format version, max_context, token count, CRC-32 of the tokens; then int64 tokens
+_SNAPSHOT = struct.Struct("<8sIIQI")
+_MAGIC = b"DARTLIVE"
+_VERSION = 1
+
+
+class CorruptSnapshot(ValueError):
+    """A live-corpus snapshot that is not one, is truncated, or fails its checksum."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +128,50 @@ class LiveCorpus:
             self._lookups += 1
             self._hits += bool(len(tokens))
         return ContextChain(tokens, probs, int(match))
+
+    def save(self, path: str | Path) -> int:
+        """Writes the corpus's tokens (boundaries included) to ``path`` atomically (a temporary file
+        beside it, flushed, then renamed over it); returns the tokens written."""
+        path = Path(path)
+        with self._lock:
+            tokens = np.ascontiguousarray(self._index.tokens(), dtype="<i8")
+        header = _SNAPSHOT.pack(_MAGIC, _VERSION, self.max_context, tokens.size, zlib.crc32(tokens.tobytes()))
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        with open(tmp, "wb") as f:
+            f.write(header)
+            f.write(tokens.tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return int(tokens.size)
+
+    def load(self, path: str | Path) -> int:
+        """Appends a snapshot's tokens (as :meth:`save` wrote them) to the corpus; returns how many.
+        A snapshot larger than the cap keeps its newest tokens, as inserts would.
+
+        Raises:
+            FileNotFoundError: no file; CorruptSnapshot: not a snapshot, truncated, or a checksum
+                or context-length mismatch (nothing is added)."""
+        data = Path(path).read_bytes()
+        if len(data) < _SNAPSHOT.size:
+            raise CorruptSnapshot(f"{path}: {len(data)} bytes, shorter than a snapshot's header")
+        magic, version, max_context, count, crc = _SNAPSHOT.unpack_from(data)
+        if magic != _MAGIC or version != _VERSION:
+            raise CorruptSnapshot(f"{path}: not a live-corpus snapshot of format {_VERSION}")
+        body = data[_SNAPSHOT.size:]
+        if len(body) != 8 * count:
+            raise CorruptSnapshot(f"{path}: truncated: {len(body)} bytes of tokens, the header says {8 * count}")
+        if zlib.crc32(body) != crc:
+            raise CorruptSnapshot(f"{path}: the tokens fail their checksum")
+        if max_context != self.max_context:
+            raise CorruptSnapshot(f"{path}: written with max_context {max_context}, this corpus uses {self.max_context}")
+        tokens = np.frombuffer(body, dtype="<i8").astype(np.int64)
+        if tokens.size and tokens.min() < 0:
+            raise CorruptSnapshot(f"{path}: a negative token id")
+        tokens = tokens[-self.max_tokens:]
+        with self._lock:
+            self._index.append(tokens)
+        return int(tokens.size)
 
     def stats(self) -> LiveStats:
         with self._lock:

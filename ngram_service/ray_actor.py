@@ -122,19 +122,22 @@ def bind_to_numa_node(node: int | None = None, sysfs: str | Path = "/sys/devices
 def start_pinned_server(trie_path: str | None, *, port: int, threads: int | None = None,
                         numa_node: int | None = None, auth_token: str | None = None, host: str = "0.0.0.0",
                         sysfs: str | Path = "/sys/devices/system/node",
-                        learn_max_tokens: int | None = None) -> tuple[NgramServer, list[int]]:
+                        learn_max_tokens: int | None = None,
+                        learn_snapshot: str | None = None) -> tuple[NgramServer, list[int]]:
     """Binds this process to one NUMA node's CPUs (:func:`bind_to_numa_node`) and starts the
     server on ``host`` (default every interface; the Serve deployment gives the node's own
     address), with as many search threads as that node has CPUs unless ``threads`` is given.
     Used by the Ray actor and by the Serve deployment.  ``learn_max_tokens``: keep a live corpus of
-    that many tokens (:class:`~ngram_service.server.NgramServer`); None: none.
+    that many tokens (:class:`~ngram_service.server.NgramServer`), None: none; ``learn_snapshot``:
+    its snapshot file.
 
     Returns:
         the started server and the CPUs the process is bound to.
     """
     cpus = bind_to_numa_node(numa_node, sysfs)
     server = NgramServer(trie_path, host=host, port=port, threads=threads or len(cpus),
-                         auth_token=auth_token, learn_max_tokens=learn_max_tokens).start()
+                         auth_token=auth_token, learn_max_tokens=learn_max_tokens,
+                         learn_snapshot=learn_snapshot).start()
     return server, cpus
 
 

@@ -41,7 +41,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ngram_service._proto import ngram_pb2, ngram_pb2_grpc
 from ngram_service.client import OVERRIDE_FIELDS, usable_cpus
-from ngram_service.live import LiveCorpus, with_live_chains
+from ngram_service.live import CorruptSnapshot, LiveCorpus, with_live_chains
 from ngram_service.tree_search import ContextChain, SearchParams, search_tree_batch, search_trees
 from ngram_service.trie import NgramTrie
 
@@ -290,13 +290,27 @@ class NgramServer:
         auth_token: shared secret required as ``authorization: Bearer <token>``.
         learn_max_tokens: keep a live corpus of served sequences (``Learn``) of at most this many
             tokens (:class:`~ngram_service.live.LiveCorpus`); None: none.
+        learn_snapshot: with a live corpus, a snapshot file: loaded at start (a missing one is
+            fine; a corrupt one is logged and the service starts empty), written every
+            ``snapshot_every_s`` seconds when the corpus changed, and at :meth:`stop`.
     """
 
     def __init__(self, trie_path: str | None, *, host: str = "127.0.0.1", port: int = 0, threads: int | None = None,
                  params: SearchParams | None = None, limits: ServerLimits | None = None,
-                 auth_token: str | None = None, learn_max_tokens: int | None = None) -> None:
+                 auth_token: str | None = None, learn_max_tokens: int | None = None,
+                 learn_snapshot: str | None = None, snapshot_every_s: float = 60.0) -> None:
         self.trie = NgramTrie(trie_path) if trie_path else None
         self.live = LiveCorpus(learn_max_tokens) if learn_max_tokens else None
+        self.snapshot = learn_snapshot if self.live is not None else None
+        self.snapshot_every_s = snapshot_every_s
+        self._saved_inserts = 0
+        self._stop_snapshots = threading.Event()
+        if self.snapshot is not None and os.path.exists(self.snapshot):
+            try:
+                n = self.live.load(self.snapshot)
+                logger.info("live corpus: %d tokens reloaded from %s", n, self.snapshot)
+            except (CorruptSnapshot, OSError) as e:
+                logger.error("live corpus snapshot refused, starting empty: %s", e)
         self.host = host
         self.requested_port = port
         self.threads = threads or usable_cpus()
@@ -354,10 +368,34 @@ class NgramServer:
             raise errors[0]
         logger.info("n-gram tree-search service on %s (%s, %d search threads)", self.address,
                     self.trie or "logits-only", self.threads)
+        if self.snapshot is not None:
+            threading.Thread(target=self._snapshots, name="ngram-live-snapshot", daemon=True).start()
         return self
 
+    def save_snapshot(self) -> bool:
+        """Writes the live corpus's snapshot when it changed since the last one; False when there
+        was nothing to write (or no snapshot file), or the write failed (logged)."""
+        if self.snapshot is None:
+            return False
+        inserts = self.live.stats().inserts
+        if inserts == self._saved_inserts:
+            return False
+        try:
+            self.live.save(self.snapshot)
+        except OSError as e:
+            logger.error("live corpus snapshot %s not written: %s", self.snapshot, e)
+            return False
+        self._saved_inserts = inserts
+        return True
+
+    def _snapshots(self) -> None:
+        while not self._stop_snapshots.wait(self.snapshot_every_s):
+            self.save_snapshot()
+
     def stop(self, grace_s: float = 1.0) -> None:
-        """Stops serving (in-flight calls get ``grace_s`` seconds) and ends the loop thread."""
+        """Stops serving (in-flight calls get ``grace_s`` seconds), ends the loop thread, and writes
+        the live corpus's snapshot (where it has one)."""
+        self._stop_snapshots.set()
         if self._server is not None and self._loop is not None:
             async def shutdown() -> None:
                 await self._server.stop(grace_s)
@@ -367,6 +405,7 @@ class NgramServer:
             self._thread.join(timeout=grace_s + 5)
             self._server = None
         self._executor.shutdown(wait=False)
+        self.save_snapshot()
 
 
 def main(argv=None) -> int:
@@ -377,13 +416,16 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="search threads [CPUs available]")
     ap.add_argument("--learn-max-tokens", type=int, default=0,
                     help="keep a live corpus of served sequences of at most this many tokens (0: none)")
+    ap.add_argument("--learn-snapshot", default=None,
+                    help="the live corpus's snapshot file: reloaded at start, written every minute and at exit")
     ap.add_argument("--auth-token-env", default=AUTH_TOKEN_ENV,
                     help="environment variable holding the shared secret (unset: no auth)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = NgramServer(args.trie, host=args.host, port=args.port, threads=args.threads,
                          auth_token=os.environ.get(args.auth_token_env) or None,
-                         learn_max_tokens=args.learn_max_tokens or None).start()
+                         learn_max_tokens=args.learn_max_tokens or None,
+                         learn_snapshot=args.learn_snapshot).start()
     print(f"serving on {server.address}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -44,6 +44,7 @@ class ContextIndex {
 
   void append(const int64_t* tokens, size_t n);
   size_t size() const { return tokens_.size(); }  // tokens currently indexed
+  const std::vector<int64_t>& tokens() const { return tokens_; }  // the tokens indexed, oldest first
   int max_context() const { return max_context_; }
 
   // q(tok | the indexed tokens followed by extra[0..n_extra)), as above.

@@ -409,6 +409,13 @@ PYBIND11_MODULE(_native, m) {
           },
           py::arg("query"), py::arg("max_len"))
       .def_property_readonly("memory_bytes", &ContextIndex::memory_bytes)
+      .def(
+          "tokens",
+          [](const ContextIndex& c) {
+            std::vector<int64_t> t = c.tokens();
+            const auto n = static_cast<py::ssize_t>(t.size());
+            return to_array(std::move(t), {n});
+          })
       .def_readonly_static("BOUNDARY", &ContextIndex::kBoundary)
       .def_property_readonly("size", &ContextIndex::size)
       .def_property_readonly("max_context", &ContextIndex::max_context);

@@ -230,3 +230,45 @@ def test_the_learn_sender_batches_off_the_caller_and_drops_what_it_cannot_hold()
     assert sender.sent == 8 and sender.sends == 2  # the failed second call counted nothing, and raised nowhere
     sender.put([1])
     assert sender.dropped == 2  # closed: nothing more is queued
+
+
+def test_a_snapshot_round_trips_and_a_corrupt_or_truncated_one_is_refused_by_name(tmp_path):
+    from ngram_service.live import CorruptSnapshot
+
+    live = LiveCorpus(max_tokens=512)
+    live.add([[1, 2, 3, 4, 5], [6, 7, 8]])
+    path = tmp_path / "live.snap"
+    assert live.save(path) == 10 and not list(tmp_path.glob(".*tmp*"))  # written, nothing left beside it
+    again = LiveCorpus(max_tokens=512)
+    assert again.load(path) == 10 and len(again) == 10
+    assert again.chain([2, 3], 4).tokens.tolist() == [4, 5]
+    data = path.read_bytes()
+    for bad, needle in ((data[:-3], "truncated"), (data[:10], "shorter"), (b"NOTLIVE!" + data[8:], "not a live"),
+                        (data[:-8] + (99).to_bytes(8, "little"), "checksum")):
+        path.write_bytes(bad)
+        fresh = LiveCorpus(max_tokens=512)
+        with pytest.raises(CorruptSnapshot, match=needle):
+            fresh.load(path)
+        assert len(fresh) == 0
+    path.write_bytes(data)
+    with pytest.raises(CorruptSnapshot, match="max_context"):
+        LiveCorpus(max_tokens=512, max_context=3).load(path)
+
+
+def test_a_restarted_service_keeps_what_it_learned_and_a_bad_snapshot_starts_it_empty(tmp_path, caplog):
+    from ngram_service.server import NgramServer
+
+    snap = str(tmp_path / "live.snap")
+    server = NgramServer(None, threads=1, learn_max_tokens=4096, learn_snapshot=snap).start()
+    server.live.add([[11, 12, 13, 14, 15]])
+    server.stop()  # writes the snapshot
+    again = NgramServer(None, threads=1, learn_max_tokens=4096, learn_snapshot=snap).start()
+    try:
+        assert again.live.chain([12, 13], 3).tokens.tolist() == [14, 15]
+        assert not again.save_snapshot()  # nothing new since it was loaded
+    finally:
+        again.stop()
+    (tmp_path / "live.snap").write_bytes(b"garbage")
+    with caplog.at_level("ERROR", logger="ngram_service.server"):
+        empty = NgramServer(None, threads=1, learn_max_tokens=4096, learn_snapshot=snap)
+    assert len(empty.live) == 0 and "snapshot refused" in caplog.text
