@@ -65,13 +65,13 @@ class TreeSearchClient(ABC):
         C++ search write the batch directly."""
         return TreeBatch.from_trees(self.search(topk_ids, topk_probs, contexts, params, chains))
 
-    def chains(self, contexts: Sequence[np.ndarray], chains: Sequence[ContextChain | None],
-               max_len: int) -> list[ContextChain | None]:
-        """The chains a lookup step may verify alone, one per sequence: ``chains`` (the requests'
-        own), or where this client keeps a live corpus in its process, the longer-matching of each
-        and the corpus's continuation of ``contexts[b]`` (:func:`~ngram_service.live.with_live_chains`).
-        This default: ``chains`` as given."""
-        return list(chains)
+    def chains(self, contexts: Sequence[Sequence[int]], chains: Sequence[ContextChain | None] | None,
+               max_len: int) -> Sequence[ContextChain | None] | None:
+        """Each sequence's chain: ``chains`` (the requests' own), or where this client keeps a live
+        corpus in its process, the longer-matching of each and the corpus's continuation of
+        ``contexts[b]`` (its tokens, the last ones read; :func:`~ngram_service.live.with_live_chains`).
+        A lookup step asks it; this default returns ``chains`` as given."""
+        return chains
 
     def learn(self, documents: Sequence[Sequence[int]]) -> int:  # noqa: B027 - optional hook
         """Sends finished sequences (token ids) to the live corpus, where there is one
@@ -130,12 +130,11 @@ class InProcessTreeSearch(TreeSearchClient):
         return self.live.add(documents) if self.live is not None else 0
 
     def chains(self, contexts, chains, max_len):
-        return with_live_chains(self.live, contexts, chains, max_len) if self.live is not None else list(chains)
+        return with_live_chains(self.live, contexts, chains, max_len) if self.live is not None else chains
 
     def _chains(self, topk_ids, contexts, params: SearchParams, chains):
-        if self.live is None or params.context_weight <= 0:
-            return chains
-        return with_live_chains(self.live, contexts, chains, np.shape(topk_ids)[1])
+        """The chains a search weighs (none with ``context_weight`` 0: the paper's search)."""
+        return self.chains(contexts, chains, np.shape(topk_ids)[1]) if params.context_weight > 0 else chains
 
     def _params(self, params: SearchParams, batch: int) -> SearchParams:
         n = max(1, min(self.threads, batch))

@@ -121,8 +121,9 @@ class LiveCorpus:
     def chain(self, context: Sequence[int] | np.ndarray, max_len: int) -> ContextChain:
         """Up to ``max_len`` tokens that followed the most recent occurrence of the longest suffix
         of ``context`` in the corpus (empty without one), with their probabilities under the
-        corpus (as :meth:`ContextIndex.probability <ngram_service.context.ContextIndex.probability>`)."""
-        query = np.asarray(context, dtype=np.int64).reshape(-1)
+        corpus (as :meth:`ContextIndex.probability <ngram_service.context.ContextIndex.probability>`).
+        Only the last ``max_context`` tokens of ``context`` are read (and converted)."""
+        query = np.asarray(context[-self.max_context:], dtype=np.int64).reshape(-1)
         with self._lock:
             tokens, probs, match = self._index.continuation_after(query, int(max_len))
             self._lookups += 1
@@ -183,8 +184,8 @@ def with_live_chains(live: LiveCorpus, contexts: Sequence[np.ndarray], chains: S
                      max_len: int) -> list[ContextChain | None]:
     """Each sequence's chain for the tree search: its own context chain (``chains[b]``, the engine's)
     or the live corpus's continuation of ``contexts[b]``, whichever matched the longer suffix (the
-    request's own on a tie).  ``contexts``: B token arrays ending with each root; ``max_len``: the
-    levels searched."""
+    request's own on a tie).  ``contexts``: B token sequences ending with each root (the last
+    ``max_context`` tokens are read); ``max_len``: the longest chain."""
     own = list(chains) if chains is not None else [None] * len(contexts)
     out = []
     for c, ctx in zip(own, contexts):

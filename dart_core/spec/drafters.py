@@ -170,23 +170,23 @@ class LookupDrafter(Drafter):
         self.tree_search = tree_search
 
     def propose(self, inputs: DraftInputs) -> Proposal | None:
-        t0 = time.perf_counter()
-        if self.budget is None or self.lookup_length <= 0 or any(c is None for c in inputs.context):
-            return None
-        length = min(self.lookup_length, self.max_nodes)
-        chains = [c.continuation(length) for c in inputs.context]
-        if self.tree_search is not None:  # the last tokens are all a live corpus's lookup reads
-            tails = [np.asarray(t[-_LIVE_TAIL:], dtype=np.int64) for t in inputs.tokens]
-            chains = self.tree_search.chains(tails, chains, length)
-        n = self.budget.select_lookup(chains)
-        if n == 0:
-            return None
-        return Proposal(_chain_batch([t[-1] for t in inputs.tokens], chains, n), kind=ProposalKind.LOOKUP,
-                        search_ms=1e3 * (time.perf_counter() - t0), chains=chains)
+        return _lookup(inputs, self.budget, min(self.lookup_length, self.max_nodes), self.tree_search)
 
 
-#: tokens of each sequence's end a live corpus's lookup is given (it matches at most 8)
-_LIVE_TAIL = 8
+def _lookup(inputs: DraftInputs, budget: AdaptiveBudget | None, length: int,
+            tree_search: TreeSearchClient | None) -> Proposal | None:
+    """:class:`LookupDrafter`'s step with chains of at most ``length`` tokens (0: none)."""
+    t0 = time.perf_counter()
+    if budget is None or length <= 0 or any(c is None for c in inputs.context):
+        return None
+    chains = [c.continuation(length) for c in inputs.context]
+    if tree_search is not None:
+        chains = tree_search.chains(inputs.tokens, chains, length)
+    n = budget.select_lookup(chains)
+    if n == 0:
+        return None
+    return Proposal(_chain_batch([t[-1] for t in inputs.tokens], chains, n), kind=ProposalKind.LOOKUP,
+                    search_ms=1e3 * (time.perf_counter() - t0), chains=chains)
 
 
 def _chain_batch(roots: list[int], chains: list[ContextChain], n: int) -> TreeBatch:
@@ -474,13 +474,12 @@ class DartDrafter(HeadTreeDrafter):
     def __init__(self, head: DartDraftHead, embed: torch.nn.Module, tree_search: TreeSearchClient,
                  search_params: SearchParams, *, lookup_length: int = 24, **kwargs) -> None:
         super().__init__(head, embed, tree_search, search_params, **kwargs)
-        self.lookup = LookupDrafter(self.budget, lookup_length, search_params.budget)
+        self.lookup_length = lookup_length
 
     def propose(self, inputs: DraftInputs) -> Proposal:
-        # as set now
-        self.lookup.budget, self.lookup.max_nodes, self.lookup.tree_search = (self.budget, self.search_params.budget,
-                                                                              self.tree_search)
-        return self.lookup.propose(inputs) or super().propose(inputs)
+        # the budget, the node limit and the tree search as they are now (the engine may have swapped them)
+        length = min(self.lookup_length, self.search_params.budget)
+        return _lookup(inputs, self.budget, length, self.tree_search) or super().propose(inputs)
 
 
 @dataclass(frozen=True)

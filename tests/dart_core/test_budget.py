@@ -223,7 +223,7 @@ def test_measured_curve_and_lossless_with_adaptive_budget():
             out[sid].extend(toks)
     assert out == ar.token_ids
     # tree steps keep at most the oracle's 12 nodes; lookup steps verify at most lookup_length chain tokens
-    assert all(1 <= n <= (engine.drafter.lookup.lookup_length if s.lookup else 12) for s in steps[1:] for n in s.draft_nodes if n)
+    assert all(1 <= n <= (engine.drafter.lookup_length if s.lookup else 12) for s in steps[1:] for n in s.draft_nodes if n)
 
 
 def _drive(gate, batch, steps, spec_rate, ar_rate):

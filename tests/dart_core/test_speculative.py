@@ -35,7 +35,7 @@ def test_from_pretrained_takes_it(tiny_model_dir):
                              context_order=3, lookup_length=0, max_prefill_tokens=100)
     engine = DartModel.from_pretrained(tiny_model_dir, head="random", trie=None, speculative_config=spec).engine
     assert (engine.context_window, engine.context_order, engine.max_prefill_tokens) == (300, 3, 100)
-    assert engine.drafter.lookup.lookup_length == 0
+    assert engine.drafter.lookup_length == 0
     assert engine.search_params.budget == 5 and engine.search_params.top_k == 7 and engine.budget is None
     with pytest.raises(TypeError, match="speculative_config"):
         DartModel.from_pretrained(tiny_model_dir, head="random", trie=None, budget=4, speculative_config=spec)
