@@ -14,6 +14,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ngram_service.corpus import NAMED_CORPORA
+from ngram_service.live import DEFAULT_MAX_TOKENS
 from ngram_service.server import ServerLimits
 from ngram_service.tree_search import SearchParams
 
@@ -51,7 +52,7 @@ class NgramConfig(BaseModel):
                                           "sends each finished request's generated tokens (not a request with "
                                           "\"learn\": false), and every search drafts from what was sent as well "
                                           "(docs/ngram.md, \"Live corpus\"); false: the service learns nothing")
-    learn_max_tokens: int = Field(1 << 20, ge=64, description="the live corpus's cap in tokens; past it the oldest "
+    learn_max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=64, description="the live corpus's cap in tokens; past it the oldest "
                                                               "are evicted")
     learn_prompts: bool = Field(False, description="send each request's prompt tokens too, not only its output")
     learn_snapshot: str | None = Field(None, description="a file on the n-gram node the live corpus is written to "

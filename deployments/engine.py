@@ -125,13 +125,16 @@ class _Metrics:
             self.learner.put(prompt + output if self.learn_prompts else output)
 
 
-def grpc_tree_search(cfg: NgramConfig, resolver, vocab_hash: str, auth_token: str | None):
+def grpc_tree_search(cfg: NgramConfig, resolver, vocab_hash: str, auth_token: str | None, live_chain_length: int = 0):
     """The engine's tree-search client for the n-gram service (address from ``resolver``, asked
     on a background thread, ``auth_token`` sent as ``authorization: Bearer <token>``), falling
-    back to the in-process logits-only search."""
+    back to the in-process logits-only search.  With ``ngram.learn``, each search also asks for the
+    live corpus's continuations, up to ``live_chain_length`` tokens (the engine's lookup length), which
+    the lookup steps follow."""
     from ngram_service.client import GrpcTreeSearch
 
-    return GrpcTreeSearch(resolver=resolver, timeout_ms=cfg.timeout_ms, vocab_hash=vocab_hash, auth_token=auth_token)
+    return GrpcTreeSearch(resolver=resolver, timeout_ms=cfg.timeout_ms, vocab_hash=vocab_hash, auth_token=auth_token,
+                          live_chain_length=live_chain_length if cfg.learn else 0)
 
 
 @serve.deployment(name="DartEngine", max_ongoing_requests=32, max_queued_requests=64, health_check_period_s=10,
@@ -166,7 +169,8 @@ class DartEngineDeployment:
         self.tree_search = self.learner = None
         if self._ngram is not None:
             self.tree_search = grpc_tree_search(cfg.ngram, self._resolve_ngram,
-                                                tokenizer_identity(self.model.tokenizer)[1], ngram_auth_token)
+                                                tokenizer_identity(self.model.tokenizer)[1], ngram_auth_token,
+                                                getattr(self.model.engine.drafter, "lookup_length", 0))
             self.model.engine.tree_search = self.tree_search
             if cfg.ngram.learn:  # finished requests go to the service's live corpus, off the decoding path
                 self.learner = LearnSender(self.tree_search)

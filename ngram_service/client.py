@@ -162,7 +162,27 @@ def _answer(response: ngram_pb2.TreeSearchResponse, batch: int, padded: bool) ->
         trees = [DraftTree.from_parents(t.tokens, t.parents, t.depths, t.scores, t.probs) for t in response.trees]
     if len(trees) != batch:
         raise ValueError(f"{len(trees)} trees for {batch} sequences")
-    return TreeBatch.from_trees(trees) if padded and not isinstance(trees, TreeBatch) else trees
+    trees = TreeBatch.from_trees(trees) if padded and not isinstance(trees, TreeBatch) else trees
+    if padded and len(response.live_lengths):
+        object.__setattr__(trees, "live", _live_chains(response, batch))  # a batch built here, seen by no one yet
+    return trees
+
+
+def _live_chains(response: ngram_pb2.TreeSearchResponse, batch: int) -> tuple[ContextChain, ...]:
+    """The live-corpus continuations of a TreeSearch answer, one per sequence, checked.
+
+    Raises:
+        ValueError: not one per sequence, or lengths that do not add up to the tokens."""
+    lengths = np.asarray(response.live_lengths, dtype=np.int64)
+    tokens = np.asarray(response.live_tokens, dtype=np.int64)
+    probs = np.asarray(response.live_probs, dtype=np.float32)
+    if (len(lengths) != batch or len(response.live_match_lengths) != batch or np.any(lengths < 0)
+            or int(lengths.sum()) != tokens.size or probs.size != tokens.size):
+        raise ValueError(f"live continuations of {len(lengths)} sequences and {tokens.size} tokens do not fit "
+                         f"a batch of {batch}")
+    ends = np.cumsum(lengths)
+    return tuple(ContextChain(tokens[e - n:e], probs[e - n:e], int(m))
+                 for e, n, m in zip(ends, lengths, response.live_match_lengths))
 
 
 _CHANNEL_OPTIONS = [
@@ -192,16 +212,25 @@ class GrpcTreeSearch(TreeSearchClient):
         vocab_hash: the engine tokenizer's identity, checked by the service.
         auth_token: shared secret sent as ``authorization: Bearer <token>``.
         fallback: what answers when the service cannot (default: logits-only, in process).
+        live_chain_length: once the service said it keeps a live corpus (``Info``), each
+            :meth:`search_batch` asks for every sequence's live-corpus continuation too, up to this
+            many tokens (:attr:`TreeBatch.live <ngram_service.tree_search.TreeBatch>`), which the
+            engine's lookup steps follow without another call (0: never).
 
     Raises:
-        ValueError: neither an address nor a resolver.
+        ValueError: neither an address nor a resolver, or a negative ``live_chain_length``.
     """
 
     def __init__(self, address: str | None = None, *, resolver: Callable[[], str] | None = None,
                  timeout_ms: float = 50.0, retries: int = 1, cooldown_s: float = 1.0, vocab_hash: str = "",
-                 auth_token: str | None = None, fallback: TreeSearchClient | None = None) -> None:
+                 auth_token: str | None = None, fallback: TreeSearchClient | None = None,
+                 live_chain_length: int = 0) -> None:
         if address is None and resolver is None:
             raise ValueError("give the service address or a resolver")
+        if live_chain_length < 0:
+            raise ValueError(f"live_chain_length must be >= 0, got {live_chain_length}")
+        self.live_chain_length = live_chain_length
+        self.service_live = False  # the service said it keeps a live corpus
         self.resolver = resolver
         self.timeout_s = timeout_ms / 1e3
         self.retries = retries
@@ -241,7 +270,7 @@ class GrpcTreeSearch(TreeSearchClient):
         self._address = address
         self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._stub = ngram_pb2_grpc.NgramTreeSearchStub(self._channel)
-        self._tail = None
+        self._tail, self.service_live = None, False
         self._learn_tail(self._stub)
         self._connected.set()
 
@@ -289,6 +318,7 @@ class GrpcTreeSearch(TreeSearchClient):
                 if self._stub is stub:  # not an answer from an address the client has left since
                     # a logits-only service (order 0) needs the root only; a live corpus matches up to its max_context
                     self._tail = max(info.order - 1, info.live.max_context if info.HasField("live") else 0, 1)
+                    self.service_live = info.HasField("live")
 
         threading.Thread(target=run, name="ngram-info", daemon=True).start()
 
@@ -338,6 +368,8 @@ class GrpcTreeSearch(TreeSearchClient):
                                    padded=padded)
         request = self._request(topk_ids, topk_probs, contexts, params, chains)
         request.padded = padded
+        if padded and self.service_live:
+            request.live_chain_length = self.live_chain_length
         code = None
         for _ in range(1 + self.retries):
             try:

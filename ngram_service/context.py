@@ -15,6 +15,13 @@ the draft head's top-k misses it (``csrc/search.hpp``, docs/design.md §2).
 The index lives with the engine, one per running sequence, and stays small:
 memory is bounded by ``max_tokens`` (past it the newest half is kept and
 re-indexed).  Only the chain, a few tokens, travels to a remote tree search.
+
+A served engine also receives, with each tree search, the n-gram service's live
+corpus's continuation of the sequence (:mod:`ngram_service.live`);
+:meth:`ContextIndex.hint` keeps it, and :meth:`ContextIndex.continuation` proposes
+what remains of it while the accepted tokens follow it, where it matched a longer
+suffix than the sequence's own: the lookup steps of the following steps draft from
+the shared corpus without another call to the service.
 """
 
 from __future__ import annotations
@@ -26,7 +33,11 @@ import numpy as np
 from ngram_service import _native
 from ngram_service.tree_search import ContextChain
 
-__all__ = ["ContextIndex"]
+__all__ = ["ContextIndex", "HINT_MATCH_CAP"]
+
+#: the longest match length a followed hint reports (the adaptive budget learns chain acceptance per
+#: match length; a cap keeps that table small)
+HINT_MATCH_CAP = 16
 
 
 class ContextIndex:
@@ -42,6 +53,8 @@ class ContextIndex:
 
     def __init__(self, max_context: int = 4, max_tokens: int = 1 << 16) -> None:
         self._native = _native.ContextIndex(max_context, max_tokens)
+        self._hint: ContextChain | None = None
+        self._hint_at = 0  # tokens of the hint the sequence has followed since it came
 
     def __len__(self) -> int:
         return self._native.size
@@ -51,8 +64,31 @@ class ContextIndex:
         return self._native.max_context
 
     def append(self, tokens: Sequence[int] | np.ndarray) -> None:
-        """Indexes new tokens (each as the follower of the contexts before it)."""
-        self._native.append(np.asarray(tokens, dtype=np.int64).reshape(-1))
+        """Indexes new tokens (each as the follower of the contexts before it); a :meth:`hint` they
+        do not follow is dropped."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        self._native.append(tokens)
+        if self._hint is not None:
+            at, n = self._hint_at, tokens.size
+            if at + n <= len(self._hint.tokens) and np.array_equal(self._hint.tokens[at:at + n], tokens):
+                self._hint_at += n
+            else:
+                self._hint = None
+
+    def hint(self, chain: ContextChain) -> None:
+        """Keeps an outside continuation of the sequence as it stands now (the live corpus's, from a
+        tree search: ``chain.match_length`` tokens of the sequence's suffix matched there).  While
+        the tokens appended next follow it, :meth:`continuation` proposes what remains of it where
+        it beats the sequence's own chain; the first token that departs from it drops it.  An
+        earlier hint that is still followed, has tokens left and now matches a longer suffix is
+        kept instead; an empty chain changes nothing."""
+        if not len(chain.tokens):
+            return
+        h = self._hint
+        if h is not None and self._hint_at < len(h.tokens) and \
+                min(h.match_length + self._hint_at, HINT_MATCH_CAP) > chain.match_length:
+            return
+        self._hint, self._hint_at = chain, 0
 
     def probability(self, token: int, extra: Sequence[int] = ()) -> float:
         """q(token | the sequence followed by ``extra``) = (|s| / max_context) · count(s·token) / count(s)
@@ -62,6 +98,14 @@ class ContextIndex:
 
     def continuation(self, max_len: int) -> ContextChain:
         """Up to ``max_len`` tokens that followed the most recent earlier occurrence of the longest
-        suffix that occurred before (empty when none did), with their probabilities."""
+        suffix that occurred before (empty when none did), with their probabilities.  Where a
+        :meth:`hint` is still followed and has tokens left, its remainder instead when it matched a
+        longer suffix: its match length plus the tokens followed since (at most
+        :data:`HINT_MATCH_CAP`), against the sequence's own (the sequence's own on a tie)."""
         tokens, probs, match = self._native.continuation(int(max_len))
+        h, at = self._hint, self._hint_at
+        if h is not None and at < len(h.tokens):
+            followed = min(h.match_length + at, HINT_MATCH_CAP)
+            if followed > match or not len(tokens):
+                return ContextChain(h.tokens[at:at + max_len], h.probs[at:at + max_len], followed)
         return ContextChain(tokens, probs, int(match))

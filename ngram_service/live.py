@@ -39,11 +39,14 @@ import numpy as np
 from ngram_service import _native
 from ngram_service.tree_search import ContextChain
 
-__all__ = ["LiveCorpus", "LiveStats", "CorruptSnapshot", "BOUNDARY", "with_live_chains"]
+__all__ = ["LiveCorpus", "LiveStats", "CorruptSnapshot", "BOUNDARY", "DEFAULT_MAX_TOKENS", "with_live_chains", "prefer_longer_match"]
 
 #: the id appended after each document (no tokenizer uses it; a chain never crosses it)
 BOUNDARY = int(_native.ContextIndex.BOUNDARY)
 
+
+#: the default cap of a live corpus, in tokens (``ngram.learn_max_tokens``)
+DEFAULT_MAX_TOKENS = 1 << 20
 
 #: a snapshot: magic, format version, max_context, token count, CRC-32 of the tokens; then int64 tokens
 _SNAPSHOT = struct.Struct("<8sIIQI")
@@ -83,7 +86,7 @@ class LiveCorpus:
         ValueError: settings out of range.
     """
 
-    def __init__(self, max_tokens: int = 1 << 20, max_context: int = 4) -> None:
+    def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS, max_context: int = 4) -> None:
         if max_tokens < 64:
             raise ValueError(f"max_tokens must be >= 64, got {max_tokens}")
         self._index = _native.ContextIndex(max_context, max_tokens)
@@ -186,10 +189,19 @@ def with_live_chains(live: LiveCorpus, contexts: Sequence[np.ndarray], chains: S
     or the live corpus's continuation of ``contexts[b]``, whichever matched the longer suffix (the
     request's own on a tie).  ``contexts``: B token sequences ending with each root (the last
     ``max_context`` tokens are read); ``max_len``: the longest chain."""
-    own = list(chains) if chains is not None else [None] * len(contexts)
+    return prefer_longer_match(chains, [live.chain(ctx, max_len) for ctx in contexts], max_len)
+
+
+def prefer_longer_match(chains: Sequence[ContextChain | None] | None, live: Sequence[ContextChain],
+                        max_len: int) -> list[ContextChain | None]:
+    """Per sequence, ``live[b]`` (its first ``max_len`` tokens) where it has tokens and matched a
+    longer suffix than ``chains[b]`` (or that one is absent or empty), otherwise ``chains[b]``."""
+    own = list(chains) if chains is not None else [None] * len(live)
     out = []
-    for c, ctx in zip(own, contexts):
-        lv = live.chain(ctx, max_len)
+    for c, lv in zip(own, live):
         mine = c is not None and len(c.tokens) > 0
-        out.append(lv if len(lv.tokens) and (not mine or lv.match_length > c.match_length) else c)
+        if len(lv.tokens) and (not mine or lv.match_length > c.match_length):
+            c = lv if len(lv.tokens) <= max_len else ContextChain(lv.tokens[:max_len], lv.probs[:max_len],
+                                                                  lv.match_length)
+        out.append(c)
     return out

@@ -41,7 +41,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ngram_service._proto import ngram_pb2, ngram_pb2_grpc
 from ngram_service.client import OVERRIDE_FIELDS, usable_cpus
-from ngram_service.live import CorruptSnapshot, LiveCorpus, with_live_chains
+from ngram_service.live import CorruptSnapshot, LiveCorpus, prefer_longer_match
 from ngram_service.tree_search import ContextChain, SearchParams, search_tree_batch, search_trees
 from ngram_service.trie import NgramTrie
 
@@ -64,6 +64,7 @@ class ServerLimits:
     max_budget: int = 256
     max_context_tokens: int = 1 << 22  # summed over a request
     max_learn_tokens: int = 1 << 20  # tokens of one Learn call
+    max_live_chain: int = 256  # tokens of one live continuation answered with a search (live_chain_length)
     max_message_bytes: int = 64 << 20
 
 
@@ -182,11 +183,17 @@ class _Servicer(ngram_pb2_grpc.NgramTreeSearchServicer):
             flat, offsets = self._contexts(request.contexts, request.context_lengths, b)
             params = self._params(request.params)
             chains = self._chains(request, b)
+            hint = request.live_chain_length
+            _require(0 <= hint <= lim.max_live_chain,
+                     f"live_chain_length must be in 0..{lim.max_live_chain}, got {hint}")
         except _InvalidArgument as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         contexts = [flat[offsets[i]:offsets[i + 1]] for i in range(b)]
-        if self.live is not None and params.context_weight > 0:
-            chains = with_live_chains(self.live, contexts, chains, d)
+        live = None  # the live corpus's continuations, when the search weighs them or the client asked for them
+        if self.live is not None and (params.context_weight > 0 or hint):
+            live = [self.live.chain(c, max(d, hint)) for c in contexts]
+            if params.context_weight > 0:
+                chains = prefer_longer_match(chains, live, d)
 
         search = search_tree_batch if request.padded else search_trees
 
@@ -201,17 +208,26 @@ class _Servicer(ngram_pb2_grpc.NgramTreeSearchServicer):
         else:
             trees, search_ms = await asyncio.get_running_loop().run_in_executor(self.executor, run)
         if request.padded:
-            return ngram_pb2.TreeSearchResponse(
+            response = ngram_pb2.TreeSearchResponse(
                 batch=ngram_pb2.TreeBatch(num_nodes=trees.num_nodes, counts=trees.counts.tolist(),
                                           tokens=trees.tokens.ravel().tolist(), parents=trees.parents.ravel().tolist(),
                                           depths=trees.depths.ravel().tolist(), scores=trees.scores.ravel().tolist(),
                                           probs=trees.probs.ravel().tolist()),
                 search_ms=search_ms)
-        return ngram_pb2.TreeSearchResponse(
-            trees=[ngram_pb2.DraftTree(tokens=t.tokens.tolist(), parents=t.parents.tolist(),
-                                       depths=t.depths.tolist(), scores=t.scores.tolist(), probs=t.probs.tolist())
-                   for t in trees],
-            search_ms=search_ms)
+        else:
+            response = ngram_pb2.TreeSearchResponse(
+                trees=[ngram_pb2.DraftTree(tokens=t.tokens.tolist(), parents=t.parents.tolist(),
+                                           depths=t.depths.tolist(), scores=t.scores.tolist(), probs=t.probs.tolist())
+                       for t in trees],
+                search_ms=search_ms)
+        if hint and live is not None:
+            found = [c for c in live if len(c.tokens)]
+            response.live_lengths.extend([min(len(c.tokens), hint) for c in live])
+            response.live_match_lengths.extend([c.match_length for c in live])
+            if found:
+                response.live_tokens.extend(np.concatenate([c.tokens[:hint] for c in found]).tolist())
+                response.live_probs.extend(np.concatenate([c.probs[:hint] for c in found]).tolist())
+        return response
 
     async def Lookup(self, request, context):
         await self._guard(context)

@@ -177,6 +177,10 @@ class TreeBatch:
         scores: [B, N] float64 search scores (root 0).
         probs: [B, N] float32 acceptance estimates per node (``DraftTree.probs``; root 1).
         counts: [B] int64 nodes per tree, root included (1 to N).
+        live: where the search service was asked for them (``TreeSearchRequest.live_chain_length``),
+            each sequence's live-corpus continuation of its context (:class:`ContextChain`), for the
+            engine's next lookup steps (:meth:`ngram_service.context.ContextIndex.hint`); None
+            otherwise.  Not carried by :meth:`select`.
 
     Raises (on construction): ValueError for arrays of other shapes, or counts outside 1 .. N.
     """
@@ -187,6 +191,7 @@ class TreeBatch:
     scores: np.ndarray
     probs: np.ndarray
     counts: np.ndarray
+    live: tuple | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         shape = self.tokens.shape

@@ -462,6 +462,10 @@ class HeadTreeDrafter(Drafter):
         params = self.search_params if self.budget is None else self.budget.search_params(self.search_params)
         trees = self.tree_search.search_batch(topk_ids, topk_probs,
                                               [np.asarray(t, dtype=np.int64) for t in inputs.tokens], params, chains)
+        if trees.live is not None:  # the service's live-corpus continuations, for the next lookup steps
+            for index, chain in zip(inputs.context, trees.live):
+                if index is not None:
+                    index.hint(chain)
         return Proposal(trees, kind=ProposalKind.TREE, draft_ms=draft_ms, search_ms=1e3 * (time.perf_counter() - t0),
                         catch_up=catch_up)
 

@@ -165,3 +165,110 @@ def test_a_lookup_step_takes_the_live_corpus_chain_where_it_matches_longer():
     assert with_live.trees.tokens[0, :4].tolist() == [4, 5, 6, 7] and with_live.chains[0].match_length == 3
     alone = LookupDrafter(budget, 24, 60, InProcessTreeSearch(None)).propose(inputs)
     assert alone.trees.tokens[0, :4].tolist() == [4, 9, 3, 4] and alone.chains[0].match_length == 2
+
+
+@pytest.mark.parametrize("hints", [True, False])
+def test_two_engines_one_service_a_repeat_through_the_other_drafts_from_the_first(hints):
+    """Two engine replicas, one n-gram service (gRPC, live corpus): an answer generated through
+    engine A and learned lets the same request through engine B accept more tokens per step, with
+    the same greedy output, with and without live continuations answered beside each search (a tiny
+    random target loops, so its own context competes with them: the next test isolates them)."""
+    from dart_core.spec.budget import AdaptiveBudget, VerifyCostCurve
+    from ngram_service.client import GrpcTreeSearch
+    from ngram_service.server import NgramServer
+
+    target = tiny_target("llama", seed=5)
+    server = NgramServer(None, threads=1, learn_max_tokens=1 << 14).start()
+    clients = [GrpcTreeSearch(server.address, timeout_ms=5000, live_chain_length=24 if hints else 0)
+               for _ in range(2)]
+
+    def run(engine, prompt, sp):
+        """(tokens, τ, the longest match of a lookup step's chain)"""
+        matches = []
+        propose = engine.drafter.propose
+
+        def spy(inputs):
+            p = propose(inputs)
+            matches.extend(c.match_length for c in p.chains or ())
+            return p
+
+        engine.drafter.propose = spy
+        steps = list(engine.generate_stream(prompt, sp))
+        engine.drafter.propose = propose
+        tokens = [t for s in steps for t in s.new_tokens[0]]
+        spec = [s.accepted_lengths[0] for s in steps[1:]]
+        return tokens, sum(spec) / len(spec), max(matches, default=0)
+
+    try:
+        a, b = (DartEngine(target, random_head(target, seed=5), c, SearchParams(top_k=8, beam_width=4, budget=12),
+                           budget=AdaptiveBudget(VerifyCostCurve((1, 64), (0.010, 0.012))))
+                for c in clients)
+        prompt = prompts_of(np.random.default_rng(5), [9])
+        sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+        before, tau_before, match_before = run(b, prompt, sp)  # B alone: its own context only
+        first, _, _ = run(a, prompt, sp)
+        assert first == before
+        assert clients[0].learn([prompt[0] + first]) == len(prompt[0]) + 40 + 1
+        again, tau_again, match_again = run(b, prompt, sp)
+        assert again == first
+        assert tau_again > tau_before + 1.0, (tau_before, tau_again)
+        assert clients[1].fallbacks == 0 and clients[1].service_live
+        assert match_before <= 4  # the request's own index matches at most context_order (4) tokens
+    finally:
+        for c in clients:
+            c.close()
+        server.stop()
+
+
+class _LiveOracle(InProcessTreeSearch):
+    """A logits-only search that answers, beside each tree, a live continuation: the true greedy
+    continuation of each context (``truth``), wrong from position ``wrong_at`` on, matched on 8 tokens
+    (more than the request's own index can match)."""
+
+    def __init__(self, truth: list[int], wrong_at: int = 10 ** 9) -> None:
+        super().__init__(None)
+        self.truth, self.wrong_at = truth, wrong_at
+
+    def search_batch(self, topk_ids, topk_probs, contexts, params, chains=None):
+        from dataclasses import replace
+
+        from ngram_service.tree_search import ContextChain
+
+        trees = super().search_batch(topk_ids, topk_probs, contexts, params, chains)
+        live = []
+        for ctx in contexts:
+            cont = [t if len(ctx) + i < self.wrong_at else (t + 1) % 96
+                    for i, t in enumerate(self.truth[len(ctx):len(ctx) + 24])]
+            live.append(ContextChain(np.array(cont, np.int64), np.full(len(cont), 0.9, np.float32), 8))
+        return replace(trees, live=tuple(live))
+
+
+@pytest.mark.parametrize("wrong_at", [10 ** 9, 20])
+def test_lookup_steps_follow_the_live_continuation_a_search_answered_and_stay_exact(wrong_at):
+    """The live continuation a tree search answers (TreeBatch.live) becomes a hint in the request's
+    context index; the next lookup steps verify what remains of it while the output follows it, with
+    no search between.  Right, it is accepted whole; wrong from some token on, the output is still
+    the target's own."""
+    from dart_core.spec.budget import AdaptiveBudget, VerifyCostCurve
+
+    target = tiny_target("llama", seed=5)
+    prompt = prompts_of(np.random.default_rng(5), [9])
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    ar = DartEngine(target).generate(prompt, sp, speculative=False).token_ids[0]
+    engine = DartEngine(target, random_head(target, seed=5), _LiveOracle(prompt[0] + ar, wrong_at),
+                        SearchParams(top_k=8, beam_width=4, budget=12),
+                        budget=AdaptiveBudget(VerifyCostCurve((1, 64), (0.010, 0.012))))
+    matches = []
+    propose = engine.drafter.propose
+
+    def spy(inputs):
+        p = propose(inputs)
+        matches.extend((c.match_length, int(n) - 1) for c, n in zip(p.chains or (), p.trees.counts))
+        return p
+
+    engine.drafter.propose = spy
+    steps = list(engine.generate_stream(prompt, sp))
+    assert [t for s in steps for t in s.new_tokens[0]] == ar
+    assert any(m > 8 for m, _ in matches), matches  # chains of a hint followed since its search
+    if wrong_at > len(prompt[0]) + 40:
+        assert max(s.accepted_lengths[0] for s in steps if s.lookup) >= 12

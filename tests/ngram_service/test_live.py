@@ -272,3 +272,78 @@ def test_a_restarted_service_keeps_what_it_learned_and_a_bad_snapshot_starts_it_
     with caplog.at_level("ERROR", logger="ngram_service.server"):
         empty = NgramServer(None, threads=1, learn_max_tokens=4096, learn_snapshot=snap)
     assert len(empty.live) == 0 and "snapshot refused" in caplog.text
+
+
+def test_a_hint_is_followed_while_the_sequence_follows_it_and_dropped_where_it_departs():
+    """ContextIndex.hint: the live corpus's continuation from a search is proposed, tokens followed
+    since advancing it, where it matched a longer suffix than the sequence's own (its own on a tie);
+    one departing token drops it; a later hint does not replace one that now matches longer."""
+    from ngram_service.context import HINT_MATCH_CAP, ContextIndex
+
+    index = ContextIndex(4, 1 << 16)
+    index.append([5, 6, 7, 8, 5, 6])  # its own chain: after [5, 6] came 7 (a 2-token match)
+    assert index.continuation(3).tokens.tolist() == [7, 8, 5]
+    index.hint(ContextChain(np.array([20, 21, 22, 23, 24]), np.full(5, 0.5, np.float32), 2))
+    assert index.continuation(3).tokens.tolist() == [7, 8, 5]  # a tie: the sequence's own
+    index.hint(ContextChain(np.array([20, 21, 22, 23, 24]), np.full(5, 0.5, np.float32), 3))
+    c = index.continuation(3)
+    assert (c.tokens.tolist(), c.match_length) == ([20, 21, 22], 3)
+    index.append([20, 21])  # followed: what remains, matched 2 tokens longer
+    c = index.continuation(8)
+    assert (c.tokens.tolist(), c.match_length) == ([22, 23, 24], 5)
+    index.hint(ContextChain(np.array([30, 31]), np.full(2, 0.5, np.float32), 4))  # matches less than 5
+    assert index.continuation(8).tokens.tolist() == [22, 23, 24]
+    index.hint(ContextChain(np.zeros(0, np.int64), np.zeros(0, np.float32), 0))  # empty: nothing changes
+    assert index.continuation(8).tokens.tolist() == [22, 23, 24]
+    index.append([22, 99])  # departs at its second token: dropped
+    assert index.continuation(8).match_length <= 4
+    index.hint(ContextChain(np.arange(40, 80), np.full(40, 0.5, np.float32), 4))
+    index.append(list(range(40, 70)))
+    assert index.continuation(4).match_length == HINT_MATCH_CAP
+    index.append(list(range(70, 80)))  # consumed: the sequence's own again
+    assert not len(index.continuation(4).tokens) or index.continuation(4).match_length <= 4
+
+
+def test_a_search_answers_the_live_continuation_the_engine_asked_for():
+    """TreeSearch with live_chain_length: each sequence's live-corpus continuation comes back beside
+    its tree, longer than the draft depth (TreeBatch.live); the client asks only once the service said
+    it keeps a live corpus, and a length out of range is refused."""
+    import grpc
+
+    from ngram_service._proto import ngram_pb2, ngram_pb2_grpc
+    from ngram_service.client import GrpcTreeSearch
+    from ngram_service.server import NgramServer
+    from ngram_service.tree_search import SearchParams
+
+    server = NgramServer(None, threads=1, learn_max_tokens=4096).start()
+    plain = NgramServer(None, threads=1).start()
+    try:
+        doc = list(range(100, 140))
+        client = GrpcTreeSearch(server.address, timeout_ms=2000, live_chain_length=24)
+        assert client.learn([doc]) == len(doc) + 1
+        for _ in range(100):
+            if client.service_live:
+                break
+            time.sleep(0.02)
+        assert client.service_live
+        topk = np.full((2, 4, 2), 7, np.int64)
+        probs = np.full((2, 4, 2), 0.5, np.float32)
+        params = SearchParams(top_k=2, beam_width=2, budget=6)
+        trees = client.search_batch(topk, probs, [np.array([1, 100, 101, 102]), np.array([3, 4])], params)
+        assert trees.live[0].tokens.tolist() == doc[3:27] and trees.live[0].match_length == 3
+        assert len(trees.live[1].tokens) == 0 and trees.live[1].match_length == 0
+        assert client.search_batch(topk[:1], probs[:1], [np.array([100])], params).live[0].tokens.tolist() == doc[1:25]
+        assert client.search(topk[:1], probs[:1], [np.array([100])], params)[0].num_nodes >= 1  # trees: no live
+        other = GrpcTreeSearch(plain.address, timeout_ms=2000, live_chain_length=24)
+        time.sleep(0.3)
+        assert not other.service_live and other.search_batch(topk, probs, [np.array([100])] * 2, params).live is None
+        stub = ngram_pb2_grpc.NgramTreeSearchStub(grpc.insecure_channel(server.address))
+        with pytest.raises(grpc.RpcError) as e:
+            stub.TreeSearch(ngram_pb2.TreeSearchRequest(batch=1, depth=1, k=1, topk_ids=[1], topk_probs=[0.5],
+                                                        contexts=[1], context_lengths=[1], live_chain_length=-1))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "live_chain_length" in e.value.details()
+        for c in (client, other):
+            c.close()
+    finally:
+        server.stop()
+        plain.stop()

