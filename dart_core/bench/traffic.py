@@ -19,7 +19,8 @@ Modes, per pass:
 With ``--serve`` the benchmark starts ``serve run`` itself for every pass and setting, from
 ``--config`` (deployments/dart.yaml) with ``ngram.learn`` set, so each pass's learn-on run starts
 from an empty corpus; the two servers' order alternates from pass to pass, and no-speculation runs
-on the learn-on server after DART.  Without ``--serve`` it talks to the server at ``--url`` as it
+on the learn-on server after DART; a new server first decodes two fixed warm-up prompts
+(:data:`WARM_UP`, learning nothing).  Without ``--serve`` it talks to the server at ``--url`` as it
 is: ``learn-off`` then only opts each request out (``"learn": false``), and what the corpus held
 before stays.
 
@@ -171,6 +172,18 @@ def run_mode(client, model: str, workload: list[dict], cfg: TrafficConfig, mode:
         if bar is not None:
             bar.update()
     return out
+
+
+#: what a new server decodes before the workload (learning nothing): its first requests pay one-off
+#: costs (the adaptive budget's start, the allocator) that no mode should carry
+WARM_UP = ("Explain in a few sentences how a refrigerator keeps food cold.",
+           "Write a short poem about the sea.")
+
+
+def _warm_up(client, model: str, cfg: TrafficConfig) -> None:
+    for prompt in WARM_UP:
+        for speculative in (True, False):
+            _request(client, model, prompt, cfg, speculative=speculative, learn=False)
 
 
 def summarise(records: list[dict]) -> dict:
@@ -348,6 +361,8 @@ def run_traffic(cfg: TrafficConfig, *, progress: bool = True) -> dict:
             server = _Server(cfg.config, group[0] != "learn-off", cfg.url, log) if cfg.serve else None
             try:
                 name = server.wait(client) if server else model
+                if server is not None:
+                    _warm_up(client, cfg.model or name, cfg)
                 for mode in group:
                     runs[mode] = run_mode(client, cfg.model or name, workload, cfg, mode, bar)
             finally:
