@@ -129,6 +129,10 @@ class AppConfig(BaseModel):
                                                   "interval')")
     api_key_env: str = Field("DART_API_KEY", description="environment variable with an optional API key; when set, "
                                                          "requests need `Authorization: Bearer <key>`")
+    admin_key_env: str = Field("DART_ADMIN_KEY", description="environment variable with the admin key the admin "
+                                                             "routes require (`Authorization: Bearer <key>`: add a "
+                                                             "corpus to the live corpus, swap the trie); unset: the "
+                                                             "admin routes are off (403)")
     # the rest of dart_core.spec.speculative.SpeculativeConfig: null keeps its default; validated there (below)
     context_window: int | None = Field(None, description="tokens of a request's prompt and output indexed for its "
                                                          "context chains (default: the engine's)")

@@ -203,6 +203,32 @@ class DartEngineDeployment:
         async for batch in self.batcher.agenerate_batches(request, self.cfg.stream_interval_ms / 1000.0):
             yield batch
 
+    async def add_corpus(self, documents: list[str], token_ids: list[list[int]]) -> dict:
+        """The admin route's corpus: ``documents`` encoded with the model's tokenizer (no special
+        tokens) and ``token_ids`` as they are, checked against the vocabulary, into the n-gram
+        service's live corpus (:meth:`NgramService.add_corpus <deployments.ngram.NgramService.add_corpus>`,
+        whose answer it returns).  Refusals come back as ``{"error": {"status", "message"}}``."""
+        from deployments.ngram import admin_error
+
+        if self._ngram is None:
+            return admin_error(409, "this application runs without the n-gram service (ngram.enabled: false)")
+        vocab = self.model.engine.target.config.vocab_size
+        for i, ids in enumerate(token_ids):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                return admin_error(400, f"token_ids[{i}]: id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        encoded = [self.model.tokenizer(t, add_special_tokens=False)["input_ids"] for t in documents]
+        return await self._ngram.add_corpus.remote(encoded + [list(ids) for ids in token_ids])
+
+    async def swap_trie(self, path: str) -> dict:
+        """The admin route's trie swap, on the n-gram service (:meth:`NgramService.swap_trie
+        <deployments.ngram.NgramService.swap_trie>`, whose answer it returns)."""
+        from deployments.ngram import admin_error
+
+        if self._ngram is None:
+            return admin_error(409, "this application runs without the n-gram service (ngram.enabled: false)")
+        return await self._ngram.swap_trie.remote(path)
+
     def stats(self) -> dict:
         """Counters for tests and operators: running and queued requests, steps by mode, n-gram
         calls and fallbacks, the service's current address, and the tokens sent to its live corpus

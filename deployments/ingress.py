@@ -35,6 +35,7 @@ prompt and messages, a bad field) → ``INVALID_ARGUMENT``, a full queue →
 import asyncio
 import functools
 import hmac
+import itertools
 import json
 import logging
 import os
@@ -177,6 +178,38 @@ _NEUTRAL: dict[str, Any] = {
     "reasoning_effort": (None,), "web_search_options": (None,), "modalities": (None, ["text"]),
     "repetition_penalty": (None, 1, 1.0),
 }
+
+
+#: an admin corpus request's bounds (one call; larger corpora go in several)
+ADMIN_MAX_DOCUMENT_CHARS = 16 << 20
+ADMIN_MAX_TOKEN_IDS = 1 << 20
+
+
+class AdminCorpusRequest(BaseModel):
+    """``POST /admin/corpus``: texts and/or token-id documents for the live corpus."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    documents: list[str] = Field(default_factory=list, description="texts, encoded with the model's tokenizer")
+    token_ids: list[list[int]] = Field(default_factory=list, description="documents as token ids")
+
+    @model_validator(mode="after")
+    def _bounded(self):
+        if not any(self.documents) and not any(self.token_ids):
+            raise ValueError("give at least one non-empty document or token_ids list")
+        if sum(len(d) for d in self.documents) > ADMIN_MAX_DOCUMENT_CHARS:
+            raise ValueError(f"documents exceed {ADMIN_MAX_DOCUMENT_CHARS} characters in one call")
+        if sum(len(d) for d in self.token_ids) > ADMIN_MAX_TOKEN_IDS:
+            raise ValueError(f"token_ids exceed {ADMIN_MAX_TOKEN_IDS} ids in one call")
+        return self
+
+
+class AdminTrieRequest(BaseModel):
+    """``POST /admin/trie``: the trie file the n-gram service serves from now on."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    path: str = Field(min_length=1, description="a trie file on the n-gram node")
 
 
 class _Common(BaseModel):
@@ -500,6 +533,7 @@ class OpenAIIngress:
         self.engine = engine
         self.cfg = AppConfig.model_validate(config)
         self.api_key = os.environ.get(self.cfg.api_key_env) or None
+        self.admin_key = os.environ.get(self.cfg.admin_key_env) or None
         self.name = None
         self._engine_up, self._engine_checked = False, float("-inf")
 
@@ -519,6 +553,23 @@ class OpenAIIngress:
     def _check_key(self, authorization: str | None) -> None:
         if not self._key_ok(authorization):
             raise APIError(401, "missing or wrong API key (Authorization: Bearer <key>)", "authentication_error")
+
+    def _check_admin(self, authorization: str | None) -> None:
+        """The admin routes want the admin key (``admin_key_env``), never the API key: 403 while the
+        app has none (the routes are off), 401 for a missing or wrong one (compared in constant time)."""
+        if self.admin_key is None:
+            raise APIError(403, f"the admin routes are off: set ${self.cfg.admin_key_env} where the application "
+                                "runs", "permission_error")
+        token = (authorization or "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(token.encode(), self.admin_key.encode()):
+            raise APIError(401, "missing or wrong admin key (Authorization: Bearer <admin key>)",
+                           "authentication_error")
+
+    @staticmethod
+    def _admin_answer(out: dict) -> dict:
+        if "error" in out:
+            raise APIError(out["error"]["status"], out["error"]["message"])
+        return out
 
     # -- HTTP -----------------------------------------------------------------------
 
@@ -568,6 +619,25 @@ class OpenAIIngress:
         self._check_key(request.headers.get("authorization"))
         return await self._complete(body, _generation_request(body, **body.prompt_fields()), chat=False,
                                     request=request)
+
+    @app.post("/admin/corpus")
+    async def admin_corpus(self, body: AdminCorpusRequest, request: Request):
+        """Adds documents (texts, encoded with the model's tokenizer) and token-id documents to the
+        n-gram service's live corpus, as if the traffic had generated them (docs/ngram.md, "Admin
+        routes").  200 ``{"documents", "tokens_added", "tokens_held"}``; 400 a token id outside the
+        vocabulary, 409 no live corpus (``ngram.learn: false``) or no n-gram service, 401/403 the
+        admin key."""
+        self._check_admin(request.headers.get("authorization"))
+        return self._admin_answer(await self.engine.add_corpus.remote(body.documents, body.token_ids))
+
+    @app.post("/admin/trie")
+    async def admin_trie(self, body: AdminTrieRequest, request: Request):
+        """The n-gram service serves the trie file at ``path`` (on its node) from now on; searches
+        already running finish on the old one.  200 the new trie's ``{"trie", "order", "num_nodes",
+        "tokenizer"}``; 400 no such file, not a sound trie, or a trie of another tokenizer (the old
+        one is served on); 409 no n-gram service; 401/403 the admin key."""
+        self._check_admin(request.headers.get("authorization"))
+        return self._admin_answer(await self.engine.swap_trie.remote(body.path))
 
     async def _start(self, gen: GenerationRequest):
         """Sends the request to the engine; returns (stream, first list of chunks).  The engine
@@ -683,6 +753,54 @@ class OpenAIIngress:
         async for batch in stream:
             for chunk in batch:
                 yield chunk
+
+    async def _grpc_admin(self, context, call):
+        """An admin gRPC call: the admin key from the ``authorization`` metadata, then ``call()`` (an
+        awaitable of the engine's answer); refusals as status codes (PERMISSION_DENIED: admin off,
+        UNAUTHENTICATED, INVALID_ARGUMENT, FAILED_PRECONDITION)."""
+        import grpc
+
+        metadata = dict(context.invocation_metadata() or ()) if context is not None else {}
+        try:
+            self._check_admin(metadata.get("authorization"))
+            return self._admin_answer(await call())
+        except APIError as e:
+            code = {401: grpc.StatusCode.UNAUTHENTICATED, 403: grpc.StatusCode.PERMISSION_DENIED,
+                    409: grpc.StatusCode.FAILED_PRECONDITION}.get(e.status, grpc.StatusCode.INVALID_ARGUMENT)
+            if context is not None:
+                context.set_code(code)
+                context.set_details(e.message)
+            raise InvalidRequest(e.message) from None  # a plain exception the proxy can unpickle
+
+    async def AddCorpus(self, request, grpc_context=None):  # noqa: N802 - the gRPC method name
+        from deployments._proto import dart_pb2
+
+        lengths, ids = list(request.token_lengths), list(request.token_ids)
+
+        async def call():
+            if any(n < 0 for n in lengths) or sum(lengths) != len(ids):
+                raise APIError(400, f"token_lengths sum to {sum(lengths)} but token_ids has {len(ids)} values")
+            ends = itertools.accumulate(lengths)
+            docs = [ids[e - n:e] for e, n in zip(ends, lengths)]
+            try:
+                body = AdminCorpusRequest(documents=list(request.documents), token_ids=docs)
+            except ValueError as e:
+                raise APIError(400, str(e)) from None
+            return await self.engine.add_corpus.remote(body.documents, body.token_ids)
+
+        out = await self._grpc_admin(grpc_context, call)
+        return dart_pb2.AddCorpusResponse(**out)
+
+    async def SwapTrie(self, request, grpc_context=None):  # noqa: N802 - the gRPC method name
+        from deployments._proto import dart_pb2
+
+        async def call():
+            if not request.path:
+                raise APIError(400, "path is required")
+            return await self.engine.swap_trie.remote(request.path)
+
+        out = await self._grpc_admin(grpc_context, call)
+        return dart_pb2.SwapTrieResponse(**out)
 
     async def GenerateStream(self, request, grpc_context=None):  # noqa: N802 - the gRPC method name
         from deployments._proto import dart_pb2

@@ -31,6 +31,7 @@ from ray import serve
 from ray.serve import metrics
 
 from deployments.config import AppConfig, NgramConfig
+from ngram_service.trie import TrieFormatError
 
 logger = logging.getLogger("ray.serve")
 
@@ -60,6 +61,11 @@ class _LiveMetrics:
             if now > self._last[name]:
                 counter.inc(now - self._last[name])
             self._last[name] = now
+
+
+def admin_error(status: int, message: str) -> dict:
+    """An admin call's refusal, as the replicas hand it back to the ingress (HTTP ``status``)."""
+    return {"error": {"status": status, "message": message}}
 
 
 def resolve_ngram_config(cfg: AppConfig) -> NgramConfig:
@@ -133,6 +139,32 @@ class NgramService:
     def address(self) -> str:
         """``host:port`` of the gRPC tree-search server."""
         return f"{self.host}:{self.server.port}"
+
+    def add_corpus(self, documents: list[list[int]]) -> dict:
+        """The admin route's corpus (token-id documents, already checked by the engine) into the live
+        corpus.  Returns ``{"documents", "tokens_added", "tokens_held"}``, or ``{"error": {"status",
+        "message"}}`` (409: no live corpus here), so that no exception crosses the handle."""
+        live = self.server.live
+        if live is None:
+            return admin_error(409, "the n-gram service keeps no live corpus (ngram.learn: false)")
+        try:
+            added = live.add(documents)
+        except ValueError as e:
+            return admin_error(400, str(e))
+        return {"documents": len(documents), "tokens_added": added, "tokens_held": len(live)}
+
+    def swap_trie(self, path: str) -> dict:
+        """Serves the trie file at ``path`` (on this node) from now on
+        (:meth:`NgramServer.swap_trie <ngram_service.server.NgramServer.swap_trie>`: in-flight searches
+        finish on the old one).  Returns the new trie's ``{"trie", "order", "num_nodes", "tokenizer"}``,
+        or ``{"error": {"status", "message"}}`` (400: no such file, not a sound trie, another
+        tokenizer; the old trie is served on)."""
+        try:
+            info = self.server.swap_trie(path)
+        except (OSError, ValueError, TrieFormatError) as e:
+            logger.warning("trie swap to %s refused: %s", path, e)
+            return admin_error(400, f"trie not swapped, the old one is served on: {e}")
+        return {"trie": info.path, "order": info.order, "num_nodes": info.num_nodes, "tokenizer": info.tokenizer_name}
 
     def check_health(self) -> None:
         """Serve's health check: the gRPC server must answer its health service."""

@@ -13,6 +13,7 @@ Examples::
 
     python -m ngram_service.build                       # default corpus, default model, order 3
     python -m ngram_service.build docs/ notes.jsonl -o my.trie --order 4 --min-count 2
+    python -m ngram_service.build --snapshot live.snap -o nightly.trie   # default corpus + what was learned
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from ngram_service.trie import NgramTrie, pack_ragged, write_checksums
 logger = logging.getLogger(__name__)
 
 __all__ = ["BuildSummary", "build_trie", "build_trie_from_texts", "default_trie_path", "ensure_trie",
-           "ensure_default_trie", "main"]
+           "ensure_default_trie", "snapshot_documents", "main"]
 
 _TOKENS_PER_ADD = 1 << 20
 
@@ -350,6 +351,7 @@ def build_trie_from_texts(
     special_tokens: bool = False,
     eos_per_document: bool = False,
     workers: int = 1,
+    documents: Iterable[Sequence[int] | np.ndarray] = (),
     **kwargs,
 ) -> BuildSummary:
     """Tokenises ``texts`` in batches and builds the trie; keyword arguments as :func:`build_trie`.
@@ -365,6 +367,8 @@ def build_trie_from_texts(
         workers: tokeniser processes.  1 (default): this process, with the tokenizer's own
             thread pool; N > 1: N processes encode batches while this one reads and counts
             (the same ids, so the same trie).
+        documents: token-id documents counted after the texts, already in this tokenizer's ids
+            (a live corpus's snapshots: :func:`snapshot_documents`).
 
     Raises:
         ValueError: ``eos_per_document`` with a tokenizer whose EOS token is unknown.
@@ -380,8 +384,32 @@ def build_trie_from_texts(
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     return build_trie(
-        _tokenized(texts, tok, batch_docs, max_tokens, progress, special_tokens, eos_per_document, workers), output,
+        itertools.chain(_tokenized(texts, tok, batch_docs, max_tokens, progress, special_tokens, eos_per_document,
+                                   workers), documents), output,
         vocab_size=tok.vocab_size, tokenizer_name=tok.name, vocab_hash=tok.vocab_hash, metadata=meta, **kwargs)
+
+
+def snapshot_documents(paths: Sequence[str | os.PathLike[str]], tokenizer: TrieTokenizer) -> tuple[list, int]:
+    """The documents of live-corpus snapshots (:mod:`ngram_service.live`: what a service learned
+    from its traffic), checked against ``tokenizer``; returns (documents, tokens).
+
+    Raises:
+        FileNotFoundError: a missing file; CorruptSnapshot: a file that is not a sound snapshot;
+        SnapshotMismatch: a snapshot written for another tokenizer (vocabulary hash)."""
+    from ngram_service.live import SnapshotMismatch, read_snapshot
+
+    docs, tokens = [], 0
+    for path in paths:
+        snap = read_snapshot(path)
+        if snap.vocab_hash and snap.vocab_hash != tokenizer.vocab_hash:
+            raise SnapshotMismatch(f"{path}: learned with another tokenizer (vocabulary hash {snap.vocab_hash[:12]}…) "
+                                   f"than {tokenizer.name} ({tokenizer.vocab_hash[:12]}…)")
+        for d in snap.documents():
+            if d.size and int(d.max()) >= tokenizer.vocab_size:
+                raise SnapshotMismatch(f"{path}: token id {int(d.max())} is outside {tokenizer.name}'s vocabulary")
+            docs.append(d)
+            tokens += d.size
+    return docs, tokens
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -415,6 +443,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reference-tokenisation", action="store_true",
                    help="both of the above: tokenise exactly as the DART reference's builder")
     p.add_argument("--text-field", default="text", help="field holding the text in .jsonl/.json inputs")
+    p.add_argument("--snapshot", action="append", default=[], metavar="FILE",
+                   help="a live-corpus snapshot (ngram.learn_snapshot: what the service learned from its traffic) "
+                        "counted after the corpus; repeat for several; a snapshot of another tokenizer is refused")
     p.add_argument("--verify", action="store_true", help="re-open the result and check its checksums and structure")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     return p
@@ -461,12 +492,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        missing = [p for p in args.inputs if not Path(p).exists()]
+        missing = [p for p in args.inputs + args.snapshot if not Path(p).exists()]
         if missing:  # before the tokenizer takes seconds to load
             raise FileNotFoundError(f"corpus file not found: {missing[0]}")
         tokenizer = load_trie_tokenizer(args.tokenizer)
+        learned, learned_tokens = snapshot_documents(args.snapshot, tokenizer)
         named = args.corpus or ("default" if not args.inputs else None)
-        corpus = "+".join(([named] if named else []) + (["files"] if args.inputs else []))
+        corpus = "+".join(([named] if named else []) + (["files"] if args.inputs else [])
+                          + (["snapshots"] if args.snapshot else []))
         output = Path(args.output) if args.output else default_trie_path(tokenizer.name, corpus, args.order)
         skipped: list[Path] = []
         texts = itertools.chain(iter_corpus(named) if named else (),
@@ -476,7 +509,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress=not args.quiet, order=args.order, min_count=args.min_count, memory_mb=args.memory_mb,
             tmp_dir=args.tmp_dir, prune=args.prune, workers=args.workers,
             special_tokens=args.special_tokens or args.reference_tokenisation,
-            eos_per_document=args.eos_per_document or args.reference_tokenisation)
+            eos_per_document=args.eos_per_document or args.reference_tokenisation, documents=learned,
+            metadata={"snapshots": [str(p) for p in args.snapshot], "snapshot_tokens": learned_tokens}
+            if args.snapshot else {})
         if skipped:
             logger.info("skipped %d binary files (a NUL byte in their first 8 KiB), e.g. %s", len(skipped), skipped[0])
         if summary.total_tokens == 0:

@@ -39,7 +39,8 @@ import numpy as np
 from ngram_service import _native
 from ngram_service.tree_search import ContextChain
 
-__all__ = ["LiveCorpus", "LiveStats", "CorruptSnapshot", "BOUNDARY", "DEFAULT_MAX_TOKENS", "with_live_chains", "prefer_longer_match"]
+__all__ = ["LiveCorpus", "LiveStats", "CorruptSnapshot", "SnapshotMismatch", "Snapshot", "read_snapshot", "BOUNDARY",
+           "DEFAULT_MAX_TOKENS", "with_live_chains", "prefer_longer_match"]
 
 #: the id appended after each document (no tokenizer uses it; a chain never crosses it)
 BOUNDARY = int(_native.ContextIndex.BOUNDARY)
@@ -48,14 +49,75 @@ BOUNDARY = int(_native.ContextIndex.BOUNDARY)
 #: the default cap of a live corpus, in tokens (``ngram.learn_max_tokens``)
 DEFAULT_MAX_TOKENS = 1 << 20
 
-#: a snapshot: magic, format version, max_context, token count, CRC-32 of the tokens; then int64 tokens
+#: a snapshot: magic, format version, max_context, token count, CRC-32 of the tokens, then (format 2)
+#: the tokenizer's vocabulary hash (a 2-byte length and its ASCII bytes, empty when unknown); then int64 tokens
 _SNAPSHOT = struct.Struct("<8sIIQI")
+_HASH_LENGTH = struct.Struct("<H")
 _MAGIC = b"DARTLIVE"
-_VERSION = 1
+_VERSION = 2
+_VERSIONS = (1, 2)
 
 
 class CorruptSnapshot(ValueError):
     """A live-corpus snapshot that is not one, is truncated, or fails its checksum."""
+
+
+class SnapshotMismatch(CorruptSnapshot):
+    """A sound snapshot that does not fit where it is loaded: another tokenizer (vocabulary hash)
+    or another context length."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A snapshot file's contents (:func:`read_snapshot`)."""
+
+    tokens: np.ndarray  # [T] int64, documents each followed by BOUNDARY
+    max_context: int
+    vocab_hash: str  # "" when the corpus did not know its tokenizer
+
+    def documents(self) -> list[np.ndarray]:
+        """The documents, split at :data:`BOUNDARY` (a trailing one without a boundary, cut by an
+        eviction at the front or written mid-document, is kept too)."""
+        ends = np.flatnonzero(self.tokens == BOUNDARY)
+        starts = np.concatenate([[0], ends + 1])
+        stops = np.concatenate([ends, [self.tokens.size]])
+        return [self.tokens[a:b] for a, b in zip(starts, stops) if b > a]
+
+
+def read_snapshot(path: str | Path) -> Snapshot:
+    """Reads and checks a snapshot :meth:`LiveCorpus.save` wrote (format 1 or 2).
+
+    Raises:
+        FileNotFoundError: no file; CorruptSnapshot: not a snapshot, truncated, a failed checksum
+            or a negative token id."""
+    data = Path(path).read_bytes()
+    if len(data) < _SNAPSHOT.size:
+        raise CorruptSnapshot(f"{path}: {len(data)} bytes, shorter than a snapshot's header")
+    magic, version, max_context, count, crc = _SNAPSHOT.unpack_from(data)
+    if magic != _MAGIC or version not in _VERSIONS:
+        raise CorruptSnapshot(f"{path}: not a live-corpus snapshot of format {'/'.join(map(str, _VERSIONS))}")
+    at, vocab_hash = _SNAPSHOT.size, ""
+    if version >= 2:
+        if len(data) < at + _HASH_LENGTH.size:
+            raise CorruptSnapshot(f"{path}: truncated in its header")
+        (n,) = _HASH_LENGTH.unpack_from(data, at)
+        at += _HASH_LENGTH.size
+        if len(data) < at + n:
+            raise CorruptSnapshot(f"{path}: truncated in its header")
+        try:
+            vocab_hash = data[at:at + n].decode("ascii")
+        except UnicodeDecodeError:
+            raise CorruptSnapshot(f"{path}: a vocabulary hash that is not ASCII") from None
+        at += n
+    body = data[at:]
+    if len(body) != 8 * count:
+        raise CorruptSnapshot(f"{path}: truncated: {len(body)} bytes of tokens, the header says {8 * count}")
+    if zlib.crc32(body) != crc:
+        raise CorruptSnapshot(f"{path}: the tokens fail their checksum")
+    tokens = np.frombuffer(body, dtype="<i8").astype(np.int64)
+    if tokens.size and tokens.min() < 0:
+        raise CorruptSnapshot(f"{path}: a negative token id")
+    return Snapshot(tokens, int(max_context), vocab_hash)
 
 
 @dataclass(frozen=True)
@@ -81,16 +143,19 @@ class LiveCorpus:
     Args:
         max_tokens: the cap, in tokens (boundaries included), at least 64.
         max_context: the longest suffix matched, in tokens (1..8).
+        vocab_hash: the tokenizer's vocabulary hash (:func:`~ngram_service.tokenizer.tokenizer_identity`),
+            written into snapshots and checked against theirs; "" while unknown (the service sets it
+            from its trie, or from the first ``Learn`` call that names one).
 
     Raises:
         ValueError: settings out of range.
     """
 
-    def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS, max_context: int = 4) -> None:
+    def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS, max_context: int = 4, vocab_hash: str = "") -> None:
         if max_tokens < 64:
             raise ValueError(f"max_tokens must be >= 64, got {max_tokens}")
         self._index = _native.ContextIndex(max_context, max_tokens)
-        self.max_tokens, self.max_context = max_tokens, max_context
+        self.max_tokens, self.max_context, self.vocab_hash = max_tokens, max_context, vocab_hash
         self._lock = threading.Lock()
         self._inserts = self._evicted = self._lookups = self._hits = 0
 
@@ -134,12 +199,15 @@ class LiveCorpus:
         return ContextChain(tokens, probs, int(match))
 
     def save(self, path: str | Path) -> int:
-        """Writes the corpus's tokens (boundaries included) to ``path`` atomically (a temporary file
-        beside it, flushed, then renamed over it); returns the tokens written."""
+        """Writes the corpus's tokens (boundaries included) and its tokenizer's vocabulary hash to
+        ``path`` atomically (a temporary file beside it, flushed, then renamed over it); returns the
+        tokens written."""
         path = Path(path)
         with self._lock:
             tokens = np.ascontiguousarray(self._index.tokens(), dtype="<i8")
-        header = _SNAPSHOT.pack(_MAGIC, _VERSION, self.max_context, tokens.size, zlib.crc32(tokens.tobytes()))
+        name = self.vocab_hash.encode("ascii")
+        header = _SNAPSHOT.pack(_MAGIC, _VERSION, self.max_context, tokens.size, zlib.crc32(tokens.tobytes())) + \
+            _HASH_LENGTH.pack(len(name)) + name
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         with open(tmp, "wb") as f:
             f.write(header)
@@ -151,30 +219,24 @@ class LiveCorpus:
 
     def load(self, path: str | Path) -> int:
         """Appends a snapshot's tokens (as :meth:`save` wrote them) to the corpus; returns how many.
-        A snapshot larger than the cap keeps its newest tokens, as inserts would.
+        A snapshot larger than the cap keeps its newest tokens, as inserts would.  A corpus that did
+        not know its tokenizer takes the snapshot's.
 
         Raises:
-            FileNotFoundError: no file; CorruptSnapshot: not a snapshot, truncated, or a checksum
-                or context-length mismatch (nothing is added)."""
-        data = Path(path).read_bytes()
-        if len(data) < _SNAPSHOT.size:
-            raise CorruptSnapshot(f"{path}: {len(data)} bytes, shorter than a snapshot's header")
-        magic, version, max_context, count, crc = _SNAPSHOT.unpack_from(data)
-        if magic != _MAGIC or version != _VERSION:
-            raise CorruptSnapshot(f"{path}: not a live-corpus snapshot of format {_VERSION}")
-        body = data[_SNAPSHOT.size:]
-        if len(body) != 8 * count:
-            raise CorruptSnapshot(f"{path}: truncated: {len(body)} bytes of tokens, the header says {8 * count}")
-        if zlib.crc32(body) != crc:
-            raise CorruptSnapshot(f"{path}: the tokens fail their checksum")
-        if max_context != self.max_context:
-            raise CorruptSnapshot(f"{path}: written with max_context {max_context}, this corpus uses {self.max_context}")
-        tokens = np.frombuffer(body, dtype="<i8").astype(np.int64)
-        if tokens.size and tokens.min() < 0:
-            raise CorruptSnapshot(f"{path}: a negative token id")
-        tokens = tokens[-self.max_tokens:]
+            FileNotFoundError: no file; CorruptSnapshot: not a snapshot, truncated, or a failed
+                checksum; SnapshotMismatch: another context length, or another tokenizer where both
+                name one (nothing is added)."""
+        snap = read_snapshot(path)
+        if snap.max_context != self.max_context:
+            raise SnapshotMismatch(f"{path}: written with max_context {snap.max_context}, this corpus uses "
+                                   f"{self.max_context}")
+        if snap.vocab_hash and self.vocab_hash and snap.vocab_hash != self.vocab_hash:
+            raise SnapshotMismatch(f"{path}: written for another tokenizer (vocabulary hash {snap.vocab_hash[:12]}…, "
+                                   f"this corpus's {self.vocab_hash[:12]}…)")
+        tokens = snap.tokens[-self.max_tokens:]
         with self._lock:
             self._index.append(tokens)
+            self.vocab_hash = self.vocab_hash or snap.vocab_hash
         return int(tokens.size)
 
     def stats(self) -> LiveStats:

@@ -43,7 +43,7 @@ from ngram_service._proto import ngram_pb2, ngram_pb2_grpc
 from ngram_service.client import OVERRIDE_FIELDS, usable_cpus
 from ngram_service.live import CorruptSnapshot, LiveCorpus, prefer_longer_match
 from ngram_service.tree_search import ContextChain, SearchParams, search_tree_batch, search_trees
-from ngram_service.trie import NgramTrie
+from ngram_service.trie import NgramTrie, TrieInfo
 
 logger = logging.getLogger(__name__)
 
@@ -197,9 +197,11 @@ class _Servicer(ngram_pb2_grpc.NgramTreeSearchServicer):
 
         search = search_tree_batch if request.padded else search_trees
 
+        trie = self.trie  # one trie for the whole call: a swap (NgramServer.swap_trie) waits for no one
+
         def run():
             t0 = time.perf_counter()
-            out = search(ids.reshape(b, d, k), probs.reshape(b, d, k), contexts, trie=self.trie, params=params,
+            out = search(ids.reshape(b, d, k), probs.reshape(b, d, k), contexts, trie=trie, params=params,
                          chains=chains)
             return out, 1e3 * (time.perf_counter() - t0)
 
@@ -246,8 +248,8 @@ class _Servicer(ngram_pb2_grpc.NgramTreeSearchServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         contexts = [flat[offsets[i]:offsets[i + 1]] for i in range(b)]
         loop = asyncio.get_running_loop()
-        probs = await loop.run_in_executor(
-            self.executor, lambda: self.trie.probability_batch(contexts, tokens.reshape(b, m)))
+        trie = self.trie
+        probs = await loop.run_in_executor(self.executor, lambda: trie.probability_batch(contexts, tokens.reshape(b, m)))
         return ngram_pb2.LookupResponse(probabilities=probs.ravel().tolist())
 
     async def Learn(self, request, context):
@@ -262,12 +264,18 @@ class _Servicer(ngram_pb2_grpc.NgramTreeSearchServicer):
             _require(len(request.tokens) <= self.limits.max_learn_tokens,
                      f"{len(request.tokens)} tokens exceed the limit of {self.limits.max_learn_tokens} per call")
             self._check_vocab_hash(request.vocab_hash)
+            known = self.live.vocab_hash
+            _require(not (known and request.vocab_hash) or request.vocab_hash == known,
+                     f"tokenizer mismatch: the request's vocabulary hash {request.vocab_hash[:12]}… is not the live "
+                     f"corpus's {known[:12]}…")
             tokens = np.asarray(request.tokens, dtype=np.int64)
             self._check_ids(tokens, "tokens")
         except _InvalidArgument as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         ends = np.cumsum(lengths)
         docs = [tokens[e - n:e] for e, n in zip(ends, lengths)]
+        if not self.live.vocab_hash and request.vocab_hash:  # a logits-only service learns its tokenizer here
+            self.live.vocab_hash = request.vocab_hash
         added = await asyncio.get_running_loop().run_in_executor(self.executor, self.live.add, docs)
         return ngram_pb2.LearnResponse(tokens_added=added, tokens_held=len(self.live))
 
@@ -316,7 +324,8 @@ class NgramServer:
                  auth_token: str | None = None, learn_max_tokens: int | None = None,
                  learn_snapshot: str | None = None, snapshot_every_s: float = 60.0) -> None:
         self.trie = NgramTrie(trie_path) if trie_path else None
-        self.live = LiveCorpus(learn_max_tokens) if learn_max_tokens else None
+        self.live = (LiveCorpus(learn_max_tokens, vocab_hash=self.trie.info.vocab_hash if self.trie else "")
+                     if learn_max_tokens else None)
         self.snapshot = learn_snapshot if self.live is not None else None
         self.snapshot_every_s = snapshot_every_s
         self._saved_inserts = 0
@@ -338,6 +347,8 @@ class NgramServer:
         self._server: grpc.aio.Server | None = None
         self._thread: threading.Thread | None = None
         self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="tree-search")
+        self._servicer: _Servicer | None = None
+        self._swap_lock = threading.Lock()
 
     @property
     def address(self) -> str:
@@ -348,8 +359,8 @@ class NgramServer:
                 ("grpc.max_send_message_length", self.limits.max_message_bytes),
                 ("grpc.so_reuseport", 0), ("grpc.optimization_target", "latency")]
         server = grpc.aio.server(options=opts)
-        ngram_pb2_grpc.add_NgramTreeSearchServicer_to_server(
-            _Servicer(self.trie, self.params, self.limits, self._executor, self.auth_token, self.live), server)
+        self._servicer = _Servicer(self.trie, self.params, self.limits, self._executor, self.auth_token, self.live)
+        ngram_pb2_grpc.add_NgramTreeSearchServicer_to_server(self._servicer, server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -387,6 +398,34 @@ class NgramServer:
         if self.snapshot is not None:
             threading.Thread(target=self._snapshots, name="ngram-live-snapshot", daemon=True).start()
         return self
+
+    def swap_trie(self, path: str | os.PathLike[str]) -> TrieInfo:
+        """Serves the trie at ``path`` from now on, in place of the one served: the new file is
+        opened and checked first, then one reference is replaced, so a search already running
+        finishes on the old trie, whose mapping is released when the last such search ends.  The new
+        trie must name the tokenizer of the old one (or, for a logits-only service, of its live
+        corpus, where that is known).  Clients learn the new trie's order from ``Info`` when they
+        next connect; until then they send the context the old one needed.
+
+        Returns: the new trie's :class:`~ngram_service.trie.TrieInfo`.
+
+        Raises:
+            FileNotFoundError / OSError: no readable file; TrieFormatError: not a sound trie;
+            TokenizerMismatchError: a trie of another tokenizer.  The old trie is served on."""
+        new = NgramTrie(path)
+        with self._swap_lock:
+            old = self.trie
+            expected = old.info.vocab_hash if old is not None else (self.live.vocab_hash if self.live else "")
+            if expected:
+                new.check_tokenizer(expected)
+            self.trie = new
+            if self._servicer is not None:
+                self._servicer.trie = new
+            if self.live is not None and not self.live.vocab_hash:
+                self.live.vocab_hash = new.info.vocab_hash
+        logger.info("n-gram trie swapped: %s -> %s (order %d, %d nodes)", old.path if old else "logits-only",
+                    new.path, new.info.order, new.info.num_nodes)
+        return new.info
 
     def save_snapshot(self) -> bool:
         """Writes the live corpus's snapshot when it changed since the last one; False when there

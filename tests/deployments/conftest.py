@@ -17,6 +17,7 @@ from ngram_service.corpus import cpython_stdlib_sources
 
 HTTP = "http://127.0.0.1:8000"
 NAME = "tiny-dart"
+ADMIN_KEY = "adm1n-s3cret"
 
 
 @pytest.fixture(scope="package")
@@ -29,13 +30,14 @@ def app(tiny_model_dir, tmp_path_factory, default_tokenizer):
     # a loaded 2-core machine can take longer than Serve's 5 s to start the proxy, which Serve then kills;
     # the cluster's processes inherit this from the driver
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    os.environ["DART_TEST_ADMIN_KEY"] = ADMIN_KEY  # the admin routes' key (the guarded app has none: off)
     ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True)
     serve.start(http_options={"host": "127.0.0.1", "port": 8000},
                 grpc_options=gRPCOptions(port=9000, grpc_servicer_functions=[
                     "deployments._proto.dart_pb2_grpc.add_DartGenerationServicer_to_server"]))
     args = {"model": tiny_model_dir, "served_model_name": NAME, "head": "random", "budget": 8,
             "max_batch_size": 8, "max_speculative_batch": 4, "max_tokens_limit": 64,
-            "ngram": {"trie": str(trie), "port": 0, "timeout_ms": 200}}
+            "admin_key_env": "DART_TEST_ADMIN_KEY", "ngram": {"trie": str(trie), "port": 0, "timeout_ms": 200}}
     serve.run(build_app(args), name="dart", route_prefix="/")
     yield args
     serve.shutdown()

@@ -20,7 +20,7 @@ import pytest
 import ray
 from ray import serve
 
-from .conftest import GUARDED_KEY, HTTP, NAME, client
+from .conftest import ADMIN_KEY, GUARDED_KEY, HTTP, NAME, client
 
 pytestmark = pytest.mark.slow
 
@@ -641,3 +641,54 @@ def test_the_engine_streams_chunks_in_groups(app):
     assert len(lists[0]) == 1 and lists[0][0].steps == 0
     assert sum(len(c.token_ids) for c in chunks) == 32 and len(chunks) == 32  # one token per step, speculation off
     assert len(lists) < len(chunks) and chunks[-1].finish_reason == "length"
+
+
+def test_admin_routes_add_a_corpus_and_swap_the_trie(app, tmp_path):
+    """POST /admin/corpus and /admin/trie (and gRPC AddCorpus, SwapTrie) want the admin key; a
+    corpus lands in the live corpus; a missing or unsound trie file is refused and the old trie
+    served on; the same trie file swaps in and requests keep being served."""
+    from deployments._proto import dart_pb2, dart_pb2_grpc
+
+    admin = {"authorization": f"Bearer {ADMIN_KEY}"}
+    body = {"documents": ["def walrus():\n    return 42\n"], "token_ids": [[5, 6, 7]]}
+    assert httpx.post(f"{HTTP}/admin/corpus", json=body, timeout=60).status_code == 401
+    r = httpx.post(f"{HTTP}/admin/corpus", json=body, headers={"authorization": "Bearer wrong"}, timeout=60)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.post(f"{HTTP}/admin/corpus", json=body, headers=admin, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["documents"] == 2 and out["tokens_added"] >= 3 + 1 + 2 and out["tokens_held"] >= out["tokens_added"]
+    for bad, needle in (({"token_ids": [[-1]]}, "outside the vocabulary"), ({"documents": []}, "at least one"),
+                        ({"documents": ["x"], "extra": 1}, "extra")):
+        r = httpx.post(f"{HTTP}/admin/corpus", json=bad, headers=admin, timeout=60)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    (tmp_path / "junk.trie").write_bytes(b"not a trie" * 100)
+    for path in (tmp_path / "missing.trie", tmp_path / "junk.trie"):
+        r = httpx.post(f"{HTTP}/admin/trie", json={"path": str(path)}, headers=admin, timeout=60)
+        assert r.status_code == 400 and "old one is served on" in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{HTTP}/admin/trie", json={"path": app["ngram"]["trie"]}, headers=admin, timeout=60)
+    assert r.status_code == 200 and r.json()["order"] == 3, r.text
+    done = client().chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert done.usage.completion_tokens == 4
+    with grpc.insecure_channel("127.0.0.1:9000") as channel:
+        stub = dart_pb2_grpc.DartGenerationStub(channel)
+        meta = (("application", "dart"),)
+        request = dart_pb2.AddCorpusRequest(documents=["hello there"], token_ids=[1, 2, 3], token_lengths=[3])
+        with pytest.raises(grpc.RpcError) as e:
+            stub.AddCorpus(request, metadata=meta, timeout=60)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        keyed = meta + (("authorization", f"Bearer {ADMIN_KEY}"),)
+        assert stub.AddCorpus(request, metadata=keyed, timeout=60).documents == 2
+        with pytest.raises(grpc.RpcError) as e:
+            stub.AddCorpus(dart_pb2.AddCorpusRequest(token_ids=[1, 2], token_lengths=[3]), metadata=keyed, timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_lengths" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.SwapTrie(dart_pb2.SwapTrieRequest(path=str(tmp_path / "missing.trie")), metadata=keyed, timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not swapped" in e.value.details()
+        assert stub.SwapTrie(dart_pb2.SwapTrieRequest(path=app["ngram"]["trie"]), metadata=keyed, timeout=60).order == 3
+
+
+def test_admin_routes_are_off_without_an_admin_key(guarded):
+    r = httpx.post(f"{guarded}/admin/corpus", json={"documents": ["x"]},
+                   headers={"authorization": f"Bearer {GUARDED_KEY}"}, timeout=60)
+    assert r.status_code == 403 and "admin routes are off" in r.json()["error"]["message"]

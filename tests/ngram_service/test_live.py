@@ -347,3 +347,124 @@ def test_a_search_answers_the_live_continuation_the_engine_asked_for():
     finally:
         server.stop()
         plain.stop()
+
+
+def test_a_snapshot_names_its_tokenizer_and_another_tokenizer_is_refused(tmp_path):
+    """Format 2 snapshots carry the vocabulary hash: a corpus of another tokenizer refuses the file
+    (SnapshotMismatch, nothing added), one that knew none takes the file's; format 1 files still load."""
+    import struct
+    import zlib
+
+    from ngram_service.live import SnapshotMismatch, read_snapshot
+
+    live = LiveCorpus(max_tokens=512, vocab_hash="abc123")
+    live.add([[1, 2, 3], [4, 5]])
+    path = tmp_path / "live.snap"
+    live.save(path)
+    snap = read_snapshot(path)
+    assert snap.vocab_hash == "abc123" and [d.tolist() for d in snap.documents()] == [[1, 2, 3], [4, 5]]
+    other = LiveCorpus(max_tokens=512, vocab_hash="ffff00")
+    with pytest.raises(SnapshotMismatch, match="another tokenizer"):
+        other.load(path)
+    assert len(other) == 0
+    unknown = LiveCorpus(max_tokens=512)
+    assert unknown.load(path) == 7 and unknown.vocab_hash == "abc123"
+    tokens = np.array([7, 8, BOUNDARY], dtype="<i8")
+    old = struct.pack("<8sIIQI", b"DARTLIVE", 1, 4, 3, zlib.crc32(tokens.tobytes())) + tokens.tobytes()
+    (tmp_path / "v1.snap").write_bytes(old)
+    assert LiveCorpus(max_tokens=512, vocab_hash="abc123").load(tmp_path / "v1.snap") == 3
+
+
+def test_a_trie_is_built_from_the_corpus_and_what_the_service_learned(tmp_path, capsys):
+    """python -m ngram_service.build --snapshot: the snapshot's documents are counted after the
+    corpus files (n-grams never cross a document boundary); a snapshot of another tokenizer, or a
+    corrupt one, is refused with exit status 2."""
+    from ngram_service.build import main
+    from ngram_service.tokenizer import load_trie_tokenizer
+    from ngram_service.trie import NgramTrie
+
+    tok = load_trie_tokenizer(None)
+    learned = np.asarray(tok.encode_batch(["the quantum walrus sings"])[0], dtype=np.int64)
+    live = LiveCorpus(max_tokens=4096, vocab_hash=tok.vocab_hash)
+    live.add([learned, learned])
+    snap = tmp_path / "live.snap"
+    live.save(snap)
+    (tmp_path / "corpus.txt").write_text("plain text about something else entirely")
+    out = tmp_path / "t.trie"
+    assert main([str(tmp_path / "corpus.txt"), "--snapshot", str(snap), "-o", str(out), "-q"]) == 0
+    trie = NgramTrie(out)
+    assert trie.info.metadata["snapshot_tokens"] == 2 * learned.size
+    p = trie.probability_batch([learned[:2]], learned[2:3].reshape(1, 1))
+    assert float(np.asarray(p).ravel()[0]) > 0.5  # learned continuation counted
+    foreign = LiveCorpus(max_tokens=4096, vocab_hash="not-this-tokenizer")
+    foreign.add([learned])
+    foreign.save(tmp_path / "foreign.snap")
+    assert main([str(tmp_path / "corpus.txt"), "--snapshot", str(tmp_path / "foreign.snap"), "-o",
+                 str(tmp_path / "f.trie"), "-q"]) == 2
+    assert "another tokenizer" in capsys.readouterr().err and not (tmp_path / "f.trie").exists()
+    (tmp_path / "bad.snap").write_bytes(b"DARTLIVE" + b"\0" * 30)
+    assert main([str(tmp_path / "corpus.txt"), "--snapshot", str(tmp_path / "bad.snap"), "-o",
+                 str(tmp_path / "b.trie"), "-q"]) == 2
+
+
+def test_a_trie_swap_under_load_fails_no_search_and_a_bad_file_keeps_the_old_trie(tmp_path):
+    """NgramServer.swap_trie while client threads search without pause: no call fails or falls back,
+    searches see the new trie's n-grams after the swap, and a missing file, a corrupt one and a trie
+    of another tokenizer are refused by name with the old trie served on."""
+    from ngram_service.build import build_trie
+    from ngram_service.client import GrpcTreeSearch
+    from ngram_service.server import NgramServer
+    from ngram_service.trie import TokenizerMismatchError, TrieFormatError
+    from ngram_service.tree_search import SearchParams
+
+    a, b, other = tmp_path / "a.trie", tmp_path / "b.trie", tmp_path / "other.trie"
+    build_trie([[1, 2, 3, 4]] * 5, a, vocab_size=64, vocab_hash="h1")
+    build_trie([[1, 2, 9, 9]] * 5, b, vocab_size=64, vocab_hash="h1")
+    build_trie([[1, 2, 3, 4]] * 5, other, vocab_size=64, vocab_hash="h2")
+    server = NgramServer(str(a), threads=2).start()
+    stop, failures, calls = threading.Event(), [], [0]
+    params = SearchParams(top_k=2, beam_width=2, budget=4)
+
+    def load() -> None:
+        client = GrpcTreeSearch(server.address, timeout_ms=5000, retries=0)
+        ids = np.full((1, 3, 2), 5, np.int64)
+        probs = np.full((1, 3, 2), 0.4, np.float32)
+        while not stop.is_set():
+            client.search_batch(ids, probs, [np.array([1, 2])], params)
+            calls[0] += 1
+        failures.append(client.fallbacks)
+        client.close()
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        for i in range(20):
+            info = server.swap_trie(b if i % 2 == 0 else a)
+            assert info.path.endswith("b.trie" if i % 2 == 0 else "a.trie")
+            time.sleep(0.01)
+        for bad, error in ((tmp_path / "missing.trie", FileNotFoundError), (other, TokenizerMismatchError)):
+            with pytest.raises(error):
+                server.swap_trie(bad)
+        (tmp_path / "junk.trie").write_bytes(b"DARTTRIE" + b"\0" * 400)
+        with pytest.raises(TrieFormatError):
+            server.swap_trie(tmp_path / "junk.trie")
+        assert server.trie.path.name == "a.trie"  # the last good swap
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    try:
+        assert calls[0] > 50 and failures == [0, 0, 0]
+        import grpc
+
+        from ngram_service._proto import ngram_pb2, ngram_pb2_grpc
+
+        server.swap_trie(b)
+        with grpc.insecure_channel(server.address) as channel:
+            lookup = ngram_pb2_grpc.NgramTreeSearchStub(channel).Lookup(ngram_pb2.LookupRequest(
+                contexts=[1, 2], context_lengths=[2], tokens=[9, 3], num_tokens=2))
+        p9, p3 = lookup.probabilities
+        assert p9 > 0.5 and p3 == 0  # b's n-grams: [1, 2] is followed by 9, never by 3
+    finally:
+        server.stop()
