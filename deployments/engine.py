@@ -129,8 +129,8 @@ def grpc_tree_search(cfg: NgramConfig, resolver, vocab_hash: str, auth_token: st
     """The engine's tree-search client for the n-gram service (address from ``resolver``, asked
     on a background thread, ``auth_token`` sent as ``authorization: Bearer <token>``), falling
     back to the in-process logits-only search.  With ``ngram.learn``, each search also asks for the
-    live corpus's continuations, up to ``live_chain_length`` tokens (the engine's lookup length), which
-    the lookup steps follow."""
+    live corpus's continuations, up to ``live_chain_length`` tokens (the engine passes twice its
+    lookup length: enough for two lookup steps after one search), which the lookup steps follow."""
     from ngram_service.client import GrpcTreeSearch
 
     return GrpcTreeSearch(resolver=resolver, timeout_ms=cfg.timeout_ms, vocab_hash=vocab_hash, auth_token=auth_token,
@@ -170,7 +170,7 @@ class DartEngineDeployment:
         if self._ngram is not None:
             self.tree_search = grpc_tree_search(cfg.ngram, self._resolve_ngram,
                                                 tokenizer_identity(self.model.tokenizer)[1], ngram_auth_token,
-                                                getattr(self.model.engine.drafter, "lookup_length", 0))
+                                                2 * getattr(self.model.engine.drafter, "lookup_length", 0))
             self.model.engine.tree_search = self.tree_search
             if cfg.ngram.learn:  # finished requests go to the service's live corpus, off the decoding path
                 self.learner = LearnSender(self.tree_search)

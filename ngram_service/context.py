@@ -33,11 +33,7 @@ import numpy as np
 from ngram_service import _native
 from ngram_service.tree_search import ContextChain
 
-__all__ = ["ContextIndex", "HINT_MATCH_CAP"]
-
-#: the longest match length a followed hint reports (the adaptive budget learns chain acceptance per
-#: match length; a cap keeps that table small)
-HINT_MATCH_CAP = 16
+__all__ = ["ContextIndex"]
 
 
 class ContextIndex:
@@ -63,6 +59,15 @@ class ContextIndex:
     def max_context(self) -> int:
         return self._native.max_context
 
+    @property
+    def hint_match_cap(self) -> int:
+        """The match length a :meth:`hint` followed past ``max_context`` tokens reports:
+        ``max_context + 1``, one value for all of them, longer than any match of the sequence's
+        own, so that the adaptive budget (which learns a chain's acceptance per match length,
+        :meth:`~dart_core.spec.budget.AdaptiveBudget.chain_acceptance`) learns it from every
+        followed hint at once."""
+        return self.max_context + 1
+
     def append(self, tokens: Sequence[int] | np.ndarray) -> None:
         """Indexes new tokens (each as the follower of the contexts before it); a :meth:`hint` they
         do not follow is dropped."""
@@ -80,13 +85,13 @@ class ContextIndex:
         tree search: ``chain.match_length`` tokens of the sequence's suffix matched there).  While
         the tokens appended next follow it, :meth:`continuation` proposes what remains of it where
         it beats the sequence's own chain; the first token that departs from it drops it.  An
-        earlier hint that is still followed, has tokens left and now matches a longer suffix is
-        kept instead; an empty chain changes nothing."""
+        earlier hint that is still followed, has at least as many tokens left and now matches a
+        longer suffix is kept instead; an empty chain changes nothing."""
         if not len(chain.tokens):
             return
         h = self._hint
-        if h is not None and self._hint_at < len(h.tokens) and \
-                min(h.match_length + self._hint_at, HINT_MATCH_CAP) > chain.match_length:
+        if h is not None and len(h.tokens) - self._hint_at >= len(chain.tokens) and \
+                min(h.match_length + self._hint_at, self.hint_match_cap) > chain.match_length:
             return
         self._hint, self._hint_at = chain, 0
 
@@ -101,11 +106,11 @@ class ContextIndex:
         suffix that occurred before (empty when none did), with their probabilities.  Where a
         :meth:`hint` is still followed and has tokens left, its remainder instead when it matched a
         longer suffix: its match length plus the tokens followed since (at most
-        :data:`HINT_MATCH_CAP`), against the sequence's own (the sequence's own on a tie)."""
+        :attr:`hint_match_cap`), against the sequence's own (the sequence's own on a tie)."""
         tokens, probs, match = self._native.continuation(int(max_len))
         h, at = self._hint, self._hint_at
         if h is not None and at < len(h.tokens):
-            followed = min(h.match_length + at, HINT_MATCH_CAP)
+            followed = min(h.match_length + at, self.hint_match_cap)
             if followed > match or not len(tokens):
                 return ContextChain(h.tokens[at:at + max_len], h.probs[at:at + max_len], followed)
         return ContextChain(tokens, probs, int(match))

@@ -3,6 +3,8 @@ and decodes losslessly through the same select, verify and accept phases; DraftB
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -173,7 +175,6 @@ def test_two_engines_one_service_a_repeat_through_the_other_drafts_from_the_firs
     engine A and learned lets the same request through engine B accept more tokens per step, with
     the same greedy output, with and without live continuations answered beside each search (a tiny
     random target loops, so its own context competes with them: the next test isolates them)."""
-    from dart_core.spec.budget import AdaptiveBudget, VerifyCostCurve
     from ngram_service.client import GrpcTreeSearch
     from ngram_service.server import NgramServer
 
@@ -249,7 +250,6 @@ def test_lookup_steps_follow_the_live_continuation_a_search_answered_and_stay_ex
     context index; the next lookup steps verify what remains of it while the output follows it, with
     no search between.  Right, it is accepted whole; wrong from some token on, the output is still
     the target's own."""
-    from dart_core.spec.budget import AdaptiveBudget, VerifyCostCurve
 
     target = tiny_target("llama", seed=5)
     prompt = prompts_of(np.random.default_rng(5), [9])
@@ -269,6 +269,46 @@ def test_lookup_steps_follow_the_live_continuation_a_search_answered_and_stay_ex
     engine.drafter.propose = spy
     steps = list(engine.generate_stream(prompt, sp))
     assert [t for s in steps for t in s.new_tokens[0]] == ar
-    assert any(m > 8 for m, _ in matches), matches  # chains of a hint followed since its search
+    # the oracle's chains match 8 tokens; followed since the search they report max_context + 1 (5 here),
+    # which no own chain (context_order 4) reaches
+    assert any(m == 5 for m, _ in matches), matches
     if wrong_at > len(prompt[0]) + 40:
         assert max(s.accepted_lengths[0] for s in steps if s.lookup) >= 12
+
+
+def test_a_restarted_service_keeps_tau_on_repeats_from_its_snapshot(tmp_path):
+    """What the service learned survives its restart through the snapshot: an answer learned before
+    the restart still raises τ for its repeat after it, with the same greedy output."""
+    from ngram_service.client import GrpcTreeSearch
+    from ngram_service.server import NgramServer
+
+    target = tiny_target("llama", seed=5)
+    snap = str(tmp_path / "live.snap")
+    prompt = prompts_of(np.random.default_rng(5), [9])
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+
+    def run(server):
+        client = GrpcTreeSearch(server.address, timeout_ms=5000, live_chain_length=24)
+        client.wait_resolved(5)
+        for _ in range(100):
+            if client.service_live:
+                break
+            time.sleep(0.02)
+        engine = DartEngine(target, random_head(target, seed=5), client, SearchParams(top_k=8, beam_width=4, budget=12),
+                            budget=AdaptiveBudget(VerifyCostCurve((1, 64), (0.010, 0.012))))
+        out = engine.generate(prompt, sp)
+        return client, out
+
+    first = NgramServer(None, threads=1, learn_max_tokens=1 << 14, learn_snapshot=snap).start()
+    client, before = run(first)
+    client.learn([prompt[0] + before.token_ids[0]])
+    client.close()
+    first.stop()  # writes the snapshot
+    again = NgramServer(None, threads=1, learn_max_tokens=1 << 14, learn_snapshot=snap).start()
+    try:
+        client, after = run(again)
+        client.close()
+        assert after.token_ids == before.token_ids
+        assert after.tau > before.tau + 1.0, (before.tau, after.tau)
+    finally:
+        again.stop()

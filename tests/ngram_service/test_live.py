@@ -278,7 +278,7 @@ def test_a_hint_is_followed_while_the_sequence_follows_it_and_dropped_where_it_d
     """ContextIndex.hint: the live corpus's continuation from a search is proposed, tokens followed
     since advancing it, where it matched a longer suffix than the sequence's own (its own on a tie);
     one departing token drops it; a later hint does not replace one that now matches longer."""
-    from ngram_service.context import HINT_MATCH_CAP, ContextIndex
+    from ngram_service.context import ContextIndex
 
     index = ContextIndex(4, 1 << 16)
     index.append([5, 6, 7, 8, 5, 6])  # its own chain: after [5, 6] came 7 (a 2-token match)
@@ -288,18 +288,20 @@ def test_a_hint_is_followed_while_the_sequence_follows_it_and_dropped_where_it_d
     index.hint(ContextChain(np.array([20, 21, 22, 23, 24]), np.full(5, 0.5, np.float32), 3))
     c = index.continuation(3)
     assert (c.tokens.tolist(), c.match_length) == ([20, 21, 22], 3)
-    index.append([20, 21])  # followed: what remains, matched 2 tokens longer
+    index.append([20, 21])  # followed: what remains, matched longer than any own match (max_context + 1)
     c = index.continuation(8)
-    assert (c.tokens.tolist(), c.match_length) == ([22, 23, 24], 5)
+    assert (c.tokens.tolist(), c.match_length) == ([22, 23, 24], 5) and index.hint_match_cap == 5
     index.hint(ContextChain(np.array([30, 31]), np.full(2, 0.5, np.float32), 4))  # matches less than 5
     assert index.continuation(8).tokens.tolist() == [22, 23, 24]
+    index.hint(ContextChain(np.array([22, 23, 24, 25]), np.full(4, 0.5, np.float32), 4))  # reaches further
+    assert index.continuation(8).tokens.tolist() == [22, 23, 24, 25]
     index.hint(ContextChain(np.zeros(0, np.int64), np.zeros(0, np.float32), 0))  # empty: nothing changes
-    assert index.continuation(8).tokens.tolist() == [22, 23, 24]
+    assert index.continuation(8).tokens.tolist() == [22, 23, 24, 25]
     index.append([22, 99])  # departs at its second token: dropped
     assert index.continuation(8).match_length <= 4
     index.hint(ContextChain(np.arange(40, 80), np.full(40, 0.5, np.float32), 4))
     index.append(list(range(40, 70)))
-    assert index.continuation(4).match_length == HINT_MATCH_CAP
+    assert index.continuation(4).match_length == index.hint_match_cap
     index.append(list(range(70, 80)))  # consumed: the sequence's own again
     assert not len(index.continuation(4).tokens) or index.continuation(4).match_length <= 4
 
