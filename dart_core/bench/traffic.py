@@ -7,7 +7,8 @@ never the benchmark sets): ``families`` templated tasks, each sent ``variants`` 
 different tuning text in its slot, and ``repeated`` tuning prompts each sent ``repeat_times``
 times, shuffled with a fixed seed.  ``--workload FILE.jsonl`` reads another one instead: one
 ``{"prompt": ..., "family": ...}`` per line, in arrival order (``family`` optional).  Each request
-is classed by what came before it: ``first`` (its family's or its prompt's first), ``variant`` (a
+is classed by what came before it (``--workload mt-bench``: the set's first turns, each once, all
+``first``: traffic that does not repeat): ``first`` (its family's or its prompt's first), ``variant`` (a
 later, different prompt of a family already seen) or ``repeat`` (a prompt sent before).
 
 Modes, per pass:
@@ -73,7 +74,8 @@ TEMPLATES = (
 class TrafficConfig:
     url: str = "http://localhost:8000/v1"
     model: str | None = None  # None: the first of /v1/models
-    workload: str | None = None  # a JSONL file; None: built from the tuning split
+    workload: str | None = None  # a JSONL file or a named prompt set (each prompt once); None: built from the tuning split
+    limit: int | None = None  # with a named prompt set: its first this many prompts
     families: int = 4
     variants: int = 4
     repeated: int = 6
@@ -126,11 +128,17 @@ def build_workload(families: int = 4, variants: int = 4, repeated: int = 6, repe
     return classify(items)
 
 
-def load_workload(path: str | Path) -> list[dict]:
-    """A JSONL workload (``{"prompt": str, "family": str?}`` per line, arrival order), classed.
+def load_workload(path: str | Path, limit: int | None = None) -> list[dict]:
+    """A JSONL workload (``{"prompt": str, "family": str?}`` per line, arrival order), or a named
+    prompt set of :data:`~dart_core.bench.datasets.DATASETS` (its first ``limit`` prompts, each
+    once: traffic that does not repeat), classed.
 
     Raises:
-        FileNotFoundError: no such file; ValueError: a line without a string ``prompt``."""
+        FileNotFoundError: no such file or set; ValueError: a line without a string ``prompt``."""
+    from dart_core.bench.datasets import DATASETS, load_prompts
+
+    if str(path) in DATASETS:
+        return classify([{"prompt": p} for p in load_prompts(str(path), limit)])
     requests = []
     for i, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
@@ -145,9 +153,10 @@ def load_workload(path: str | Path) -> list[dict]:
 
 
 def _request(client, model: str, prompt: str, cfg: TrafficConfig, speculative: bool, learn: bool) -> dict:
-    """One streaming chat request: tokens, seconds (sent → last chunk), τ, text."""
+    """One streaming chat request: tokens, seconds (sent → last chunk), decode seconds (first chunk →
+    last chunk), τ, text."""
     t0 = time.perf_counter()
-    last, usage, text = t0, None, []
+    first, last, usage, text = None, t0, None, []
     stream = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=cfg.max_tokens, temperature=0,
         stream=True, stream_options={"include_usage": True},
@@ -156,11 +165,12 @@ def _request(client, model: str, prompt: str, cfg: TrafficConfig, speculative: b
         if chunk.choices and chunk.choices[0].delta.content:
             text.append(chunk.choices[0].delta.content)
             last = time.perf_counter()
+            first = first or last
         if chunk.usage is not None:
             usage = chunk.usage
     dart = ((usage.model_extra or {}).get("dart") or {}) if usage is not None else {}
     return {"tokens": usage.completion_tokens if usage is not None else 0, "seconds": last - t0,
-            "tau": dart.get("tau"), "text": "".join(text)}
+            "decode_seconds": last - (first or last), "tau": dart.get("tau"), "text": "".join(text)}
 
 
 def run_mode(client, model: str, workload: list[dict], cfg: TrafficConfig, mode: str, bar=None) -> list[dict]:
@@ -188,7 +198,9 @@ def _warm_up(client, model: str, cfg: TrafficConfig) -> None:
 
 def summarise(records: list[dict]) -> dict:
     """Per class and overall (``all``) and after warm-up (``later``: variants and repeats): tokens/s
-    (Σ tokens ÷ Σ seconds), mean τ, requests."""
+    end to end (Σ tokens ÷ Σ seconds from sending to the last chunk: the prompt's prefill included),
+    decode tokens/s (Σ (tokens − 1) ÷ Σ seconds from the first chunk to the last: what speculation
+    speeds up), mean τ, requests."""
     groups = {k: [r for r in records if r["kind"] == k] for k in KINDS}
     groups["later"] = groups["variant"] + groups["repeat"]
     groups["all"] = records
@@ -198,6 +210,8 @@ def summarise(records: list[dict]) -> dict:
             continue
         taus = [r["tau"] for r in rs if r["tau"] is not None]
         out[name] = {"tokens_per_s": round(sum(r["tokens"] for r in rs) / max(1e-9, sum(r["seconds"] for r in rs)), 2),
+                     "decode_tokens_per_s": round(sum(max(0, r["tokens"] - 1) for r in rs)
+                                                  / max(1e-9, sum(r["decode_seconds"] for r in rs)), 2),
                      "tau": round(statistics.mean(taus), 3) if taus else None, "requests": len(rs)}
     return out
 
@@ -234,13 +248,14 @@ class _Server:
         raise RuntimeError(f"no answer from {self.url} within {timeout_s:.0f} s (log: {self.log.name})")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
+        if self.proc.poll() is None:  # `serve run` shuts the app down on SIGINT, but may then wait long
             os.killpg(self.proc.pid, signal.SIGINT)
             try:
-                self.proc.wait(120)
+                self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        # the local Ray instance `serve run` started, with every replica
         subprocess.run(["ray", "stop", "--force"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
         os.unlink(self.file.name)
         self.log.close()
@@ -334,7 +349,7 @@ def run_traffic(cfg: TrafficConfig, *, progress: bool = True) -> dict:
     if set(cfg.modes) - set(MODES) or not cfg.modes:
         raise ValueError(f"modes must be among {', '.join(MODES)}")
     started = time.perf_counter()
-    workload = load_workload(cfg.workload) if cfg.workload else build_workload(
+    workload = load_workload(cfg.workload, cfg.limit) if cfg.workload else build_workload(
         cfg.families, cfg.variants, cfg.repeated, cfg.repeat_times, cfg.seed)
     key = cfg.api_key or os.environ.get("DART_API_KEY") or "unused"
     client = OpenAI(base_url=cfg.url, api_key=key, max_retries=0, timeout=cfg.timeout_s)
@@ -378,7 +393,7 @@ def run_traffic(cfg: TrafficConfig, *, progress: bool = True) -> dict:
         per_pass = [summarise(runs[mode]) for runs in passes if mode in runs]
         summary[mode] = {}
         for cls in per_pass[0]:
-            for metric in ("tokens_per_s", "tau"):
+            for metric in ("tokens_per_s", "decode_tokens_per_s", "tau"):
                 vals = [s[cls][metric] for s in per_pass if s.get(cls, {}).get(metric) is not None]
                 if vals:
                     summary[mode].setdefault(cls, {})[metric] = {"median": statistics.median(vals), "runs": vals}
@@ -394,11 +409,12 @@ def run_traffic(cfg: TrafficConfig, *, progress: bool = True) -> dict:
 
 
 def markdown_table(result: dict) -> str:
-    """The summary: per class, tokens/s and τ per mode (medians of the passes), and the ratios the
-    live corpus is judged by."""
+    """The summary: per class, end-to-end and decode tokens/s and τ per mode (medians of the passes),
+    and the ratios the live corpus is judged by."""
     s, cfg = result["summary"], result["config"]
     modes = [m for m in MODES if m in s]
     classes = [c for c in ("first", "variant", "repeat", "later", "all") if any(c in s[m] for m in modes)]
+    short = {"learn-on": "on", "learn-off": "off", "no-speculation": "no spec"}
 
     def med(mode, cls, metric):
         v = s.get(mode, {}).get(cls, {}).get(metric)
@@ -407,20 +423,22 @@ def markdown_table(result: dict) -> str:
     def ratio(a, b):
         return f"{a / b:.2f}×" if a and b else "–"
 
+    def num(x, f):
+        return format(x, f) if x else "–"
+
     lines = [f"{result['model']}: one client, T = 0, {cfg['max_tokens']} tokens, median of {cfg['passes']} passes; "
-             f"{result['hardware'].get('line', '')}", "",
-             "| requests | n | " + " | ".join(f"{m} tok/s | {m} τ" for m in modes)
-             + " | on ÷ off tok/s | on ÷ off τ | on ÷ no-spec tok/s |",
-             "|---|---:|" + "---:|" * (2 * len(modes) + 3)]
+             f"{result['hardware'].get('line', '')}. Tokens/s end to end (prefill included) and decoding only "
+             "(first token to last).", "",
+             "| requests | n | " + " | ".join(f"{short[m]}: tok/s, decode tok/s, τ" for m in modes)
+             + " | on ÷ off τ | on ÷ no spec, end to end | on ÷ no spec, decode |",
+             "|---|---:|" + "---:|" * (len(modes) + 3)]
     for c in classes:
         n = next(s[m][c]["requests"] for m in modes if c in s[m])
-        cells = []
-        for m in modes:
-            t, tau = med(m, c, "tokens_per_s"), med(m, c, "tau")
-            cells += [f"{t:.1f}" if t else "–", f"{tau:.2f}" if tau else "–"]
-        on_t, off_t, ns_t = med("learn-on", c, "tokens_per_s"), med("learn-off", c, "tokens_per_s"), \
-            med("no-speculation", c, "tokens_per_s")
-        cells += [ratio(on_t, off_t), ratio(med("learn-on", c, "tau"), med("learn-off", c, "tau")), ratio(on_t, ns_t)]
+        cells = [f"{num(med(m, c, 'tokens_per_s'), '.1f')}, {num(med(m, c, 'decode_tokens_per_s'), '.1f')}, "
+                 f"{num(med(m, c, 'tau'), '.2f')}" for m in modes]
+        cells += [ratio(med("learn-on", c, "tau"), med("learn-off", c, "tau")),
+                  ratio(med("learn-on", c, "tokens_per_s"), med("no-speculation", c, "tokens_per_s")),
+                  ratio(med("learn-on", c, "decode_tokens_per_s"), med("no-speculation", c, "decode_tokens_per_s"))]
         lines.append(f"| {c} | {n} | " + " | ".join(cells) + " |")
     lines.append("")
     lines.append(f"Greedy outputs equal across modes and passes: {'yes' if result['lossless'] else 'NO'}.")
@@ -453,7 +471,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dart_core.bench.traffic", description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default=d.url)
     ap.add_argument("--model", default=d.model, help="served model name [the first of /v1/models]")
-    ap.add_argument("--workload", default=d.workload, help="a JSONL workload [built from the tuning split]")
+    ap.add_argument("--workload", default=d.workload,
+                    help="a JSONL workload, or a prompt set (mt-bench, humaneval, alpacaeval: each prompt once) "
+                         "[built from the tuning split]")
+    ap.add_argument("--limit", type=int, default=d.limit, help="with a prompt set: its first this many prompts")
     for name in ("families", "variants", "repeated", "repeat_times", "seed", "max_tokens", "passes", "search_calls"):
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     ap.add_argument("--modes", nargs="+", default=list(d.modes), choices=MODES)

@@ -847,3 +847,39 @@ def test_gate_replay_reads_the_engine_log_and_replays_it(tmp_path):
     empty.write_text("nothing logged\n")
     with pytest.raises(ValueError, match="no gated"):
         read_steps([empty])
+
+
+def test_the_traffic_workload_is_classed_by_what_came_before_and_summarised_per_class(tmp_path):
+    """dart_core.bench.traffic: a request is a repeat of a prompt sent before, a variant of a family
+    seen before, or first; the built workload comes from the tuning split (no benchmark-set prompt),
+    with every class present; the summary takes tokens over seconds per class and the table gives
+    the ratios the live corpus is judged by."""
+    from dart_core.bench import traffic
+    from dart_core.bench.datasets import load_prompts
+
+    kinds = [r["kind"] for r in traffic.classify([{"prompt": "a", "family": "f"}, {"prompt": "b", "family": "f"},
+                                                  {"prompt": "a", "family": "f"}, {"prompt": "c"}])]
+    assert kinds == ["first", "variant", "repeat", "first"]
+    work = traffic.build_workload(families=2, variants=3, repeated=2, repeat_times=3)
+    assert len(work) == 2 * 3 + 2 * 3 and {r["kind"] for r in work} == set(traffic.KINDS)
+    bench = set(load_prompts("mt-bench"))
+    assert not any(r["prompt"] in bench for r in work)
+    (tmp_path / "w.jsonl").write_text('{"prompt": "x"}\n\n{"prompt": "x"}\n')
+    assert [r["kind"] for r in traffic.load_workload(tmp_path / "w.jsonl")] == ["first", "repeat"]
+    (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n')
+    with pytest.raises(ValueError, match="prompt"):
+        traffic.load_workload(tmp_path / "bad.jsonl")
+    records = [{"kind": "first", "tokens": 10, "seconds": 2.0, "decode_seconds": 1.0, "tau": 1.0},
+               {"kind": "repeat", "tokens": 10, "seconds": 1.0, "decode_seconds": 0.5, "tau": 5.0}]
+    s = traffic.summarise(records)
+    assert s["first"]["tokens_per_s"] == 5.0 and s["repeat"]["decode_tokens_per_s"] == 18.0
+    assert s["later"]["requests"] == 1 and s["all"]["tokens_per_s"] == round(20 / 3, 2)
+    med = {"median": 1.0, "runs": [1.0]}
+    result = {"model": "m", "config": {"max_tokens": 8, "passes": 1}, "hardware": {"line": "cpu"}, "lossless": True,
+              "search_latency": None,
+              "summary": {m: {"repeat": {"tokens_per_s": {"median": v, "runs": [v]},
+                                         "decode_tokens_per_s": {"median": 2 * v, "runs": [2 * v]},
+                                         "tau": med, "requests": 1}}
+                          for m, v in (("learn-on", 30.0), ("learn-off", 20.0), ("no-speculation", 10.0))}}
+    table = traffic.markdown_table(result)
+    assert "| repeat | 1 | 30.0, 60.0, 1.00 |" in table and "| 1.00× | 3.00× | 3.00× |" in table
