@@ -40,6 +40,7 @@ from ngram_service import _native
 from ngram_service.cache import create_once, default_trie_path
 from ngram_service.convert import convert_reference_trie
 from ngram_service.corpus import NAMED_CORPORA, iter_corpus, iter_files
+from ngram_service.live import SnapshotMismatch, read_snapshot
 from ngram_service.reference_format import read_levels, reduce_levels, write_reference_levels
 from ngram_service.tokenizer import TrieTokenizer, load_trie_tokenizer, resolve_model
 from ngram_service.trie import NgramTrie, pack_ragged, write_checksums
@@ -396,8 +397,6 @@ def snapshot_documents(paths: Sequence[str | os.PathLike[str]], tokenizer: TrieT
     Raises:
         FileNotFoundError: a missing file; CorruptSnapshot: a file that is not a sound snapshot;
         SnapshotMismatch: a snapshot written for another tokenizer (vocabulary hash)."""
-    from ngram_service.live import SnapshotMismatch, read_snapshot
-
     docs, tokens = [], 0
     for path in paths:
         snap = read_snapshot(path)
