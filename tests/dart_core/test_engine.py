@@ -495,13 +495,25 @@ def test_lookup_steps_keep_output_exact_and_get_accepted(arch):
     assert not any(s.lookup for s in without.generate_stream(prompts, sp))
 
 
-def test_lookup_steps_sample_the_target_distribution():
-    """Sampling through lookup steps: the second and third tokens (drafted by a chain from the
-    prompt, x1 from the prefill) follow their exact marginals under the target (chi-square)."""
+@pytest.mark.parametrize("source", ["context", "live corpus"])
+def test_lookup_steps_sample_the_target_distribution(source):
+    """Sampling through lookup steps: the second and third tokens (x1 from the prefill) follow their
+    exact marginals under the target (chi-square), whether the chain comes from the prompt, which
+    repeats itself, or from the live corpus (in process: whatever x1 the prefill samples, the
+    corpus holds the prompt's end and x1 followed by two tokens)."""
+    from ngram_service.live import LiveCorpus
+
     target = tiny_target("llama", seed=11)
-    prompt = [5, 17, 42, 9, 5, 17, 42, 9, 5]
+    live = None
+    if source == "context":
+        prompt = [5, 17, 42, 9, 5, 17, 42, 9, 5]
+    else:
+        prompt = [5, 17, 42, 9, 61, 3, 88]
+        rng = np.random.default_rng(3)
+        live = LiveCorpus(max_tokens=1 << 12)
+        live.add([prompt[-3:] + [t] + rng.integers(0, 96, size=2).tolist() for t in range(96)])
     p2, p3 = _marginals_of_tokens_2_and_3(target, prompt, SamplingParams(temperature=0.6))
-    engine = DartEngine(target, random_head(target), InProcessTreeSearch(None),
+    engine = DartEngine(target, random_head(target), InProcessTreeSearch(None, live=live),
                         SearchParams(top_k=4, beam_width=2, budget=8, context_weight=1.0), budget=_AlwaysLookup(2),
                         context_order=3)
     n = 3000
@@ -515,35 +527,6 @@ def test_lookup_steps_sample_the_target_distribution():
             draws[sid, filled[sid]:filled[sid] + len(toks)] = toks
             filled[sid] += len(toks)
     assert first_step is not None and first_step.lookup  # x2, x3 were drafted by the chains
-    _assert_columns_follow(draws, p2, p3)
-
-
-def test_sampling_with_a_live_corpus_follows_the_target_distribution():
-    """Sampling with the live corpus drafting (in process): whatever x1 the prefill samples, the
-    corpus holds the prompt's end and x1 followed by two tokens, which lookup steps verify; x2 and
-    x3 still follow their exact marginals under the target (chi-square)."""
-    from ngram_service.live import LiveCorpus
-
-    target = tiny_target("llama", seed=11)
-    prompt = [5, 17, 42, 9, 61, 3, 88]
-    p2, p3 = _marginals_of_tokens_2_and_3(target, prompt, SamplingParams(temperature=0.6))
-    rng = np.random.default_rng(3)
-    live = LiveCorpus(max_tokens=1 << 12)
-    live.add([prompt[-3:] + [t] + rng.integers(0, 96, size=2).tolist() for t in range(96)])
-    engine = DartEngine(target, random_head(target), InProcessTreeSearch(None, live=live),
-                        SearchParams(top_k=4, beam_width=2, budget=8, context_weight=1.0), budget=_AlwaysLookup(2),
-                        context_order=3)
-    n = 3000
-    first_step = None
-    draws = np.zeros((n, 3), dtype=np.int64)
-    filled = np.zeros(n, dtype=np.int64)
-    for s in engine.generate_stream([prompt] * n, SamplingParams(temperature=0.6, max_new_tokens=3, seed=2)):
-        if first_step is None and any(s.accepted_lengths):
-            first_step = s
-        for sid, toks in zip(s.seq_ids, s.new_tokens):
-            draws[sid, filled[sid]:filled[sid] + len(toks)] = toks
-            filled[sid] += len(toks)
-    assert first_step is not None and first_step.lookup  # x2, x3 were drafted by the live corpus's chains
     _assert_columns_follow(draws, p2, p3)
 
 
