@@ -34,6 +34,9 @@ REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
 PAGE = REPO / "BENCHMARKS.md"
 START, END = "<!-- study:start -->", "<!-- study:end -->"
+#: the study whose repetitive-traffic run the page summarises, and its command
+TRAFFIC_RUN = "live_corpus_served"
+TRAFFIC_CMD = "python -m dart_core.bench.traffic --serve --out bench/results/live_corpus_served"
 MAX_LINES = 250  # the page stays a page a reader uses
 _CMD = "python -m dart_core.bench.page"
 #: the methods of the decoding summary: the baseline and the two DART methods the defaults can run
@@ -146,6 +149,14 @@ def _serving_summary(results: Path) -> list[str]:
     return lines
 
 
+def _traffic_summary(results: Path) -> list[str]:
+    """The last repetitive-traffic run (``live_corpus_served``): the live corpus, learning on and off."""
+    from dart_core.bench import traffic
+
+    run = json.loads((results / TRAFFIC_RUN / "traffic.json").read_text())
+    return traffic.markdown_table(run).split("\n")
+
+
 def render_page(results: Path = RESULTS, page: Path = PAGE) -> str:
     """BENCHMARKS.md, whole.
 
@@ -167,16 +178,24 @@ def render_page(results: Path = RESULTS, page: Path = PAGE) -> str:
              "## Headline", "", *table, "",
              f"## {report['area']}", "",
              f"The last `{report['command']}` run ({_link(report, page, results)}: every method, the plots).", "",
-             *_decoding_summary(results), "",
-             "## Serving (CPU)", "", *_serving_summary(results), ""]
-    for area in areas:
+             *_decoding_summary(results), ""]
+
+    def area_table(area: str, heading: str) -> list[str]:
         own = [s for s in studies if s["area"] == area and s["folder"] != "report"]
         if not own:
-            continue
-        lines += [f"## {area}" if area != report["area"] else "### Other studies of this area", "",
-                  "| study | question | answer |", "|---|---|---|"]
-        lines += [f"| {_link(s, page, results)} | {_cell(s['question'])} | {_cell(s['answer'])} |" for s in own]
-        lines.append("")
+            return []
+        return [heading, "", "| study | question | answer |", "|---|---|---|",
+                *(f"| {_link(s, page, results)} | {_cell(s['question'])} | {_cell(s['answer'])} |" for s in own), ""]
+
+    lines += area_table(report["area"], "### Other studies of this area")
+    lines += ["## Serving (CPU)", "", *_serving_summary(results), "",
+              "## Repetitive traffic (CPU, served)", "",
+              f"The n-gram service's live corpus on templated requests and exact repeats "
+              f"([{TRAFFIC_RUN}]({rel}/{TRAFFIC_RUN}/README.md)): `{TRAFFIC_CMD}`.", "",
+              *_traffic_summary(results), ""]
+    for area in areas:
+        if area != report["area"]:
+            lines += area_table(area, f"## {area}")
     lines += ["## Index of studies", "", "| study | title | area | commit | command |", "|---|---|---|---|---|"]
     lines += [f"| {_link(s, page, results)} | {_cell(s['title'])} | {s['area']} | {_cell(s['commit'])} | "
               f"`{_cell(s['command'])}` |" for s in sorted(studies, key=lambda s: s["folder"])]
