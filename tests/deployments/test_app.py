@@ -666,10 +666,18 @@ def test_admin_routes_add_a_corpus_and_swap_the_trie(app, tmp_path):
     for path in (tmp_path / "missing.trie", tmp_path / "junk.trie"):
         r = httpx.post(f"{HTTP}/admin/trie", json={"path": str(path)}, headers=admin, timeout=60)
         assert r.status_code == 400 and "old one is served on" in r.json()["error"]["message"], r.text
-    r = httpx.post(f"{HTTP}/admin/trie", json={"path": app["ngram"]["trie"]}, headers=admin, timeout=60)
-    assert r.status_code == 200 and r.json()["order"] == 3, r.text
-    done = client().chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
-    assert done.usage.completion_tokens == 4
+    # swaps while requests stream: none fails, every answer is whole
+    def ask(i: int) -> int:
+        return client().chat.completions.create(model=NAME, messages=[{"role": "user", "content": f"count {i}"}],
+                                                max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+                                                ).usage.completion_tokens
+
+    with cf.ThreadPoolExecutor(4) as pool:
+        answers = [pool.submit(ask, i) for i in range(12)]
+        for _ in range(5):
+            r = httpx.post(f"{HTTP}/admin/trie", json={"path": app["ngram"]["trie"]}, headers=admin, timeout=60)
+            assert r.status_code == 200 and r.json()["order"] == 3, r.text
+        assert [a.result(timeout=120) for a in answers] == [12] * 12
     with grpc.insecure_channel("127.0.0.1:9000") as channel:
         stub = dart_pb2_grpc.DartGenerationStub(channel)
         meta = (("application", "dart"),)
