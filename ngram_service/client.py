@@ -36,7 +36,7 @@ from ngram_service.trie import NgramTrie
 logger = logging.getLogger(__name__)
 
 __all__ = ["TreeSearchClient", "InProcessTreeSearch", "GrpcTreeSearch", "LearnSender", "MAX_CONTEXT_TAIL",
-           "usable_cpus"]
+           "usable_cpus", "write_chains", "read_chains"]
 
 #: Context tokens sent per sequence before the service's trie order is known (orders go up to 6).
 MAX_CONTEXT_TAIL = 8
@@ -169,20 +169,45 @@ def _answer(response: ngram_pb2.TreeSearchResponse, batch: int, padded: bool) ->
 
 
 def _live_chains(response: ngram_pb2.TreeSearchResponse, batch: int) -> tuple[ContextChain, ...]:
-    """The live-corpus continuations of a TreeSearch answer, one per sequence, checked.
+    """The live-corpus continuations of a TreeSearch answer, one per sequence, checked
+    (:func:`read_chains`; raises ValueError)."""
+    return tuple(read_chains(response, "live", batch)[0])
+
+
+def write_chains(message, prefix: str, chains: Sequence[ContextChain | None], max_len: int | None = None) -> None:
+    """Puts chains into a message's four chain fields, ``<prefix>_lengths``, ``_tokens``, ``_probs``
+    and ``_match_lengths`` (a TreeSearchRequest's ``chain_*``, a TreeSearchResponse's ``live_*``):
+    each chain's first ``max_len`` tokens (None: all), a None chain as an empty one."""
+    chains = [ContextChain.empty() if c is None else c for c in chains]
+    tokens = [c.tokens[:max_len] for c in chains]
+    getattr(message, f"{prefix}_lengths").extend([len(t) for t in tokens])
+    getattr(message, f"{prefix}_match_lengths").extend([int(c.match_length) for c in chains])
+    if any(len(t) for t in tokens):
+        getattr(message, f"{prefix}_tokens").extend(np.concatenate(tokens).tolist())
+        getattr(message, f"{prefix}_probs").extend(
+            np.concatenate([np.asarray(c.probs[:max_len], np.float32) for c in chains]).tolist())
+
+
+def read_chains(message, prefix: str, batch: int) -> tuple[list[ContextChain], np.ndarray, np.ndarray]:
+    """The chains :func:`write_chains` put into a message, one per sequence, with the flat token
+    [sum L] int64 and probability [sum L] float32 arrays they are views of (for further checks).
+    Absent match lengths read as 0 (a sender that predates them).
 
     Raises:
-        ValueError: not one per sequence, or lengths that do not add up to the tokens."""
-    lengths = np.asarray(response.live_lengths, dtype=np.int64)
-    tokens = np.asarray(response.live_tokens, dtype=np.int64)
-    probs = np.asarray(response.live_probs, dtype=np.float32)
-    if (len(lengths) != batch or len(response.live_match_lengths) != batch or np.any(lengths < 0)
-            or int(lengths.sum()) != tokens.size or probs.size != tokens.size):
-        raise ValueError(f"live continuations of {len(lengths)} sequences and {tokens.size} tokens do not fit "
-                         f"a batch of {batch}")
+        ValueError: not one chain per sequence, or lengths that do not add up to the tokens and
+            probabilities."""
+    lengths = np.asarray(getattr(message, f"{prefix}_lengths"), dtype=np.int64)
+    tokens = np.asarray(getattr(message, f"{prefix}_tokens"), dtype=np.int64)
+    probs = np.asarray(getattr(message, f"{prefix}_probs"), dtype=np.float32)
+    matched = list(getattr(message, f"{prefix}_match_lengths")) or [0] * batch
+    if len(lengths) != batch or len(matched) != batch:
+        raise ValueError(f"{prefix}_lengths and {prefix}_match_lengths need one entry per sequence of the batch "
+                         f"of {batch}, not {len(lengths)} and {len(matched)}")
+    if np.any(lengths < 0) or int(lengths.sum()) != tokens.size or probs.size != tokens.size:
+        raise ValueError(f"{prefix}_tokens and {prefix}_probs must hold sum({prefix}_lengths) values")
     ends = np.cumsum(lengths)
-    return tuple(ContextChain(tokens[e - n:e], probs[e - n:e], int(m))
-                 for e, n, m in zip(ends, lengths, response.live_match_lengths))
+    return ([ContextChain(tokens[e - n:e], probs[e - n:e], int(m)) for e, n, m in zip(ends, lengths, matched)],
+            tokens, probs)
 
 
 _CHANNEL_OPTIONS = [
@@ -332,11 +357,7 @@ class GrpcTreeSearch(TreeSearchClient):
             context_lengths=[len(c) for c in contexts], vocab_hash=self.vocab_hash,
             params=ngram_pb2.SearchOverrides(**{f: getattr(params, f) for f in OVERRIDE_FIELDS}))
         if chains is not None and params.context_weight > 0:
-            present = [c for c in chains if c is not None]
-            request.chain_lengths.extend([0 if c is None else len(c.tokens) for c in chains])
-            request.chain_tokens.extend(int(t) for c in present for t in c.tokens)
-            request.chain_probs.extend(float(p) for c in present for p in c.probs)
-            request.chain_match_lengths.extend([0 if c is None else int(c.match_length) for c in chains])
+            write_chains(request, "chain", chains)
         return request
 
     def search(self, topk_ids: np.ndarray, topk_probs: np.ndarray, contexts: Sequence[np.ndarray],

@@ -40,7 +40,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ngram_service._proto import ngram_pb2, ngram_pb2_grpc
-from ngram_service.client import OVERRIDE_FIELDS, usable_cpus
+from ngram_service.client import OVERRIDE_FIELDS, read_chains, usable_cpus, write_chains
 from ngram_service.live import CorruptSnapshot, LiveCorpus, prefer_longer_match
 from ngram_service.tree_search import ContextChain, SearchParams, search_tree_batch, search_trees
 from ngram_service.trie import NgramTrie, TrieInfo
@@ -132,20 +132,15 @@ class _Servicer(ngram_pb2_grpc.NgramTreeSearchServicer):
         """The request's context continuations (None when it sends none)."""
         if not request.chain_lengths and not request.chain_tokens:
             return None
-        lengths = np.asarray(request.chain_lengths, dtype=np.int64)
-        _require(len(lengths) == batch, f"chain_lengths has {len(lengths)} entries for batch {batch}")
-        _require(bool(np.all(lengths >= 0)) and int(lengths.sum()) == len(request.chain_tokens) ==
-                 len(request.chain_probs), "chain_tokens and chain_probs must hold sum(chain_lengths) values")
-        _require(int(lengths.max(initial=0)) <= self.limits.max_depth,
+        try:
+            chains, tokens, probs = read_chains(request, "chain", batch)
+        except ValueError as e:
+            raise _InvalidArgument(str(e)) from None
+        _require(max((len(c.tokens) for c in chains), default=0) <= self.limits.max_depth,
                  f"a chain is longer than the depth limit of {self.limits.max_depth}")
-        tokens = np.asarray(request.chain_tokens, dtype=np.int64)
         self._check_ids(tokens, "chain_tokens")
-        probs = np.asarray(request.chain_probs, dtype=np.float32)
         _require(bool(np.all((probs >= 0) & (probs <= 1))), "chain_probs must lie in [0, 1]")
-        ends = np.cumsum(lengths)
-        matched = list(request.chain_match_lengths) or [0] * batch
-        _require(len(matched) == batch, f"chain_match_lengths has {len(matched)} entries for batch {batch}")
-        return [ContextChain(tokens[e - n:e], probs[e - n:e], int(m)) for e, n, m in zip(ends, lengths, matched)]
+        return chains
 
     def _params(self, overrides) -> SearchParams:
         changes = {f: getattr(overrides, f) for f in OVERRIDE_FIELDS if overrides.HasField(f)}
@@ -223,12 +218,7 @@ class _Servicer(ngram_pb2_grpc.NgramTreeSearchServicer):
                        for t in trees],
                 search_ms=search_ms)
         if hint and live is not None:
-            found = [c for c in live if len(c.tokens)]
-            response.live_lengths.extend([min(len(c.tokens), hint) for c in live])
-            response.live_match_lengths.extend([c.match_length for c in live])
-            if found:
-                response.live_tokens.extend(np.concatenate([c.tokens[:hint] for c in found]).tolist())
-                response.live_probs.extend(np.concatenate([c.probs[:hint] for c in found]).tolist())
+            write_chains(response, "live", live, hint)
         return response
 
     async def Lookup(self, request, context):
