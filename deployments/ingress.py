@@ -517,6 +517,13 @@ def compare_page() -> str:
     return resources.files("deployments").joinpath("static", "compare.html").read_text(encoding="utf-8")
 
 
+def _bearer_is(authorization: str | None, key: str) -> bool:
+    """Whether ``authorization`` (an HTTP header's or a gRPC metadata value, ``Bearer <key>``)
+    carries ``key``, compared in constant time."""
+    token = (authorization or "").removeprefix("Bearer ").strip()
+    return hmac.compare_digest(token.encode(), key.encode())
+
+
 def _running_replicas(status, app_name: str, deployment: str) -> int:
     """Replicas of ``deployment`` in ``app_name`` that are RUNNING in a ``serve.status()`` snapshot."""
     app = status.applications.get(app_name)
@@ -543,12 +550,9 @@ class OpenAIIngress:
         return self.name
 
     def _key_ok(self, authorization: str | None) -> bool:
-        """Whether ``authorization`` (an HTTP header's or a gRPC metadata value, ``Bearer <key>``)
-        carries the API key, compared in constant time; True when no key is set (open access)."""
-        if self.api_key is None:
-            return True
-        token = (authorization or "").removeprefix("Bearer ").strip()
-        return hmac.compare_digest(token.encode(), self.api_key.encode())
+        """Whether ``authorization`` carries the API key (:func:`_bearer_is`); True when no key is set
+        (open access)."""
+        return self.api_key is None or _bearer_is(authorization, self.api_key)
 
     def _check_key(self, authorization: str | None) -> None:
         if not self._key_ok(authorization):
@@ -560,8 +564,7 @@ class OpenAIIngress:
         if self.admin_key is None:
             raise APIError(403, f"the admin routes are off: set ${self.cfg.admin_key_env} where the application "
                                 "runs", "permission_error")
-        token = (authorization or "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(token.encode(), self.admin_key.encode()):
+        if not _bearer_is(authorization, self.admin_key):
             raise APIError(401, "missing or wrong admin key (Authorization: Bearer <admin key>)",
                            "authentication_error")
 
