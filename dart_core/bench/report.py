@@ -57,11 +57,11 @@ PRESETS = {"full": Preset(4, 128, 2, (1, 4, 8, 16, 64), 2, 64, 3),
 
 @contextmanager
 def launch_app(head: str | None, *, port: int = 8000, timeout_s: float = 900.0,
-               log: Path | None = None, args: dict | None = None) -> Iterator[str]:
-    """``serve run`` of ``deployments/dart.yaml`` with the given head (and ``args``
-    overriding the application's other ``args:``, e.g. ``{"context_weight": 0}``);
-    yields the OpenAI base URL once a chat completion succeeds and stops the app
-    (and its local Ray) on exit.
+               log: Path | None = None, args: dict | None = None, config: str | Path | None = None) -> Iterator[str]:
+    """``serve run`` of ``config`` (default ``deployments/dart.yaml``) with the given head (and
+    ``args`` overriding the application's other ``args:``, e.g. ``{"context_weight": 0}``);
+    yields the OpenAI base URL once a chat completion succeeds (one that the live corpus does not
+    learn) and stops the app (and its local Ray) on exit.
 
     Raises:
         RuntimeError: the app did not answer within ``timeout_s`` (the tail of its log is in the message).
@@ -69,7 +69,7 @@ def launch_app(head: str | None, *, port: int = 8000, timeout_s: float = 900.0,
     import yaml
 
     log = log or Path(tempfile.gettempdir()) / "dart-bench-serve.log"
-    cfg = yaml.safe_load((REPO / "deployments" / "dart.yaml").read_text())
+    cfg = yaml.safe_load(Path(config or REPO / "deployments" / "dart.yaml").read_text())
     cfg["http_options"]["port"] = port
     if head:
         cfg["applications"][0]["args"]["head"] = str(Path(head).resolve())
@@ -105,7 +105,7 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> bool:
             with urllib.request.urlopen(f"{url}/models", timeout=5) as r:
                 model = json.load(r)["data"][0]["id"]
             body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}],
-                               "max_tokens": 2}).encode()
+                               "max_tokens": 2, "learn": False}).encode()
             req = urllib.request.Request(f"{url}/chat/completions", body, {"content-type": "application/json"})
             with urllib.request.urlopen(req, timeout=120) as r:
                 if r.status == 200:

@@ -42,13 +42,14 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Iterator
+from urllib.parse import urlparse
 
 __all__ = ["TrafficConfig", "MODES", "KINDS", "TEMPLATES", "build_workload", "classify", "load_workload",
            "run_traffic", "summarise", "markdown_table", "save"]
@@ -216,49 +217,26 @@ def summarise(records: list[dict]) -> dict:
     return out
 
 
-class _Server:
-    """``serve run`` of ``config`` with ``ngram.learn`` set, in its own process group; stopped on exit."""
+@contextmanager
+def _app(cfg: TrafficConfig, learn: bool) -> Iterator[None]:
+    """With ``cfg.serve``, a fresh ``serve run`` of ``cfg.config`` with ``ngram.learn`` set
+    (:func:`~dart_core.bench.report.launch_app`: up once a request succeeds, stopped with its local
+    Ray on exit; the log in the temporary folder); without it, the app at ``cfg.url`` as it is.
 
-    def __init__(self, config: str, learn: bool, url: str, log: Path) -> None:
-        import yaml
+    Raises:
+        RuntimeError: the app did not come up within ten minutes."""
+    if not cfg.serve:
+        yield
+        return
+    import yaml
 
-        doc = yaml.safe_load(Path(config).read_text())
-        doc["applications"][0]["args"].setdefault("ngram", {})["learn"] = learn
-        self.file = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="dart-traffic-", delete=False)
-        yaml.safe_dump(doc, self.file)
-        self.file.close()
-        self.url, self.log = url, open(log, "a")
-        self.proc = subprocess.Popen(["serve", "run", self.file.name], stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+    from dart_core.bench.report import launch_app
 
-    def wait(self, client, timeout_s: float = 600.0) -> str:
-        """The served model's name once a request succeeds. Raises: RuntimeError after ``timeout_s``
-        or when ``serve run`` exits."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"serve run exited with {self.proc.returncode} (log: {self.log.name})")
-            try:
-                model = client.models.list().data[0].id
-                client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
-                                               max_tokens=2, extra_body={"learn": False})
-                return model
-            except Exception:  # noqa: BLE001 - not up yet
-                time.sleep(3)
-        raise RuntimeError(f"no answer from {self.url} within {timeout_s:.0f} s (log: {self.log.name})")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:  # `serve run` shuts the app down on SIGINT, but may then wait long
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        # the local Ray instance `serve run` started, with every replica
-        subprocess.run(["ray", "stop", "--force"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
-        os.unlink(self.file.name)
-        self.log.close()
+    ngram = yaml.safe_load(Path(cfg.config).read_text())["applications"][0]["args"].get("ngram") or {}
+    with launch_app(None, port=urlparse(cfg.url).port or 8000, timeout_s=600.0, config=cfg.config,
+                    log=Path(tempfile.gettempdir()) / "dart-traffic-serve.log",
+                    args={"ngram": {**ngram, "learn": learn}}):
+        yield
 
 
 def search_latency(cfg: TrafficConfig) -> dict:
@@ -337,7 +315,7 @@ def run_traffic(cfg: TrafficConfig, *, progress: bool = True) -> dict:
     "summary", "search_latency", "lossless", "seconds"}``.
 
     Raises:
-        ValueError: an unknown mode, or bad workload settings.
+        ValueError: an unknown mode, passes below 1, or bad workload settings.
         ConnectionError: without ``serve``, no server answers at ``cfg.url``.
         RuntimeError: with ``serve``, a server that does not come up.
     """
@@ -348,22 +326,22 @@ def run_traffic(cfg: TrafficConfig, *, progress: bool = True) -> dict:
 
     if set(cfg.modes) - set(MODES) or not cfg.modes:
         raise ValueError(f"modes must be among {', '.join(MODES)}")
+    if cfg.passes < 1:
+        raise ValueError("passes must be >= 1")
     started = time.perf_counter()
     workload = load_workload(cfg.workload, cfg.limit) if cfg.workload else build_workload(
         cfg.families, cfg.variants, cfg.repeated, cfg.repeat_times, cfg.seed)
     key = cfg.api_key or os.environ.get("DART_API_KEY") or "unused"
     client = OpenAI(base_url=cfg.url, api_key=key, max_retries=0, timeout=cfg.timeout_s)
-    model = cfg.model
     if not cfg.serve:
         try:
-            model = model or client.models.list().data[0].id
+            client.models.list()
         except APIConnectionError:
             raise ConnectionError(f"no dart-serve app answers at {cfg.url} (start one: serve run "
                                   f"deployments/dart.yaml, or pass --serve)") from None
     bar = tqdm(total=cfg.passes * len(cfg.modes) * len(workload), desc="traffic benchmark", unit="request",
                disable=not progress)
     passes = []
-    log = Path(tempfile.gettempdir()) / "dart-traffic-serve.log"
     for p in range(cfg.passes):
         runs = {}
         groups = [[m for m in ("learn-on", "no-speculation") if m in cfg.modes],
@@ -373,17 +351,12 @@ def run_traffic(cfg: TrafficConfig, *, progress: bool = True) -> dict:
         for group in groups:
             if not group:
                 continue
-            server = _Server(cfg.config, group[0] != "learn-off", cfg.url, log) if cfg.serve else None
-            try:
-                name = server.wait(client) if server else model
-                if server is not None:
-                    _warm_up(client, cfg.model or name, cfg)
+            with _app(cfg, learn=group[0] != "learn-off"):
+                model = cfg.model or client.models.list().data[0].id
+                if cfg.serve:
+                    _warm_up(client, model, cfg)
                 for mode in group:
-                    runs[mode] = run_mode(client, cfg.model or name, workload, cfg, mode, bar)
-            finally:
-                if server is not None:
-                    server.stop()
-            model = cfg.model or name
+                    runs[mode] = run_mode(client, model, workload, cfg, mode, bar)
         passes.append(runs)
     bar.close()
     texts = [[r["text"] for r in runs[m]] for runs in passes for m in runs]

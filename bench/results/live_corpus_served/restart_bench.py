@@ -12,16 +12,16 @@ text must equal its first answer.
 
 import json
 import os
-import time
-import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import yaml
 from openai import OpenAI
 
 from dart_core.bench import traffic
+from dart_core.bench.report import launch_app
 from dart_core.bench.tune_context import tuning_conversations
 
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 6
@@ -30,26 +30,19 @@ cfg = traffic.TrafficConfig(serve=True)
 prompts = [c[0]["content"][:1500] for c in tuning_conversations(n, seed=7)]
 client = OpenAI(base_url=cfg.url, api_key="unused", max_retries=0, timeout=cfg.timeout_s)
 log = Path(tempfile.gettempdir()) / "dart-restart-serve.log"
+ngram = yaml.safe_load(Path(cfg.config).read_text())["applications"][0]["args"]["ngram"]
 
 
-def serve(config_update: dict, learn: bool):
-    doc = yaml.safe_load(Path(cfg.config).read_text())
-    doc["applications"][0]["args"]["ngram"].update(config_update)
-    path = Path(tempfile.mkdtemp()) / "dart.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return traffic._Server(str(path), learn, cfg.url, log)
-
-
-def answer(server, learn: bool):
-    model = server.wait(client)
+def answer(learn: bool):
+    model = client.models.list().data[0].id
     traffic._warm_up(client, model, cfg)
-    return [traffic._request(client, model, p, cfg, speculative=True, learn=learn) for p in prompts]
+    return [traffic._request(client, model, p, cfg, speculative=True, learn=learn) | {"kind": "first"}
+            for p in prompts]
 
 
 def summary(records):
-    taus = [r["tau"] for r in records if r["tau"] is not None]
-    return {"tau": round(statistics.mean(taus), 3),
-            "decode_tokens_per_s": round(sum(r["tokens"] - 1 for r in records) / sum(r["decode_seconds"] for r in records), 1)}
+    s = traffic.summarise(records)["all"]
+    return {"tau": s["tau"], "decode_tokens_per_s": round(s["decode_tokens_per_s"], 1)}
 
 
 for p in range(passes):
@@ -58,13 +51,10 @@ for p in range(passes):
     for name, update, learn in (("first", {"learn_snapshot": snap}, True),
                                 ("after restart", {"learn_snapshot": snap}, True),
                                 ("learning off", {"learn": False}, False)):
-        server = serve(update, learn)
-        try:
-            runs[name] = answer(server, learn)
+        with launch_app(None, timeout_s=600.0, log=log, args={"ngram": {**ngram, **update}}):
+            runs[name] = answer(learn)
             if name == "first":
                 time.sleep(65)
-        finally:
-            server.stop()
     assert [r["text"] for r in runs["after restart"]] == [r["text"] for r in runs["first"]]
     print(json.dumps({"pass": p, "snapshot_bytes": os.path.getsize(snap)} | {k: summary(v) for k, v in runs.items()}),
           flush=True)
