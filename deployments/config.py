@@ -156,6 +156,11 @@ class AppConfig(BaseModel):
                                                             "allows (default: the engine's, true)")
     fold_width: int | None = Field(None, ge=0, description="held draft-head inputs past this many positions are folded "
                                                            "into the head's KV cache (default: the engine's)")
+    prefix_cache_tokens: int = Field(8192, ge=0, description="prompts' KV entries kept by each engine replica, in "
+                                                             "positions (least recently used evicted first): a "
+                                                             "prompt that starts like an earlier one prefills only "
+                                                             "the rest; requests with \"learn\": false are not "
+                                                             "stored; 0 = off (docs/serving.md, 'Prefix cache')")
     ngram: NgramConfig = Field(default_factory=NgramConfig)
 
     @model_validator(mode="after")

@@ -15,15 +15,16 @@ Modes, per pass:
 
 - ``learn-on``: DART with the deployment's live corpus learning (``ngram.learn: true``);
 - ``learn-off``: DART without one (``ngram.learn: false``);
-- ``no-speculation``: the same requests with ``"speculative": false`` (and ``"learn": false``).
+- ``no-speculation``: the same requests with ``"speculative": false``.
 
-With ``--serve`` the benchmark starts ``serve run`` itself for every pass and setting, from
-``--config`` (deployments/dart.yaml) with ``ngram.learn`` set, so each pass's learn-on run starts
-from an empty corpus; the two servers' order alternates from pass to pass, and no-speculation runs
-on the learn-on server after DART; a new server first decodes two fixed warm-up prompts
-(:data:`WARM_UP`, learning nothing).  Without ``--serve`` it talks to the server at ``--url`` as it
-is: ``learn-off`` then only opts each request out (``"learn": false``), and what the corpus held
-before stays.
+With ``--serve`` the benchmark starts ``serve run`` itself for every pass and mode, from
+``--config`` (deployments/dart.yaml) with ``ngram.learn`` on for learn-on and off for the other
+two, so each mode starts from an empty live corpus and an empty prefix cache (the engine's cache
+of prompts' KV entries, ``prefix_cache_tokens``), which every request may fill; the servers' order
+rotates from pass to pass, and a new server first decodes two fixed warm-up prompts
+(:data:`WARM_UP`, learning and caching nothing).  Without ``--serve`` it talks to the server at
+``--url`` as it is: ``learn-off`` and ``no-speculation`` then opt each request out (``"learn":
+false``: nothing learned, no prompt cached), and what the corpus and cache held before stays.
 
 Reported per mode and class: output tokens/s (tokens ÷ seconds from sending each request to its
 last chunk, summed over the class's requests) and mean τ (the server's per-request
@@ -178,7 +179,10 @@ def run_mode(client, model: str, workload: list[dict], cfg: TrafficConfig, mode:
     """Every request of the workload in order through ``mode``; one record per request."""
     out = []
     for r in workload:
-        rec = _request(client, model, r["prompt"], cfg, speculative=mode != "no-speculation", learn=mode == "learn-on")
+        # a server of its own per mode (--serve): every request may learn and be prefix-cached, the
+        # server's ngram.learn deciding the live corpus; a shared server: only learn-on's requests
+        rec = _request(client, model, r["prompt"], cfg, speculative=mode != "no-speculation",
+                       learn=mode == "learn-on" or cfg.serve)
         out.append(rec | {"kind": r["kind"]})
         if bar is not None:
             bar.update()
@@ -344,14 +348,11 @@ def run_traffic(cfg: TrafficConfig, *, progress: bool = True) -> dict:
     passes = []
     for p in range(cfg.passes):
         runs = {}
-        groups = [[m for m in ("learn-on", "no-speculation") if m in cfg.modes],
-                  [m for m in ("learn-off",) if m in cfg.modes]]
-        if p % 2:
-            groups.reverse()
+        # with --serve each mode's own server (the order rotating by pass), else all on the one at --url
+        groups = [[m] for m in MODES if m in cfg.modes] if cfg.serve else [list(cfg.modes)]
+        groups = groups[p % len(groups):] + groups[:p % len(groups)]
         for group in groups:
-            if not group:
-                continue
-            with _app(cfg, learn=group[0] != "learn-off"):
+            with _app(cfg, learn=group[0] == "learn-on"):
                 model = cfg.model or client.models.list().data[0].id
                 if cfg.serve:
                     _warm_up(client, model, cfg)

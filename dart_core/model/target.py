@@ -64,6 +64,31 @@ class TargetCache:
         # the static verifier's pool that the layers are views of after its forwards (compacted in one pass)
         self.pool: KVPool | None = None
 
+    @classmethod
+    def with_prefixes(cls, prefixes: list, device) -> "TargetCache":
+        """A cache whose row b holds ``prefixes[b]``'s entries (a
+        :class:`~dart_core.model.prefix_cache.PrefixHit`: per layer keys and values [H_kv, n_b, D]),
+        or nothing for None: lengths [B] = n_b, the rows zero-padded to the longest.  What
+        :meth:`TargetModel.prefill` continues from."""
+        cache = cls(len(prefixes), device)
+        hits = [h for h in prefixes if h is not None and h.length]
+        if not hits:
+            return cache
+        t = max(h.length for h in hits)
+        for i, (k0, v0) in enumerate(zip(hits[0].keys, hits[0].values)):
+            kb, vb, _ = cache.cache.layer(i).reserve(len(prefixes), k0.shape[0], t, k0.shape[-1], v0.shape[-1],
+                                                     k0.dtype, device)
+            kb[:, :, :t].zero_()
+            vb[:, :, :t].zero_()
+            for b, h in enumerate(prefixes):
+                if h is not None and h.length:
+                    kb[b, :, :h.length] = h.keys[i]
+                    vb[b, :, :h.length] = h.values[i]
+            cache.cache.layer(i).commit(t)
+        cache.lengths = torch.tensor([h.length if h is not None else 0 for h in prefixes], dtype=torch.long,
+                                     device=device)
+        return cache
+
     @property
     def padded_length(self) -> int:
         return self.cache.get_seq_length()
@@ -345,12 +370,15 @@ class TargetModel:
         return TargetOutput(logits=logits.float(), taps=taps)
 
     def prefill(self, prompts: list[list[int]], cache: TargetCache, *, last_logits: bool = False) -> TargetOutput:
-        """Right-padded prompts [B, P]: causal within each prompt, padding masked.
+        """Right-padded prompts [B, P]: causal within each prompt, padding masked, each after its
+        row's cached entries (none for a new cache; a prefix cache's for
+        :meth:`TargetCache.with_prefixes`: ``prompts[b]`` is then what follows row b's prefix).
 
-        The cache then holds P entries per sequence, of which lengths[b] = len(prompts[b]) are valid.
+        The cache then holds lengths[b] + len(prompts[b]) valid entries per sequence (its rows
+        compacted when their prefixes differ in length), P past the longest prefix in all.
         ``last_logits``: the logits are [B, 1, V], each prompt's last position only (what decoding
         needs: the output layer over B rows instead of B · P, for SmolLM2 a 49,152-wide product per
-        prompt token); taps stay [B, P, 3H]. Otherwise [B, P, V].
+        prompt token); taps stay [B, P, 3H], the prompts' positions. Otherwise [B, P, V].
         With a packed target (:attr:`packed`) the linear layers compute the prompts' own tokens
         only (:func:`real_rows`; their results equal the padded forward's bit for bit), so a group
         of prompts of different lengths does not pay for its padding; the padding positions'
@@ -365,9 +393,13 @@ class TargetModel:
         idx = torch.arange(p, device=self.device)
         causal = (idx[None, None, :] <= idx[None, :, None]) & (idx[None, None, :] < lengths[:, None, None])
         causal = causal | torch.eye(p, dtype=torch.bool, device=self.device)[None]  # padded rows see themselves
-        mask = cache_mask(cache.lengths, cache.padded_length, causal, self.dtype)
+        t, start = cache.padded_length, cache.lengths
+        mask = cache_mask(start, t, causal, self.dtype)
         rows = padded_rows([len(x) for x in prompts], p, self.device) if self.packed else None
-        out = self.forward(ids, idx[None, :].expand(b, p), mask, cache, rows=rows,
+        out = self.forward(ids, start[:, None] + idx[None, :], mask, cache, rows=rows,
                            logit_index=lengths - 1 if last_logits else None)
-        cache.lengths = lengths
+        if t and bool((start < t).any()):  # a shorter prefix: its prompt's entries move up to it
+            cache.compact((t + idx)[None, :].expand(b, p), lengths)
+        else:
+            cache.lengths = start + lengths
         return out

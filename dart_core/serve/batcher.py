@@ -414,9 +414,13 @@ class ContinuousBatcher:
                     return
 
     def stats(self) -> dict:
-        """Running and queued requests, and decoding steps by mode."""
+        """Running and queued requests, decoding steps by mode, and the engine's prefix cache
+        (:meth:`PrefixCache.stats <dart_core.model.prefix_cache.PrefixCache.stats>`, keys prefixed
+        ``prefix_cache_``; none without one)."""
+        pc = self.engine.prefix_cache
         return {"running": self.running, "queued": self.queued, "speculative_steps": self.steps["speculative"],
-                "autoregressive_steps": self.steps["autoregressive"]}
+                "autoregressive_steps": self.steps["autoregressive"]} | (
+            {f"prefix_cache_{k}": v for k, v in pc.stats().items()} if pc is not None else {})
 
     # -- the engine thread ------------------------------------------------------------
 
@@ -477,7 +481,8 @@ class ContinuousBatcher:
             order.append(r)
             self.observer.on_admit(1e3 * (now - r.arrived), self.queued)
         self.running += len(reqs)
-        return [NewSequence(r.ids, r.sampling, r.speculative) for r in reqs]
+        # a request that opted out of learning leaves nothing behind: its prompt is not prefix-cached either
+        return [NewSequence(r.ids, r.sampling, r.speculative, cache_prefix=r.learn) for r in reqs]
 
     def _publish(self, step: StepOutput, by_seq: dict[int, _Request]) -> None:
         prefill = not any(step.accepted_lengths)

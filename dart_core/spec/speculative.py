@@ -50,13 +50,15 @@ class SpeculativeConfig:
     pooled_budget: bool = False  # one verification budget across the batch, padding not computed (CPU packed target)
     grammar_drafting: bool = True  # structured output: trees cut to what the grammar allows (False: as drafted)
     fold_width: int | None = FOLD_WIDTH  # held draft-head inputs folded past this many positions; None: held
+    prefix_cache_tokens: int = 0  # prompts' KV entries kept for prompts that start alike, positions (0: off)
 
     def __post_init__(self) -> None:
         if not (self.budget == "auto" or (isinstance(self.budget, int) and not isinstance(self.budget, bool)
                                           and self.budget >= 1)):
             raise ValueError(f"budget must be 'auto' or a positive int, got {self.budget!r}")
         for name, low, high in (("context_window", 1, None), ("context_order", 1, None), ("lookup_length", 0, None),
-                                ("gate_probe_every", 5, 1024), ("max_prefill_tokens", 1, None)):
+                                ("gate_probe_every", 5, 1024), ("max_prefill_tokens", 1, None),
+                                ("prefix_cache_tokens", 0, None)):
             value = getattr(self, name)
             if not isinstance(value, int) or value < low or (high is not None and value > high):
                 raise ValueError(f"{name} must be an int in {low}..{high or 'any'}, got {value!r}")
@@ -80,4 +82,4 @@ class SpeculativeConfig:
         return {"context_window": self.context_window, "context_order": self.context_order,
                 "lookup_length": self.lookup_length, "max_prefill_tokens": self.max_prefill_tokens,
                 "pooled_budget": self.pooled_budget, "grammar_drafting": self.grammar_drafting,
-                "fold_width": self.fold_width}
+                "fold_width": self.fold_width, "prefix_cache_tokens": self.prefix_cache_tokens}

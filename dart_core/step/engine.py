@@ -39,6 +39,7 @@ from dart_core.spec.draft_head import DartDraftHead
 from dart_core.spec.drafters import DartDrafter, DraftBatch, Drafter, DraftInputs, HeadState, NoDraft, Proposal, ProposalKind
 from dart_core.step.grammar import row_constraint
 from dart_core.model.kv_cache import cache_mask, pad_cat
+from dart_core.model.prefix_cache import PrefixCache
 from dart_core.model.rows import padded_rows
 from dart_core.step.sampling import SamplingParams, target_probs
 from dart_core.spec.speculative import FOLD_WIDTH
@@ -180,9 +181,12 @@ class DartEngine:
             a prefill returns [rows, length, vocabulary] logits and every layer's hidden states,
             so 512 prompts of up to 1,024 tokens prefilled at once would need ≈ 100 GB for
             SmolLM2's logits alone.  The groups keep the joining order; each is its own step.
+        prefix_cache_tokens: with more than 0, a :class:`~dart_core.model.prefix_cache.PrefixCache`
+            of prompts' KV entries and taps holding up to this many positions: a prompt that starts
+            like an earlier one prefills only the rest (:attr:`prefix_cache`).
 
     Raises:
-        ValueError: a negative ``lookup_length`` or a ``max_prefill_tokens`` under 1, a head of
+        ValueError: a negative ``lookup_length`` or ``prefix_cache_tokens``, a ``max_prefill_tokens`` under 1, a head of
             another hidden size or vocabulary than the target.
     """
 
@@ -191,7 +195,8 @@ class DartEngine:
                  budget: AdaptiveBudget | None = None, gate: SpeculationGate | None = None,
                  context_window: int = 1 << 16, context_order: int = 4, lookup_length: int = 24,
                  max_prefill_tokens: int = 8192, drafter: Drafter | None = None, pooled_budget: bool = False,
-                 grammar_drafting: bool = True, fold_width: int | None = FOLD_WIDTH) -> None:
+                 grammar_drafting: bool = True, fold_width: int | None = FOLD_WIDTH,
+                 prefix_cache_tokens: int = 0) -> None:
         self.target = target
         self.head = head
         if head is not None:
@@ -233,6 +238,9 @@ class DartEngine:
         self.context_window = context_window
         self.context_order = context_order
         self.max_prefill_tokens = max_prefill_tokens
+        # prompts' KV entries and taps kept after their prefill (None: off); what a NewSequence with
+        # cache_prefix False prompts is never stored
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
 
     # the tree search, its parameters, the adaptive budget and whether host reads are cheap are the engine's
     # and its default drafter's:
@@ -371,8 +379,24 @@ class DartEngine:
         target, device = self.target, self.target.device
         t0 = time.perf_counter()
         prompts = [list(map(int, x.prompt)) for x in joining]
-        cache = TargetCache(len(prompts), device)
-        out = target.prefill(prompts, cache, last_logits=True)  # logits [N, 1, V]: each prompt's last token
+        pc = self.prefix_cache
+        hits = [pc.lookup(p) for p in prompts] if pc is not None else [None] * len(prompts)
+        starts = [h.length if h is not None else 0 for h in hits]
+        cache = TargetCache.with_prefixes(hits, device)
+        # logits [N, 1, V]: each prompt's last token; the prefill computes what follows each stored prefix
+        out = target.prefill([p[s:] for p, s in zip(prompts, starts)], cache, last_logits=True)
+        taps = out.taps  # [N, P, 3H] over each prompt's positions
+        if any(starts):
+            taps = taps.new_zeros(len(prompts), max(map(len, prompts)), taps.shape[-1])
+            for b, (p, s, h) in enumerate(zip(prompts, starts, hits)):
+                if h is not None:
+                    taps[b, :s] = h.taps
+                taps[b, s:len(p)] = out.taps[b, :len(p) - s]
+        if pc is not None:
+            layers = cache.cache.layers
+            for b, (p, x) in enumerate(zip(prompts, joining)):
+                if x.cache_prefix:
+                    pc.store(p, [layer.keys[b] for layer in layers], [layer.values[b] for layer in layers], taps[b])
         gens = [torch.Generator().manual_seed(x.sampling.seed if x.sampling.seed is not None
                                               else int(torch.seed() % (1 << 63))) for x in joining]
         constraints = [row_constraint(x.sampling) for x in joining]
@@ -384,7 +408,7 @@ class DartEngine:
                                    for p, x in zip(prompts, joining)], constraints=constraints)
         if state.speculative:  # the prompt's positions feed the first draft (rows that opted out keep none)
             new.draft = self.drafter.new_state(len(prompts), device)
-            new.add_pending(out.taps, torch.arange(out.taps.shape[1], device=device)[None, :].expand(len(prompts), -1),
+            new.add_pending(taps, torch.arange(taps.shape[1], device=device)[None, :].expand(len(prompts), -1),
                             cache.lengths, [p[1:] + [f] for p, f in zip(prompts, first)])
             # the work the first draft would do, done now (the batch then holds one position per row)
             self.drafter.catch_up(new.draft, max(len(p) for p in prompts), prompt=True)
@@ -607,6 +631,7 @@ class NewSequence:
     prompt: Sequence[int]
     sampling: SamplingParams
     speculative: bool = True  # False: while this sequence runs, every step of the batch is autoregressive
+    cache_prefix: bool = True  # False: the prompt's entries are not kept in the engine's prefix cache
 
 
 def _rows():

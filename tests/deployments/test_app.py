@@ -478,6 +478,30 @@ def test_finished_requests_feed_the_live_corpus_unless_they_opt_out(app):
     assert learned(before + 1) == before + out.usage.completion_tokens + 1
 
 
+def test_repeated_prompts_prefill_from_the_prefix_cache_unless_they_opt_out(app, reference):
+    """The engine replica keeps prompts' KV entries (``prefix_cache_tokens``, on by default): a
+    repeated prompt reads all but its last block from the cache, with the reference's greedy text;
+    a request with ``"learn": false`` leaves nothing there, so the prompt's next request prefills
+    it whole (what it shares with earlier requests, the chat template's start, aside)."""
+    engine = serve.get_deployment_handle("DartEngine", app_name="dart")
+    msgs = [{"role": "user", "content": "Describe, step by step and with care, how a lighthouse keeper of the "
+                                        "northern coast prepared the lamp, the lens and the logbook each night "
+                                        "before the first ship of the season came past the headland."}]
+
+    def hit_tokens() -> int:
+        return engine.stats.remote().result()["prefix_cache_hit_tokens"]
+
+    counts = [hit_tokens()]
+    for learn in (False, True, True):
+        out = client().chat.completions.create(model=NAME, messages=msgs, max_tokens=8, temperature=0,
+                                               extra_body={"learn": learn})
+        assert out.choices[0].message.content == reference(msgs, 8)
+        counts.append(hit_tokens())
+    opted_out, first, repeat = (b - a for a, b in zip(counts, counts[1:]))
+    assert first == opted_out  # the opted-out request stored nothing
+    assert repeat >= first + 48, counts  # the repeat found its own prompt
+
+
 def test_per_request_opt_out_and_the_serving_benchmark(app, reference, tmp_path, tiny_model_dir):
     """``"speculative": false`` (the benchmark's baseline mode) gives the same greedy text
     with τ = 1; the serving benchmark sweeps both modes on this app without an error, and pairs
