@@ -192,7 +192,11 @@ class _DraftAttention(nn.Module):
 
 
 class _MidLayer(nn.Module):
-    def __init__(self, c: DraftHeadConfig) -> None:
+    """The head's decoder layer in the reference layout (``midlayer.*``): attention over
+    [embedding; hidden] [2H], the MLP and three norms; DART's learned mask-slot input ``mask_rep``
+    where ``mask_slots`` (EAGLE-3's layer has none)."""
+
+    def __init__(self, c, mask_slots: bool = True) -> None:
         super().__init__()
         self.self_attn = _DraftAttention(c)
         mlp_config = LlamaConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
@@ -201,7 +205,20 @@ class _MidLayer(nn.Module):
         self.hidden_norm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.input_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.mask_rep = nn.Parameter(torch.zeros(2 * c.hidden_size))
+        if mask_slots:
+            self.mask_rep = nn.Parameter(torch.zeros(2 * c.hidden_size))
+
+
+def add_reference_layers(module: nn.Module, c, mask_slots: bool = True) -> None:
+    """Gives a draft head (DART's or EAGLE-3's, config ``c``) the reference checkpoints' parameters:
+    ``fc`` (3 target hidden states -> H), ``midlayer`` (:class:`_MidLayer`), ``norm``, ``lm_head``
+    (H -> V_draft), buffers ``d2t`` [V_draft] int64 (zero) and ``t2d`` [V] bool (false)."""
+    module.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=False)
+    module.midlayer = _MidLayer(c, mask_slots)
+    module.norm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+    module.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+    module.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+    module.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
 
 
 class DartDraftHead(nn.Module):
@@ -213,12 +230,7 @@ class DartDraftHead(nn.Module):
         super().__init__()
         self.config = config
         c = config
-        self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=False)
-        self.midlayer = _MidLayer(c)
-        self.norm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+        add_reference_layers(self, c)
         self.t2d[: c.draft_vocab_size] = True
         rope_config = LlamaConfig(hidden_size=c.num_attention_heads * c.head_dim, head_dim=c.head_dim,
                                   num_attention_heads=c.num_attention_heads, rope_theta=c.rope_theta,
@@ -638,6 +650,27 @@ def save_draft_head(head: DartDraftHead, folder: str | Path, *, dtype: torch.dty
     (folder / _CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
 
 
+def checked_state(head: nn.Module, state: dict[str, torch.Tensor], what: str, optional: set[str] = frozenset()
+                  ) -> dict[str, torch.Tensor]:
+    """``state`` cut to ``head``'s parameters and buffers (its rotary tables aside; a stored
+    ``embed_tokens.weight`` is dropped: drafting embeds with the target's).
+
+    Raises:
+        HeadLoadError: tensors missing (``optional`` ones aside), unexpected or of another shape,
+            each named, with ``what`` (the head and its folder) in the message."""
+    expected = {k: v for k, v in head.state_dict().items() if not k.startswith("rotary.")}
+    missing = sorted(set(expected) - set(state) - set(optional))
+    unexpected = sorted(set(state) - set(expected) - {"embed_tokens.weight"})
+    wrong = [f"{k}: checkpoint {tuple(state[k].shape)}, expected {tuple(v.shape)}"
+             for k, v in expected.items() if k in state and state[k].shape != v.shape]
+    if missing or unexpected or wrong:
+        detail = "; ".join(filter(None, [f"missing {', '.join(missing)}" if missing else "",
+                                         f"unexpected {', '.join(unexpected)}" if unexpected else "",
+                                         "; ".join(wrong)]))
+        raise HeadLoadError(f"{what} does not match its config: {detail}")
+    return {k: v for k, v in state.items() if k in expected}
+
+
 def load_draft_head(folder: str | Path, target_config=None, *, device: str | torch.device = "cpu",
                     dtype: torch.dtype = torch.float32) -> DartDraftHead:
     """Loads a head saved in the reference layout and checks it fits the target.
@@ -674,18 +707,7 @@ def load_draft_head(folder: str | Path, target_config=None, *, device: str | tor
     except (SafetensorError, OSError) as e:
         raise HeadLoadError(f"{folder / _WEIGHTS} is unreadable: {e}") from None
     head = DartDraftHead(config)
-    expected = {k: v for k, v in head.state_dict().items() if not k.startswith("rotary.")}
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected) - {"embed_tokens.weight"})
-    wrong = [f"{k}: checkpoint {tuple(state[k].shape)}, expected {tuple(v.shape)}"
-             for k, v in expected.items() if k in state and state[k].shape != v.shape]
-    if missing or unexpected or wrong:
-        detail = "; ".join(filter(None, [
-            f"missing {', '.join(missing)}" if missing else "",
-            f"unexpected {', '.join(unexpected)}" if unexpected else "",
-            "; ".join(wrong)]))
-        raise HeadLoadError(f"draft head {folder} does not match its config: {detail}")
-    state = {k: v for k, v in state.items() if k in expected}
+    state = checked_state(head, state, f"draft head {folder}")
     mapped = torch.arange(config.draft_vocab_size) + state["d2t"].long()
     if len(mapped) and (int(mapped.min()) < 0 or int(mapped.max()) >= config.vocab_size):
         raise HeadLoadError(f"draft head {folder}: d2t maps draft tokens outside the target vocabulary")

@@ -1,0 +1,439 @@
+"""An EAGLE-3 draft head (Li et al., "EAGLE-3", arXiv 2503.01840) in the layout the community
+publishes (the EAGLE repository's ``cnets.py``, as vendored by the DART reference), and its
+dynamic draft tree (EAGLE-2, arXiv 2406.16858, §4).
+
+The head is one decoder layer run autoregressively, one tree level per forward:
+
+    g      = fc(taps_t)              # [H], only where the input is wider than H (the target's taps)
+    attn_x = concat(input_layernorm(embed(x_{t+1})), hidden_norm(g))   # [2H], embedding first
+    h      = g + o_proj(attention(q, k, v = proj(attn_x)))
+    h      = h + mlp(post_attention_layernorm(h))                      # the forward's output
+    logits = lm_head(norm(h))        # [V_draft]; draft id i is target id i + d2t[i]
+
+A draft position t pairs the target's taps at t with the id of token t + 1.  Past the real
+positions, each tree level feeds the previous level's outputs back as the hidden input (width
+H: no ``fc``) with the chosen tokens' embeddings.
+
+:func:`draft_tree` is the reference's dynamic tree (its ``topK_genrate``): the top-k children of
+the last real position, then ``depth`` expansions of the k best nodes by cumulative log-probability
+(k² candidates each, the best k kept as the next frontier), and finally the ``total_tokens - 1``
+best of every candidate, kept in generation order under the root.  tests/dart_core/test_eagle3.py
+checks the forward (logits and KV cache to 1e-5) and the trees (equal) against the reference run on
+a random checkpoint (tests/fixtures/reference-eagle3/README.md).
+
+:class:`Eagle3Drafter` serves it behind the engine's drafter interface.  Not yet here: a batched
+draft (rows are drafted one after another), training, and the ``method`` switch of the deployment.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from dart_core.model.device import sync_device
+from dart_core.model.kv_cache import zero_pad
+from dart_core.spec.draft_head import HeadLoadError, add_reference_layers, checked_state
+from dart_core.spec.drafters import DraftInputs, Drafter, HeadState, Proposal, ProposalKind
+from ngram_service.tree_search import DraftTree
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Eagle3Config", "Eagle3Head", "Eagle3Cache", "Eagle3Tree", "Eagle3Drafter", "load_eagle3_head",
+           "draft_tree", "EAGLE3_ARCHITECTURES"]
+
+#: ``architectures`` names of published EAGLE-3 checkpoints (the EAGLE repository, SpecForge, AngelSlim)
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """An EAGLE-3 head's sizes, read from its ``config.json``.
+
+    ``target_hidden_size``: the target's H where it differs from the head's (``fc`` then reads
+    3 · target_hidden_size); the head's own otherwise."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int  # lm_head rows
+    target_hidden_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    hidden_act: str = "silu"
+
+    @classmethod
+    def from_json_dict(cls, d: dict) -> "Eagle3Config":
+        """Reads an EAGLE-3 ``config.json``.
+
+        Raises:
+            HeadLoadError: a required size missing, or ``architectures`` naming no EAGLE-3 model."""
+        archs = d.get("architectures") or []
+        if not any(a in EAGLE3_ARCHITECTURES for a in archs):
+            raise HeadLoadError(f"config.json names architectures {archs}, not an EAGLE-3 head "
+                                f"({', '.join(EAGLE3_ARCHITECTURES)})")
+        need = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+        missing = [k for k in need if k not in d]
+        if missing:
+            raise HeadLoadError(f"EAGLE-3 config.json lacks {', '.join(missing)}")
+        heads = d["num_attention_heads"]
+        return cls(hidden_size=d["hidden_size"], num_attention_heads=heads,
+                   num_key_value_heads=d.get("num_key_value_heads") or heads,
+                   head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+                   intermediate_size=d["intermediate_size"], vocab_size=d["vocab_size"],
+                   draft_vocab_size=d.get("draft_vocab_size") or d["vocab_size"],
+                   target_hidden_size=d.get("target_hidden_size") or d["hidden_size"],
+                   rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(d.get("rope_theta", 10000.0)),
+                   max_position_embeddings=d.get("max_position_embeddings", 2048),
+                   hidden_act=d.get("hidden_act", "silu"))
+
+
+@dataclass
+class Eagle3Cache:
+    """One sequence's draft KV cache: keys and values [1, H_kv, T, D] of its real positions
+    (rotated keys), T of them.  Tree levels are appended during a draft and dropped after it."""
+
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+
+class Eagle3Head(nn.Module):
+    """The EAGLE-3 head (module docstring).  Parameter names follow the published checkpoints:
+    ``fc``, ``midlayer.*``, ``norm``, ``lm_head``, buffers ``d2t`` [V_draft] (int64 offsets) and
+    ``t2d`` [V] (bool, unused by drafting).  The token embedding is the target's, passed in."""
+
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        c = self.config = config
+        add_reference_layers(self, c, mask_slots=False)  # fc, midlayer, norm, lm_head, d2t, t2d
+        self.rotary = LlamaRotaryEmbedding(LlamaConfig(
+            hidden_size=c.num_attention_heads * c.head_dim, head_dim=c.head_dim,
+            num_attention_heads=c.num_attention_heads, rope_theta=c.rope_theta,
+            max_position_embeddings=c.max_position_embeddings))
+
+    def forward(self, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
+                past_k: torch.Tensor, past_v: torch.Tensor, mask: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One forward over Q new positions.
+
+        Args:
+            hidden: [B, Q, 3 · H_target] taps (``fc`` applies) or [B, Q, H] earlier outputs.
+            embeds: [B, Q, H] embeddings of the positions' input tokens (target ids).
+            positions: [B, Q] int64 RoPE positions.
+            past_k, past_v: [B, H_kv, K, D] the cache before these positions (K may be 0).
+            mask: [B, 1, Q, K + Q] additive, or None for causal attention over the new positions
+                after the whole cache.
+
+        Returns:
+            (h [B, Q, H] the layer's output, before the final norm; keys, values [B, H_kv, Q, D]
+            of the new positions, keys rotated).
+        """
+        layer = self.midlayer
+        g = self.fc(hidden) if hidden.shape[-1] != self.config.hidden_size else hidden
+        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(g)], dim=-1)
+        cos, sin = self.rotary(x, positions)
+        if mask is None:
+            b, q, k = x.shape[0], x.shape[1], past_k.shape[2]
+            allowed = torch.ones(q, k + q, dtype=torch.bool, device=x.device).tril(k)
+            mask = torch.zeros(b, 1, q, k + q, dtype=x.dtype, device=x.device).masked_fill(
+                ~allowed, torch.finfo(x.dtype).min)
+        attn, ks, vs = layer.self_attn(x, x, cos, sin, cos, sin, past_k, past_v, mask)
+        h = g + attn
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h, ks, vs
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[..., H] forward output -> [..., V_draft] draft logits: ``lm_head(norm(h))``."""
+        return self.lm_head(self.norm(h))
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids -> target ids (``i + d2t[i]``)."""
+        return draft_ids + self.d2t[draft_ids]
+
+
+def load_eagle3_head(folder: str | Path, target_config=None, *, device: str | torch.device = "cpu",
+                     dtype: torch.dtype = torch.float32) -> Eagle3Head:
+    """Loads a published EAGLE-3 head: ``config.json`` and ``model.safetensors`` (or
+    ``pytorch_model.bin``, read with ``weights_only=True``).  An ``embed_tokens.weight`` in the file
+    is ignored: drafting embeds with the target's embedding.
+
+    Args:
+        folder: the checkpoint folder.
+        target_config: the target's Hugging Face config; when given, the head must read its hidden
+            size (``fc`` is 3 · hidden wide) and share its vocabulary.
+
+    Raises:
+        HeadLoadError: missing or unreadable files, a config that is not an EAGLE-3 head, missing
+            or mis-shaped tensors (named: ``d2t`` when the draft vocabulary is smaller, ``fc`` of
+            another width ...), a ``d2t`` mapping outside the vocabulary, or sizes that do not
+            match the target.
+    """
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise HeadLoadError(f"{folder} is not an EAGLE-3 head: it has no config.json")
+    try:
+        config = Eagle3Config.from_json_dict(json.loads((folder / "config.json").read_text()))
+    except (json.JSONDecodeError, TypeError, ValueError) as e:
+        if isinstance(e, HeadLoadError):
+            raise
+        raise HeadLoadError(f"{folder / 'config.json'} is unreadable: {e}") from None
+    state = _read_weights(folder)
+    if target_config is not None:
+        problems = []
+        if config.vocab_size != target_config.vocab_size:
+            problems.append(f"head vocabulary {config.vocab_size}, target vocabulary {target_config.vocab_size}")
+        fc = state.get("fc.weight")
+        if fc is not None and fc.shape[-1] != 3 * target_config.hidden_size:
+            problems.append(f"fc reads {fc.shape[-1]} features, the target's three hidden states are "
+                            f"3 x {target_config.hidden_size} = {3 * target_config.hidden_size}")
+        if problems:
+            raise HeadLoadError(f"EAGLE-3 head {folder} does not fit the target model: " + "; ".join(problems))
+    head = Eagle3Head(config)
+    # d2t may be absent where the draft vocabulary is the target's (the reference then deletes it)
+    optional = {"t2d"} | ({"d2t"} if config.draft_vocab_size == config.vocab_size else set())
+    state = checked_state(head, state, f"EAGLE-3 head {folder}", optional)
+    state["d2t"] = state["d2t"].long() if "d2t" in state else torch.zeros(config.draft_vocab_size, dtype=torch.long)
+    mapped = torch.arange(config.draft_vocab_size) + state["d2t"]
+    if int(mapped.min()) < 0 or int(mapped.max()) >= config.vocab_size:
+        raise HeadLoadError(f"EAGLE-3 head {folder}: d2t maps draft tokens outside the target vocabulary")
+    if "t2d" in state:
+        state["t2d"] = state["t2d"].bool()
+    else:
+        state["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool).index_fill_(0, mapped, True)
+    head.load_state_dict(state, strict=False)
+    logger.info("loaded EAGLE-3 head from %s (draft vocabulary %d)", folder, config.draft_vocab_size)
+    return head.to(device=device, dtype=dtype).eval()
+
+
+def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    st, binary = folder / "model.safetensors", folder / "pytorch_model.bin"
+    try:
+        if st.is_file():
+            return load_file(str(st))
+        if binary.is_file():
+            state = torch.load(binary, map_location="cpu", weights_only=True)
+            if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+                raise HeadLoadError(f"{binary} does not hold a state dict of tensors")
+            return state
+    except (SafetensorError, OSError, RuntimeError, EOFError) as e:
+        raise HeadLoadError(f"the weights of {folder} are unreadable: {e}") from None
+    raise HeadLoadError(f"{folder} is not an EAGLE-3 head: it has neither model.safetensors nor pytorch_model.bin")
+
+
+@dataclass(frozen=True)
+class Eagle3Tree:
+    """A draft tree: node 0 the root (the target's last sampled token), nodes 1..N-1 the kept
+    candidates in generation order (level, then frontier row, then child rank).
+
+    ``tokens`` [N] int64 target ids; ``parents`` [N] int64 (-1 for the root); ``scores`` [N]
+    float32 cumulative log-probabilities (0 for the root)."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    scores: torch.Tensor
+
+    @property
+    def depths(self) -> torch.Tensor:
+        """[N] int64 each node's depth (the root's is 0): its RoPE offset in verification."""
+        depths = torch.zeros(len(self.parents), dtype=torch.long)
+        for i in range(1, len(self.parents)):
+            depths[i] = depths[self.parents[i]] + 1
+        return depths
+
+    def mask(self) -> torch.Tensor:
+        """[N, N] bool: node i sees node j when j is i or an ancestor of i (tree attention)."""
+        n = len(self.parents)
+        m = torch.eye(n, dtype=torch.bool)
+        for i in range(1, n):
+            m[i] |= m[int(self.parents[i])]
+        return m
+
+    def paths(self) -> torch.Tensor:
+        """[leaves, max depth + 1] int64: each leaf's nodes from the root, padded with -1, rows by
+        ascending leaf index (the reference's ``retrieve_indices``)."""
+        n = len(self.parents)
+        has_child = torch.zeros(n, dtype=torch.bool)
+        has_child[self.parents[1:]] = True
+        depths = self.depths
+        rows = []
+        for leaf in (i for i in range(n) if not has_child[i]):
+            path, node = [], leaf
+            while node >= 0:
+                path.append(node)
+                node = int(self.parents[node])
+            rows.append(path[::-1] + [-1] * (int(depths.max()) + 1 - len(path)))
+        return torch.tensor(rows, dtype=torch.long)
+
+
+@torch.no_grad()
+def draft_tree(head: Eagle3Head, embed: nn.Module, cache: Eagle3Cache, taps: torch.Tensor, next_ids: torch.Tensor,
+               *, total_tokens: int = 60, depth: int = 7, top_k: int = 10) -> Eagle3Tree:
+    """Drafts one sequence's tree (EAGLE-2's dynamic tree with the EAGLE-3 head; the reference's
+    ``topK_genrate``), appending the new real positions to ``cache``.
+
+    Args:
+        head: the EAGLE-3 head.
+        embed: the target's token embedding (``[...] int64 -> [..., H]``).
+        cache: the sequence's draft KV cache (real positions; empty before its first draft).
+        taps: [1, Q, 3 · H_target] the target's taps at the Q positions not yet in the cache.
+        next_ids: [1, Q] int64 the id of each new position's next token (position t reads id
+            t + 1), the last one the target's newly sampled token: the tree's root.  (The
+            reference passes the whole sequence and drops the first T + 1 ids.)
+        total_tokens: nodes of the tree, the root included.
+        depth: expansions after the first level: the tree reaches at most depth + 1 levels below
+            the root.
+        top_k: children per node, and the frontier's width.
+
+    Returns:
+        The :class:`Eagle3Tree` of ``total_tokens`` nodes.
+
+    Raises:
+        ValueError: ``next_ids`` and ``taps`` of different lengths, or ``total_tokens``
+            above the candidates drafted (top_k + depth · top_k², plus the root).
+    """
+    t, q = cache.length, taps.shape[1]
+    if next_ids.shape[1] != q or not q:
+        raise ValueError(f"{next_ids.shape[1]} next ids for {q} new positions (one each, at least one)")
+    if not 1 <= total_tokens - 1 <= top_k + depth * top_k * top_k:
+        raise ValueError(f"total_tokens must be in 2..{top_k + depth * top_k * top_k + 1}, got {total_tokens}")
+    device = taps.device
+    c = head.config
+    empty = taps.new_zeros(1, c.num_key_value_heads, 0, c.head_dim)
+    past_k = cache.keys if cache.keys is not None else empty
+    past_v = cache.values if cache.values is not None else empty
+    # the real positions: their outputs, and the cache kept for the next draft
+    h, ks, vs = head(taps, embed(next_ids), torch.arange(t, t + q, device=device)[None], past_k, past_v, None)
+    cache.keys, cache.values = torch.cat([past_k, ks], dim=2), torch.cat([past_v, vs], dim=2)
+    real = t + q
+    logp = torch.log_softmax(head.logits(h[0, -1]).float(), dim=-1)
+    scores, draft_ids = logp.topk(top_k)
+    tokens = [head.draft_to_target(draft_ids)]  # per level: candidate target ids, flat
+    cand_scores = [scores]
+    cand_parents = [torch.full((top_k,), -1, dtype=torch.long, device=device)]  # -1: the root
+    frontier = torch.arange(top_k, device=device)  # the frontier's flat candidate indices
+    frontier_ids, frontier_scores = tokens[0], scores
+    hidden = h[:, -1:].expand(1, top_k, c.hidden_size)
+    keys, values = cache.keys, cache.values
+    lineage = torch.eye(top_k, dtype=torch.bool, device=device)  # [top_k, tree entries so far]
+    offset = top_k  # flat index of the next level's first candidate
+    for level in range(depth):
+        allowed = torch.cat([torch.ones(top_k, real, dtype=torch.bool, device=device), lineage], dim=1)
+        mask = torch.zeros(1, 1, top_k, allowed.shape[1], dtype=h.dtype, device=device).masked_fill(
+            ~allowed[None, None], torch.finfo(h.dtype).min)
+        positions = torch.full((1, top_k), real + level, dtype=torch.long, device=device)
+        out, ks, vs = head(hidden, embed(frontier_ids[None]), positions, keys, values, mask)
+        keys, values = torch.cat([keys, ks], dim=2), torch.cat([values, vs], dim=2)
+        logp = torch.log_softmax(head.logits(out[0]).float(), dim=-1)  # [top_k, V_draft]
+        child_p, child_ids = logp.topk(top_k, dim=-1)
+        cumulative = child_p + frontier_scores[:, None]  # [top_k rows, top_k children]
+        flat = cumulative.reshape(-1)
+        tokens.append(head.draft_to_target(child_ids.reshape(-1)))
+        cand_scores.append(flat)
+        cand_parents.append(frontier.repeat_interleave(top_k))
+        best_p, best = flat.topk(top_k)
+        rows = best // top_k
+        frontier = offset + best
+        frontier_scores = best_p
+        frontier_ids = tokens[-1][best]
+        hidden = out[:, rows]
+        lineage = torch.cat([lineage[rows], torch.eye(top_k, dtype=torch.bool, device=device)], dim=1)
+        offset += top_k * top_k
+    all_scores = torch.cat(cand_scores)
+    kept = all_scores.topk(total_tokens - 1).indices.sort().values  # generation order
+    node_of = torch.full((len(all_scores),), -1, dtype=torch.long, device=device)
+    node_of[kept] = torch.arange(1, total_tokens, device=device)
+    parent_flat = torch.cat(cand_parents)[kept]
+    parents = torch.where(parent_flat < 0, 0, node_of[parent_flat.clamp(min=0)])
+    if bool((parents < 0).any()):
+        raise RuntimeError("a kept candidate's parent was not kept (scores out of order)")
+    root = next_ids[0, -1:]
+    return Eagle3Tree(tokens=torch.cat([root, torch.cat(tokens)[kept]]).cpu(),
+                      parents=torch.cat([torch.tensor([-1], device=device), parents]).cpu(),
+                      scores=torch.cat([torch.zeros(1, device=device), all_scores[kept]]).cpu())
+
+
+class Eagle3Drafter(Drafter):
+    """Drafts each running sequence's tree with an EAGLE-3 head (:func:`draft_tree`), one sequence
+    after another, behind the engine's drafter interface: the engine keeps the target's taps of every
+    accepted position in the drafter's :class:`~dart_core.spec.drafters.HeadState` (its KV cache holds
+    the head's real positions), verifies the trees with tree attention and accepts as for DART.
+
+    Args:
+        head: the EAGLE-3 head, on the target's device.
+        embed: the target's input embedding (token ids [..] -> [.., H]).
+        total_tokens, depth, top_k: the tree's size (nodes, root included), its expansions after
+            the first level, and the children per node and frontier width (:func:`draft_tree`;
+            the reference's defaults are 60, 7 and 10).
+
+    Each node's acceptance estimate (``DraftTree.probs``) is its draft probability given its parent,
+    so an adaptive budget prices a path by the product along it, as for DART's trees.
+
+    Raises:
+        ValueError: ``total_tokens`` more than the candidates drafted, or sizes below 1.
+    """
+
+    uses_taps = True
+
+    def __init__(self, head: Eagle3Head, embed: nn.Module, *, total_tokens: int = 60, depth: int = 7,
+                 top_k: int = 10) -> None:
+        if min(depth, top_k) < 1 or not 2 <= total_tokens <= top_k + depth * top_k * top_k + 1:
+            raise ValueError(f"total_tokens must be in 2..{top_k + depth * top_k * top_k + 1} "
+                             f"and depth, top_k >= 1 (got {total_tokens}, {depth}, {top_k})")
+        self.head, self.embed = head, embed
+        self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
+
+    def new_state(self, rows: int, device: torch.device) -> HeadState:
+        return HeadState.empty(rows, self.head, device)
+
+    @torch.inference_mode()
+    def propose(self, inputs: DraftInputs) -> Proposal:
+        state = inputs.state
+        t0 = time.perf_counter()
+        trees, new_k, new_v = [], [], []
+        for b, nexts in enumerate(state.next):
+            n, length = len(nexts), int(state.cache.lengths[b])
+            if not n:  # nothing accepted since the last draft (cannot happen between speculative steps)
+                trees.append(DraftTree.from_parents([inputs.tokens[b][-1]], [-1], [0], [0.0], [1.0]))
+                new_k.append(state.cache.keys[b:b + 1, :, :0])
+                new_v.append(state.cache.values[b:b + 1, :, :0])
+                continue
+            cache = Eagle3Cache(state.cache.keys[b:b + 1, :, :length], state.cache.values[b:b + 1, :, :length])
+            tree = draft_tree(self.head, self.embed, cache, state.taps[b:b + 1, :n].to(self.head.dtype),
+                              torch.tensor([nexts], dtype=torch.long, device=state.taps.device),
+                              total_tokens=self.total_tokens, depth=self.depth, top_k=self.top_k)
+            new_k.append(cache.keys[:, :, length:])
+            new_v.append(cache.values[:, :, length:])
+            parents = tree.parents.numpy()
+            scores = tree.scores.numpy().astype(np.float64)
+            probs = np.exp(scores - np.where(parents < 0, 0.0, scores[np.maximum(parents, 0)]))
+            probs[0] = 1.0
+            trees.append(DraftTree.from_parents(tree.tokens.numpy(), parents, tree.depths.numpy(), scores, probs))
+        width = max(k.shape[2] for k in new_k)
+        state.cache.append(torch.cat([zero_pad(k, 2, width) for k in new_k]),
+                           torch.cat([zero_pad(v, 2, width) for v in new_v]), state.counts)
+        state.clear()
+        sync_device(state.taps.device)
+        return Proposal(trees, kind=ProposalKind.TREE, draft_ms=1e3 * (time.perf_counter() - t0))

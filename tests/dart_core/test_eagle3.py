@@ -1,0 +1,169 @@
+"""The EAGLE-3 head and its dynamic draft tree against the reference (tests/fixtures/reference-eagle3:
+the EAGLE code vendored by the DART reference, run on a random checkpoint in the published layout):
+forward logits and KV cache to 1e-5, trees equal over two consecutive drafts, malformed checkpoints
+refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dart_core.spec.budget import AdaptiveBudget, VerifyCostCurve
+from dart_core.spec.draft_head import HeadLoadError
+from dart_core.spec.eagle3 import Eagle3Cache, Eagle3Config, Eagle3Drafter, Eagle3Head, draft_tree, load_eagle3_head
+from dart_core.step.engine import DartEngine
+from dart_core.step.sampling import SamplingParams
+
+from .conftest import VOCAB, tiny_target
+
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "reference-eagle3"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    head = load_eagle3_head(FIXTURE)
+    weight = load_file(str(FIXTURE / "target" / "model-00001-of-00001.safetensors"))["model.embed_tokens.weight"]
+    return head, torch.nn.Embedding.from_pretrained(weight), load_file(str(FIXTURE / "inputs.safetensors"))
+
+
+@torch.no_grad()
+def test_forward_matches_the_reference(reference):
+    head, embed, inp = reference
+    ref = load_file(str(FIXTURE / "ref_forward.safetensors"))
+    empty = torch.zeros(1, 2, 0, 16)
+    h, k, v = head(inp["step1_hidden_states"], embed(inp["step1_draft_input_ids"]), torch.arange(11)[None],
+                   empty, empty, None)
+    close = dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h, ref["step1_hidden_out"], **close)
+    torch.testing.assert_close(head.logits(h), ref["step1_logits"], **close)
+    torch.testing.assert_close(k, ref["step1_past_key"], **close)
+    torch.testing.assert_close(v, ref["step1_past_value"], **close)
+    past = int(inp["step2_past_length"])
+    h2, _, _ = head(inp["step2_hidden_states"], embed(inp["step2_draft_input_ids"]),
+                    torch.arange(past, past + 3)[None], k, v, None)
+    torch.testing.assert_close(h2, ref["step2_hidden_out"], **close)
+    torch.testing.assert_close(head.logits(h2), ref["step2_logits"], **close)
+
+
+@pytest.mark.parametrize("case", ["default", "small"])
+def test_trees_equal_the_reference_over_two_drafts(reference, case):
+    """Call 1 drafts after the prompt, call 2 after three accepted positions, keeping the real
+    positions' cache of call 1 (as the reference's generation loop does)."""
+    head, embed, inp = reference
+    ref = load_file(str(FIXTURE / "ref_tree.safetensors"))
+    total, depth, top_k = ref[f"{case}.params"].tolist()
+    cache = Eagle3Cache()
+    for call in (1, 2):
+        tree = draft_tree(head, embed, cache, inp[f"step{call}_hidden_states"], inp[f"step{call}_draft_input_ids"],
+                          total_tokens=total, depth=depth, top_k=top_k)
+        want = {name: ref[f"{case}.call{call}.{name}"]
+                for name in ("draft_tokens", "tree_mask", "tree_position_ids", "retrieve_indices")}
+        assert torch.equal(tree.tokens[None], want["draft_tokens"])
+        assert torch.equal(tree.mask().float()[None, None], want["tree_mask"])
+        assert torch.equal(tree.depths, want["tree_position_ids"])
+        assert torch.equal(tree.paths(), want["retrieve_indices"])
+        assert cache.length == inp[f"step{call}_input_ids"].shape[1] - 1  # only real positions are kept
+    with pytest.raises(ValueError, match="next ids"):
+        draft_tree(head, embed, cache, inp["step2_hidden_states"], inp["step2_input_ids"])
+    with pytest.raises(ValueError, match="total_tokens"):
+        draft_tree(head, embed, Eagle3Cache(), inp["step1_hidden_states"], inp["step1_draft_input_ids"],
+                   total_tokens=100, depth=1, top_k=4)
+
+
+def _copy(tmp_path: Path, edit_state=None, edit_config=None, binary: bool = False) -> Path:
+    folder = tmp_path / "head"
+    folder.mkdir()
+    config = json.loads((FIXTURE / "config.json").read_text())
+    if edit_config:
+        edit_config(config)
+    (folder / "config.json").write_text(json.dumps(config))
+    state = load_file(str(FIXTURE / "model.safetensors"))
+    if edit_state:
+        edit_state(state)
+    if binary:
+        torch.save(state, folder / "pytorch_model.bin")
+    else:
+        save_file(state, str(folder / "model.safetensors"))
+    return folder
+
+
+def test_a_pytorch_bin_checkpoint_loads_the_same(tmp_path, reference):
+    head = load_eagle3_head(_copy(tmp_path, binary=True))
+    for (name, a), b in zip(head.state_dict().items(), reference[0].state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("edit_state, edit_config, target_hidden, message", [
+    (lambda s: s.pop("d2t"), None, None, "missing d2t"),
+    (lambda s: s.update({"fc.weight": torch.zeros(96, 192)}), None, None, r"fc.weight: checkpoint \(96, 192\)"),
+    (None, None, 64, "fc reads 288 features"),
+    (lambda s: s.update({"lm_head.weight": torch.zeros(100, 96)}), None, None, "lm_head.weight"),
+    (lambda s: s.update({"d2t": torch.full((384,), 10_000)}), None, None, "outside the target vocabulary"),
+    (None, lambda c: c.update({"architectures": ["LlamaForCausalLM"]}), None, "not an EAGLE-3 head"),
+    (None, lambda c: c.pop("hidden_size"), None, "lacks hidden_size"),
+])
+def test_malformed_checkpoints_are_refused_by_name(tmp_path, edit_state, edit_config, target_hidden, message):
+    folder = _copy(tmp_path, edit_state, edit_config)
+    target = None
+    if target_hidden is not None:
+        from transformers import LlamaConfig
+
+        target = LlamaConfig(hidden_size=target_hidden, vocab_size=768)
+    with pytest.raises(HeadLoadError, match=message):
+        load_eagle3_head(folder, target)
+
+
+def test_missing_and_corrupt_files_are_refused(tmp_path):
+    folder = _copy(tmp_path)
+    (folder / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(HeadLoadError, match="unreadable"):
+        load_eagle3_head(folder)
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(HeadLoadError, match="neither model.safetensors nor pytorch_model.bin"):
+        load_eagle3_head(folder)
+    shutil.rmtree(folder)
+    with pytest.raises(HeadLoadError, match="no config.json"):
+        load_eagle3_head(folder)
+
+
+def _random_head(target, seed: int = 0) -> Eagle3Head:
+    c = target.config
+    torch.manual_seed(seed)
+    head = Eagle3Head(Eagle3Config(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+                                   num_key_value_heads=c.num_key_value_heads,
+                                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+                                   intermediate_size=c.intermediate_size, vocab_size=c.vocab_size,
+                                   draft_vocab_size=c.vocab_size, target_hidden_size=c.hidden_size))
+    return head.eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("lengths", [[7], [3, 11, 1, 6]])
+def test_greedy_decoding_with_the_eagle3_drafter_equals_autoregressive(arch, lengths):
+    """The engine with an EAGLE-3 drafter (a random head) verifies its trees losslessly, at batch 1
+    and 4, with a fixed tree size and with the adaptive budget choosing nodes."""
+    target = tiny_target(arch)
+    rng = np.random.default_rng(len(lengths))
+    prompts = [[int(x) for x in rng.integers(0, VOCAB, size=n)] for n in lengths]
+    sp = SamplingParams(max_new_tokens=20)
+    ar = DartEngine(target).generate(prompts, sp, speculative=False)
+    for size in ((12, 3, 4), (8, 2, 3)):
+        drafter = Eagle3Drafter(_random_head(target), target.embed_tokens, total_tokens=size[0], depth=size[1],
+                                top_k=size[2])
+        out = DartEngine(target, drafter=drafter).generate(prompts, sp)
+        assert out.token_ids == ar.token_ids
+        assert out.verified_nodes > 2 * out.sequence_steps  # the steps verified trees, not roots alone
+    budget = AdaptiveBudget(VerifyCostCurve((1, 64), (10.0, 10.5)))
+    drafter = Eagle3Drafter(_random_head(target, 1), target.embed_tokens, total_tokens=12, depth=3, top_k=4)
+    assert DartEngine(target, drafter=drafter, budget=budget).generate(prompts, sp).token_ids == ar.token_ids
+
+
+def test_drafter_sizes_are_checked(reference):
+    with pytest.raises(ValueError, match="total_tokens"):
+        Eagle3Drafter(reference[0], reference[1], total_tokens=30, depth=1, top_k=4)
