@@ -86,7 +86,7 @@ class TrafficConfig:
     max_tokens: int = 128
     passes: int = 3
     modes: tuple[str, ...] = MODES
-    serve: bool = False  # start `serve run --config` per pass and setting
+    serve: bool = False  # start `serve run --config` per pass and mode
     config: str = "deployments/dart.yaml"
     search_latency: bool = True
     search_calls: int = 2000
@@ -452,7 +452,7 @@ def main(argv=None) -> int:
     for name in ("families", "variants", "repeated", "repeat_times", "seed", "max_tokens", "passes", "search_calls"):
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     ap.add_argument("--modes", nargs="+", default=list(d.modes), choices=MODES)
-    ap.add_argument("--serve", action="store_true", help="start `serve run --config` per pass and setting")
+    ap.add_argument("--serve", action="store_true", help="start `serve run --config` per pass and mode")
     ap.add_argument("--config", default=d.config, help="with --serve: the Serve config [deployments/dart.yaml]")
     ap.add_argument("--no-search-latency", dest="search_latency", action="store_false")
     ap.add_argument("--api-key", default=None, help="[$DART_API_KEY]")
