@@ -431,6 +431,7 @@ class NgramServer:
             logger.error("live corpus snapshot %s not written: %s", self.snapshot, e)
             return False
         self._saved_inserts = inserts
+        logger.info("live corpus: %d tokens written to the snapshot %s", len(self.live), self.snapshot)
         return True
 
     def _snapshots(self) -> None:

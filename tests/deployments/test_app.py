@@ -724,3 +724,21 @@ def test_admin_routes_are_off_without_an_admin_key(guarded):
     r = httpx.post(f"{guarded}/admin/corpus", json={"documents": ["x"]},
                    headers={"authorization": f"Bearer {GUARDED_KEY}"}, timeout=60)
     assert r.status_code == 403 and "admin routes are off" in r.json()["error"]["message"]
+
+
+def test_the_ngram_service_writes_its_snapshot_when_serve_stops_it(app, tmp_path):
+    """With ``ngram.learn_snapshot``, what the live corpus holds is written when Serve stops the
+    replica (its graceful shutdown calls the deployment's ``__del__``), not only every minute: a
+    corpus added seconds before the application is deleted is in the file afterwards."""
+    from deployments.ngram import NgramService
+    from ngram_service.live import read_snapshot
+
+    snap = tmp_path / "live.snap"
+    cfg = {"trie": app["ngram"]["trie"], "port": 0, "learn": True, "learn_snapshot": str(snap)}
+    handle = serve.run(NgramService.options(name="SnapshotNgram").bind(cfg, "t0ken"), name="snapshot-ngram",
+                       route_prefix=None)
+    docs = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    assert handle.add_corpus.remote(docs).result()["tokens_added"] == 8 + 2  # a boundary after each
+    assert not snap.exists()  # the periodic snapshot (every minute) has not run yet
+    serve.delete("snapshot-ngram")
+    assert [d.tolist() for d in read_snapshot(snap).documents()] == docs
