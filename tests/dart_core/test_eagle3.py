@@ -167,3 +167,18 @@ def test_greedy_decoding_with_the_eagle3_drafter_equals_autoregressive(arch, len
 def test_drafter_sizes_are_checked(reference):
     with pytest.raises(ValueError, match="total_tokens"):
         Eagle3Drafter(reference[0], reference[1], total_tokens=30, depth=1, top_k=4)
+
+
+def test_sampling_with_the_eagle3_drafter_matches_the_target_distribution():
+    """The second and third sampled tokens (drafted at depths 1 and 2 of EAGLE trees, accepted or
+    resampled) follow their exact marginals under the target (chi-square, fixed seeds)."""
+    from .test_engine import _assert_columns_follow, _marginals_of_tokens_2_and_3
+
+    target = tiny_target("llama", seed=11)
+    prompt = [5, 17, 42]
+    p2, p3 = _marginals_of_tokens_2_and_3(target, prompt, SamplingParams(temperature=0.6))
+    drafter = Eagle3Drafter(_random_head(target, 0), target.embed_tokens, total_tokens=24, depth=2, top_k=8)
+    res = DartEngine(target, drafter=drafter).generate(
+        [prompt] * 3000, SamplingParams(temperature=0.6, max_new_tokens=4, seed=1))
+    assert res.tau > 1.1  # drafts were accepted, not only residual draws
+    _assert_columns_follow(np.array(res.token_ids), p2, p3)
