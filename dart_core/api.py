@@ -28,6 +28,7 @@ from dart_core.model.allocator import keep_freed_memory
 from dart_core.spec.budget import AdaptiveBudget, SpeculationGate, VerifyCostCurve, curve_shapes
 from dart_core.serve.detokenizer import IncrementalDetokenizer
 from dart_core.spec.draft_head import DartDraftHead, DraftHeadConfig, load_draft_head
+from dart_core.spec.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head, load_eagle3_head
 from dart_core.step.engine import DartEngine, GenerationResult
 from dart_core.step.grammar import Grammar, GrammarCompiler, GrammarSpec
 from dart_core.model.kernel_config import KernelConfig
@@ -200,6 +201,9 @@ class DartModel:
             head: a draft-head folder (dart-serve's or the reference's layout); None for the
                 head shipped for this model (decoding is autoregressive, with a warning, when
                 there is none); ``"random"`` for a randomly initialised head (lossless, τ ≈ 1).
+                With ``SpeculativeConfig(method="eagle3")`` an EAGLE-3 head folder in the published
+                layout (:func:`~dart_core.spec.eagle3.load_eagle3_head`) or ``"random"``: none ships, so
+                None is refused; with ``method="none"`` no head is loaded (autoregressive decoding).
             trie: an n-gram model: a dart-serve trie file; a reference ``.trie`` file, or a
                 reference n-gram folder holding ``full.trie`` (``small.trie`` with
                 ``is_small_ngram``), converted once into the cache and then memory-mapped
@@ -258,7 +262,7 @@ class DartModel:
             ReferenceTrieError: a reference n-gram file that is truncated or inconsistent.
             HeadLoadError: the head does not fit the target.
             TokenizerMismatchError: the trie was built with another tokenizer.
-            ValueError: ``cuda_graphs`` off CUDA; an unknown ``weights``, or "gguf-native" where it
+            ValueError: ``cuda_graphs`` off CUDA; method eagle3 without a head; an unknown ``weights``, or "gguf-native" where it
                 does not apply (see :meth:`TargetModel.from_pretrained`); an unknown
                 ``draft_weights``, or "q8_0" off the CPU, without AVX-512 or with a non-float32 ``draft_dtype``.
             GGUFWeightsError: a GGUF whose 4-bit blocks do not match its de-quantised weights.
@@ -291,9 +295,15 @@ class DartModel:
         if cuda_graphs:
             target.enable_static_cache()
         name = getattr(target.tokenizer, "dart_model_name", DEFAULT_MODEL)
-        draft_weights = resolve_draft_weights(draft_weights, target, draft_dtype)
-        draft = cls._load_head(head, name, target, torch.float32 if draft_weights == "q8_0"
-                               else draft_dtype or default_draft_dtype(target))
+        draft = drafter = None
+        if spec.method == "eagle3":  # an EAGLE-3 head's dynamic trees instead of DART's head and search
+            drafter = Eagle3Drafter(cls._load_eagle3_head(head, name, target, draft_dtype or target.dtype),
+                                    target.embed_tokens, total_tokens=spec.eagle3_total_tokens,
+                                    depth=spec.eagle3_depth, top_k=spec.eagle3_top_k)
+        elif spec.method == "dart":
+            draft_weights = resolve_draft_weights(draft_weights, target, draft_dtype)
+            draft = cls._load_head(head, name, target, torch.float32 if draft_weights == "q8_0"
+                                   else draft_dtype or default_draft_dtype(target))
         if draft is not None and draft_weights == "q8_0":
             logger.info("quantised %d linear layers of the draft head to Q8_0", quantize_linears(draft))
         elif draft is not None and can_pack(draft):  # a float32 head on a CPU: oneDNN-packed like the target
@@ -305,14 +315,15 @@ class DartModel:
         if tree_search is None:
             tree_search = InProcessTreeSearch(cls._load_trie(trie, name, target.tokenizer, small=is_small_ngram))
         policy = gate = None
-        if budget == "auto" and draft is not None:
+        if budget == "auto" and (draft is not None or drafter is not None):
             sizes, batches = curve_shapes(target.device, params.budget)
             policy = AdaptiveBudget(VerifyCostCurve.measure(target, node_counts=sizes, batch_sizes=batches),
                                     lookup_preference=spec.lookup_preference)
             gate = SpeculationGate(probe_every=spec.gate_probe_every, can_pay=policy.can_pay)
         if draft is not None:
             draft.use_kernels(kernels)
-        engine = DartEngine(target, draft, tree_search, params, budget=policy, gate=gate, **spec.engine_kwargs())
+        engine = DartEngine(target, draft, tree_search, params, budget=policy, gate=gate, drafter=drafter,
+                            **spec.engine_kwargs())
         if cuda_graphs and draft is not None and spec.draft_graphs:
             engine.drafter.enable_static_draft()
         return cls(engine, target.tokenizer)
@@ -330,6 +341,22 @@ class DartModel:
                 return None
             head = shipped
         return load_draft_head(head, target.config, device=target.device, dtype=dtype).eval()
+
+    @staticmethod
+    def _load_eagle3_head(head, name: str, target: TargetModel, dtype: torch.dtype) -> Eagle3Head:
+        if head == "random":  # torch's default initialisation, seeded (tests, and the served path without weights)
+            c = target.config
+            torch.manual_seed(0)
+            h = Eagle3Head(Eagle3Config(
+                hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+                num_key_value_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+                head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+                intermediate_size=c.intermediate_size, vocab_size=c.vocab_size, draft_vocab_size=c.vocab_size,
+                target_hidden_size=c.hidden_size, rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6)))
+            return h.to(device=target.device, dtype=dtype).eval()
+        if head is None:
+            raise ValueError(f"method eagle3 needs an EAGLE-3 head folder (head=...): none ships for {name}")
+        return load_eagle3_head(head, target.config, device=target.device, dtype=dtype)
 
     @staticmethod
     def _load_trie(trie, name: str, tokenizer, *, small: bool = False) -> NgramTrie | None:

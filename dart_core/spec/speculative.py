@@ -19,11 +19,12 @@ from typing import Union
 
 from ngram_service.tree_search import SearchParams
 
-__all__ = ["SpeculativeConfig", "LOOKUP_PREFERENCE", "FOLD_WIDTH"]
+__all__ = ["SpeculativeConfig", "LOOKUP_PREFERENCE", "FOLD_WIDTH", "METHODS"]
 
 # a sequence's held draft-head inputs past this many positions are folded into its head KV cache: one
 # below the static drafter's widest graph-captured width (dart_core.model.cuda_graphs.DEFAULT_DRAFT_WIDTHS; tested)
 FOLD_WIDTH = 15
+METHODS = ("dart", "eagle3", "none")  # SpeculativeConfig.method: the drafters a config can name
 LOOKUP_PREFERENCE = 1.0  # a lookup step when its expected rate reaches the tree steps' measured one (tuning split, docs/engine.md)
 
 
@@ -51,6 +52,10 @@ class SpeculativeConfig:
     grammar_drafting: bool = True  # structured output: trees cut to what the grammar allows (False: as drafted)
     fold_width: int | None = FOLD_WIDTH  # held draft-head inputs folded past this many positions; None: held
     prefix_cache_tokens: int = 0  # prompts' KV entries kept for prompts that start alike, positions (0: off)
+    method: str = "dart"  # the drafter: "dart" (head + tree search), "eagle3" (an EAGLE-3 head's tree), "none"
+    eagle3_total_tokens: int = 60  # with method eagle3: tree nodes, root included (the reference's default)
+    eagle3_depth: int = 7  # with method eagle3: expansions after the first level
+    eagle3_top_k: int = 10  # with method eagle3: children per node and frontier width
 
     def __post_init__(self) -> None:
         if not (self.budget == "auto" or (isinstance(self.budget, int) and not isinstance(self.budget, bool)
@@ -58,7 +63,8 @@ class SpeculativeConfig:
             raise ValueError(f"budget must be 'auto' or a positive int, got {self.budget!r}")
         for name, low, high in (("context_window", 1, None), ("context_order", 1, None), ("lookup_length", 0, None),
                                 ("gate_probe_every", 5, 1024), ("max_prefill_tokens", 1, None),
-                                ("prefix_cache_tokens", 0, None)):
+                                ("prefix_cache_tokens", 0, None), ("eagle3_depth", 1, None), ("eagle3_top_k", 1, None),
+                                ("eagle3_total_tokens", 2, None)):
             value = getattr(self, name)
             if not isinstance(value, int) or value < low or (high is not None and value > high):
                 raise ValueError(f"{name} must be an int in {low}..{high or 'any'}, got {value!r}")
@@ -67,6 +73,11 @@ class SpeculativeConfig:
         for name in ("cuda_graphs", "draft_graphs", "pooled_budget", "grammar_drafting"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.eagle3_total_tokens > self.eagle3_top_k * (1 + self.eagle3_depth * self.eagle3_top_k) + 1:
+            raise ValueError(f"eagle3_total_tokens {self.eagle3_total_tokens} is more than an EAGLE-3 tree of "
+                             f"depth {self.eagle3_depth} and top-k {self.eagle3_top_k} drafts (plus the root)")
         if not self.lookup_preference > 0:
             raise ValueError(f"lookup_preference must be > 0, got {self.lookup_preference!r}")
 

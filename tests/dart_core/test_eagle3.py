@@ -182,3 +182,26 @@ def test_sampling_with_the_eagle3_drafter_matches_the_target_distribution():
         [prompt] * 3000, SamplingParams(temperature=0.6, max_new_tokens=4, seed=1))
     assert res.tau > 1.1  # drafts were accepted, not only residual draws
     _assert_columns_follow(np.array(res.token_ids), p2, p3)
+
+
+def test_dart_model_with_method_eagle3(tiny_model_dir):
+    """``SpeculativeConfig(method="eagle3")`` loads an EAGLE-3 head (a folder, or "random") and
+    drafts with it under the adaptive budget; greedy text equals autoregressive decoding; without
+    a head it is refused, since none ships."""
+    from dart_core.api import DartModel
+    from dart_core.spec.speculative import SpeculativeConfig
+
+    cfg = SpeculativeConfig(method="eagle3", eagle3_total_tokens=12, eagle3_depth=3, eagle3_top_k=4)
+    model = DartModel.from_pretrained(tiny_model_dir, head="random", trie=None, speculative_config=cfg)
+    assert isinstance(model.engine.drafter, Eagle3Drafter) and model.engine.head is None
+    prompt = [{"role": "user", "content": "Count from one to ten."}]
+    ar = model.generate(prompt, max_new_tokens=16, speculative=False)
+    assert model.generate(prompt, max_new_tokens=16)[0].token_ids == ar[0].token_ids
+    with pytest.raises(ValueError, match="needs an EAGLE-3 head"):
+        DartModel.from_pretrained(tiny_model_dir, trie=None, speculative_config=cfg)
+    none = DartModel.from_pretrained(tiny_model_dir, trie=None, speculative_config=SpeculativeConfig(method="none"))
+    assert none.engine.drafter is None
+    with pytest.raises(ValueError, match="method must be one of"):
+        SpeculativeConfig(method="medusa")
+    with pytest.raises(ValueError, match="eagle3_total_tokens"):
+        SpeculativeConfig(method="eagle3", eagle3_total_tokens=50, eagle3_depth=1, eagle3_top_k=4)
