@@ -417,7 +417,7 @@ class ContinuousBatcher:
         """Running and queued requests, decoding steps by mode, and the engine's prefix cache
         (:meth:`PrefixCache.stats <dart_core.model.prefix_cache.PrefixCache.stats>`, keys prefixed
         ``prefix_cache_``; none without one)."""
-        pc = self.engine.prefix_cache
+        pc = getattr(self.engine, "prefix_cache", None)  # an engine without one (a test double): none
         return {"running": self.running, "queued": self.queued, "speculative_steps": self.steps["speculative"],
                 "autoregressive_steps": self.steps["autoregressive"]} | (
             {f"prefix_cache_{k}": v for k, v in pc.stats().items()} if pc is not None else {})
