@@ -345,14 +345,8 @@ class DartModel:
     @staticmethod
     def _load_eagle3_head(head, name: str, target: TargetModel, dtype: torch.dtype) -> Eagle3Head:
         if head == "random":  # torch's default initialisation, seeded (tests, and the served path without weights)
-            c = target.config
             torch.manual_seed(0)
-            h = Eagle3Head(Eagle3Config(
-                hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
-                num_key_value_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-                head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-                intermediate_size=c.intermediate_size, vocab_size=c.vocab_size, draft_vocab_size=c.vocab_size,
-                target_hidden_size=c.hidden_size, rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6)))
+            h = Eagle3Head(Eagle3Config.for_target(target.config))
             return h.to(device=target.device, dtype=dtype).eval()
         if head is None:
             raise ValueError(f"method eagle3 needs an EAGLE-3 head folder (head=...): none ships for {name}")

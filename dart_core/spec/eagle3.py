@@ -48,7 +48,7 @@ from ngram_service.tree_search import DraftTree
 logger = logging.getLogger(__name__)
 
 __all__ = ["Eagle3Config", "Eagle3Head", "Eagle3Cache", "Eagle3Tree", "Eagle3Drafter", "load_eagle3_head",
-           "draft_tree", "EAGLE3_ARCHITECTURES"]
+           "save_eagle3_head", "draft_tree", "EAGLE3_ARCHITECTURES"]
 
 #: ``architectures`` names of published EAGLE-3 checkpoints (the EAGLE repository, SpecForge, AngelSlim)
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -73,6 +73,21 @@ class Eagle3Config:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     hidden_act: str = "silu"
+
+    @classmethod
+    def for_target(cls, target_config, *, draft_vocab_size: int | None = None) -> "Eagle3Config":
+        """One decoder layer of the target's shape (what EAGLE-3 trains for a target), with a draft
+        vocabulary of ``draft_vocab_size`` tokens (default the target's)."""
+        c = target_config
+        heads = c.num_attention_heads
+        return cls(hidden_size=c.hidden_size, num_attention_heads=heads,
+                   num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+                   intermediate_size=c.intermediate_size, vocab_size=c.vocab_size,
+                   draft_vocab_size=draft_vocab_size or c.vocab_size, target_hidden_size=c.hidden_size,
+                   rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
+                   rope_theta=float(getattr(c, "rope_theta", None) or 10000.0),
+                   max_position_embeddings=getattr(c, "max_position_embeddings", 2048))
 
     @classmethod
     def from_json_dict(cls, d: dict) -> "Eagle3Config":
@@ -223,6 +238,24 @@ def load_eagle3_head(folder: str | Path, target_config=None, *, device: str | to
     head.load_state_dict(state, strict=False)
     logger.info("loaded EAGLE-3 head from %s (draft vocabulary %d)", folder, config.draft_vocab_size)
     return head.to(device=device, dtype=dtype).eval()
+
+
+def save_eagle3_head(head: Eagle3Head, folder: str | Path, *, dtype: torch.dtype | None = torch.bfloat16) -> None:
+    """Writes ``config.json`` (``architectures`` ``LlamaForCausalLMEagle3``, as published checkpoints
+    name it) and ``model.safetensors`` in the published layout: what :func:`load_eagle3_head` and the
+    reference's loader read."""
+    from dataclasses import asdict
+
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {name: (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous()
+             for name, t in head.state_dict().items() if not name.startswith("rotary.")}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = asdict(head.config) | {"architectures": [EAGLE3_ARCHITECTURES[0]], "model_type": "llama",
+                                    "num_hidden_layers": 1}
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:

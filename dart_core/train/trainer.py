@@ -46,10 +46,13 @@ import torch
 from tqdm.auto import tqdm
 
 from dart_core.spec.draft_head import DartDraftHead, DraftHeadConfig, save_draft_head
+from dart_core.spec.eagle3 import save_eagle3_head
 from dart_core.step.engine import _sync
 from dart_core.train.data import (RESPONSES, DataConfig, Example, answer_prompts, is_teacher_forced,
                                   later_turn_prompts, load_examples, prompt_examples, read_examples,
                                   stored_examples, training_prompts)
+from dart_core.train.eagle3 import (eagle3_sequence_loss, evaluate_eagle3_accuracy, evaluate_eagle3_tau,
+                                    init_eagle3_head)
 from dart_core.train.features import Features, choose_draft_vocab, compute_features
 from ngram_service.cache import cache_root
 
@@ -93,6 +96,8 @@ class TrainConfig:
     final_norm_twice: bool = False  # train for the reference's lm_head(norm(norm(h))) path instead of lm_head(norm(h))
     init_from: str | None = None  # warm start: a head folder to continue from (same target; its draft vocabulary is kept)
     sequences_per_forward: int | None = None  # sequences padded into one head forward (None: 8 on CUDA, 1 elsewhere)
+    method: str = "dart"  # "dart": the DART head; "eagle3": an EAGLE-3 head with the training-time test (train/eagle3.py)
+    ttt_steps: int = 7  # with method eagle3: unrolled steps of the training-time test (EAGLE-3's length)
 
 
 def _device(cfg: TrainConfig) -> torch.device:
@@ -355,6 +360,8 @@ def _run_key(cfg: TrainConfig, train_rows: list[int]) -> str:
     fields = {k: v for k, v in asdict(cfg).items() if k not in ("out", "work_dir", "threads", "device", "max_minutes",
                                                                 "eval_every", "save_every", "eval_tau_prompts",
                                                                 "sequences_per_forward")}
+    if fields["method"] == "dart":  # keys of DART runs as before the method existed
+        del fields["method"], fields["ttt_steps"]
     fields["data"] = {k: v for k, v in fields["data"].items()
                       if not (k in _KEY_NEUTRAL_DATA and v == _KEY_NEUTRAL_DATA[k])}
     blob = json.dumps(fields, sort_keys=True, default=str) + json.dumps(train_rows)
@@ -424,6 +431,12 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
     if not train_ex:
         raise ValueError(f"no training sequences in {data_dir} below prompt index {cfg.data.num_prompts}")
     eos = target.tokenizer.eos_token_id if target.tokenizer is not None else None
+    if cfg.method not in ("dart", "eagle3"):
+        raise ValueError(f'method must be "dart" or "eagle3", got {cfg.method!r}')
+    eagle3 = cfg.method == "eagle3"
+    if eagle3 and (cfg.init_from or cfg.final_norm_twice or cfg.ttt_steps < 1):
+        raise ValueError("method eagle3 trains from scratch with one final norm and ttt_steps >= 1 "
+                         "(no --init-from, no --final-norm-twice)")
     if cfg.init_from:  # a warm start keeps the head's draft vocabulary
         head = warm_start_head(cfg.init_from, target, final_norm_twice=cfg.final_norm_twice)
         draft_vocab = head_draft_vocab(head)
@@ -433,7 +446,8 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
     else:
         draft_vocab = choose_draft_vocab(train_ex, cfg.draft_vocab_size, target.config.vocab_size,
                                          always=(eos,) if eos is not None else ())
-        head = init_head(target, draft_vocab, cfg.seed, final_norm_twice=cfg.final_norm_twice)
+        head = (init_eagle3_head(target, draft_vocab, cfg.seed) if eagle3
+                else init_head(target, draft_vocab, cfg.seed, final_norm_twice=cfg.final_norm_twice))
     t0 = time.time()
     feats = compute_features(target, train_ex + held_ex, work / "features", draft_vocab=draft_vocab,
                              top_k=cfg.teacher_top_k, max_length=cfg.max_length, progress=progress,
@@ -487,7 +501,8 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
         order_rng.shuffle(perm)
         order += perm
     held_prompts = [e.prompt_ids for e in held_ex[: cfg.eval_tau_prompts]]
-    bar = tqdm(total=total, initial=step, desc="training draft head", unit="step", disable=not progress)
+    bar = tqdm(total=total, initial=step, desc=f"training {'EAGLE-3' if eagle3 else 'draft'} head", unit="step",
+               disable=not progress)
     t_train = time.time() - train_s
     anchors_seen = 0
     step_s, timed_steps = 0.0, 0  # optimizer steps alone (no evaluation, no checkpoint), the call's first left out
@@ -508,7 +523,11 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
                     anchor_lists.append(anchors)
             if not seqs:
                 continue
-            loss = _batch_loss(head, embed, seqs, anchor_lists, cfg.gamma, device, autocast)[0].sum()
+            if eagle3:  # one sequence per forward: its positions are the batch
+                loss = sum(eagle3_sequence_loss(head, embed, seq, anchors, cfg.ttt_steps, cfg.gamma, device,
+                                                autocast)[0] for seq, anchors in zip(seqs, anchor_lists))
+            else:
+                loss = _batch_loss(head, embed, seqs, anchor_lists, cfg.gamma, device, autocast)[0].sum()
             (loss / len(batch)).backward()
             loss_sum += float(loss.detach())
             anchors_seen += sum(len(a) for a in anchor_lists)
@@ -525,10 +544,15 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
         last = step == total
         out_of_time = deadline is not None and time.time() > deadline and not last
         if (cfg.eval_every and step % cfg.eval_every == 0) or last:
-            ev = evaluate_accuracy(head, embed, feats, held_rows, device, cfg.gamma)
+            if eagle3:
+                ev = evaluate_eagle3_accuracy(head, embed, feats, held_rows, device, cfg.ttt_steps, cfg.gamma)
+            else:
+                ev = evaluate_accuracy(head, embed, feats, held_rows, device, cfg.gamma)
             if cfg.eval_tau_prompts:
-                ev["tau"] = evaluate_tau(head, target, held_prompts, budget=cfg.eval_budget,
-                                         max_new_tokens=cfg.eval_tau_tokens)
+                ev["tau"] = (evaluate_eagle3_tau(head, target, held_prompts, total_tokens=cfg.eval_budget,
+                                                 max_new_tokens=cfg.eval_tau_tokens) if eagle3 else
+                             evaluate_tau(head, target, held_prompts, budget=cfg.eval_budget,
+                                          max_new_tokens=cfg.eval_tau_tokens))
             ev["step"] = step
             history.append(ev)
             logger.info("step %d: held-out top-1 %s, loss %.3f, tau %s", step, ev["top1"], ev["loss"], ev.get("tau"))
@@ -546,7 +570,7 @@ def train(cfg: TrainConfig, *, target=None, progress: bool = True) -> dict:
     finished = step >= total
     train_wall = time.time() - t_train
     if finished:
-        save_draft_head(head, cfg.out, dtype=torch.bfloat16)
+        (save_eagle3_head if eagle3 else save_draft_head)(head, cfg.out, dtype=torch.bfloat16)
     summary = {
         "config": asdict(cfg),
         "finished": finished,
