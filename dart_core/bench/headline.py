@@ -7,7 +7,9 @@ per row, the result files (``bench/results/...``), the kind (``decoding``: a
 method's tokens/s over a baseline method's in the same pass, median over the
 passes of every file; ``serving``: DART's tokens/s over no speculation's at one
 concurrency; ``structured``: grammar-aware DART's tokens/s over constrained autoregressive
-decoding's in the same run) and what the files do not record themselves: the draft head, the
+decoding's in the same run; ``traffic``: the repetitive-traffic benchmark's DART with the live corpus over
+no speculation, end to end, per request class, as its own table reads it: the ratio of the
+medians over passes) and what the files do not record themselves: the draft head, the
 date and the command that made them. Every number comes from the files; the
 manifest holds none.
 """
@@ -61,6 +63,12 @@ def _cell(row: dict, folder: Path) -> tuple[str, dict]:
     if row["kind"] == "structured":  # grammar-aware DART over constrained autoregressive decoding, same run
         ratios = [r["modes"]["dart"]["tokens_per_s"] / r["modes"]["autoregressive"]["tokens_per_s"] for r in results]
         return f"{statistics.median(ratios):.2f}× ({results[0]['schemas']} JSON schemas)", results[0]
+    if row["kind"] == "traffic":  # dart_core.bench.traffic: learn-on over no-speculation, end to end
+        names = {"repeat": "exact repeats", "later": "every later request", "first": "first-seen requests",
+                 "variant": "templated variants", "all": "all requests"}
+        s = results[0]["summary"]
+        return ", ".join(f"{s['learn-on'][c]['tokens_per_s']['median'] / s['no-speculation'][c]['tokens_per_s']['median']:.2f}×"
+                         f" {names[c]}" for c in row["classes"]), results[0]
     raise ValueError(f"unknown kind {row['kind']!r}")
 
 
