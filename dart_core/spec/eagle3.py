@@ -21,8 +21,8 @@ best of every candidate, kept in generation order under the root.  tests/dart_co
 checks the forward (logits and KV cache to 1e-5) and the trees (equal) against the reference run on
 a random checkpoint (tests/fixtures/reference-eagle3/README.md).
 
-:class:`Eagle3Drafter` serves it behind the engine's drafter interface.  Not yet here: a batched
-draft (rows are drafted one after another), training, and the ``method`` switch of the deployment.
+:func:`draft_trees` drafts a batch at once, and :class:`Eagle3Drafter` serves it behind the engine's
+drafter interface.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from dart_core.model.device import sync_device
-from dart_core.model.kv_cache import zero_pad
 from dart_core.spec.draft_head import HeadLoadError, add_reference_layers, checked_state
 from dart_core.spec.drafters import DraftInputs, Drafter, HeadState, Proposal, ProposalKind
 from ngram_service.tree_search import DraftTree
@@ -48,7 +47,7 @@ from ngram_service.tree_search import DraftTree
 logger = logging.getLogger(__name__)
 
 __all__ = ["Eagle3Config", "Eagle3Head", "Eagle3Cache", "Eagle3Tree", "Eagle3Drafter", "load_eagle3_head",
-           "save_eagle3_head", "draft_tree", "EAGLE3_ARCHITECTURES"]
+           "save_eagle3_head", "draft_tree", "draft_trees", "EAGLE3_ARCHITECTURES"]
 
 #: ``architectures`` names of published EAGLE-3 checkpoints (the EAGLE repository, SpecForge, AngelSlim)
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -325,7 +324,7 @@ class Eagle3Tree:
 def draft_tree(head: Eagle3Head, embed: nn.Module, cache: Eagle3Cache, taps: torch.Tensor, next_ids: torch.Tensor,
                *, total_tokens: int = 60, depth: int = 7, top_k: int = 10) -> Eagle3Tree:
     """Drafts one sequence's tree (EAGLE-2's dynamic tree with the EAGLE-3 head; the reference's
-    ``topK_genrate``), appending the new real positions to ``cache``.
+    ``topK_genrate``), appending the new real positions to ``cache``: :func:`draft_trees` for one row.
 
     Args:
         head: the EAGLE-3 head.
@@ -347,70 +346,112 @@ def draft_tree(head: Eagle3Head, embed: nn.Module, cache: Eagle3Cache, taps: tor
         ValueError: ``next_ids`` and ``taps`` of different lengths, or ``total_tokens``
             above the candidates drafted (top_k + depth · top_k², plus the root).
     """
-    t, q = cache.length, taps.shape[1]
+    q = taps.shape[1]
     if next_ids.shape[1] != q or not q:
         raise ValueError(f"{next_ids.shape[1]} next ids for {q} new positions (one each, at least one)")
+    c = head.config
+    empty = taps.new_zeros(1, c.num_key_value_heads, 0, c.head_dim, dtype=head.dtype)
+    keys = cache.keys if cache.keys is not None else empty
+    values = cache.values if cache.values is not None else empty
+    (tree,), new_k, new_v = draft_trees(head, embed, keys, values, torch.tensor([cache.length], device=taps.device),
+                                        taps, next_ids, torch.tensor([q], device=taps.device),
+                                        total_tokens=total_tokens, depth=depth, top_k=top_k)
+    cache.keys, cache.values = torch.cat([keys, new_k], dim=2), torch.cat([values, new_v], dim=2)
+    return tree
+
+
+@torch.no_grad()
+def draft_trees(head: Eagle3Head, embed: nn.Module, keys: torch.Tensor, values: torch.Tensor,
+                lengths: torch.Tensor, taps: torch.Tensor, next_ids: torch.Tensor, counts: torch.Tensor, *,
+                total_tokens: int = 60, depth: int = 7, top_k: int = 10
+                ) -> tuple[list[Eagle3Tree], torch.Tensor, torch.Tensor]:
+    """:func:`draft_tree` for B sequences at once: one head forward per tree level for the whole
+    batch (ragged caches and new positions masked per row), the same trees as drafting each row
+    alone up to floating-point summation order (tested equal).
+
+    Args:
+        keys, values: [B, H_kv, T, D] the draft KV caches (row b's first ``lengths[b]`` valid).
+        lengths: [B] int64.
+        taps: [B, W, 3 · H_target] the new positions' taps (row b's first ``counts[b]`` real).
+        next_ids: [B, W] int64 their next tokens (padding anything), row b's last real one its root.
+        counts: [B] int64 new positions per row, each >= 1.
+
+    Returns:
+        (one :class:`Eagle3Tree` per row; new keys, values [B, H_kv, W, D] of the new positions, row
+        b's first ``counts[b]`` real: what the caches append).
+
+    Raises:
+        ValueError: a row without a new position, or ``total_tokens`` above the candidates drafted.
+    """
     if not 1 <= total_tokens - 1 <= top_k + depth * top_k * top_k:
         raise ValueError(f"total_tokens must be in 2..{top_k + depth * top_k * top_k + 1}, got {total_tokens}")
-    device = taps.device
-    c = head.config
-    empty = taps.new_zeros(1, c.num_key_value_heads, 0, c.head_dim)
-    past_k = cache.keys if cache.keys is not None else empty
-    past_v = cache.values if cache.values is not None else empty
-    # the real positions: their outputs, and the cache kept for the next draft
-    h, ks, vs = head(taps, embed(next_ids), torch.arange(t, t + q, device=device)[None], past_k, past_v, None)
-    cache.keys, cache.values = torch.cat([past_k, ks], dim=2), torch.cat([past_v, vs], dim=2)
-    real = t + q
-    logp = torch.log_softmax(head.logits(h[0, -1]).float(), dim=-1)
-    scores, draft_ids = logp.topk(top_k)
-    tokens = [head.draft_to_target(draft_ids)]  # per level: candidate target ids, flat
+    if bool((counts < 1).any()):
+        raise ValueError("every row needs at least one new position")
+    b, w = next_ids.shape
+    t = keys.shape[2]
+    device, dtype = taps.device, head.dtype
+    low = torch.finfo(dtype).min
+    col = torch.arange(w, device=device)
+    # the real positions: each row's cache, then its new positions causally (padding rows see themselves)
+    cached = torch.arange(t, device=device)[None, :] < lengths[:, None]  # [B, T]
+    causal = (col[None, :] <= col[:, None])[None] & (col[None, None, :] < counts[:, None, None])  # [B, W, W]
+    causal |= torch.eye(w, dtype=torch.bool, device=device)[None]
+    allowed = torch.cat([cached[:, None, :].expand(b, w, t), causal], dim=2)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, low)[:, None]
+    h, new_k, new_v = head(taps.to(dtype), embed(next_ids).to(dtype), lengths[:, None] + col[None, :], keys, values,
+                           mask)
+    rows = torch.arange(b, device=device)
+    last = h[rows, counts - 1]  # [B, H]: the root's position
+    logp = torch.log_softmax(head.logits(last).float(), dim=-1)
+    scores, draft_ids = logp.topk(top_k, dim=-1)  # [B, k]
+    tokens = [head.draft_to_target(draft_ids)]  # per level [B, candidates]
     cand_scores = [scores]
-    cand_parents = [torch.full((top_k,), -1, dtype=torch.long, device=device)]  # -1: the root
-    frontier = torch.arange(top_k, device=device)  # the frontier's flat candidate indices
+    cand_parents = [torch.full((b, top_k), -1, dtype=torch.long, device=device)]
+    frontier = torch.arange(top_k, device=device).expand(b, top_k)
     frontier_ids, frontier_scores = tokens[0], scores
-    hidden = h[:, -1:].expand(1, top_k, c.hidden_size)
-    keys, values = cache.keys, cache.values
-    lineage = torch.eye(top_k, dtype=torch.bool, device=device)  # [top_k, tree entries so far]
-    offset = top_k  # flat index of the next level's first candidate
+    hidden = last[:, None].expand(b, top_k, last.shape[-1])
+    real = torch.cat([cached, col[None, :] < counts[:, None]], dim=1)  # [B, T + W] visible real entries
+    all_k, all_v = torch.cat([keys, new_k], 2), torch.cat([values, new_v], 2)
+    lineage = torch.eye(top_k, dtype=torch.bool, device=device).expand(b, top_k, top_k)
+    base = (lengths + counts)[:, None]  # each row's first tree position
+    offset = top_k
     for level in range(depth):
-        allowed = torch.cat([torch.ones(top_k, real, dtype=torch.bool, device=device), lineage], dim=1)
-        mask = torch.zeros(1, 1, top_k, allowed.shape[1], dtype=h.dtype, device=device).masked_fill(
-            ~allowed[None, None], torch.finfo(h.dtype).min)
-        positions = torch.full((1, top_k), real + level, dtype=torch.long, device=device)
-        out, ks, vs = head(hidden, embed(frontier_ids[None]), positions, keys, values, mask)
-        keys, values = torch.cat([keys, ks], dim=2), torch.cat([values, vs], dim=2)
-        logp = torch.log_softmax(head.logits(out[0]).float(), dim=-1)  # [top_k, V_draft]
-        child_p, child_ids = logp.topk(top_k, dim=-1)
-        cumulative = child_p + frontier_scores[:, None]  # [top_k rows, top_k children]
-        flat = cumulative.reshape(-1)
-        tokens.append(head.draft_to_target(child_ids.reshape(-1)))
+        allowed = torch.cat([real[:, None, :].expand(b, top_k, real.shape[1]), lineage], dim=2)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, low)[:, None]
+        out, ks, vs = head(hidden, embed(frontier_ids).to(dtype), (base + level).expand(b, top_k), all_k, all_v, mask)
+        all_k, all_v = torch.cat([all_k, ks], 2), torch.cat([all_v, vs], 2)
+        logp = torch.log_softmax(head.logits(out).float(), dim=-1)  # [B, k, V_draft]
+        child_p, child_ids = logp.topk(top_k, dim=-1)  # [B, k, k]
+        flat = (child_p + frontier_scores[:, :, None]).reshape(b, -1)  # [B, k²]
+        tokens.append(head.draft_to_target(child_ids.reshape(b, -1)))
         cand_scores.append(flat)
-        cand_parents.append(frontier.repeat_interleave(top_k))
-        best_p, best = flat.topk(top_k)
-        rows = best // top_k
+        cand_parents.append(frontier.repeat_interleave(top_k, dim=1))
+        frontier_scores, best = flat.topk(top_k, dim=-1)
+        parent_rows = best // top_k
         frontier = offset + best
-        frontier_scores = best_p
-        frontier_ids = tokens[-1][best]
-        hidden = out[:, rows]
-        lineage = torch.cat([lineage[rows], torch.eye(top_k, dtype=torch.bool, device=device)], dim=1)
+        frontier_ids = tokens[-1].gather(1, best)
+        hidden = out.gather(1, parent_rows[:, :, None].expand(b, top_k, out.shape[-1]))
+        lineage = torch.cat([lineage.gather(1, parent_rows[:, :, None].expand(b, top_k, lineage.shape[2])),
+                             torch.eye(top_k, dtype=torch.bool, device=device).expand(b, top_k, top_k)], dim=2)
         offset += top_k * top_k
-    all_scores = torch.cat(cand_scores)
-    kept = all_scores.topk(total_tokens - 1).indices.sort().values  # generation order
-    node_of = torch.full((len(all_scores),), -1, dtype=torch.long, device=device)
-    node_of[kept] = torch.arange(1, total_tokens, device=device)
-    parent_flat = torch.cat(cand_parents)[kept]
-    parents = torch.where(parent_flat < 0, 0, node_of[parent_flat.clamp(min=0)])
+    all_scores, all_tokens, all_parents = torch.cat(cand_scores, 1), torch.cat(tokens, 1), torch.cat(cand_parents, 1)
+    kept = all_scores.topk(total_tokens - 1, dim=-1).indices.sort(dim=-1).values  # [B, N - 1], generation order
+    node_of = torch.full(all_scores.shape, -1, dtype=torch.long, device=device)
+    node_of.scatter_(1, kept, torch.arange(1, total_tokens, device=device).expand(b, -1))
+    parent_flat = all_parents.gather(1, kept)
+    parents = torch.where(parent_flat < 0, 0, node_of.gather(1, parent_flat.clamp(min=0)))
     if bool((parents < 0).any()):
         raise RuntimeError("a kept candidate's parent was not kept (scores out of order)")
-    root = next_ids[0, -1:]
-    return Eagle3Tree(tokens=torch.cat([root, torch.cat(tokens)[kept]]).cpu(),
-                      parents=torch.cat([torch.tensor([-1], device=device), parents]).cpu(),
-                      scores=torch.cat([torch.zeros(1, device=device), all_scores[kept]]).cpu())
+    roots = next_ids[rows, counts - 1]
+    tok = torch.cat([roots[:, None], all_tokens.gather(1, kept)], 1).cpu()
+    par = torch.cat([torch.full((b, 1), -1, dtype=torch.long, device=device), parents], 1).cpu()
+    sc = torch.cat([torch.zeros(b, 1, device=device), all_scores.gather(1, kept)], 1).cpu()
+    return [Eagle3Tree(tok[i], par[i], sc[i]) for i in range(b)], new_k, new_v
 
 
 class Eagle3Drafter(Drafter):
-    """Drafts each running sequence's tree with an EAGLE-3 head (:func:`draft_tree`), one sequence
-    after another, behind the engine's drafter interface: the engine keeps the target's taps of every
+    """Drafts the running sequences' trees with an EAGLE-3 head (:func:`draft_trees`: one head
+    forward per tree level for the whole batch), behind the engine's drafter interface: the engine keeps the target's taps of every
     accepted position in the drafter's :class:`~dart_core.spec.drafters.HeadState` (its KV cache holds
     the head's real positions), verifies the trees with tree attention and accepts as for DART.
 
@@ -445,28 +486,26 @@ class Eagle3Drafter(Drafter):
     def propose(self, inputs: DraftInputs) -> Proposal:
         state = inputs.state
         t0 = time.perf_counter()
-        trees, new_k, new_v = [], [], []
-        for b, nexts in enumerate(state.next):
-            n, length = len(nexts), int(state.cache.lengths[b])
-            if not n:  # nothing accepted since the last draft (cannot happen between speculative steps)
-                trees.append(DraftTree.from_parents([inputs.tokens[b][-1]], [-1], [0], [0.0], [1.0]))
-                new_k.append(state.cache.keys[b:b + 1, :, :0])
-                new_v.append(state.cache.values[b:b + 1, :, :0])
-                continue
-            cache = Eagle3Cache(state.cache.keys[b:b + 1, :, :length], state.cache.values[b:b + 1, :, :length])
-            tree = draft_tree(self.head, self.embed, cache, state.taps[b:b + 1, :n].to(self.head.dtype),
-                              torch.tensor([nexts], dtype=torch.long, device=state.taps.device),
-                              total_tokens=self.total_tokens, depth=self.depth, top_k=self.top_k)
-            new_k.append(cache.keys[:, :, length:])
-            new_v.append(cache.values[:, :, length:])
-            parents = tree.parents.numpy()
-            scores = tree.scores.numpy().astype(np.float64)
-            probs = np.exp(scores - np.where(parents < 0, 0.0, scores[np.maximum(parents, 0)]))
-            probs[0] = 1.0
-            trees.append(DraftTree.from_parents(tree.tokens.numpy(), parents, tree.depths.numpy(), scores, probs))
-        width = max(k.shape[2] for k in new_k)
-        state.cache.append(torch.cat([zero_pad(k, 2, width) for k in new_k]),
-                           torch.cat([zero_pad(v, 2, width) for v in new_v]), state.counts)
+        width = state.width
+        if width < 1 or any(not n for n in state.next):  # a row with nothing accepted since its last draft
+            raise RuntimeError("an EAGLE-3 draft needs every row's newly accepted positions")
+        nexts = torch.tensor([row + [0] * (width - len(row)) for row in state.next], dtype=torch.long,
+                             device=state.taps.device)
+        trees, new_k, new_v = draft_trees(self.head, self.embed, state.cache.keys, state.cache.values,
+                                          state.cache.lengths, state.taps[:, :width], nexts, state.counts,
+                                          total_tokens=self.total_tokens, depth=self.depth, top_k=self.top_k)
+        state.cache.append(new_k, new_v, state.counts)
         state.clear()
         sync_device(state.taps.device)
-        return Proposal(trees, kind=ProposalKind.TREE, draft_ms=1e3 * (time.perf_counter() - t0))
+        return Proposal([_draft_tree(tree) for tree in trees], kind=ProposalKind.TREE,
+                        draft_ms=1e3 * (time.perf_counter() - t0))
+
+
+def _draft_tree(tree: Eagle3Tree) -> DraftTree:
+    """The engine's :class:`~ngram_service.tree_search.DraftTree` of an EAGLE tree: each node's
+    acceptance estimate its draft probability given its parent (the root's 1)."""
+    parents = tree.parents.numpy()
+    scores = tree.scores.numpy().astype(np.float64)
+    probs = np.exp(scores - np.where(parents < 0, 0.0, scores[np.maximum(parents, 0)]))
+    probs[0] = 1.0
+    return DraftTree.from_parents(tree.tokens.numpy(), parents, tree.depths.numpy(), scores, probs)

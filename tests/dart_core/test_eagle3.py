@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from dart_core.spec.budget import AdaptiveBudget, VerifyCostCurve
 from dart_core.spec.draft_head import HeadLoadError
-from dart_core.spec.eagle3 import Eagle3Cache, Eagle3Config, Eagle3Drafter, Eagle3Head, draft_tree, load_eagle3_head
+from dart_core.spec.eagle3 import (Eagle3Cache, Eagle3Config, Eagle3Drafter, Eagle3Head, draft_tree, draft_trees,
+                                   load_eagle3_head)
 from dart_core.step.engine import DartEngine
 from dart_core.step.sampling import SamplingParams
 
@@ -233,3 +234,30 @@ def test_eagle3_training_learns_saves_a_loadable_head_that_decodes_losslessly(tm
     with pytest.raises(ValueError, match="method eagle3 trains from scratch"):
         train(TrainConfig(out=str(tmp_path / "x"), method="eagle3", init_from=str(tmp_path / "eagle3"), **base),
               target=target, progress=False)
+
+
+@pytest.mark.parametrize("case", ["default", "small"])
+def test_a_batched_draft_gives_each_row_the_reference_tree(reference, case):
+    """draft_trees over two rows at once, of different cache lengths and new positions (the
+    reference's first draft, and its second after the first's cache), gives both reference trees
+    and the new positions' keys and values of drafting each row alone."""
+    head, embed, inp = reference
+    ref = load_file(str(FIXTURE / "ref_tree.safetensors"))
+    total, depth, top_k = ref[f"{case}.params"].tolist()
+    first = Eagle3Cache()
+    draft_tree(head, embed, first, inp["step1_hidden_states"], inp["step1_draft_input_ids"],
+               total_tokens=total, depth=depth, top_k=top_k)
+    h, kv = head.config.num_key_value_heads, head.config.head_dim
+    keys = torch.zeros(2, h, 11, kv)
+    values = torch.zeros(2, h, 11, kv)
+    keys[1], values[1] = first.keys[0], first.values[0]
+    taps = torch.zeros(2, 11, 288)
+    taps[0], taps[1, :3] = inp["step1_hidden_states"][0], inp["step2_hidden_states"][0]
+    nexts = torch.zeros(2, 11, dtype=torch.long)
+    nexts[0], nexts[1, :3] = inp["step1_draft_input_ids"][0], inp["step2_draft_input_ids"][0]
+    trees, new_k, _ = draft_trees(head, embed, keys, values, torch.tensor([0, 11]), taps, nexts, torch.tensor([11, 3]),
+                                  total_tokens=total, depth=depth, top_k=top_k)
+    for tree, call in zip(trees, (1, 2)):
+        assert torch.equal(tree.tokens[None], ref[f"{case}.call{call}.draft_tokens"])
+        assert torch.equal(tree.paths(), ref[f"{case}.call{call}.retrieve_indices"])
+    torch.testing.assert_close(new_k[0], first.keys[0], atol=1e-5, rtol=1e-5)
