@@ -68,7 +68,8 @@ __all__ = ["pass_ratios", "METHODS", "DEFAULT_METHODS", "LLAMA_CPP_METHODS", "DA
            "agreement"]
 
 METHODS = ("autoregressive", "hf-generate", "hf-prompt-lookup", "dart-no-ngram", "dart", "dart-context", "dart-grpc",
-           "dense-autoregressive", "llama-cpp", "llama-cpp-lookup", "stock-autoregressive", "stock-dart-context")
+           "dense-autoregressive", "llama-cpp", "llama-cpp-lookup", "stock-autoregressive", "stock-dart-context",
+           "eagle3")
 DEFAULT_METHODS = METHODS[:7]  # the comparison methods that need a second model are asked for by name
 LLAMA_CPP_METHODS = ("llama-cpp", "llama-cpp-lookup")
 DART_METHODS = ("dart-no-ngram", "dart", "dart-context", "dart-grpc")
@@ -101,6 +102,8 @@ class DecodingConfig:
     threads: int | None = None  # torch CPU threads (default: torch's)
     cuda_graphs: bool = False  # CUDA: verification and draft replayed as CUDA graphs over static KV caches
     seed: int = 0
+    eagle3_head: str | None = None  # method eagle3: an EAGLE-3 head folder (published layout; none ships)
+    eagle3_total_tokens: int = 60  # method eagle3: tree nodes, root included (the reference's default)
 
 
 @dataclass
@@ -233,6 +236,7 @@ class _Bench:
         # method into autoregressive steps, and is shared by the methods) stays off here;
         # the serving benchmark measures the served engine, gate included
         self.engine.gate = None
+        self.eagle3 = self._load_eagle3(cfg) if "eagle3" in cfg.methods else None
         if self.engine.head is None and set(cfg.methods) & {*DART_METHODS, "stock-dart-context"}:
             raise ValueError("the DART methods need a draft head: pass --head (none ships for this model)")
         self.tokenizer = self.model.tokenizer
@@ -251,6 +255,22 @@ class _Bench:
             self.searchers["dart-grpc"] = GrpcTreeSearch(
                 self.grpc_server.address, timeout_ms=cfg.grpc_timeout_ms,
                 vocab_hash=tokenizer_identity(self.tokenizer)[1])
+
+    def _load_eagle3(self, cfg: DecodingConfig):
+        """An engine on the same target drafting with the EAGLE-3 head ``cfg.eagle3_head`` (the
+        reference's depth 7 and top-k 10, ``eagle3_total_tokens`` nodes), its own adaptive budget
+        on the same verification cost curve when the run's budget is adaptive, else that many nodes."""
+        from dart_core.spec.budget import AdaptiveBudget
+        from dart_core.spec.eagle3 import Eagle3Drafter, load_eagle3_head
+        from dart_core.step.engine import DartEngine
+
+        if cfg.eagle3_head is None:
+            raise ValueError("method eagle3 needs --eagle3-head FOLDER (an EAGLE-3 checkpoint; none ships)")
+        target = self.engine.target
+        head = load_eagle3_head(cfg.eagle3_head, target.config, device=target.device, dtype=target.dtype)
+        total = cfg.eagle3_total_tokens if cfg.budget == "auto" else int(cfg.budget) + 1
+        budget = AdaptiveBudget(self.engine.budget.curve) if self.engine.budget is not None else None
+        return DartEngine(target, drafter=Eagle3Drafter(head, target.embed_tokens, total_tokens=total), budget=budget)
 
     def _load_dense(self, cfg: DecodingConfig) -> None:
         from dart_core.step.engine import DartEngine
@@ -314,6 +334,11 @@ class _Bench:
             return _Run(res.token_ids[0], time.perf_counter() - t0, res.emitted_after_prefill, res.sequence_steps,
                         res.target_forwards, dict(res.phase_ms))
         sampling = self.model.sampling_params(max_new_tokens=max_new_tokens, temperature=cfg.temperature, seed=seed)
+        if method == "eagle3":
+            t0 = time.perf_counter()
+            res = self.eagle3.generate([ids], sampling)
+            return _Run(res.token_ids[0], time.perf_counter() - t0, res.emitted_after_prefill, res.sequence_steps,
+                        res.target_forwards, dict(res.phase_ms))
         if method != "autoregressive":
             self.engine.tree_search = self.searchers[method]
             self.engine.search_params = self.params[method in _CONTEXT_METHODS]

@@ -261,3 +261,29 @@ def test_a_batched_draft_gives_each_row_the_reference_tree(reference, case):
         assert torch.equal(tree.tokens[None], ref[f"{case}.call{call}.draft_tokens"])
         assert torch.equal(tree.paths(), ref[f"{case}.call{call}.retrieve_indices"])
     torch.testing.assert_close(new_k[0], first.keys[0], atol=1e-5, rtol=1e-5)
+
+
+def test_the_decoding_benchmark_runs_eagle3_losslessly(tiny_model_dir, tmp_path):
+    """``python -m dart_core.bench --methods autoregressive eagle3 --eagle3-head DIR``: EAGLE-3 beside
+    autoregressive decoding on the same target, lossless, its τ and phases reported; without a
+    head it is refused by name."""
+    from transformers import AutoConfig
+
+    from dart_core.bench import decoding
+    from dart_core.spec.eagle3 import save_eagle3_head
+
+    torch.manual_seed(0)
+    save_eagle3_head(Eagle3Head(Eagle3Config.for_target(AutoConfig.from_pretrained(tiny_model_dir))),
+                     tmp_path / "eagle3", dtype=None)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Write a function that adds two numbers."}\n{"prompt": "def fib(n):"}\n')
+    base = dict(model=tiny_model_dir, head="random", trie="none", datasets=[str(prompts)], num_prompts=2,
+                max_new_tokens=10, repeats=1)
+    result = decoding.run_decoding(decoding.DecodingConfig(
+        **base, methods=["autoregressive", "eagle3"], eagle3_head=str(tmp_path / "eagle3"), eagle3_total_tokens=8),
+        progress=False)
+    rows = {r["method"]: r for r in result["rows"]}
+    assert rows["eagle3"]["lossless"] is True and rows["eagle3"]["tau"] >= 1.0
+    assert rows["eagle3"]["ms_per_step"]["draft"] > 0
+    with pytest.raises(ValueError, match="--eagle3-head"):
+        decoding.run_decoding(decoding.DecodingConfig(**base, methods=["eagle3"]), progress=False)

@@ -742,3 +742,33 @@ def test_the_ngram_service_writes_its_snapshot_when_serve_stops_it(app, tmp_path
     assert not snap.exists()  # the periodic snapshot (every minute) has not run yet
     serve.delete("snapshot-ngram")
     assert [d.tolist() for d in read_snapshot(snap).documents()] == docs
+
+
+def test_an_app_with_method_eagle3_answers_with_the_targets_greedy_text(app, reference):
+    """``method: eagle3`` serves with an EAGLE-3 drafter (here a random head: none ships): the
+    OpenAI client's answer is the target's greedy text, ``usage.dart.tau`` is reported, and the
+    engine's steps speculate."""
+    from openai import OpenAI
+
+    from deployments.config import AppConfig
+    from deployments.engine import DartEngineDeployment
+    from deployments.ingress import OpenAIIngress
+
+    cfg = AppConfig.model_validate({"model": app["model"], "served_model_name": "eagle3", "head": "random",
+                                    "method": "eagle3", "budget": 8, "eagle3_total_tokens": 12, "eagle3_depth": 3,
+                                    "eagle3_top_k": 4, "ngram": {"enabled": False}})
+    engine = DartEngineDeployment.options(name="Eagle3Engine", ray_actor_options={"num_cpus": 0.5}).bind(
+        cfg.model_dump(), None)
+    ingress = OpenAIIngress.options(name="Eagle3Ingress", ray_actor_options={"num_cpus": 0.1}).bind(
+        engine, cfg.model_dump())
+    serve.run(ingress, name="eagle3", route_prefix="/eagle3")
+    try:
+        msgs = [{"role": "user", "content": "Name three colours."}]
+        out = OpenAI(base_url=f"{HTTP}/eagle3/v1", api_key="unused", max_retries=0).chat.completions.create(
+            model="eagle3", messages=msgs, max_tokens=12, temperature=0)
+        assert out.choices[0].message.content == reference(msgs, 12)
+        assert out.usage.model_extra["dart"]["tau"] >= 1.0
+        stats = serve.get_deployment_handle("Eagle3Engine", app_name="eagle3").stats.remote().result()
+        assert stats["speculative_steps"] > 0
+    finally:
+        serve.delete("eagle3")
