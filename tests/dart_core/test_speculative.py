@@ -47,10 +47,12 @@ def test_every_field_is_reachable_from_the_app_config():
     values = dict(budget=9, top_k=5, beam_width=4, context_weight=0.25, cuda_graphs=True, context_window=500,
                   context_order=3, lookup_length=6, lookup_preference=1.5, gate_probe_every=32,
                   max_prefill_tokens=1000, draft_graphs=False, pooled_budget=True, grammar_drafting=False,
-                  fold_width=7)
+                  fold_width=7, prefix_cache_tokens=100, method="eagle3", eagle3_total_tokens=20, eagle3_depth=3,
+                  eagle3_top_k=5)
     spec = AppConfig.model_validate(values).speculative_config()
     for f in dataclasses.fields(SpeculativeConfig):
         if f.name != "search":
             assert getattr(spec, f.name) == values[f.name], f.name
     assert (spec.search.top_k, spec.search.beam_width, spec.search.context_weight) == (5, 4, 0.25)
-    assert AppConfig.model_validate({}).speculative_config() == SpeculativeConfig()  # null fields: the defaults
+    # null fields: the defaults; the one served default that differs: the prefix cache is on in a deployment
+    assert AppConfig.model_validate({}).speculative_config() == SpeculativeConfig(prefix_cache_tokens=8192)
