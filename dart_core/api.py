@@ -297,8 +297,12 @@ class DartModel:
         name = getattr(target.tokenizer, "dart_model_name", DEFAULT_MODEL)
         draft = drafter = None
         if spec.method == "eagle3":  # an EAGLE-3 head's dynamic trees instead of DART's head and search
-            drafter = Eagle3Drafter(cls._load_eagle3_head(head, name, target, draft_dtype or target.dtype),
-                                    target.embed_tokens, total_tokens=spec.eagle3_total_tokens,
+            draft_weights = resolve_draft_weights(draft_weights, target, draft_dtype)
+            eagle = cls._load_eagle3_head(head, name, target, torch.float32 if draft_weights == "q8_0"
+                                          else draft_dtype or target.dtype)
+            if draft_weights == "q8_0":  # as the DART head's: Q8_0 blocks, the qmm kernel
+                logger.info("quantised %d linear layers of the EAGLE-3 head to Q8_0", quantize_linears(eagle))
+            drafter = Eagle3Drafter(eagle, target.embed_tokens, total_tokens=spec.eagle3_total_tokens,
                                     depth=spec.eagle3_depth, top_k=spec.eagle3_top_k)
         elif spec.method == "dart":
             draft_weights = resolve_draft_weights(draft_weights, target, draft_dtype)

@@ -40,6 +40,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--eagle3-head", default=d.eagle3_head, help="method eagle3: an EAGLE-3 head folder (none ships)")
     ap.add_argument("--eagle3-total-tokens", type=int, default=d.eagle3_total_tokens,
                     help="method eagle3: tree nodes, root included (with --budget N: N + 1)")
+    ap.add_argument("--eagle3-depth", type=int, default=d.eagle3_depth, help="method eagle3: expansions after level 1")
+    ap.add_argument("--eagle3-top-k", type=int, default=d.eagle3_top_k, help="method eagle3: children per node")
     ap.add_argument("--out", default="bench/results", help="folder for decoding.json/.md/.png")
     ap.add_argument("--no-progress", action="store_true")
     return ap

@@ -104,6 +104,8 @@ class DecodingConfig:
     seed: int = 0
     eagle3_head: str | None = None  # method eagle3: an EAGLE-3 head folder (published layout; none ships)
     eagle3_total_tokens: int = 60  # method eagle3: tree nodes, root included (the reference's default)
+    eagle3_depth: int = 7  # method eagle3: expansions after the first level (the reference's default)
+    eagle3_top_k: int = 10  # method eagle3: children per node and frontier width (the reference's default)
 
 
 @dataclass
@@ -257,8 +259,9 @@ class _Bench:
                 vocab_hash=tokenizer_identity(self.tokenizer)[1])
 
     def _load_eagle3(self, cfg: DecodingConfig):
-        """An engine on the same target drafting with the EAGLE-3 head ``cfg.eagle3_head`` (the
-        reference's depth 7 and top-k 10, ``eagle3_total_tokens`` nodes), its own adaptive budget
+        """An engine on the same target drafting with the EAGLE-3 head ``cfg.eagle3_head``
+        (``eagle3_depth``, ``eagle3_top_k``, ``eagle3_total_tokens`` nodes; its linear layers in Q8_0 blocks
+        where the run's draft weights are: ``draft_weights``), its own adaptive budget
         on the same verification cost curve when the run's budget is adaptive, else that many nodes."""
         from dart_core.spec.budget import AdaptiveBudget
         from dart_core.spec.eagle3 import Eagle3Drafter, load_eagle3_head
@@ -266,11 +269,19 @@ class _Bench:
 
         if cfg.eagle3_head is None:
             raise ValueError("method eagle3 needs --eagle3-head FOLDER (an EAGLE-3 checkpoint; none ships)")
+        from dart_core.api import resolve_draft_weights
+        from dart_core.model.quant import quantize_linears
+
         target = self.engine.target
-        head = load_eagle3_head(cfg.eagle3_head, target.config, device=target.device, dtype=target.dtype)
+        q8 = resolve_draft_weights(cfg.draft_weights, target, None) == "q8_0"  # the DART head's weights policy
+        head = load_eagle3_head(cfg.eagle3_head, target.config, device=target.device,
+                                dtype=torch.float32 if q8 else target.dtype)
+        if q8:
+            quantize_linears(head)
         total = cfg.eagle3_total_tokens if cfg.budget == "auto" else int(cfg.budget) + 1
         budget = AdaptiveBudget(self.engine.budget.curve) if self.engine.budget is not None else None
-        return DartEngine(target, drafter=Eagle3Drafter(head, target.embed_tokens, total_tokens=total), budget=budget)
+        return DartEngine(target, drafter=Eagle3Drafter(head, target.embed_tokens, total_tokens=total,
+                                                        depth=cfg.eagle3_depth, top_k=cfg.eagle3_top_k), budget=budget)
 
     def _load_dense(self, cfg: DecodingConfig) -> None:
         from dart_core.step.engine import DartEngine

@@ -174,7 +174,8 @@ class Eagle3Head(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The head's activations' dtype (its norms keep it when the linear layers are Q8_0 blocks)."""
+        return self.norm.weight.dtype
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[..., H] forward output -> [..., V_draft] draft logits: ``lm_head(norm(h))``."""
