@@ -48,7 +48,7 @@ from ngram_service.tree_search import SearchParams
 logger = logging.getLogger(__name__)
 
 __all__ = ["DartModel", "Completion", "GenerateOutput", "StreamChunk", "SHIPPED_HEADS", "DRAFT_WEIGHTS", "default_weights",
-           "default_draft_weights"]
+           "default_draft_weights", "resolve_draft_weights", "eagle3_drafter"]
 
 Message = dict  # {"role": ..., "content": ...}
 Prompt = Union[str, Sequence[int], Sequence[Message]]
@@ -129,6 +129,34 @@ def resolve_draft_weights(draft_weights: str, target: TargetModel, draft_dtype: 
     if draft_weights == "q8_0" and draft_dtype not in (None, torch.float32):
         raise ValueError(f"draft_weights='q8_0' computes in float32; draft_dtype={draft_dtype} needs dense weights")
     return draft_weights
+
+
+def eagle3_drafter(head: str | Path | None, target: TargetModel, *, draft_weights: str = "auto",
+                   draft_dtype: torch.dtype | None = None, total_tokens: int = 60, depth: int = 7,
+                   top_k: int = 10) -> Eagle3Drafter:
+    """An :class:`~dart_core.spec.eagle3.Eagle3Drafter` on ``target`` (``method="eagle3"``): the
+    EAGLE-3 head in ``head`` (:func:`~dart_core.spec.eagle3.load_eagle3_head`), or ``"random"`` for
+    one of the target's shape with torch's default initialisation, seeded (tests), its linear
+    layers as the DART head's are (:func:`resolve_draft_weights`: Q8_0 blocks on a CPU with
+    AVX-512), in ``draft_dtype`` or the target's dtype otherwise.
+
+    Raises:
+        ValueError: no ``head`` (none ships); a ``draft_weights`` :func:`resolve_draft_weights`
+            refuses; tree sizes :class:`~dart_core.spec.eagle3.Eagle3Drafter` refuses.
+        HeadLoadError: as :func:`~dart_core.spec.eagle3.load_eagle3_head`."""
+    q8 = resolve_draft_weights(draft_weights, target, draft_dtype) == "q8_0"
+    dtype = torch.float32 if q8 else draft_dtype or target.dtype
+    if head == "random":
+        torch.manual_seed(0)
+        eagle = Eagle3Head(Eagle3Config.for_target(target.config)).to(device=target.device, dtype=dtype).eval()
+    elif head is None:
+        name = getattr(target.tokenizer, "dart_model_name", DEFAULT_MODEL)
+        raise ValueError(f"method eagle3 needs an EAGLE-3 head folder (head=...): none ships for {name}")
+    else:
+        eagle = load_eagle3_head(head, target.config, device=target.device, dtype=dtype)
+    if q8:  # Q8_0 blocks run by the qmm kernel, as the DART head's
+        logger.info("quantised %d linear layers of the EAGLE-3 head to Q8_0", quantize_linears(eagle))
+    return Eagle3Drafter(eagle, target.embed_tokens, total_tokens=total_tokens, depth=depth, top_k=top_k)
 
 
 def default_weights(model: str | None = None, *, dtype: torch.dtype | None = None, device: str | None = None,
@@ -297,13 +325,9 @@ class DartModel:
         name = getattr(target.tokenizer, "dart_model_name", DEFAULT_MODEL)
         draft = drafter = None
         if spec.method == "eagle3":  # an EAGLE-3 head's dynamic trees instead of DART's head and search
-            draft_weights = resolve_draft_weights(draft_weights, target, draft_dtype)
-            eagle = cls._load_eagle3_head(head, name, target, torch.float32 if draft_weights == "q8_0"
-                                          else draft_dtype or target.dtype)
-            if draft_weights == "q8_0":  # as the DART head's: Q8_0 blocks, the qmm kernel
-                logger.info("quantised %d linear layers of the EAGLE-3 head to Q8_0", quantize_linears(eagle))
-            drafter = Eagle3Drafter(eagle, target.embed_tokens, total_tokens=spec.eagle3_total_tokens,
-                                    depth=spec.eagle3_depth, top_k=spec.eagle3_top_k)
+            drafter = eagle3_drafter(head, target, draft_weights=draft_weights, draft_dtype=draft_dtype,
+                                     total_tokens=spec.eagle3_total_tokens, depth=spec.eagle3_depth,
+                                     top_k=spec.eagle3_top_k)
         elif spec.method == "dart":
             draft_weights = resolve_draft_weights(draft_weights, target, draft_dtype)
             draft = cls._load_head(head, name, target, torch.float32 if draft_weights == "q8_0"
@@ -345,16 +369,6 @@ class DartModel:
                 return None
             head = shipped
         return load_draft_head(head, target.config, device=target.device, dtype=dtype).eval()
-
-    @staticmethod
-    def _load_eagle3_head(head, name: str, target: TargetModel, dtype: torch.dtype) -> Eagle3Head:
-        if head == "random":  # torch's default initialisation, seeded (tests, and the served path without weights)
-            torch.manual_seed(0)
-            h = Eagle3Head(Eagle3Config.for_target(target.config))
-            return h.to(device=target.device, dtype=dtype).eval()
-        if head is None:
-            raise ValueError(f"method eagle3 needs an EAGLE-3 head folder (head=...): none ships for {name}")
-        return load_eagle3_head(head, target.config, device=target.device, dtype=dtype)
 
     @staticmethod
     def _load_trie(trie, name: str, tokenizer, *, small: bool = False) -> NgramTrie | None:

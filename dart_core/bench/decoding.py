@@ -118,6 +118,14 @@ class _Run:
     phase_ms: dict = field(default_factory=dict)
 
 
+def _timed(engine, ids: list[int], sampling, *, speculative: bool = True) -> _Run:
+    """One prompt through ``engine.generate``, timed, with its step counts and phases."""
+    t0 = time.perf_counter()
+    res = engine.generate([ids], sampling, speculative=speculative)
+    return _Run(res.token_ids[0], time.perf_counter() - t0, res.emitted_after_prefill, res.sequence_steps,
+                res.target_forwards, dict(res.phase_ms))
+
+
 _CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # the ones that decide which kernels are fast
 
 
@@ -260,28 +268,21 @@ class _Bench:
 
     def _load_eagle3(self, cfg: DecodingConfig):
         """An engine on the same target drafting with the EAGLE-3 head ``cfg.eagle3_head``
-        (``eagle3_depth``, ``eagle3_top_k``, ``eagle3_total_tokens`` nodes; its linear layers in Q8_0 blocks
-        where the run's draft weights are: ``draft_weights``), its own adaptive budget
-        on the same verification cost curve when the run's budget is adaptive, else that many nodes."""
+        (``eagle3_depth``, ``eagle3_top_k``, ``eagle3_total_tokens`` nodes; its linear layers as the
+        run's ``draft_weights`` put the DART head's: :func:`dart_core.api.eagle3_drafter`), its own
+        adaptive budget on the same verification cost curve when the run's budget is adaptive, else
+        that many nodes."""
+        from dart_core.api import eagle3_drafter
         from dart_core.spec.budget import AdaptiveBudget
-        from dart_core.spec.eagle3 import Eagle3Drafter, load_eagle3_head
         from dart_core.step.engine import DartEngine
 
         if cfg.eagle3_head is None:
             raise ValueError("method eagle3 needs --eagle3-head FOLDER (an EAGLE-3 checkpoint; none ships)")
-        from dart_core.api import resolve_draft_weights
-        from dart_core.model.quant import quantize_linears
-
-        target = self.engine.target
-        q8 = resolve_draft_weights(cfg.draft_weights, target, None) == "q8_0"  # the DART head's weights policy
-        head = load_eagle3_head(cfg.eagle3_head, target.config, device=target.device,
-                                dtype=torch.float32 if q8 else target.dtype)
-        if q8:
-            quantize_linears(head)
         total = cfg.eagle3_total_tokens if cfg.budget == "auto" else int(cfg.budget) + 1
+        drafter = eagle3_drafter(cfg.eagle3_head, self.engine.target, draft_weights=cfg.draft_weights,
+                                 total_tokens=total, depth=cfg.eagle3_depth, top_k=cfg.eagle3_top_k)
         budget = AdaptiveBudget(self.engine.budget.curve) if self.engine.budget is not None else None
-        return DartEngine(target, drafter=Eagle3Drafter(head, target.embed_tokens, total_tokens=total,
-                                                        depth=cfg.eagle3_depth, top_k=cfg.eagle3_top_k), budget=budget)
+        return DartEngine(self.engine.target, drafter=drafter, budget=budget)
 
     def _load_dense(self, cfg: DecodingConfig) -> None:
         from dart_core.step.engine import DartEngine
@@ -340,24 +341,14 @@ class _Bench:
         if method == "dense-autoregressive":
             sampling = self.model.sampling_params(max_new_tokens=max_new_tokens, temperature=cfg.temperature,
                                                   seed=seed)
-            t0 = time.perf_counter()
-            res = self.dense.generate([ids], sampling, speculative=False)
-            return _Run(res.token_ids[0], time.perf_counter() - t0, res.emitted_after_prefill, res.sequence_steps,
-                        res.target_forwards, dict(res.phase_ms))
+            return _timed(self.dense, ids, sampling, speculative=False)
         sampling = self.model.sampling_params(max_new_tokens=max_new_tokens, temperature=cfg.temperature, seed=seed)
         if method == "eagle3":
-            t0 = time.perf_counter()
-            res = self.eagle3.generate([ids], sampling)
-            return _Run(res.token_ids[0], time.perf_counter() - t0, res.emitted_after_prefill, res.sequence_steps,
-                        res.target_forwards, dict(res.phase_ms))
+            return _timed(self.eagle3, ids, sampling)
         if method != "autoregressive":
             self.engine.tree_search = self.searchers[method]
             self.engine.search_params = self.params[method in _CONTEXT_METHODS]
-        t0 = time.perf_counter()
-        res = self.engine.generate([ids], sampling, speculative=method != "autoregressive")
-        seconds = time.perf_counter() - t0
-        return _Run(res.token_ids[0], seconds, res.emitted_after_prefill, res.sequence_steps, res.target_forwards,
-                    dict(res.phase_ms))
+        return _timed(self.engine, ids, sampling, speculative=method != "autoregressive")
 
     def _run_llama_cpp(self, llm, ids: list[int], max_new_tokens: int, seed: int) -> _Run:
         """llama.cpp on the same prompt ids: greedy at T = 0 (else its sampler at the run's
