@@ -221,6 +221,23 @@ def add_reference_layers(module: nn.Module, c, mask_slots: bool = True) -> None:
     module.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
 
 
+@torch.no_grad()
+def start_from_target(head: nn.Module, output_embedding: torch.Tensor, draft_vocab) -> None:
+    """Where training starts a head with the reference layers (:func:`add_reference_layers`; DART's
+    or EAGLE-3's), in place: ``lm_head`` rows copied from the target's output embedding
+    (``output_embedding`` [V, H]) for the draft vocabulary (``draft_vocab`` [V_draft] target ids,
+    ascending), ``fc`` the identity on the highest tap plus a tenth of its random initialisation,
+    ``d2t`` / ``t2d`` for that vocabulary."""
+    vocab = torch.tensor(np.asarray(draft_vocab, dtype=np.int64))
+    head.lm_head.weight.copy_(output_embedding[vocab].float().cpu())
+    hidden, target_hidden = head.fc.weight.shape[0], head.fc.weight.shape[1] // 3
+    head.fc.weight.mul_(0.1)
+    head.fc.weight[:, 2 * target_hidden:] += torch.eye(hidden, target_hidden)
+    head.d2t.copy_(vocab - torch.arange(len(vocab)))
+    head.t2d.zero_()
+    head.t2d[vocab] = True
+
+
 class DartDraftHead(nn.Module):
     """The DART draft head (module docstring).  Parameter names follow the
     reference checkpoints: ``fc``, ``midlayer.*``, ``norm``, ``lm_head``,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from dart_core.spec.draft_head import start_from_target
 from dart_core.spec.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head
 from dart_core.step.engine import DartEngine
 from dart_core.step.sampling import SamplingParams
@@ -31,18 +32,11 @@ __all__ = ["init_eagle3_head", "eagle3_sequence_loss", "evaluate_eagle3_accuracy
 def init_eagle3_head(target, draft_vocab: np.ndarray, seed: int) -> Eagle3Head:
     """A head of the target's shape (:meth:`Eagle3Config.for_target`): ``lm_head`` rows copied from
     the target's output embedding for the draft vocabulary, ``fc`` starting as the identity on the
-    highest tap (small random weights on the others), the rest torch's seeded initialisation."""
+    highest tap (small random weights on the others), the rest torch's seeded initialisation
+    (:func:`~dart_core.spec.draft_head.start_from_target`)."""
     torch.manual_seed(seed)
     head = Eagle3Head(Eagle3Config.for_target(target.config, draft_vocab_size=len(draft_vocab)))
-    vocab = torch.tensor(np.asarray(draft_vocab, dtype=np.int64))
-    c = head.config
-    with torch.no_grad():
-        head.lm_head.weight.copy_(target.model.get_output_embeddings().weight[vocab].float().cpu())
-        head.fc.weight.mul_(0.1)
-        head.fc.weight[:, 2 * c.target_hidden_size:] += torch.eye(c.hidden_size, c.target_hidden_size)
-        head.d2t.copy_(vocab - torch.arange(len(vocab)))
-        head.t2d.zero_()
-        head.t2d[vocab] = True
+    start_from_target(head, target.model.get_output_embeddings().weight, draft_vocab)
     return head
 
 

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from dart_core.spec.draft_head import DartDraftHead, DraftHeadConfig, save_draft_head
+from dart_core.spec.draft_head import DartDraftHead, DraftHeadConfig, save_draft_head, start_from_target
 from dart_core.spec.eagle3 import save_eagle3_head
 from dart_core.step.engine import _sync
 from dart_core.train.data import (RESPONSES, DataConfig, Example, answer_prompts, is_teacher_forced,
@@ -104,29 +104,16 @@ def _device(cfg: TrainConfig) -> torch.device:
     return torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def _d2t(draft_vocab: np.ndarray) -> torch.Tensor:
-    """The head's ``d2t`` buffer [V_draft] for this draft vocabulary: draft index i is target id i + d2t[i]."""
-    vocab = torch.as_tensor(draft_vocab)
-    return vocab - torch.arange(len(vocab))
-
-
 def init_head(target, draft_vocab: np.ndarray, seed: int, *, final_norm_twice: bool = False) -> DartDraftHead:
     """A head of the target's shape: lm_head rows copied from the target's
     output embedding for the draft vocabulary, fc starting as the identity on
-    the highest tap (small random weights on the others), the rest random."""
+    the highest tap (small random weights on the others), the rest random
+    (:func:`~dart_core.spec.draft_head.start_from_target`)."""
     cfg = replace(DraftHeadConfig.for_target(target.config, draft_vocab_size=len(draft_vocab)),
                   final_norm_twice=final_norm_twice)
     head = DartDraftHead(cfg)
     head.reset_parameters(seed)
-    vocab = torch.as_tensor(draft_vocab)
-    with torch.no_grad():
-        head.lm_head.weight.copy_(target.model.get_output_embeddings().weight[vocab].float().cpu())
-        h = cfg.target_hidden_size
-        head.fc.weight.mul_(0.1)
-        head.fc.weight[:, 2 * h:] += torch.eye(cfg.hidden_size, h)
-        head.d2t.copy_(_d2t(draft_vocab))
-        head.t2d.zero_()
-        head.t2d[vocab] = True
+    start_from_target(head, target.model.get_output_embeddings().weight, draft_vocab)
     return head
 
 
