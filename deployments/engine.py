@@ -24,6 +24,7 @@ from ray.serve import metrics
 
 from dart_core.serve.request import GenerationChunk, GenerationRequest
 from deployments.config import AppConfig, NgramConfig
+from deployments.metrics import StatsMetrics
 
 logger = logging.getLogger("ray.serve")
 
@@ -39,7 +40,6 @@ class _Metrics:
 
     def __init__(self, tree_search=None, learner=None, learn_prompts: bool = False, prefix_cache=None) -> None:
         self.tree_search = tree_search
-        self.prefix_cache = prefix_cache  # the engine's PrefixCache, or None
         self.learner, self.learn_prompts = learner, learn_prompts  # a LearnSender, or None: nothing is learned
         self.tokens = metrics.Counter("dart_generated_tokens", description="tokens generated")
         self.tau = metrics.Histogram("dart_tau", description="acceptance length (tau) per request",
@@ -64,15 +64,13 @@ class _Metrics:
         self.queue = metrics.Gauge("dart_queue_length", description="requests waiting to join the batch")
         self.wait = metrics.Histogram("dart_queue_wait_ms", description="time from arrival to joining the batch",
                                       boundaries=_MS_BUCKETS)
-        self.prefix_tokens = metrics.Gauge("dart_prefix_cache_tokens", description="prompt positions the prefix "
-                                           "cache holds (its cap: prefix_cache_tokens)")
-        self.prefix_bytes = metrics.Gauge("dart_prefix_cache_bytes", description="memory of the prefix cache's KV "
-                                          "entries and taps, bytes")
-        self.prefix_counters = {name: metrics.Counter(f"dart_prefix_cache_{name}", description=text) for name, text in (
-            ("lookups", "prompts looked up in the prefix cache"), ("hits", "prompts that found a stored prefix"),
-            ("hit_tokens", "prompt tokens not prefilled: read from the prefix cache"),
-            ("evictions", "prompts evicted from the prefix cache"))}
-        self._prefix_seen = dict.fromkeys(self.prefix_counters, 0)
+        # the engine's PrefixCache (dart_core.model.prefix_cache), or None
+        self.prefix_cache = None if prefix_cache is None else StatsMetrics(prefix_cache.stats, "dart_prefix_cache", gauges={
+            "tokens": "prompt positions the prefix cache holds (its cap: prefix_cache_tokens)",
+            "bytes": "memory of the prefix cache's KV entries and taps, bytes"}, counters={
+            "lookups": "prompts looked up in the prefix cache", "hits": "prompts that found a stored prefix",
+            "hit_tokens": "prompt tokens not prefilled: read from the prefix cache",
+            "evictions": "prompts evicted from the prefix cache"})
         self._fallbacks_seen = 0
         self.flush_s = 1.0  # seconds between hand-overs of the summed counters (on_step)
         self._flushed = time.monotonic()
@@ -121,13 +119,7 @@ class _Metrics:
             self.batch.set(self._batch_size)
             self._batch_size = None
         if self.prefix_cache is not None:
-            stats = self.prefix_cache.stats()
-            self.prefix_tokens.set(stats["tokens"])
-            self.prefix_bytes.set(stats["bytes"])
-            for name, counter in self.prefix_counters.items():
-                if stats[name] > self._prefix_seen[name]:
-                    counter.inc(stats[name] - self._prefix_seen[name])
-                    self._prefix_seen[name] = stats[name]
+            self.prefix_cache.update()
         fallbacks = getattr(self.tree_search, "fallbacks", 0)
         if fallbacks > self._fallbacks_seen:
             self.fallbacks.inc(fallbacks - self._fallbacks_seen)

@@ -22,15 +22,16 @@ to build one, the n-gram node runs without torch and transformers.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from pathlib import Path
 
 import grpc
 from ray import serve
-from ray.serve import metrics
 
 from deployments.config import AppConfig, NgramConfig
+from deployments.metrics import StatsMetrics
 from ngram_service.trie import TrieFormatError
 
 logger = logging.getLogger("ray.serve")
@@ -38,29 +39,17 @@ logger = logging.getLogger("ray.serve")
 LIVE_METRICS_S = 10.0  # how often the live corpus's counters go to Prometheus
 
 
-class _LiveMetrics:
+class _LiveMetrics(StatsMetrics):
     """The live corpus's counters (:class:`ngram_service.live.LiveStats`) as Ray Serve metrics:
     gauges of the tokens and bytes held, counters of documents inserted, tokens evicted, chains
     asked for and chains that matched (the hit rate is hits / lookups)."""
 
     def __init__(self, live) -> None:
+        super().__init__(lambda: dataclasses.asdict(live.stats()), "dart_ngram_live", gauges={
+            "tokens": "tokens the live corpus holds", "bytes": "memory of the live corpus's index, bytes"},
+            counters={"inserts": "documents added to the live corpus", "evicted": "tokens the live corpus evicted",
+                      "lookups": "chains asked of the live corpus", "hits": "chains the live corpus matched"})
         self.live = live
-        self.tokens = metrics.Gauge("dart_ngram_live_tokens", description="tokens the live corpus holds")
-        self.bytes = metrics.Gauge("dart_ngram_live_bytes", description="memory of the live corpus's index, bytes")
-        self.counters = {name: metrics.Counter(f"dart_ngram_live_{name}", description=text) for name, text in (
-            ("inserts", "documents added to the live corpus"), ("evicted", "tokens the live corpus evicted"),
-            ("lookups", "chains asked of the live corpus"), ("hits", "chains the live corpus matched"))}
-        self._last = dict.fromkeys(self.counters, 0)
-
-    def update(self) -> None:
-        st = self.live.stats()
-        self.tokens.set(st.tokens)
-        self.bytes.set(st.bytes)
-        for name, counter in self.counters.items():
-            now = getattr(st, name)
-            if now > self._last[name]:
-                counter.inc(now - self._last[name])
-            self._last[name] = now
 
 
 def admin_error(status: int, message: str) -> dict:

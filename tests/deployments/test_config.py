@@ -141,11 +141,51 @@ def test_step_metrics_record_the_verification_budget(monkeypatch):
     assert m.tokens.seen == [6, 1] and m.steps.seen[-1] == ("autoregressive", 1)
 
 
+def test_the_prefix_cache_figures_reach_prometheus_with_each_flush(monkeypatch):
+    """The engine replica's exporter of its prefix cache (the same StatsMetrics as the live
+    corpus's): gauges of positions and bytes held, counters of lookups, hits, tokens read from the
+    cache and evictions, each grown by what happened since the last flush."""
+    import types
+
+    import torch
+
+    from dart_core.model.prefix_cache import PrefixCache
+    from deployments import engine as engine_module
+    from deployments import metrics as metrics_module
+
+    class Metric:
+        def __init__(self, name, **kw):
+            self.name, self.seen = name, []
+
+        def inc(self, value=1):
+            self.seen.append(value)
+
+        def set(self, value):
+            self.seen.append(value)
+
+    cache = PrefixCache(8, block=4)
+    engine_module._Metrics(prefix_cache=cache)  # Ray's own metric classes accept the definitions
+    monkeypatch.setattr(metrics_module, "metrics", types.SimpleNamespace(Counter=Metric, Gauge=Metric))
+    m = engine_module._Metrics(prefix_cache=cache)
+    entries = [torch.zeros(1, 8, 2)], [torch.zeros(1, 8, 2)], torch.zeros(8, 3)
+    cache.store([1] * 8, *entries)
+    cache.lookup([1] * 8 + [2])
+    m.flush()
+    gauges, counters = m.prefix_cache.gauges, m.prefix_cache.counters
+    assert gauges["tokens"].seen == [8] and gauges["bytes"].seen == [cache.bytes]
+    assert {k: c.seen for k, c in counters.items()} == {"lookups": [1], "hits": [1], "hit_tokens": [8],
+                                                          "evictions": []}
+    cache.store([2] * 8, *entries)  # evicts the first
+    m.flush()
+    assert counters["evictions"].seen == [1] and counters["lookups"].seen == [1] and gauges["tokens"].seen == [8, 8]
+
+
 def test_the_live_corpus_counters_reach_prometheus_as_deltas(monkeypatch):
     """The n-gram replica's exporter: gauges of what the corpus holds, counters that grow by what
     happened since the last export (nothing when nothing did)."""
     import types
 
+    from deployments import metrics as metrics_module
     from deployments import ngram as ngram_module
     from ngram_service.live import LiveCorpus
 
@@ -160,20 +200,20 @@ def test_the_live_corpus_counters_reach_prometheus_as_deltas(monkeypatch):
             self.seen.append(value)
 
     ngram_module._LiveMetrics(LiveCorpus(max_tokens=64))  # Ray's own metric classes accept the definitions
-    monkeypatch.setattr(ngram_module, "metrics", types.SimpleNamespace(Counter=Metric, Gauge=Metric))
+    monkeypatch.setattr(metrics_module, "metrics", types.SimpleNamespace(Counter=Metric, Gauge=Metric))
     live = LiveCorpus(max_tokens=64)
     m = ngram_module._LiveMetrics(live)
     live.add([[1, 2, 3], [2, 3, 4]])
     live.chain([2, 3], 2)
     live.chain([9], 2)
     m.update()
-    assert m.tokens.seen == [8] and m.bytes.seen[0] > 0
+    assert m.gauges["tokens"].seen == [8] and m.gauges["bytes"].seen[0] > 0
     assert {k: c.seen for k, c in m.counters.items()} == {"inserts": [2], "evicted": [], "lookups": [2], "hits": [1]}
     m.update()
-    assert m.counters["inserts"].seen == [2] and m.tokens.seen == [8, 8]
+    assert m.counters["inserts"].seen == [2] and m.gauges["tokens"].seen == [8, 8]
     live.add([list(range(10, 40)), list(range(40, 70))])  # past the cap: the oldest are evicted
     m.update()
-    assert m.counters["inserts"].seen == [2, 2] and m.counters["evicted"].seen and m.tokens.seen[-1] <= 64
+    assert m.counters["inserts"].seen == [2, 2] and m.counters["evicted"].seen and m.gauges["tokens"].seen[-1] <= 64
 
 
 def test_the_torch_free_copies_of_the_kernel_and_draft_weight_choices_match_the_engines():
