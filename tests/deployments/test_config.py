@@ -141,6 +141,19 @@ def test_step_metrics_record_the_verification_budget(monkeypatch):
     assert m.tokens.seen == [6, 1] and m.steps.seen[-1] == ("autoregressive", 1)
 
 
+class _Recorded:
+    """A Ray Serve Counter or Gauge that records what it is given."""
+
+    def __init__(self, name, **kw):
+        self.name, self.seen = name, []
+
+    def inc(self, value=1):
+        self.seen.append(value)
+
+    def set(self, value):
+        self.seen.append(value)
+
+
 def test_the_prefix_cache_figures_reach_prometheus_with_each_flush(monkeypatch):
     """The engine replica's exporter of its prefix cache (the same StatsMetrics as the live
     corpus's): gauges of positions and bytes held, counters of lookups, hits, tokens read from the
@@ -153,19 +166,9 @@ def test_the_prefix_cache_figures_reach_prometheus_with_each_flush(monkeypatch):
     from deployments import engine as engine_module
     from deployments import metrics as metrics_module
 
-    class Metric:
-        def __init__(self, name, **kw):
-            self.name, self.seen = name, []
-
-        def inc(self, value=1):
-            self.seen.append(value)
-
-        def set(self, value):
-            self.seen.append(value)
-
     cache = PrefixCache(8, block=4)
     engine_module._Metrics(prefix_cache=cache)  # Ray's own metric classes accept the definitions
-    monkeypatch.setattr(metrics_module, "metrics", types.SimpleNamespace(Counter=Metric, Gauge=Metric))
+    monkeypatch.setattr(metrics_module, "metrics", types.SimpleNamespace(Counter=_Recorded, Gauge=_Recorded))
     m = engine_module._Metrics(prefix_cache=cache)
     entries = [torch.zeros(1, 8, 2)], [torch.zeros(1, 8, 2)], torch.zeros(8, 3)
     cache.store([1] * 8, *entries)
@@ -189,18 +192,8 @@ def test_the_live_corpus_counters_reach_prometheus_as_deltas(monkeypatch):
     from deployments import ngram as ngram_module
     from ngram_service.live import LiveCorpus
 
-    class Metric:
-        def __init__(self, name, **kw):
-            self.name, self.seen = name, []
-
-        def inc(self, value=1):
-            self.seen.append(value)
-
-        def set(self, value):
-            self.seen.append(value)
-
     ngram_module._LiveMetrics(LiveCorpus(max_tokens=64))  # Ray's own metric classes accept the definitions
-    monkeypatch.setattr(metrics_module, "metrics", types.SimpleNamespace(Counter=Metric, Gauge=Metric))
+    monkeypatch.setattr(metrics_module, "metrics", types.SimpleNamespace(Counter=_Recorded, Gauge=_Recorded))
     live = LiveCorpus(max_tokens=64)
     m = ngram_module._LiveMetrics(live)
     live.add([[1, 2, 3], [2, 3, 4]])
