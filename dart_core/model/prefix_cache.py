@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Iterable, Iterator
 
 import torch
 
@@ -79,19 +80,18 @@ class PrefixCache:
         """The hash of a prefix: the previous blocks' hash ``h`` and this block's tokens."""
         return hash((h, tuple(block)))
 
-    def _hashes(self, tokens, blocks: int) -> list[int]:
-        out, h = [], 0
+    def _hashes(self, tokens, blocks: int) -> Iterator[int]:
+        """The chained hashes of ``tokens``'s first ``blocks`` blocks, one per block, as they are needed."""
+        h = 0
         for i in range(blocks):
             h = self._chain(h, tokens[i * self.block:(i + 1) * self.block])
-            out.append(h)
-        return out
+            yield h
 
-    def _find(self, tokens, blocks: int) -> tuple[int, int | None]:
-        """(blocks matched, id of the entry holding them) of the longest stored prefix of
-        ``tokens``'s first ``blocks`` blocks."""
-        best, found, h = 0, None, 0
-        for i in range(blocks):
-            h = self._chain(h, tokens[i * self.block:(i + 1) * self.block])
+    def _find(self, tokens, hashes: Iterable[int]) -> tuple[int, int | None]:
+        """(blocks matched, id of the entry holding them) of the longest stored prefix of ``tokens``
+        among the blocks whose chained ``hashes`` are given."""
+        best, found = 0, None
+        for i, h in enumerate(hashes):
             ids = self._by_hash.get(h)
             if not ids:
                 break
@@ -107,7 +107,7 @@ class PrefixCache:
         if not self.max_tokens:
             return None
         self.lookups += 1
-        blocks, eid = self._find(prompt, (len(prompt) - 1) // self.block)
+        blocks, eid = self._find(prompt, self._hashes(prompt, (len(prompt) - 1) // self.block))
         if eid is None:
             return None
         self._entries.move_to_end(eid)
@@ -140,7 +140,8 @@ class PrefixCache:
             return False
         if any(t.shape[-2] < n for t in (*keys, *values)) or taps.shape[0] < n:
             raise ValueError(f"entries shorter than the prompt's {n} stored tokens")
-        held, eid = self._find(prompt, blocks)
+        hashes = list(self._hashes(prompt, blocks))
+        held, eid = self._find(prompt, hashes)
         if held == blocks:
             self._entries.move_to_end(eid)
             return False
@@ -149,8 +150,7 @@ class PrefixCache:
         ks = [k[:, :n].clone() for k in keys]
         vs = [v[:, :n].clone() for v in values]
         tp = taps[:n].clone()
-        e = _Entry(tuple(prompt[:n]), ks, vs, tp, self._hashes(prompt, blocks),
-                   sum(t.nbytes for t in (*ks, *vs, tp)))
+        e = _Entry(tuple(prompt[:n]), ks, vs, tp, hashes, sum(t.nbytes for t in (*ks, *vs, tp)))
         eid, self._next_id = self._next_id, self._next_id + 1
         self._entries[eid] = e
         for h in e.hashes:
