@@ -64,8 +64,9 @@ class _Metrics:
         self.queue = metrics.Gauge("dart_queue_length", description="requests waiting to join the batch")
         self.wait = metrics.Histogram("dart_queue_wait_ms", description="time from arrival to joining the batch",
                                       boundaries=_MS_BUCKETS)
-        # the engine's PrefixCache (dart_core.model.prefix_cache), or None
-        self.prefix_cache = None if prefix_cache is None else StatsMetrics(prefix_cache.stats, "dart_prefix_cache", gauges={
+        # the figures of the engine's PrefixCache (dart_core.model.prefix_cache), where it has one
+        self.prefix_metrics = None if prefix_cache is None else StatsMetrics(
+            prefix_cache.stats, "dart_prefix_cache", gauges={
             "tokens": "prompt positions the prefix cache holds (its cap: prefix_cache_tokens)",
             "bytes": "memory of the prefix cache's KV entries and taps, bytes"}, counters={
             "lookups": "prompts looked up in the prefix cache", "hits": "prompts that found a stored prefix",
@@ -118,8 +119,8 @@ class _Metrics:
         if self._batch_size is not None:
             self.batch.set(self._batch_size)
             self._batch_size = None
-        if self.prefix_cache is not None:
-            self.prefix_cache.update()
+        if self.prefix_metrics is not None:
+            self.prefix_metrics.update()
         fallbacks = getattr(self.tree_search, "fallbacks", 0)
         if fallbacks > self._fallbacks_seen:
             self.fallbacks.inc(fallbacks - self._fallbacks_seen)

@@ -174,7 +174,7 @@ def test_the_prefix_cache_figures_reach_prometheus_with_each_flush(monkeypatch):
     cache.store([1] * 8, *entries)
     cache.lookup([1] * 8 + [2])
     m.flush()
-    gauges, counters = m.prefix_cache.gauges, m.prefix_cache.counters
+    gauges, counters = m.prefix_metrics.gauges, m.prefix_metrics.counters
     assert gauges["tokens"].seen == [8] and gauges["bytes"].seen == [cache.bytes]
     assert {k: c.seen for k, c in counters.items()} == {"lookups": [1], "hits": [1], "hit_tokens": [8],
                                                           "evictions": []}
