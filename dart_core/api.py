@@ -290,9 +290,10 @@ class DartModel:
             ReferenceTrieError: a reference n-gram file that is truncated or inconsistent.
             HeadLoadError: the head does not fit the target.
             TokenizerMismatchError: the trie was built with another tokenizer.
-            ValueError: ``cuda_graphs`` off CUDA; method eagle3 without a head; an unknown ``weights``, or "gguf-native" where it
-                does not apply (see :meth:`TargetModel.from_pretrained`); an unknown
-                ``draft_weights``, or "q8_0" off the CPU, without AVX-512 or with a non-float32 ``draft_dtype``.
+            ValueError: ``cuda_graphs`` off CUDA; method eagle3 without a head; an unknown
+                ``weights``, or "gguf-native" where it does not apply (see
+                :meth:`TargetModel.from_pretrained`); an unknown ``draft_weights``, or "q8_0" off the
+                CPU, without AVX-512 or with a non-float32 ``draft_dtype``.
             GGUFWeightsError: a GGUF whose 4-bit blocks do not match its de-quantised weights.
         """
         if speculative_config is None:

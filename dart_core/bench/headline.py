@@ -67,8 +67,9 @@ def _cell(row: dict, folder: Path) -> tuple[str, dict]:
         names = {"repeat": "exact repeats", "later": "every later request", "first": "first-seen requests",
                  "variant": "templated variants", "all": "all requests"}
         s = results[0]["summary"]
-        return ", ".join(f"{s['learn-on'][c]['tokens_per_s']['median'] / s['no-speculation'][c]['tokens_per_s']['median']:.2f}×"
-                         f" {names[c]}" for c in row["classes"]), results[0]
+        tps = {m: {c: s[m][c]["tokens_per_s"]["median"] for c in row["classes"]} for m in ("learn-on", "no-speculation")}
+        return ", ".join(f"{tps['learn-on'][c] / tps['no-speculation'][c]:.2f}× {names[c]}"
+                         for c in row["classes"]), results[0]
     raise ValueError(f"unknown kind {row['kind']!r}")
 
 

@@ -452,9 +452,10 @@ def draft_trees(head: Eagle3Head, embed: nn.Module, keys: torch.Tensor, values: 
 
 class Eagle3Drafter(Drafter):
     """Drafts the running sequences' trees with an EAGLE-3 head (:func:`draft_trees`: one head
-    forward per tree level for the whole batch), behind the engine's drafter interface: the engine keeps the target's taps of every
-    accepted position in the drafter's :class:`~dart_core.spec.drafters.HeadState` (its KV cache holds
-    the head's real positions), verifies the trees with tree attention and accepts as for DART.
+    forward per tree level for the whole batch), behind the engine's drafter interface: the engine
+    keeps the target's taps of every accepted position in the drafter's
+    :class:`~dart_core.spec.drafters.HeadState` (its KV cache holds the head's real positions),
+    verifies the trees with tree attention and accepts as for DART.
 
     Args:
         head: the EAGLE-3 head, on the target's device.
