@@ -47,10 +47,15 @@ from ngram_service.trie import NgramTrie, pack_ragged, write_checksums
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BuildSummary", "build_trie", "build_trie_from_texts", "default_trie_path", "ensure_trie",
+__all__ = ["BuildError", "BuildSummary", "build_trie", "build_trie_from_texts", "default_trie_path", "ensure_trie",
            "ensure_default_trie", "snapshot_documents", "main"]
 
 _TOKENS_PER_ADD = 1 << 20
+
+
+class BuildError(RuntimeError):
+    """A build that failed for a reason other than its input or a local file (a distributed
+    build's failed task: :class:`ngram_service.ray_build.RayBuildError`)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,42 @@ class _Counter:
         self.chunks, self.pending = [], 0
 
 
+def check_build_options(order: int, min_count: int, prune: str) -> None:
+    """Raises ValueError on an order, ``min_count`` or ``prune`` :func:`build_trie` does not take."""
+    if not 2 <= order <= 6:
+        raise ValueError(f"order must be in 2..6, got {order}")
+    if min_count < 1:
+        raise ValueError(f"min_count must be >= 1, got {min_count}")
+    if prune not in ("drop", "reference"):
+        raise ValueError(f'prune must be "drop" or "reference", got {prune!r}')
+
+
+def trie_metadata(*, tokenizer_name: str, vocab_hash: str, order: int, min_count: int, num_documents: int,
+                  prune: str, metadata: dict | None) -> dict:
+    """The metadata JSON object a built trie's header holds.  ``created_unix`` is
+    ``$SOURCE_DATE_EPOCH`` when set (reproducible builds: two builds of one corpus are then
+    byte-identical), else now."""
+    return {
+        "tokenizer": {"name": tokenizer_name, "vocab_hash": vocab_hash},
+        "order": order,
+        "min_count": min_count,
+        "num_documents": num_documents,
+        "created_unix": int(os.environ.get("SOURCE_DATE_EPOCH") or time.time()),
+        **(metadata or {}),
+        "prune": prune,
+    }
+
+
+def text_metadata(corpus_name: str, special_tokens: bool, eos_per_document: bool, max_tokens: int | None,
+                  metadata: dict | None) -> dict:
+    """What :func:`build_trie_from_texts` adds to a trie's metadata about its texts."""
+    meta = {"corpus": corpus_name, "special_tokens": special_tokens, "eos_per_document": eos_per_document,
+            **(metadata or {})}
+    if max_tokens is not None:
+        meta["max_tokens"] = max_tokens
+    return meta
+
+
 def build_trie(
     documents: Iterable[Sequence[int] | np.ndarray],
     output: str | os.PathLike[str],
@@ -150,12 +191,7 @@ def build_trie(
         OSError: the output or temporary files cannot be written.
     """
     start = time.perf_counter()
-    if not 2 <= order <= 6:
-        raise ValueError(f"order must be in 2..6, got {order}")
-    if min_count < 1:
-        raise ValueError(f"min_count must be >= 1, got {min_count}")
-    if prune not in ("drop", "reference"):
-        raise ValueError(f'prune must be "drop" or "reference", got {prune!r}')
+    check_build_options(order, min_count, prune)
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp_root = Path(tmp_dir) if tmp_dir is not None else output.parent
@@ -172,22 +208,15 @@ def build_trie(
                 break
             counter.add(doc)
         counter.flush()
-        meta = {
-            "tokenizer": {"name": tokenizer_name, "vocab_hash": vocab_hash},
-            "order": order,
-            "min_count": min_count,
-            "num_documents": counter.documents,
-            "created_unix": int(time.time()),
-            **(metadata or {}),
-        }
+        meta = trie_metadata(tokenizer_name=tokenizer_name, vocab_hash=vocab_hash, order=order, min_count=min_count,
+                             num_documents=counter.documents, prune=prune, metadata=metadata)
         partial = Path(tmp) / output.name
         t0 = time.perf_counter()
         like_reference = prune == "reference" and min_count > 1
-        meta["prune"] = prune
         stats = builder.finish(str(partial), json.dumps(meta, sort_keys=True), 1 if like_reference else min_count)
         write_checksums(partial)
         if like_reference:
-            stats = {**_reduce_like_reference(partial, Path(tmp), min_count, vocab_size, meta),
+            stats = {**reduce_like_reference(partial, Path(tmp), min_count, vocab_size, meta),
                      "num_runs": stats["num_runs"]}
         merge_seconds = time.perf_counter() - t0
         count_seconds = counter.seconds + merge_seconds
@@ -212,7 +241,7 @@ def build_trie(
     )
 
 
-def _reduce_like_reference(path: Path, tmp: Path, threshold: int, vocab_size: int, meta: dict) -> dict:
+def reduce_like_reference(path: Path, tmp: Path, threshold: int, vocab_size: int, meta: dict) -> dict:
     """Rewrites the unpruned trie at ``path`` pruned as the reference's ``reduce(threshold)``."""
     reference = tmp / "reduced-reference.trie"
     write_reference_levels(reduce_levels(read_levels(path), threshold), reference, progress=False)
@@ -287,8 +316,8 @@ def _worker_encode(texts: list[str], special_tokens: bool) -> list[np.ndarray]:
             for e in _worker_tokenizer.encode_batch(texts, add_special_tokens=special_tokens)]
 
 
-def _encoded_batches(texts: Iterable[str], tokenizer: TrieTokenizer, batch_docs: int, special_tokens: bool,
-                     workers: int) -> Iterable[tuple[list[bool], list]]:
+def encoded_batches(texts: Iterable[str], tokenizer: TrieTokenizer, batch_docs: int, special_tokens: bool,
+                    workers: int) -> Iterable[tuple[list[bool], list]]:
     """(last-piece flags, token ids) per batch of pieces, in corpus order.
 
     ``workers`` <= 1: encoded here, by the tokenizer's own thread pool.  More: that many
@@ -318,26 +347,36 @@ def _encoded_batches(texts: Iterable[str], tokenizer: TrieTokenizer, batch_docs:
             yield flags, result.get()
 
 
-def _tokenized(texts: Iterable[str], tokenizer: TrieTokenizer, batch_docs: int, max_tokens: int | None,
-               progress: bool, special_tokens: bool = False, eos_per_document: bool = False,
-               workers: int = 1) -> Iterable[Sequence[int] | np.ndarray]:
-    total = 0
-    eos = [np.array([tokenizer.eos_token_id], dtype=np.uint32)] if eos_per_document else []
+def join_pieces(batches: Iterable[tuple[list[bool], list]], eos_token_id: int | None) -> Iterable[np.ndarray]:
+    """Whole documents (u32 ids) from encoded batches of pieces (:func:`encoded_batches`),
+    each followed by ``eos_token_id`` when it is not None."""
+    eos = [np.array([eos_token_id], dtype=np.uint32)] if eos_token_id is not None else []
     parts: list = []  # the pieces of the document being put back together
+    for flags, encoded in batches:
+        for last, ids in zip(flags, encoded):
+            parts.append(np.asarray(ids, dtype=np.uint32))
+            if not last:
+                continue
+            yield np.concatenate(parts + eos) if len(parts) + len(eos) > 1 else parts[0]
+            parts = []
+
+
+def tokenized(texts: Iterable[str], tokenizer: TrieTokenizer, batch_docs: int, max_tokens: int | None,
+              progress: bool, special_tokens: bool = False, eos_per_document: bool = False,
+              workers: int = 1) -> Iterable[Sequence[int] | np.ndarray]:
+    """The texts as token documents (u32 ids, :func:`encoded_batches` + :func:`join_pieces`), in
+    corpus order, stopping after the document that reaches ``max_tokens``; a tqdm bar of documents."""
+    total = 0
     with tqdm(unit="doc", desc="tokenise+count", disable=not progress, smoothing=0.1) as bar:
-        for flags, encoded in _encoded_batches(texts, tokenizer, batch_docs, special_tokens, workers):
-            for last, ids in zip(flags, encoded):
-                parts.append(np.asarray(ids, dtype=np.uint32))
-                if not last:
-                    continue
-                doc = np.concatenate(parts + eos) if len(parts) + len(eos) > 1 else parts[0]
-                parts = []
-                yield doc
-                total += len(doc)
-                if max_tokens is not None and total >= max_tokens:
-                    return
-            bar.update(sum(flags))
-            bar.set_postfix(tokens=f"{total / 1e6:.1f}M")
+        batches = encoded_batches(texts, tokenizer, batch_docs, special_tokens, workers)
+        for doc in join_pieces(batches, tokenizer.eos_token_id if eos_per_document else None):
+            yield doc
+            total += len(doc)
+            bar.update(1)
+            if bar.n % 256 == 0:
+                bar.set_postfix(tokens=f"{total / 1e6:.1f}M", refresh=False)
+            if max_tokens is not None and total >= max_tokens:
+                return
 
 
 def build_trie_from_texts(
@@ -378,14 +417,11 @@ def build_trie_from_texts(
     if eos_per_document and tok.eos_token_id is None:
         raise ValueError(f"eos_per_document: the tokenizer {tok.name!r} names no EOS token "
                          "(no eos_token in its tokenizer_config.json)")
-    meta = {"corpus": corpus_name, "special_tokens": special_tokens, "eos_per_document": eos_per_document,
-            **kwargs.pop("metadata", {})}
-    if max_tokens is not None:
-        meta["max_tokens"] = max_tokens
+    meta = text_metadata(corpus_name, special_tokens, eos_per_document, max_tokens, kwargs.pop("metadata", {}))
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     return build_trie(
-        itertools.chain(_tokenized(texts, tok, batch_docs, max_tokens, progress, special_tokens, eos_per_document,
+        itertools.chain(tokenized(texts, tok, batch_docs, max_tokens, progress, special_tokens, eos_per_document,
                                    workers), documents), output,
         vocab_size=tok.vocab_size, tokenizer_name=tok.name, vocab_hash=tok.vocab_hash, metadata=meta, **kwargs)
 
@@ -432,8 +468,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-mb", type=int, default=2048, help="window buffer before spilling a sorted run to disk")
     p.add_argument("--tmp-dir", default=None, help="folder for sorted runs [default: next to the output]")
     p.add_argument("--batch-docs", type=int, default=256, help="documents per tokenizer call")
-    p.add_argument("--workers", type=int, default=1, help="tokeniser processes: 1 = this process with the "
-                   "tokenizer's own threads; N > 1 = N single-threaded processes beside the counting one")
+    p.add_argument("--workers", type=int, default=None, help="tokeniser processes: 1 = this process with the "
+                   "tokenizer's own threads; N > 1 = N single-threaded processes beside the counting one; with "
+                   "--ray and no --address: the local Ray cluster's CPUs [default: 1; with --ray, every core]")
     p.add_argument("--max-tokens", type=int, default=None, help="stop after this many corpus tokens")
     p.add_argument("--special-tokens", action="store_true", help="encode documents with the tokenizer's special "
                    "tokens, as the DART reference's builder does")
@@ -445,6 +482,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--snapshot", action="append", default=[], metavar="FILE",
                    help="a live-corpus snapshot (ngram.learn_snapshot: what the service learned from its traffic) "
                         "counted after the corpus; repeat for several; a snapshot of another tokenizer is refused")
+    ray = p.add_argument_group("distributed build (Ray)")
+    ray.add_argument("--ray", action="store_true", help="count on a Ray cluster: map tasks tokenise and sort shards, "
+                     "one reduce task per key range merges (the same file as without --ray)")
+    ray.add_argument("--address", default=None, help="the Ray cluster to join (auto, ray://host:10001) [default: "
+                     "a local one with --workers CPUs]; implies --ray")
+    ray.add_argument("--partitions", type=int, default=None, help="key ranges, one reduce task each "
+                     "[default: 4 per CPU of the cluster]")
+    ray.add_argument("--shard-chars", type=int, default=8 << 20, help="characters of text per map task")
+    ray.add_argument("--resume", action="store_true", help="continue an interrupted --ray build of the same output "
+                     "and options from its finished partitions")
+    ray.add_argument("--task-tmp-dir", default=None, help="where reduce tasks spill sorted runs on their nodes "
+                     "[default: each node's temp folder]")
     p.add_argument("--verify", action="store_true", help="re-open the result and check its checksums and structure")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     return p
@@ -487,6 +536,18 @@ def ensure_default_trie(model: str | None = None, *, order: int = 3, progress: b
     return ensure_trie(path, lambda: load_trie_tokenizer(model), corpus="default", order=order, progress=progress)
 
 
+def _source_id(named: str | None, paths: Sequence[str]) -> str:
+    """What a resumed build checks it is reading again: the named corpus and every input file's
+    path, size and modification time."""
+    files = []
+    for path in paths:
+        for f in sorted(Path(path).rglob("*")) if Path(path).is_dir() else [Path(path)]:
+            if f.is_file():
+                st = f.stat()
+                files.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+    return json.dumps({"corpus": named, "files": files})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -503,21 +564,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         skipped: list[Path] = []
         texts = itertools.chain(iter_corpus(named) if named else (),
                                 iter_files(args.inputs, text_field=args.text_field, skipped=skipped))
-        summary = build_trie_from_texts(
-            texts, output, tokenizer, corpus_name=corpus, batch_docs=args.batch_docs, max_tokens=args.max_tokens,
-            progress=not args.quiet, order=args.order, min_count=args.min_count, memory_mb=args.memory_mb,
-            tmp_dir=args.tmp_dir, prune=args.prune, workers=args.workers,
-            special_tokens=args.special_tokens or args.reference_tokenisation,
+        options = dict(
+            corpus_name=corpus, batch_docs=args.batch_docs, max_tokens=args.max_tokens, progress=not args.quiet,
+            order=args.order, min_count=args.min_count, memory_mb=args.memory_mb, tmp_dir=args.tmp_dir,
+            prune=args.prune, special_tokens=args.special_tokens or args.reference_tokenisation,
             eos_per_document=args.eos_per_document or args.reference_tokenisation, documents=learned,
             metadata={"snapshots": [str(p) for p in args.snapshot], "snapshot_tokens": learned_tokens}
             if args.snapshot else {})
+        if args.ray or args.address or args.resume:
+            from ngram_service.ray_build import build_trie_ray
+
+            summary = build_trie_ray(texts, output, tokenizer, address=args.address, num_cpus=args.workers,
+                                     partitions=args.partitions, resume=args.resume, task_tmp_dir=args.task_tmp_dir,
+                                     shard_chars=args.shard_chars,
+                                     source_id=_source_id(named, args.inputs + args.snapshot), **options)
+        else:
+            summary = build_trie_from_texts(texts, output, tokenizer,
+                                            workers=1 if args.workers is None else args.workers, **options)
         if skipped:
             logger.info("skipped %d binary files (a NUL byte in their first 8 KiB), e.g. %s", len(skipped), skipped[0])
         if summary.total_tokens == 0:
             raise ValueError("the corpus produced no tokens")
         if args.verify:
             NgramTrie(output, verify=True)
-    except (FileNotFoundError, ValueError, OSError) as e:
+    except (FileNotFoundError, ValueError, OSError, BuildError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logger.info("wrote %s: %s tokens, %s nodes (%s per level), %.2f bytes/node, %.1f s (%.2f M tokens/s counting)",

@@ -25,6 +25,8 @@ struct BuildStats {
   std::vector<uint64_t> nodes_per_level;
   uint64_t file_bytes = 0;
   uint64_t num_runs = 0;  // sorted runs spilled to disk
+  uint64_t spilled_bytes = 0;  // bytes of those runs
+  std::vector<uint64_t> max_count_per_level;  // finish_levels() only
 };
 
 class TrieBuilderImpl;
@@ -46,8 +48,36 @@ class TrieBuilder {
   // descendants then are too: a child never outnumbers its parent).
   BuildStats finish(const std::string& path, const std::string& metadata_json, uint64_t min_count);
 
+  // Adds windows already counted (a mapper's sorted run, or any order):
+  // keys[i*order .. (i+1)*order) is window i, shorter windows padded with
+  // kPadToken at the end, counts[i] its occurrences.  Buffered and spilled like
+  // add_documents(); the result is the same as adding the documents the windows
+  // came from.  Throws std::invalid_argument on a malformed window or a zero count.
+  void add_counted(const token_t* keys, const uint64_t* counts, size_t num_windows);
+
+  // finish() without the file: writes each level's stream to
+  // `prefix`level<m>.tokens (u32), .counts (u64) and, below the last level,
+  // .children (u64 CSR offsets into the next level of these files, without the
+  // closing sentinel), for a caller that stitches key-range partitions
+  // (level_writer.hpp: write_levels_from_files).  Fills max_count_per_level.
+  BuildStats finish_levels(const std::string& prefix, uint64_t min_count);
+
  private:
   std::unique_ptr<TrieBuilderImpl> impl_;
 };
+
+// A mapper's half of a key-range partitioned build: every window of the
+// documents (as add_documents()), sorted and counted, cut by first token at
+// `boundaries` (ascending; partition p holds first tokens in
+// [boundaries[p-1], boundaries[p]) ).  keys: [num_windows * order],
+// counts: [num_windows], starts: [num_partitions + 1] offsets into both.
+struct WindowRuns {
+  std::vector<token_t> keys;
+  std::vector<uint32_t> counts;
+  std::vector<uint64_t> starts;
+};
+WindowRuns count_windows(int order, uint32_t vocab_size, const token_t* tokens, size_t num_tokens,
+                         const int64_t* offsets, size_t num_docs, const token_t* boundaries,
+                         size_t num_boundaries);
 
 }  // namespace dart_ngram

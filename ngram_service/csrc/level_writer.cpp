@@ -91,6 +91,35 @@ void LevelSink::open(const std::string& prefix, bool has_children_) {
   if (has_children) children = std::make_unique<File>(children_path, "wb");
 }
 
+void LevelSink::reopen(const std::string& prefix, bool has_children_, uint64_t emitted_, uint64_t max_count_) {
+  has_children = has_children_;
+  tokens_path = prefix + ".tokens";
+  counts_path = prefix + ".counts";
+  children_path = prefix + ".children";
+  tokens = std::make_unique<File>(tokens_path, "ab");
+  counts = std::make_unique<File>(counts_path, "ab");
+  if (has_children) children = std::make_unique<File>(children_path, "ab");
+  emitted = emitted_;
+  max_count = max_count_;
+}
+
+BuildStats write_levels_from_files(const std::string& path, const std::string& metadata_json, int order,
+                                   uint32_t vocab_size, uint64_t total_tokens,
+                                   const std::vector<std::string>& prefixes,
+                                   const std::vector<uint64_t>& nodes_per_level,
+                                   const std::vector<uint64_t>& max_count_per_level) {
+  const auto n = static_cast<size_t>(order);
+  if (order < kMinOrder || order > kMaxOrder || prefixes.size() != n || nodes_per_level.size() != n ||
+      max_count_per_level.size() != n) {
+    throw std::invalid_argument("write_levels_from_files: one prefix, node count and largest count per level");
+  }
+  std::vector<LevelSink> levels(n);
+  for (size_t m = 0; m < n; ++m) {
+    levels[m].reopen(prefixes[m], m + 1 < n, nodes_per_level[m], max_count_per_level[m]);
+  }
+  return write_levels(path, metadata_json, order, vocab_size, total_tokens, levels.data());
+}
+
 BuildStats write_levels(const std::string& path, const std::string& metadata_json, int order, uint32_t vocab_size,
                         uint64_t total_tokens, LevelSink* levels, uint32_t flags) {
   FileHeader h{};

@@ -42,6 +42,9 @@ class File {
 // One level's nodes, in the level's order (lexicographic by m-gram).
 struct LevelSink {
   void open(const std::string& prefix, bool has_children);
+  // Takes over level files written earlier (prefix.tokens/.counts/.children, the last
+  // without its sentinel) holding `emitted` nodes whose largest count is `max_count`.
+  void reopen(const std::string& prefix, bool has_children, uint64_t emitted, uint64_t max_count);
   // first_child: how many nodes the next level held when this node was emitted.
   void emit(token_t tok, uint64_t count, uint64_t first_child) {
     tokens->write(&tok, sizeof(tok));
@@ -73,5 +76,13 @@ struct LevelSink {
 // flags: header flags (trie_format.hpp); a file with any set is version 2.
 BuildStats write_levels(const std::string& path, const std::string& metadata_json, int order, uint32_t vocab_size,
                         uint64_t total_tokens, LevelSink* levels, uint32_t flags = 0);
+
+// write_levels() from level files already on disk (LevelSink::reopen), e.g. the
+// key-range partitions of a distributed build put end to end.
+BuildStats write_levels_from_files(const std::string& path, const std::string& metadata_json, int order,
+                                   uint32_t vocab_size, uint64_t total_tokens,
+                                   const std::vector<std::string>& prefixes,
+                                   const std::vector<uint64_t>& nodes_per_level,
+                                   const std::vector<uint64_t>& max_count_per_level);
 
 }  // namespace dart_ngram

@@ -11,6 +11,7 @@
 
 #include "builder.hpp"
 #include "context_index.hpp"
+#include "level_writer.hpp"
 #include "reference_trie.hpp"
 #include "search.hpp"
 #include "trie.hpp"
@@ -23,6 +24,7 @@ namespace {
 using I64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 using F32Array = py::array_t<float, py::array::c_style | py::array::forcecast>;
 using U32Array = py::array_t<uint32_t, py::array::c_style | py::array::forcecast>;
+using U64Array = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
 using I32Array = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
 using F64Array = py::array_t<double, py::array::c_style | py::array::forcecast>;
 
@@ -450,7 +452,81 @@ PYBIND11_MODULE(_native, m) {
             d["num_runs"] = s.num_runs;
             return d;
           },
-          py::arg("path"), py::arg("metadata_json"), py::arg("min_count"));
+          py::arg("path"), py::arg("metadata_json"), py::arg("min_count"))
+      .def(
+          "add_counted",
+          [](TrieBuilder& b, const U32Array& keys, const U64Array& counts) {
+            if (keys.ndim() != 2 || counts.ndim() != 1 || keys.shape(0) != counts.shape(0)) {
+              throw std::invalid_argument("keys must be [num_windows, order] and counts [num_windows]");
+            }
+            py::gil_scoped_release release;
+            b.add_counted(keys.data(), counts.data(), static_cast<size_t>(counts.shape(0)));
+          },
+          py::arg("keys"), py::arg("counts"),
+          "Adds counted windows (count_windows' output; keys [n, order] u32 padded with 2^32-1, counts [n]).")
+      .def(
+          "finish_levels",
+          [](TrieBuilder& b, const std::string& prefix, uint64_t min_count) {
+            BuildStats s;
+            {
+              py::gil_scoped_release release;
+              s = b.finish_levels(prefix, min_count);
+            }
+            py::dict d;
+            d["total_tokens"] = s.total_tokens;
+            d["num_nodes"] = s.num_nodes;
+            d["nodes_per_level"] = s.nodes_per_level;
+            d["max_count_per_level"] = s.max_count_per_level;
+            d["num_runs"] = s.num_runs;
+            d["spilled_bytes"] = s.spilled_bytes;
+            return d;
+          },
+          py::arg("prefix"), py::arg("min_count"),
+          "finish() into per-level stream files prefix+'level<m>.{tokens,counts,children}' instead of a trie file.");
+
+  m.def(
+      "count_windows",
+      [](int order, uint32_t vocab_size, const U32Array& tokens, const I64Array& offsets, const U32Array& boundaries) {
+        if (tokens.ndim() != 1 || offsets.ndim() != 1 || offsets.shape(0) < 1 || boundaries.ndim() != 1) {
+          throw std::invalid_argument("tokens, offsets [num_docs + 1] and boundaries must be 1-D");
+        }
+        WindowRuns r;
+        {
+          py::gil_scoped_release release;
+          r = count_windows(order, vocab_size, tokens.data(), static_cast<size_t>(tokens.size()), offsets.data(),
+                            static_cast<size_t>(offsets.shape(0) - 1), boundaries.data(),
+                            static_cast<size_t>(boundaries.size()));
+        }
+        const auto n = static_cast<py::ssize_t>(r.counts.size());
+        const auto p = static_cast<py::ssize_t>(r.starts.size());
+        return py::make_tuple(to_array(std::move(r.keys), {n, static_cast<py::ssize_t>(order)}),
+                              to_array(std::move(r.counts), {n}), to_array(std::move(r.starts), {p}));
+      },
+      py::arg("order"), py::arg("vocab_size"), py::arg("tokens"), py::arg("offsets"), py::arg("boundaries"),
+      "Sorted, counted windows of documents cut into key ranges by first token: (keys [n, order] u32, "
+      "counts [n] u32, starts [partitions + 1] u64); see builder.hpp.");
+
+  m.def(
+      "write_levels_from_files",
+      [](const std::string& path, const std::string& metadata_json, int order, uint32_t vocab_size,
+         uint64_t total_tokens, const std::vector<std::string>& prefixes, const std::vector<uint64_t>& nodes_per_level,
+         const std::vector<uint64_t>& max_count_per_level) {
+        BuildStats s;
+        {
+          py::gil_scoped_release release;
+          s = write_levels_from_files(path, metadata_json, order, vocab_size, total_tokens, prefixes, nodes_per_level,
+                                      max_count_per_level);
+        }
+        py::dict d;
+        d["total_tokens"] = s.total_tokens;
+        d["num_nodes"] = s.num_nodes;
+        d["nodes_per_level"] = s.nodes_per_level;
+        d["file_bytes"] = s.file_bytes;
+        return d;
+      },
+      py::arg("path"), py::arg("metadata_json"), py::arg("order"), py::arg("vocab_size"), py::arg("total_tokens"),
+      py::arg("prefixes"), py::arg("nodes_per_level"), py::arg("max_count_per_level"),
+      "Lays out a trie file from level stream files (level_writer.hpp); checksums left zero.");
 
   m.def(
       "convert_reference_trie",

@@ -216,6 +216,6 @@ def test_long_documents_are_tokenised_in_pieces_with_the_same_ids(default_tokeni
     monkeypatch.setattr(build, "MAX_PIECE_CHARS", 4096)
     monkeypatch.setattr(build, "MAX_BATCH_CHARS", 10_000)
     docs = ["short one", code, "x" * 9000, "another"]
-    out = list(build._tokenized(docs, tok, 3, None, False))
+    out = list(build.tokenized(docs, tok, 3, None, False))
     assert [list(o) for o in out] == tok.encode_batch(docs)
     assert build.split_long("y" * 9000, max_chars=4096) == ["y" * 4096, "y" * 4096, "y" * 808]  # no newline: hard cuts
