@@ -161,14 +161,15 @@ class TwoNodes:
         if p.returncode != 0:
             raise RuntimeError(f"ray start on node {node} failed:\n{out[-3000:]}")
 
-    def start_head(self) -> None:
-        self._ray_start("a", "--head", "--node-ip-address", HEAD_IP, "--port", str(GCS_PORT), "--num-cpus", "6",
-                        "--num-gpus", "1", "--dashboard-host", "0.0.0.0", "--temp-dir", str(self.temp_dir))
+    def start_head(self, num_cpus: int = 6) -> None:
+        self._ray_start("a", "--head", "--node-ip-address", HEAD_IP, "--port", str(GCS_PORT),
+                        "--num-cpus", str(num_cpus), "--num-gpus", "1", "--dashboard-host", "0.0.0.0",
+                        "--temp-dir", str(self.temp_dir))
 
-    def start_ngram_node(self) -> None:
+    def start_ngram_node(self, num_cpus: int = 1) -> None:
         # one CPU: the n-gram replica fills it, so nothing else of the app lands on B
         self._ray_start("b", "--address", f"{HEAD_IP}:{GCS_PORT}", "--node-ip-address", NGRAM_IP,
-                        "--num-cpus", "1", "--resources", json.dumps({"ngram_host": 1}))
+                        "--num-cpus", str(num_cpus), "--resources", json.dumps({"ngram_host": 1}))
 
     def kill_node(self, node: str) -> int:
         """SIGKILLs every process of ``node`` (its raylet, agents and workers); returns how many."""
