@@ -195,6 +195,69 @@ def test_the_build_job_writes_the_trie_the_ngram_host_reads():
     _parser().parse_args(args[3:])  # the Job's arguments are the builder's
 
 
+# The fields of KubeRay's ray.io/v1 RayJob that k8s/trie-build-rayjob.yaml uses (rayjob_types.go of
+# the same KubeRay line; the cluster spec is the RayService's rayClusterConfig above), closed as above.
+KUBERAY_RAYJOB_SCHEMA = {
+    "type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "ray.io/v1"},
+        "kind": {"const": "RayJob"},
+        "metadata": {"type": "object", "required": ["name"]},
+        "spec": {
+            "type": "object", "additionalProperties": False, "required": ["entrypoint", "rayClusterSpec"],
+            "properties": {
+                "entrypoint": {"type": "string"},
+                "shutdownAfterJobFinishes": {"type": "boolean"},
+                "ttlSecondsAfterFinished": _INT32,
+                "activeDeadlineSeconds": _INT32,
+                "submissionMode": {"enum": ["K8sJobMode", "HTTPMode"]},
+                "rayClusterSpec": KUBERAY_RAYSERVICE_SCHEMA["properties"]["spec"]["properties"]["rayClusterConfig"],
+            },
+        },
+    },
+}
+
+
+def test_the_ray_build_job_is_a_valid_rayjob_that_writes_onto_the_tries_volume():
+    import shlex
+
+    import jsonschema
+    import kubernetes_validate
+
+    from ngram_service.build import _parser
+    from ngram_service.cache import default_trie_path
+
+    (job,) = _manifests("trie-build-rayjob.yaml")
+    jsonschema.validate(job, KUBERAY_RAYJOB_SCHEMA)
+    cluster = job["spec"]["rayClusterSpec"]
+    assert cluster["rayVersion"] == _docs()[1]["spec"]["rayClusterConfig"]["rayVersion"]
+    head, (builders,) = cluster["headGroupSpec"], cluster["workerGroupSpecs"]
+    for i, template in enumerate((head["template"], builders["template"])):
+        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"b{i}"},
+                                      "template": template}, K8S_VERSION, strict=True)
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert argv[:3] == ["python", "-m", "ngram_service.build"]
+    args = _parser().parse_args(argv[3:])
+    assert args.ray and args.address == "auto" and args.resume
+    # the driver (on the head) writes onto the tries claim, where the n-gram host's cache is
+    (pvc,) = _manifests("tries-pvc.yaml")
+    (container,) = head["template"]["spec"]["containers"]
+    (mount,) = container["volumeMounts"]
+    (volume,) = head["template"]["spec"]["volumes"]
+    assert volume["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"] and volume["name"] == mount["name"]
+    cache = {e["name"]: e["value"] for e in container["env"]}["DART_SERVE_CACHE"]
+    assert args.output.startswith(mount["mountPath"] + "/")
+    import os
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, {"DART_SERVE_CACHE": cache}):
+        assert args.output == str(default_trie_path("SmolLM2-135M-Instruct", args.corpus, args.order))
+    # reduce tasks spill on the builders' own scratch, which every builder mounts
+    (worker,) = builders["template"]["spec"]["containers"]
+    assert args.task_tmp_dir in {m["mountPath"] for m in worker["volumeMounts"]}
+    assert head["rayStartParams"]["num-cpus"] == "0"  # tasks on the builders, the driver alone on the head
+
+
 def test_the_dockerfile_builds_on_the_pinned_ray_image():
     text = (ROOT / "k8s" / "Dockerfile").read_text()
     _, service, _ = _docs()
