@@ -43,7 +43,7 @@ from pathlib import Path
 
 __all__ = ["SECTION_FOLDERS", "render_batching", "render_reference_import", "render_billion_trie", "render_serving_threads",
            "render_gate_replay", "render_cpu_memory", "render_stream_interval", "render_draft_weights",
-           "render_speculation_ceiling", "CEILING_KERNELS", "GATE_LOGS",
+           "render_speculation_ceiling", "render_ray_trie_build", "CEILING_KERNELS", "GATE_LOGS",
            "CPU_MEMORY_VARIANTS", "STREAM_VARIANTS", "DRAFT_WEIGHT_SETTINGS", "SECTIONS", "write_sections", "main"]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -124,7 +124,7 @@ def render_reference_import(results: Path = RESULTS) -> str:
 
 def render_billion_trie(results: Path = RESULTS) -> str:
     """The billion-token trie's build, lookups and searches against the default trie's, τ with
-    each, the n-gram host's capacity, and the sizes and times they extrapolate to.
+    each, and the n-gram host's capacity.
 
     Raises:
         FileNotFoundError: no ``billion_trie.json``.
@@ -204,32 +204,202 @@ def render_billion_trie(results: Path = RESULTS) -> str:
               "| assumed per-replica demand | searches/s | replicas |", "|---|---:|---:|"]
     for batch, steps in ((16, 25), (16, 50), (64, 25)):
         lines.append(f"| batch {batch} at {steps} steps/s | {batch * steps} | {16 * per_core / (batch * steps):.0f} |")
-    # a 100 GB trie, extrapolated from the rates above (order 5 bytes per node from the reference import)
-    order5 = sorted(results.glob("convert_reference_*.json"))
-    b5 = json.loads(order5[0].read_text())["convert"] if order5 else None
+    lines += ["", "The time and resources a 100 GB order-5 trie needs are estimated in \"The trie build on Ray\" "
+              "(`bench/results/ray_trie_build/`), from the distributed build's measured rates."]
+    return "\n".join(lines)
+
+
+def _order5_tokens(results: Path, target_bytes: float) -> tuple[float, float] | None:
+    """(nodes, corpus tokens) of an order-5 trie of ``target_bytes``, from the order-5 reference
+    import's bytes per node and nodes per token (``convert_reference_*.json``), or None without it."""
+    files = sorted(results.glob("convert_reference_*.json"))
+    if not files:
+        return None
+    c = json.loads(files[0].read_text())["convert"]
+    nodes = target_bytes / (c["file_bytes"] / c["nodes"])
+    return nodes, nodes / (c["nodes"] / c["total_tokens"])
+
+
+def _ray_stage_rows(rows: list[dict]) -> dict[str, dict]:
+    """Per build (``single``, ``ray-<workers>``) of one pass: median wall seconds and CPU-seconds of
+    counting, merging+writing and tokenising, the whole build and the machine's CPU-seconds."""
+    out: dict[str, dict] = {}
+    for key in sorted({(r["mode"], r["workers"]) for r in rows}):
+        runs = [r for r in rows if (r["mode"], r["workers"]) == key]
+
+        def med(fn):
+            return statistics.median(fn(r) for r in runs)
+
+        if key[0] == "single":  # one counting thread: its wall seconds are CPU-seconds
+            count = med(lambda r: r["count_seconds"] - r["merge_seconds"])
+            stages = {"count": (count, count), "merge": (med(lambda r: r["merge_seconds"]),) * 2,
+                      "tokenise": (med(lambda r: r["tokenize_seconds"]),
+                                   med(lambda r: r["driver_cpu_seconds"] - r["count_seconds"]))}
+        else:
+            st = lambda r, k: r["stages"][k]  # noqa: E731
+            stages = {"count": (med(lambda r: st(r, "map")["seconds"]), med(lambda r: st(r, "map")["count_cpu_seconds"])),
+                      "merge": (med(lambda r: st(r, "reduce")["seconds"] + st(r, "write")["seconds"]),
+                                med(lambda r: st(r, "reduce")["cpu_seconds"] + st(r, "write")["cpu_seconds"])),
+                      "reduce": (med(lambda r: st(r, "reduce")["seconds"]), med(lambda r: st(r, "reduce")["cpu_seconds"])),
+                      "write": (med(lambda r: st(r, "write")["seconds"]), med(lambda r: st(r, "write")["cpu_seconds"])),
+                      "tokenise": (med(lambda r: st(r, "sample")["seconds"] + st(r, "map")["seconds"]),
+                                   med(lambda r: st(r, "sample")["cpu_seconds"] + st(r, "map")["tokenise_cpu_seconds"]))}
+        out["single" if key[0] == "single" else f"ray-{key[1]}"] = {
+            **stages, "total": med(lambda r: r["total_seconds"]), "machine": med(lambda r: r["machine_cpu_seconds"]),
+            "tokens": runs[0]["total_tokens"], "runs": len(runs)}
+    return out
+
+
+def render_ray_trie_build(results: Path = RESULTS) -> str:
+    """The distributed trie build against the single-machine one (``ray_trie_build/scaling.json``
+    from :mod:`ngram_service.ray_build_bench`), its byte-identity checks (``identity*.json``), the
+    billion-token corpus rebuilt with ``--ray`` (``billion_ray.json``), and the 100 GB order-5
+    trie estimated from the measured per-CPU-second rates.
+
+    Raises:
+        FileNotFoundError: no ``ray_trie_build/scaling.json``.
+    """
+    folder = results / "ray_trie_build"
+    s = json.loads((folder / "scaling.json").read_text())
+    by_pass = {p: _ray_stage_rows([r for r in s["rows"] if r["source"] == p]) for p in ("tokens", "texts")}
+    names = sorted(by_pass["tokens"], key=lambda n: (n != "single", n))
+    label = {"single": "single machine"} | {n: f"`--ray`, {n.split('-')[1]} CPU{'s' if n != 'ray-1' else ''}"
+                                             for n in names if n != "single"}
+    t, x = by_pass["tokens"], by_pass["texts"]
+    tokens = t[names[0]]["tokens"]
+    head = "| | " + " | ".join(label[n] for n in names) + " | 2 CPUs ÷ 1 (wall) |"
+    rule = "|---|" + "---:|" * (len(names) + 1)
+
+    def cell(d: dict, stage: str, name: str) -> str:
+        if name == "single" and stage != "tokenise":
+            return "one thread"
+        wall, cpu = d[stage]
+        return f"{wall:.1f} s ({d['tokens'] / max(cpu, 1e-9) / 1e6:.1f} M/CPU-s)"
+
+    def both(d: dict, name: str) -> str:
+        wall = d[name]["count"][0] + d[name]["merge"][0]
+        return f"{wall:.1f} s ({d[name]['tokens'] / max(d[name]['count'][1] + d[name]['merge'][1], 1e-9) / 1e6:.1f} M/CPU-s)"
+
+    def ratio(d: dict, fn) -> str:
+        return f"{fn(d['ray-1']) / fn(d['ray-2']):.2f}×" if "ray-1" in d and "ray-2" in d else ""
+
+    lines = [f"Machine: {s['cpu']}, {s['cores']} cores. Command: `{s['command']}`; order {s['order']}; "
+             f"median of {t[names[0]]['runs']} runs per build, the builds alternating; each stage as wall seconds "
+             "(corpus tokens per CPU-second of that stage's own work).", "",
+             f"**Counting, merging and writing** ({_n(tokens)} tokens, tokenised beforehand: every build is given "
+             "the token documents):", "", head, rule,
+             "| counting (the map tasks' sort) | "
+             + " | ".join(cell(t[n], "count", n) for n in names) + f" | {ratio(t, lambda d: d['count'][0])} |",
+             "| merging (the reduce tasks; the driver keeping each finished partition) | "
+             + " | ".join(cell(t[n], "reduce", n) for n in names) + f" | {ratio(t, lambda d: d['reduce'][0])} |",
+             "| writing (the driver, serial) | "
+             + " | ".join(cell(t[n], "write", n) for n in names) + f" | {ratio(t, lambda d: d['write'][0])} |",
+             "| counting + merging + writing | " + " | ".join(both(t, n) for n in names)
+             + f" | {ratio(t, lambda d: d['count'][0] + d['merge'][0])} |",
+             "| whole build (Ray's start excluded), s | " + " | ".join(f"{t[n]['total']:.1f}" for n in names)
+             + f" | {ratio(t, lambda d: d['total'])} |",
+             "| the machine's CPU-seconds (Ray's processes included) | " + " | ".join(f"{t[n]['machine']:.1f}"
+                                                                             for n in names) + " | |", "",
+             f"**The whole job** ({_n(x[names[0]]['tokens'])} tokens read and tokenised by every build; single "
+             f"machine with `--workers 2`):", "", head, rule,
+             "| reading and tokenising (single machine: time not overlapped with counting) | "
+             + " | ".join(cell(x[n], "tokenise", n) for n in names) + f" | {ratio(x, lambda d: d['tokenise'][0])} |",
+             "| whole build, s | " + " | ".join(f"{x[n]['total']:.1f}" for n in names)
+             + f" | {ratio(x, lambda d: d['total'])} |",
+             "| the machine's CPU-seconds | " + " | ".join(f"{x[n]['machine']:.1f}" for n in names) + " | |"]
+
+    checks = [(s, "scaling.json")] + [(json.loads(f.read_text()), f.name) for f in sorted(folder.glob("identity*.json"))]
+    lines += ["", "**The same bytes** (`SOURCE_DATE_EPOCH` fixed; every `--ray` file against the single-machine "
+              "build's):", "", "| file | corpus tokens | order | builds compared | SHA-256 | identical |",
+              "|---|---:|---:|---:|---|---|"]
+    for d, name in checks:
+        for source in sorted({r["source"] for r in d["rows"]}):
+            rows = [r for r in d["rows"] if r["source"] == source]
+            hashes = {r["sha256"] for r in rows}
+            lines.append(f"| `{name}`, {source} | {_n(rows[0]['total_tokens'])} | {d['order']} | {len(rows)} | "
+                         f"`{sorted(hashes)[0][:16]}…` | {'yes' if len(hashes) == 1 else '**no**'} |")
+
+    billion = folder / "billion_ray.json"
+    write_rate = None
+    if billion.exists():
+        b = json.loads(billion.read_text())
+        r = b["summary"]
+        st = r["stages"]
+        write_rate = r["file_bytes"] / st["write"]["seconds"]
+        lines += ["", f"**The billion-token corpus, rebuilt with `--ray`** (`{b['command']}`; {b['cpu']}, "
+                  f"{b['cores']} cores; {_n(r['total_tokens'])} tokens, {_n(r['num_documents'])} documents, order "
+                  f"{r['order']}, {r['partitions']} partitions, {r['shards']} shards):", "",
+                  "| stage | wall s | CPU-s of its tasks | corpus tokens per CPU-second |", "|---|---:|---:|---:|"]
+        rows = (("reading (the driver)", st["read"]["seconds"], None),
+                ("tokenising (the sample's and the map's tasks)", st["sample"]["seconds"] + st["map"]["seconds"],
+                 st["sample"]["cpu_seconds"] + st["map"]["tokenise_cpu_seconds"]),
+                ("counting (the map's sort)", None, st["map"]["count_cpu_seconds"]),
+                ("merging (reduce)", st["reduce"]["seconds"], st["reduce"]["cpu_seconds"]),
+                ("writing (the driver)", st["write"]["seconds"], st["write"]["cpu_seconds"]))
+        tokens_b = r["total_tokens"]
+        for name, wall, cpu in rows:
+            wall_cell = "(in the map)" if wall is None else f"{wall:,.0f}"
+            cpu_cell = "" if cpu is None else f"{cpu:,.0f}"
+            rate_cell = "" if not cpu else f"{tokens_b / cpu / 1e6:.2f} M"
+            lines.append(f"| {name} | {wall_cell} | {cpu_cell} | {rate_cell} |")
+        lines += [f"| total | {r['total_seconds']:,.0f} | | |", "",
+                  f"Sorted runs spilled by the reduce tasks: {r['num_runs']} ({r['spilled_bytes'] / 1e9:.2f} GB); map "
+                  f"outputs {r['map_output_bytes'] / 1e9:.2f} GB through the object store; peak RSS "
+                  f"({b.get('peak_rss_scope', 'of one task')}): map {_n(r['peak_task_rss_mb']['map'])} MB, reduce "
+                  f"{_n(r['peak_task_rss_mb']['reduce'])} MB; the driver {_n(r['peak_rss_mb'])} MB.", "",
+                  "| trie | built | seconds | nodes per level | file bytes | B per node |",
+                  "|---|---|---:|---|---:|---:|",
+                  f"| billion-token, order {r['order']} | `--ray`, {b['cpu']}, {b['cores']} cores | "
+                  f"{_n(r['total_seconds'])} | {' / '.join(_n(v) for v in r['nodes_per_level'])} | "
+                  f"{_n(r['file_bytes'])} | {r['bytes_per_node']:.2f} |"]
+        if (results / "billion_trie.json").exists():  # the single-machine build of the billion-token study
+            one = json.loads((results / "billion_trie.json").read_text())
+            ob, ot = one["build"], one["bench"]["billion"]["trie"]
+            lines.append(f"| billion-token, order {len(ot['nodes_per_level'])} | single machine, {one['machine']['cpu']} "
+                         f"(\"The trie at a billion tokens\") | {_n(ob['total_seconds'])} | "
+                         f"{' / '.join(_n(v) for v in ot['nodes_per_level'])} | {_n(ot['file_bytes'])} | "
+                         f"{ot['bytes_per_node']:.2f} |")
+        if "tau" in b:
+            lines += ["", f"τ with it ({b['tau']['setup']}):", "", "| trie | MT-Bench τ | HumanEval τ |",
+                      "|---|---:|---:|"] + [f"| {row['trie']} | {row['mt-bench']:.3f} | {row['humaneval']:.3f} |"
+                                            for row in b["tau"]["rows"]]
+
+    # the 100 GB order-5 trie, from the rates above
     target = 100e9
-    lines += ["", "**Extrapolated to a 100 GB trie** (linear in the measured rates):", "",
-              "| quantity | value | from |", "|---|---:|---|",
-              f"| nodes at order 3 | {target / bb['trie']['bytes_per_node'] / 1e9:.1f} B | 100 GB ÷ the "
-              "billion-token trie's bytes per node |"]
-    if b5:
-        per_node5 = b5["file_bytes"] / b5["nodes"]
-        nodes5 = target / per_node5
-        tokens5 = nodes5 / (b5["nodes"] / b5["total_tokens"])
-        lines += [f"| nodes at order 5 | {nodes5 / 1e9:.1f} B | 100 GB ÷ the order-5 default trie's bytes per "
-                  "node |",
-                  f"| corpus tokens for order 5, at least | {tokens5 / 1e9:.1f} B | nodes ÷ the order-5 default "
-                  "trie's nodes per token (more as growth bends) |",
-                  f"| tokenising them on 63 cores, min | {tokens5 / tok_cpu_s / 63 / 60:.0f} | ÷ tokens per "
-                  "CPU-second above |",
-                  f"| counting them (one thread), min | {tokens5 / b['count_tokens_per_s'] / 60:.0f} | ÷ this "
-                  "build's count rate (order 3) |"]
-    lines += [f"| merging and writing 100 GB, min | {target / b['file_bytes'] * b['merge_seconds'] / 60:.0f} | "
-              "scaled from this build's merge |",
-              f"| disk at the peak, GB | {target * b['peak_disk_bytes_out_dir'] / b['file_bytes'] / 1e9:.0f} | "
-              "this build's peak ÷ result |",
-              f"| full `verify`, s | {target / bb['trie']['file_bytes'] * bb['verify_s']:.0f} | scaled from the "
-              "billion-token trie's |"]
+    order5 = _order5_tokens(results, target)
+    if order5 is not None and "ray-2" in t and "ray-2" in x:
+        nodes5, tokens5 = order5
+        tok_rate = x["ray-2"]["tokens"] / x["ray-2"]["tokenise"][1]
+        count_rate = t["ray-2"]["tokens"] / t["ray-2"]["count"][1]
+        merge_rate = t["ray-2"]["tokens"] / t["ray-2"]["merge"][1]
+        widen = (4 * 5 + 4) / (4 * s["order"] + 4)  # an order-5 window record against this study's order
+        cpu_s = tokens5 / tok_rate + widen * (tokens5 / count_rate + tokens5 / merge_rate)
+        if write_rate is None:
+            write_rate = max(r["file_bytes"] / r["stages"]["write"]["seconds"] for r in s["rows"] if r["mode"] == "ray")
+        write_s = target / write_rate
+        map_bytes = 24 * tokens5  # every window distinct: the most the map outputs can hold at order 5
+        if billion.exists():  # measured: map-output bytes per token, widened to order-5 records
+            map_bytes = tokens5 * r["map_output_bytes"] / r["total_tokens"] * 24 / (4 * r["order"] + 4)
+        lines += ["", "**A 100 GB order-5 trie, estimated** from the per-CPU-second rates of the 2-CPU builds above "
+                  "(the estimate's assumptions are listed under the table):", "",
+                  "| nodes of 64 cores | tokenise + count + merge, min | write (the driver), min | total, min | "
+                  "object store and spill per node, GB | into the driver's node, GB |", "|---:|---:|---:|---:|---:|---:|"]
+        for n in (1, 4, 16):
+            work = cpu_s / (64 * n) / 60
+            lines.append(f"| {n} | {work:,.1f} | {write_s / 60:,.1f} | {work + write_s / 60:,.1f} | "
+                         f"{map_bytes / n / 1e9:,.0f} | {1.5 * target / 1e9:,.0f} |")
+        lines += ["", f"Assumptions: {nodes5 / 1e9:.1f} B nodes and at least {tokens5 / 1e9:.1f} B corpus tokens for "
+                  "100 GB at order 5 (the order-5 reference import's bytes per node and nodes per token); "
+                  f"tokenising at {tok_rate / 1e6:.2f} M tokens per CPU-second, counting at {count_rate / 1e6:.1f} M "
+                  f"and merging + writing at {merge_rate / 1e6:.1f} M (this machine, order {s['order']}), counting and "
+                  f"merging {widen:.1f}× slower per token at order 5 (its window records are that much larger); the "
+                  f"write stage serial on the driver at {write_rate / 1e6:.0f} MB/s, the rate of the largest `--ray` "
+                  "build here; every core busy (no stragglers, no Ray overhead beyond what the CPU-seconds above "
+                  f"hold); map outputs {map_bytes / tokens5:.1f} bytes per corpus token (measured on the billion-token "
+                  "rebuild where there is one, widened to order-5 records; else 24, every window distinct), spread "
+                  "over the nodes; the "
+                  "partitions' level streams (8-byte counts and offsets before narrowing) into the driver's node, "
+                  "about 1.5× the trie."]
     return "\n".join(lines)
 
 
@@ -482,7 +652,7 @@ SECTIONS = (("batching-cpu", render_batching), ("reference-import", render_refer
             ("billion-trie", render_billion_trie), ("serving-threads", render_serving_threads),
             ("gate-replay", render_gate_replay), ("cpu-memory", render_cpu_memory),
             ("stream-interval", render_stream_interval), ("draft-weights", render_draft_weights),
-            ("speculation-ceiling", render_speculation_ceiling))
+            ("speculation-ceiling", render_speculation_ceiling), ("ray-trie-build", render_ray_trie_build))
 
 
 def _block(name: str, body: str) -> str:
@@ -494,7 +664,7 @@ def _block(name: str, body: str) -> str:
 SECTION_FOLDERS = {"batching-cpu": "batching_cpu", "reference-import": "reference_import",
                    "billion-trie": "billion_trie", "serving-threads": "serving_threads", "gate-replay": "gate",
                    "cpu-memory": "cpu_memory", "stream-interval": "stream_interval", "draft-weights": "draft_weights",
-                   "speculation-ceiling": "speculation_ceiling"}
+                   "speculation-ceiling": "speculation_ceiling", "ray-trie-build": "ray_trie_build"}
 
 
 def write_sections(page: str | Path | None = None, results: Path = RESULTS, *, check: bool = False) -> bool:
