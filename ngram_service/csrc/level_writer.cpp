@@ -81,24 +81,20 @@ void copy_bytes(File& src, File& dst, uint64_t bytes) {
 
 }  // namespace
 
-void LevelSink::open(const std::string& prefix, bool has_children_) {
+void LevelSink::open_files(const std::string& prefix, bool has_children_, const char* mode) {
   has_children = has_children_;
   tokens_path = prefix + ".tokens";
   counts_path = prefix + ".counts";
   children_path = prefix + ".children";
-  tokens = std::make_unique<File>(tokens_path, "wb");
-  counts = std::make_unique<File>(counts_path, "wb");
-  if (has_children) children = std::make_unique<File>(children_path, "wb");
+  tokens = std::make_unique<File>(tokens_path, mode);
+  counts = std::make_unique<File>(counts_path, mode);
+  if (has_children) children = std::make_unique<File>(children_path, mode);
 }
 
+void LevelSink::open(const std::string& prefix, bool has_children_) { open_files(prefix, has_children_, "wb"); }
+
 void LevelSink::reopen(const std::string& prefix, bool has_children_, uint64_t emitted_, uint64_t max_count_) {
-  has_children = has_children_;
-  tokens_path = prefix + ".tokens";
-  counts_path = prefix + ".counts";
-  children_path = prefix + ".children";
-  tokens = std::make_unique<File>(tokens_path, "ab");
-  counts = std::make_unique<File>(counts_path, "ab");
-  if (has_children) children = std::make_unique<File>(children_path, "ab");
+  open_files(prefix, has_children_, "ab");
   emitted = emitted_;
   max_count = max_count_;
 }

@@ -64,6 +64,7 @@ struct LevelSink {
     counts->write(&count, sizeof(count));
     if (count > max_count) max_count = count;
   }
+  void open_files(const std::string& prefix, bool has_children, const char* mode);  // "wb" or "ab"
   bool has_children = false;
   std::string tokens_path, counts_path, children_path;
   std::unique_ptr<File> tokens, counts, children;

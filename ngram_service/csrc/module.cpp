@@ -35,6 +35,19 @@ py::array_t<T> to_array(std::vector<T>&& v, std::vector<py::ssize_t> shape) {
   return py::array_t<T>(shape, heap->data(), owner);
 }
 
+// A build's statistics (builder.hpp): the fields every build fills, plus those of finish_levels().
+py::dict build_stats(const BuildStats& s) {
+  py::dict d;
+  d["total_tokens"] = s.total_tokens;
+  d["num_nodes"] = s.num_nodes;
+  d["nodes_per_level"] = s.nodes_per_level;
+  d["file_bytes"] = s.file_bytes;
+  d["num_runs"] = s.num_runs;
+  d["spilled_bytes"] = s.spilled_bytes;
+  d["max_count_per_level"] = s.max_count_per_level;
+  return d;
+}
+
 py::dict tree_to_dict(DraftTreeData&& t) {
   const auto n = static_cast<py::ssize_t>(t.tokens.size());
   py::dict d;
@@ -444,13 +457,7 @@ PYBIND11_MODULE(_native, m) {
               py::gil_scoped_release release;
               s = b.finish(path, metadata_json, min_count);
             }
-            py::dict d;
-            d["total_tokens"] = s.total_tokens;
-            d["num_nodes"] = s.num_nodes;
-            d["nodes_per_level"] = s.nodes_per_level;
-            d["file_bytes"] = s.file_bytes;
-            d["num_runs"] = s.num_runs;
-            return d;
+            return build_stats(s);
           },
           py::arg("path"), py::arg("metadata_json"), py::arg("min_count"))
       .def(
@@ -472,14 +479,7 @@ PYBIND11_MODULE(_native, m) {
               py::gil_scoped_release release;
               s = b.finish_levels(prefix, min_count);
             }
-            py::dict d;
-            d["total_tokens"] = s.total_tokens;
-            d["num_nodes"] = s.num_nodes;
-            d["nodes_per_level"] = s.nodes_per_level;
-            d["max_count_per_level"] = s.max_count_per_level;
-            d["num_runs"] = s.num_runs;
-            d["spilled_bytes"] = s.spilled_bytes;
-            return d;
+            return build_stats(s);
           },
           py::arg("prefix"), py::arg("min_count"),
           "finish() into per-level stream files prefix+'level<m>.{tokens,counts,children}' instead of a trie file.");
@@ -517,12 +517,7 @@ PYBIND11_MODULE(_native, m) {
           s = write_levels_from_files(path, metadata_json, order, vocab_size, total_tokens, prefixes, nodes_per_level,
                                       max_count_per_level);
         }
-        py::dict d;
-        d["total_tokens"] = s.total_tokens;
-        d["num_nodes"] = s.num_nodes;
-        d["nodes_per_level"] = s.nodes_per_level;
-        d["file_bytes"] = s.file_bytes;
-        return d;
+        return build_stats(s);
       },
       py::arg("path"), py::arg("metadata_json"), py::arg("order"), py::arg("vocab_size"), py::arg("total_tokens"),
       py::arg("prefixes"), py::arg("nodes_per_level"), py::arg("max_count_per_level"),
