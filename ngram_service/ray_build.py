@@ -47,7 +47,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ngram_service import _native
-from ngram_service.build import (BuildError, BuildSummary, encoded_batches, reduce_like_reference, check_build_options,
+from ngram_service.build_common import (BuildError, BuildSummary, encoded_batches, reduce_like_reference, check_build_options,
                                  join_pieces, text_metadata, trie_metadata)
 from ngram_service.tokenizer import TrieTokenizer
 from ngram_service.trie import pack_ragged, write_checksums

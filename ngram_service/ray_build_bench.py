@@ -31,7 +31,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from ngram_service.build import tokenized, build_trie_from_texts
+from ngram_service.build import build_trie_from_texts
+from ngram_service.build_common import tokenized
 from ngram_service.corpus import iter_files
 from ngram_service.tokenizer import load_trie_tokenizer
 

@@ -22,7 +22,10 @@ ALLOWED = {
     "dart_core/model/allocator.py": "MALLOC_MMAP_THRESHOLD_: glibc's own setting, which keep_freed_memory defers to",
     "dart_core/train/gpu_recipe.py": "DART_SERVE_CACHE: the cache path (a command-line entry point)",
     "ngram_service/cache.py": "DART_SERVE_CACHE: the cache path",
-    "ngram_service/build.py": "TOKENIZERS_PARALLELISM: set for tokenizers' worker processes, not read",
+    "ngram_service/build_common.py": "TOKENIZERS_PARALLELISM: set for tokenizers' worker processes, not read; "
+                                     "SOURCE_DATE_EPOCH: the reproducible-builds date for a trie header",
+    "ngram_service/ray_build.py": "TOKENIZERS_PARALLELISM: set for the map tasks' tokenizers, not read",
+    "ngram_service/ray_build_bench.py": "SOURCE_DATE_EPOCH: set so that every build's header is equal (a benchmark)",
     "ngram_service/server.py": "the bearer token's variable, named on its command line",
     "deployments/app.py": "the n-gram service's bearer token",
     "deployments/ingress.py": "the API key (api_key_env)",

@@ -202,20 +202,20 @@ def test_named_corpus_and_files_together(tmp_path, monkeypatch):
 
 
 def test_long_documents_are_tokenised_in_pieces_with_the_same_ids(default_tokenizer, monkeypatch):
-    from ngram_service import build
+    from ngram_service import build_common
     from ngram_service.tokenizer import TrieTokenizer
 
     code = "".join(f"#define REG_{i:05d}__FIELD_MASK 0x{i * 2654435761 % 2**32:08X}L\n"
                    f"static int f{i}(int x)\n{{\n    return x * {i};  /* é */\n}}\n\n" for i in range(600))
-    pieces = build.split_long(code, max_chars=4096)
+    pieces = build_common.split_long(code, max_chars=4096)
     assert len(pieces) > 10 and "".join(pieces) == code and max(map(len, pieces)) <= 4096
     tok = TrieTokenizer.wrap(default_tokenizer)
     whole = tok.encode_batch([code])[0]
     assert [i for ids in tok.encode_batch(pieces) for i in ids] == whole
     # through the builder's reassembly: documents come out whole, in order, batch limits or not
-    monkeypatch.setattr(build, "MAX_PIECE_CHARS", 4096)
-    monkeypatch.setattr(build, "MAX_BATCH_CHARS", 10_000)
+    monkeypatch.setattr(build_common, "MAX_PIECE_CHARS", 4096)
+    monkeypatch.setattr(build_common, "MAX_BATCH_CHARS", 10_000)
     docs = ["short one", code, "x" * 9000, "another"]
-    out = list(build.tokenized(docs, tok, 3, None, False))
+    out = list(build_common.tokenized(docs, tok, 3, None, False))
     assert [list(o) for o in out] == tok.encode_batch(docs)
-    assert build.split_long("y" * 9000, max_chars=4096) == ["y" * 4096, "y" * 4096, "y" * 808]  # no newline: hard cuts
+    assert build_common.split_long("y" * 9000, max_chars=4096) == ["y" * 4096, "y" * 4096, "y" * 808]  # no newline: hard cuts
