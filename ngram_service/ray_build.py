@@ -181,7 +181,8 @@ def _map_task(payload: dict, tokenizer_json: str, cfg: dict, boundaries: np.ndar
     else:
         keys, counts = np.zeros((0, cfg["order"]), np.uint32), np.zeros(0, np.uint32)
         starts = np.zeros(len(needed) + 1, np.uint64)
-    runs = [(keys[starts[p]:starts[p + 1]].copy(), counts[starts[p]:starts[p + 1]].copy()) if needed[p] else None
+    # views: Ray serialises a contiguous slice by its own bytes, so no copy is needed
+    runs = [(keys[starts[p]:starts[p + 1]], counts[starts[p]:starts[p + 1]]) if needed[p] else None
             for p in range(len(needed))]
     return (*runs, {"lengths": lengths, "tokenise_cpu_seconds": c1 - c0, "count_cpu_seconds": time.process_time() - c1,
                     "output_bytes": sum(k.nbytes + c.nbytes for k, c in filter(None, runs)), **_usage(t0, c0)})
