@@ -32,7 +32,7 @@ from dart_core.spec.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head, load_
 from dart_core.step.engine import DartEngine, GenerationResult
 from dart_core.step.grammar import Grammar, GrammarCompiler, GrammarSpec
 from dart_core.model.kernel_config import KernelConfig
-from dart_core.model.quant import can_int4, default_kernel, quantize_linears
+from dart_core.model.quant import can_int4, default_kernel, qmm_runs_vectorised, quantize_linears
 from dart_core.model.rows import can_pack, pack_linears
 from dart_core.step.sampling import SamplingParams
 from dart_core.spec.speculative import SpeculativeConfig
@@ -106,11 +106,11 @@ DRAFT_WEIGHTS = ("auto", "dense", "q8_0")
 
 def default_draft_weights(target: TargetModel) -> str:
     """``draft_weights="auto"``: ``"q8_0"`` beside a float32 CPU target where the CPU runs the qmm kernel
-    (AVX-512: :func:`dart_core.model.quant.default_kernel`), where the head's weights read from memory
+    vectorised (AVX-512: :func:`dart_core.model.quant.quantize_linears`), where the head's weights read from memory
     after each target forward are half their bf16 bytes (docs/engine.md, "Draft weights");
     ``"dense"`` otherwise."""
     on_cpu = target.device.type == "cpu" and target.dtype == torch.float32
-    return "q8_0" if on_cpu and default_kernel() == "qmm" else "dense"
+    return "q8_0" if on_cpu and qmm_runs_vectorised() else "dense"
 
 
 def resolve_draft_weights(draft_weights: str, target: TargetModel, draft_dtype: torch.dtype | None = None) -> str:
@@ -124,7 +124,7 @@ def resolve_draft_weights(draft_weights: str, target: TargetModel, draft_dtype: 
         raise ValueError(f"draft_weights must be one of {DRAFT_WEIGHTS}, not {draft_weights!r}")
     if draft_weights == "auto":
         return "dense" if draft_dtype is not None else default_draft_weights(target)
-    if draft_weights == "q8_0" and (target.device.type != "cpu" or default_kernel() != "qmm"):
+    if draft_weights == "q8_0" and (target.device.type != "cpu" or not qmm_runs_vectorised()):
         raise ValueError("draft_weights='q8_0' runs on a CPU with AVX-512 (the qmm kernel) only")
     if draft_weights == "q8_0" and draft_dtype not in (None, torch.float32):
         raise ValueError(f"draft_weights='q8_0' computes in float32; draft_dtype={draft_dtype} needs dense weights")
@@ -242,10 +242,11 @@ class DartModel:
             weights: the target's weight format: ``"dense"`` (de-quantised to ``dtype``),
                 ``"gguf-native"`` (a GGUF's 4-bit blocks run as they are, CPU only:
                 :func:`dart_core.model.quant.quantize_from_gguf`) or ``"auto"``: :func:`default_weights`.
-            gguf_kernel: the kernel of GGUF-native layers (``"qmm"``: float32 activations, the
-                de-quantised model's arithmetic; ``"qmm-a8"``: 8-bit activations, llama.cpp's
-                arithmetic, faster; ``"aten"``: PyTorch's int4 kernel) or ``"auto"``:
-                :func:`dart_core.model.quant.default_kernel`. Ignored when the weights are dense.
+            gguf_kernel: the kernel of GGUF-native layers (``"qmm-a8"``: 8-bit activations, llama.cpp's
+                arithmetic, the cheapest verification per query token; ``"qmm"``: float32
+                activations, the de-quantised model's text; ``"aten"``: PyTorch's int4 kernel) or
+                ``"auto"``: :func:`dart_core.model.quant.default_kernel` (``qmm-a8`` with AVX-512
+                VNNI, ``qmm`` with AVX-512 alone, else ``aten``). Ignored when the weights are dense.
             draft_dtype: the draft head's; default the target's, except bfloat16
                 beside a float32 target on a CPU with native bf16 matrix
                 multiplication (AVX512-BF16 / AMX; figures in docs/engine.md).  Output is

@@ -87,11 +87,12 @@ class AppConfig(BaseModel):
         "auto", description='the target\'s weights: "gguf-native" runs a GGUF\'s own 4-bit blocks on the CPU, '
                             '"dense" de-quantises them to dtype; "auto" = gguf-native for a GGUF on the CPU')
     gguf_kernel: Literal["auto", "qmm-a8", "qmm", "aten"] = Field(
-        "auto", description='kernel of the GGUF-native layers: "qmm" (float32 activations: the de-quantised '
-                            'model\'s greedy text), "qmm-a8" (8-bit activations, llama.cpp\'s arithmetic: faster, '
-                            'its text departs from the float32 model\'s as llama.cpp\'s does; needs AVX-512 VNNI), '
-                            '"aten" (PyTorch\'s int4 kernel, bfloat16 activations); "auto" = qmm where the CPU has '
-                            "AVX-512, else aten. Ignored with dense weights")
+        "auto", description='kernel of the GGUF-native layers: "qmm-a8" (8-bit activations, llama.cpp\'s '
+                            'arithmetic: the cheapest verification per query token; its text departs from the '
+                            'float32 model\'s as llama.cpp\'s does; needs AVX-512 VNNI), "qmm" (float32 activations: '
+                            'the de-quantised model\'s greedy text), "aten" (PyTorch\'s int4 kernel, bfloat16 '
+                            'activations); "auto" = qmm-a8 where the CPU has AVX-512 VNNI, qmm where it has '
+                            "AVX-512 alone, else aten. Ignored with dense weights")
     draft_weights: Literal["auto", "dense", "q8_0"] = Field(
         "auto", description='the draft head\'s linear layers: "q8_0" (quantised at load to Q8_0 blocks, run by the '
                             'float32 qmm kernel; CPU with AVX-512), "dense" (dtype of the head: bfloat16 beside a '

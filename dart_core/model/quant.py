@@ -8,13 +8,13 @@ Here each linear layer is rebuilt from the GGUF's own blocks
 three kernels (:func:`default_kernel` chooses, ``gguf_kernel`` overrides; figures
 in ``bench/results/gguf_native/``):
 
-- **qmm-a8** (``dart_core/csrc/qmm_a8.cpp``, where the CPU has AVX-512 VNNI;
-  opt-in):
-  the GGUF's codes and scales (:func:`qmm_a8_weight`) times activations
+- **qmm-a8** (``dart_core/csrc/qmm_a8.cpp``, the default where the CPU has
+  AVX-512 VNNI): the GGUF's codes and scales (:func:`qmm_a8_weight`) times activations
   quantised to 8 bits per block of 32 inputs, integer dot products within a
   block: the arithmetic of llama.cpp's CPU back end for these block types.
   The weights are the GGUF's values; the activations are rounded to 8 bits.
-- **qmm** (``dart_core/csrc/qmm.cpp``, the default where the CPU has AVX-512): the
+- **qmm** (``dart_core/csrc/qmm.cpp``, the default where the CPU has AVX-512
+  without VNNI; the draft head's Q8_0 layers everywhere): the
   GGUF's codes, scales and minimums as they are (:func:`qmm_weight`), float32
   activations; each block's scale and minimum are factored out of its 32
   products, so the weights are the GGUF's de-quantised values.
@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["GGUFWeightsError", "Int4Linear", "int4_parts", "quantize_linears", "qmm_weight", "qmm_a8_weight",
            "quantize_from_gguf",
-           "can_int4", "default_compute_dtype", "default_kernel", "KERNELS", "GROUP_SIZE", "QMM_KERNELS"]
+           "can_int4", "default_compute_dtype", "default_kernel", "qmm_runs_vectorised", "KERNELS", "GROUP_SIZE", "QMM_KERNELS"]
 
 GROUP_SIZE = 32  # the GGUF block length of Q4_0, Q4_1 and Q8_0, and the kernel's group size
 
@@ -128,19 +128,23 @@ def quantize_linears(module: torch.nn.Module, kernel: str | None = None) -> int:
     """Replaces every ``nn.Linear`` of ``module`` (in place; bias-free layers only) by an
     :class:`Int4Linear` over its weight's Q8_0 blocks (the ``gguf`` package's quantiser, ggml's:
     per block of 32 inputs ``d = max |w| / 127``, codes ``round(w / d)``), run by a qmm kernel
-    (``kernel``, default :func:`default_kernel`); returns how many.  For inference: the new layers
-    take float32 inputs and hold no parameters.  The draft head uses it on a CPU with AVX-512
-    (``DartModel.from_pretrained(draft_weights="q8_0")``; docs/engine.md, "Draft weights").
+    (``kernel``, default ``"qmm"``: float32 activations, which measured faster than ``"qmm-a8"`` for
+    the draft head inside the engine, ``bench/results/draft_row/``); returns how many.  For
+    inference: the new layers take float32 inputs and hold no parameters.  The draft head uses it
+    on a CPU with AVX-512 (``DartModel.from_pretrained(draft_weights="q8_0")``; docs/engine.md,
+    "Draft weights").
 
     Raises:
-        ValueError: a linear layer with a bias, or ``kernel`` not a qmm kernel (this CPU has none:
-            :func:`default_kernel` is ``"aten"``).
+        ValueError: a linear layer with a bias, ``kernel`` not a qmm kernel, or no ``kernel`` on a
+            CPU without AVX-512 (where the qmm kernels run only their portable loops).
         GGUFWeightsError: an in_features that is not a multiple of 32.
     """
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    kernel = kernel or default_kernel()
+    if kernel is None and not qmm_runs_vectorised():
+        raise ValueError("Q8_0 linear layers need a qmm kernel, which runs vectorised only with AVX-512")
+    kernel = kernel or "qmm"
     if kernel not in QMM_KERNELS:
         raise ValueError(f"Q8_0 linear layers need a qmm kernel (AVX-512), not {kernel!r}")
     count = 0
@@ -165,14 +169,28 @@ KERNELS = ("qmm-a8", "qmm", "aten")
 QMM_KERNELS = ("qmm-a8", "qmm")  # dart-serve's own kernels: float32 layer inputs and outputs
 
 
+def qmm_runs_vectorised() -> bool:
+    """True where the ``"qmm"`` kernel runs its AVX-512 code (elsewhere only its portable loop):
+    where :func:`quantize_linears` makes Q8_0 layers by default."""
+    return bool(_kernels.qmm_vectorised())
+
+
 def default_kernel() -> str:
-    """``"qmm"`` (float32 activations, :class:`Int4Linear`) where it runs vectorised (a CPU with
-    AVX-512), else ``"aten"`` (PyTorch's int4 kernel with bfloat16 activations): the fastest kernel
-    whose greedy output is the de-quantised float32 model's (so ``weights: gguf-native`` and
-    ``dense`` give the same text), measured on an AVX512-BF16 EPYC (``bench/results/gguf_native/``). ``"qmm-a8"`` (8-bit activations, AVX-512 VNNI) is faster still but rounds the
-    activations as llama.cpp does, so its text departs from the float32 model's as llama.cpp's
-    does (the agreement rows there): ``gguf_kernel`` chooses it (``DartModel.from_pretrained``,
-    the deployment config). Without AVX-512 only the qmm kernels' portable loops remain."""
+    """The kernel of GGUF-native layers when ``gguf_kernel`` is ``auto``: ``"qmm-a8"`` (8-bit
+    activations) where the CPU has AVX-512 VNNI, else ``"qmm"`` (float32 activations) where it has
+    AVX-512, else ``"aten"`` (PyTorch's int4 kernel with bfloat16 activations).
+
+    ``qmm-a8`` is the default where it runs because speculation pays with it: on the AVX512-BF16
+    EPYC of ``bench/results/kernel_default/`` a plain decoding step costs the same with both qmm
+    kernels, but each further query token of a verification costs about a third of what it costs
+    with ``qmm`` (the verification cost curves there), so the adaptive budget can verify larger
+    trees at the same price. Its arithmetic is the one llama.cpp's CPU back end uses for these block
+    types, so its greedy text departs from the de-quantised float32 model's as llama.cpp's does;
+    ``gguf_kernel: qmm`` keeps the float32 model's text (``weights: gguf-native`` and ``dense``
+    then give the same text). Greedy DART equals greedy autoregressive decoding with every kernel.
+    Without AVX-512 only the qmm kernels' portable loops remain."""
+    if _kernels.qmm_a8_vectorised():
+        return "qmm-a8"
     return "qmm" if _kernels.qmm_vectorised() else "aten"
 
 
@@ -287,14 +305,14 @@ class Int4Linear(torch.nn.Module):
     """A bias-free linear layer whose weight is a GGUF tensor's 4-bit (or 8-bit) blocks, applied by
     one of three row-exact CPU kernels (``kernel``):
 
-    - ``"qmm-a8"`` (where the CPU has AVX-512 VNNI, chosen with ``gguf_kernel``): dart-serve's kernel with
+    - ``"qmm-a8"`` (:func:`default_kernel` where the CPU has AVX-512 VNNI): dart-serve's kernel with
       8-bit activations (``dart_core/csrc/qmm_a8.cpp``), llama.cpp's arithmetic for these block
       types. Each input row is quantised per block of 32 inputs (scale ``max |x| / 127``, round to
       nearest even); a block's output is ``d·dx·Σ qw·qx + m·dx·Σ qx`` (integer sums, exact), added
       over the blocks in a fixed order of float32 operations. The weights are the GGUF's values;
       the activations carry 8-bit rounding (each input off by up to half of its block's
       ``max |x| / 127``). Float32 inputs and outputs.
-    - ``"qmm"`` (:func:`default_kernel` where the CPU has AVX-512): dart-serve's float32 kernel
+    - ``"qmm"`` (:func:`default_kernel` where the CPU has AVX-512 but not VNNI): dart-serve's float32 kernel
       (``dart_core/csrc/qmm.cpp``). Float32 activations and results. The GGUF's codes are read
       as they are (Q8_0 in one 8-bit pass) and each block's scale ``d`` and minimum ``m`` are
       factored out of its 32 products: an output is ``Σ_blocks d · Σ x·q + m · Σ x`` in a fixed

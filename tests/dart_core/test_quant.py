@@ -66,6 +66,26 @@ def test_parts_reproduce_the_gguf_values(qtype):
     assert rel < 2 ** -6  # scales and zeros rounded to bfloat16
 
 
+@pytest.mark.parametrize("vnni, avx512, expected", [(True, True, "qmm-a8"), (False, True, "qmm"),
+                                                    (False, False, "aten")])
+def test_the_default_kernel_follows_the_cpu(monkeypatch, vnni, avx512, expected):
+    """``gguf_kernel: auto``: qmm-a8 with AVX-512 VNNI (the cheapest further query token), qmm with
+    AVX-512 alone, aten elsewhere; the draft head's Q8_0 layers run the float32 qmm kernel whatever
+    the target's, and are refused where qmm runs only its portable loop."""
+    from dart_core.model import quant
+
+    monkeypatch.setattr(quant._kernels, "qmm_a8_vectorised", lambda: vnni)
+    monkeypatch.setattr(quant._kernels, "qmm_vectorised", lambda: avx512)
+    assert quant.default_kernel() == expected
+    assert quant.default_compute_dtype() == (torch.bfloat16 if expected == "aten" else torch.float32)
+    head = torch.nn.Sequential(torch.nn.Linear(64, 16, bias=False))
+    if avx512:
+        assert quantize_linears(head) == 1 and head[0].kernel == "qmm"
+    else:
+        with pytest.raises(ValueError, match="AVX-512"):
+            quantize_linears(head)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_a_row_does_not_depend_on_the_other_rows(kernel):
     """What makes tree verification exact on the 4-bit target: the kernel computes each input row alike
@@ -411,7 +431,7 @@ def test_quantize_linears_gives_q8_0_layers_with_ggmls_values():
     want = module(x).detach()
     assert quantize_linears(module) == 2
     layers = [m for m in module if isinstance(m, Int4Linear)]
-    assert len(layers) == 2 and all(m.gguf_type == "Q8_0" and m.kernel == default_kernel() for m in layers)
+    assert len(layers) == 2 and all(m.gguf_type == "Q8_0" and m.kernel == "qmm" for m in layers)
     for layer, w in zip(layers, dense):
         expected = gguf.quants.dequantize(_blocks(w, Q.Q8_0), Q.Q8_0)
         np.testing.assert_allclose(layer.weight.numpy(), expected, rtol=1e-6, atol=1e-7)
