@@ -2,7 +2,7 @@
 rendered from their result files: ``python -m dart_core.bench.sections`` (``--check`` exits 1 where
 a README is not what the files give).
 
-Nine studies hold results that are not re-measured by the report itself:
+Eleven studies hold results that are not re-measured by the report itself:
 
 - "Continuous batching without Ray": ``bench/results/batching_cpu/batching.json``
   (:mod:`dart_core.bench.batching`);
@@ -23,7 +23,11 @@ Nine studies hold results that are not re-measured by the report itself:
   dense and in Q8_0 blocks, :func:`render_draft_weights`);
 - "Where speculation can pay (CPU)": ``bench/results/speculation_ceiling/<kernel>/verify_curve.json``
   (:mod:`dart_core.bench.verify_curve` at several batch sizes, one folder per GGUF kernel,
-  :func:`render_speculation_ceiling`).
+  :func:`render_speculation_ceiling`);
+- "The trie build on Ray": ``bench/results/ray_trie_build/*.json`` (``python -m ngram_service.ray_build_bench``,
+  :func:`render_ray_trie_build`);
+- "The default GGUF kernel (CPU)": ``bench/results/kernel_default/`` (:mod:`dart_core.bench.verify_curve`
+  per qmm kernel and :mod:`dart_core.bench.decoding` with each, :func:`render_kernel_default`).
 
 Each is written between its own markers in its study's README (:data:`SECTION_FOLDERS`); the text
 around them (what the figures mean)
@@ -43,7 +47,8 @@ from pathlib import Path
 
 __all__ = ["SECTION_FOLDERS", "render_batching", "render_reference_import", "render_billion_trie", "render_serving_threads",
            "render_gate_replay", "render_cpu_memory", "render_stream_interval", "render_draft_weights",
-           "render_speculation_ceiling", "render_ray_trie_build", "CEILING_KERNELS", "GATE_LOGS",
+           "render_speculation_ceiling", "render_ray_trie_build", "render_kernel_default", "KERNEL_DEFAULT_VARIANTS",
+           "CEILING_KERNELS", "GATE_LOGS",
            "CPU_MEMORY_VARIANTS", "STREAM_VARIANTS", "DRAFT_WEIGHT_SETTINGS", "SECTIONS", "write_sections", "main"]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -561,6 +566,76 @@ def render_speculation_ceiling(results: Path = RESULTS) -> str:
     return "\n".join(lines)
 
 
+#: the kernels of "The default GGUF kernel (CPU)", in table order: (file prefix, heading)
+KERNEL_DEFAULT_VARIANTS = (("qmm", "qmm (float32 activations)"), ("auto", "qmm-a8 (the new default here)"))
+
+
+def render_kernel_default(results: Path = RESULTS) -> str:
+    """The two qmm kernels side by side: per kernel the verification timings and what they allow
+    (as :func:`render_speculation_ceiling`, from ``kernel_default/verify_curve-<kernel>/verify_curve.json``),
+    then the decoding benchmark at the shipped defaults with ``--gguf-kernel qmm`` and ``auto`` in
+    alternating runs: per kernel and dataset the median over runs of autoregressive and DART tokens/s,
+    of DART ÷ autoregressive (each run's own ratio), of τ and of the draft's and the whole step's ms,
+    and whether every run was lossless (``kernel_default/<prefix>-r<run>.json``,
+    :mod:`dart_core.bench.decoding` results).
+
+    Raises:
+        FileNotFoundError: a kernel without its result files.
+    """
+    from dart_core.bench import decoding, verify_curve
+
+    folder = results / "kernel_default"
+    curves = {}
+    for k in ("qmm", "qmm-a8"):
+        path = folder / f"verify_curve-{k}" / "verify_curve.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no results {path}")
+        curves[k] = json.loads(path.read_text())
+    prefixes = [p for p, _ in KERNEL_DEFAULT_VARIANTS]
+    runs = _variant_runs(folder, prefixes, "{prefix}-r[0-9]*.json")
+    first = curves["qmm"]
+    c = first["config"]
+    lines = [f"Measured on {decoding.hardware_line(first['hardware'])}.", "",
+             f"**Verification** (`python -m dart_core.bench.verify_curve --weights gguf-native --gguf-kernel <kernel> "
+             f"--nodes {' '.join(map(str, c['node_counts']))} --batch-sizes {' '.join(map(str, c['batch_sizes']))} "
+             f"--threads {first['hardware']['threads']} --repeats {c['repeats']}`, one run per kernel, one after the "
+             "other): one target forward of n query tokens per sequence after a 256-token prefix, ms, median of the "
+             "passes.", ""]
+    for k, r in curves.items():
+        lines += [f"**{k}** ({r['curves']['gguf-native']['format']}):", "", verify_curve.markdown_table(r)]
+    lines += ["What those timings allow (`verify_curve.ceiling_table`; drafting, tree search and host time counted "
+              "as free):", "",
+              verify_curve.ceiling_table({"curves": {k: r["curves"]["gguf-native"] for k, r in curves.items()}})
+              .rstrip("\n"), ""]
+    d = runs[prefixes[0]][0]["config"]
+    lines += [f"**Decoding** (`python -m dart_core.bench --datasets {' '.join(d['datasets'])} --num-prompts "
+              f"{d['num_prompts']} --max-new-tokens {d['max_new_tokens']} --repeats {d['repeats']} --threads "
+              f"{d['threads']} --methods autoregressive dart-context --gguf-kernel <kernel>`, budget `{d['budget']}`, "
+              f"the shipped head and trie; runs per kernel: "
+              f"{', '.join(f'{p} {len(runs[p])}' for p in prefixes)}, alternating; medians over runs):", "",
+              "| kernel | dataset | autoregressive tokens/s | DART tokens/s | DART ÷ autoregressive | τ "
+              "| draft ms per step | step ms | lossless in every run |", "|---|---|---:|---:|---:|---:|---:|---:|:---:|"]
+
+    def row(run: dict, dataset: str, method: str) -> dict:
+        return next(r for r in run["rows"] if r["dataset"] == dataset and r["method"] == method)
+
+    for prefix, heading in KERNEL_DEFAULT_VARIANTS:
+        rs = runs[prefix]
+        for ds in rs[0]["config"]["datasets"]:
+            def med(method: str, key) -> float:
+                return statistics.median(key(row(r, ds, method)) for r in rs)
+
+            lossless = all(row(r, ds, "dart-context")["lossless"] for r in rs)
+            lines.append(f"| {heading} | {ds} | {med('autoregressive', lambda x: x['tokens_per_s']):.1f} | "
+                         f"{med('dart-context', lambda x: x['tokens_per_s']):.1f} | "
+                         f"{med('dart-context', lambda x: x['speedup']):.2f}× | "
+                         f"{med('dart-context', lambda x: x['tau']):.2f} | "
+                         f"{med('dart-context', lambda x: x['ms_per_step']['draft']):.2f} | "
+                         f"{med('dart-context', lambda x: x['ms_per_step']['total']):.2f} | "
+                         f"{'yes' if lossless else '**NO**'} |")
+    return "\n".join(lines)
+
+
 #: (title, log files under bench/results) of the gate replays: one engine debug log set per machine
 GATE_LOGS = (("CPU: 2-core AMD EPYC with AVX512-BF16, the 4-bit target, AlpacaEval instructions (the tuning set), one "
               "client (`python -m dart_core.bench.batching --concurrency 1 --requests-per-client 4 --max-tokens 128 "
@@ -652,7 +727,8 @@ SECTIONS = (("batching-cpu", render_batching), ("reference-import", render_refer
             ("billion-trie", render_billion_trie), ("serving-threads", render_serving_threads),
             ("gate-replay", render_gate_replay), ("cpu-memory", render_cpu_memory),
             ("stream-interval", render_stream_interval), ("draft-weights", render_draft_weights),
-            ("speculation-ceiling", render_speculation_ceiling), ("ray-trie-build", render_ray_trie_build))
+            ("speculation-ceiling", render_speculation_ceiling), ("ray-trie-build", render_ray_trie_build),
+            ("kernel-default", render_kernel_default))
 
 
 def _block(name: str, body: str) -> str:
@@ -664,7 +740,8 @@ def _block(name: str, body: str) -> str:
 SECTION_FOLDERS = {"batching-cpu": "batching_cpu", "reference-import": "reference_import",
                    "billion-trie": "billion_trie", "serving-threads": "serving_threads", "gate-replay": "gate",
                    "cpu-memory": "cpu_memory", "stream-interval": "stream_interval", "draft-weights": "draft_weights",
-                   "speculation-ceiling": "speculation_ceiling", "ray-trie-build": "ray_trie_build"}
+                   "speculation-ceiling": "speculation_ceiling", "ray-trie-build": "ray_trie_build",
+                   "kernel-default": "kernel_default"}
 
 
 def write_sections(page: str | Path | None = None, results: Path = RESULTS, *, check: bool = False) -> bool:

@@ -589,6 +589,49 @@ def test_the_speculation_ceiling_section_renders_every_kernel_or_names_the_missi
         render_speculation_ceiling(tmp_path)
 
 
+def test_the_kernel_default_section_takes_medians_over_runs_and_flags_a_lossy_run(tmp_path):
+    """Per qmm kernel: its verification table, one shared ceiling table, then per kernel and dataset
+    the median over runs of each figure, and lossless only where every run was; a missing kernel's
+    files are named."""
+    import json
+
+    from dart_core.bench.sections import KERNEL_DEFAULT_VARIANTS, render_kernel_default
+
+    hardware = {"cpu": "Test CPU", "cpu_count": 2, "cpu_flags": [], "torch": "x", "threads": 2, "python": "3",
+                "transformers": "y"}
+    folder = tmp_path / "kernel_default"
+    for i, kernel in enumerate(("qmm", "qmm-a8")):
+        (folder / f"verify_curve-{kernel}").mkdir(parents=True)
+        result = {"config": {"node_counts": [1, 2], "batch_sizes": [1], "repeats": 3}, "hardware": hardware,
+                  "curves": {"gguf-native": {"nodes": [1, 2], "ms": [10.0, 12.0 - i], "format": f"fmt {kernel}"}}}
+        (folder / f"verify_curve-{kernel}" / "verify_curve.json").write_text(json.dumps(result))
+    config = {"datasets": ["mt-bench"], "num_prompts": 8, "max_new_tokens": 128, "repeats": 1, "threads": 2,
+              "budget": "auto"}
+
+    def run(ar: float, dart: float, lossless: bool = True) -> dict:
+        step = {"draft": 1.0, "tree_search": 0.2, "verify": 6.0, "total": 8.0}
+        return {"config": config, "rows": [
+            {"dataset": "mt-bench", "method": "autoregressive", "tokens_per_s": ar, "speedup": 1.0, "tau": 1.0,
+             "ms_per_step": step, "lossless": True},
+            {"dataset": "mt-bench", "method": "dart-context", "tokens_per_s": dart, "speedup": dart / ar, "tau": 2.0,
+             "ms_per_step": step, "lossless": lossless}]}
+
+    for prefix, _ in KERNEL_DEFAULT_VARIANTS:
+        for r, (ar, dart) in enumerate([(100.0, 120.0), (110.0, 99.0), (90.0, 180.0)], 1):
+            lossy = prefix == "auto" and r == 2
+            (folder / f"{prefix}-r{r}.json").write_text(json.dumps(run(ar, dart, not lossy)))
+    text = render_kernel_default(tmp_path)
+    assert "**qmm** (fmt qmm):" in text and "**qmm-a8** (fmt qmm-a8):" in text
+    assert text.count("| weights | batch |") == 1
+    # medians: autoregressive 100, DART 120, DART ÷ autoregressive median(1.2, 0.9, 2.0) = 1.2
+    assert "| qmm (float32 activations) | mt-bench | 100.0 | 120.0 | 1.20× | 2.00 | 1.00 | 8.00 | yes |" in text
+    assert "| qmm-a8 (the new default here) | mt-bench | 100.0 | 120.0 | 1.20× | 2.00 | 1.00 | 8.00 | **NO** |" in text
+    for f in folder.glob("auto-r*.json"):
+        f.unlink()
+    with pytest.raises(FileNotFoundError, match="auto"):
+        render_kernel_default(tmp_path)
+
+
 def test_the_schema_set_holds_valid_examples_and_the_grammar_table_reports_every_engine(tmp_path):
     """Every example instance of the JSON-schema set validates against its schema (jsonschema), and
     the grammar-engine table has one row per engine, whether measured, missing or failed."""
