@@ -16,6 +16,12 @@ requests ÷ wall time of the level), requests/s, errors, time to first token
 per request: (last chunk − first chunk) ÷ (completion tokens − 1), the
 definition of vLLM's TPOT) p50/p99, and the server's mean τ.
 
+Every request carries the dart-serve extension ``"learn": false`` unless ``--learn``: the passes
+repeat the same prompts, and a server that learns from its traffic (the live corpus, on by
+default, and the prefix cache) would draft a repeat from the earlier answer and skip its prefill,
+which measures memory, not speculation on new requests (``python -m dart_core.bench.traffic``
+measures that on purpose).
+
 ``--in-process`` also loads the engine in the benchmark's own process
 (``DartModel.from_pretrained``, the embedded default unless
 ``--in-process-model``) and, right after each 1-client pass, decodes the same
@@ -57,6 +63,9 @@ class ServingConfig:
     # this process, one at a time (streamed, detokenised): the served path against the engine alone
     in_process: bool = False
     in_process_model: str | None = None  # None: the embedded default model, which deployments/dart.yaml serves
+    # the dart-serve extension "learn" of every request: False (the default) keeps the requests out of the
+    # live corpus and the prefix cache, so the passes, which repeat the same prompts, stay first-seen traffic
+    learn: bool = False
 
 
 def run_sweep(levels: list[int], modes: list[str], repeats: int, run_level, bar) -> list[dict]:
@@ -155,7 +164,7 @@ def _level(client, model: str, prompts: list[str], concurrency: int, speculative
                 stream = client.chat.completions.create(
                     model=model, messages=[{"role": "user", "content": prompt}], max_tokens=cfg.max_tokens,
                     temperature=0, stream=True, stream_options={"include_usage": True},
-                    extra_body={"speculative": speculative})
+                    extra_body={"speculative": speculative, "learn": cfg.learn})
                 for chunk in stream:
                     if chunk.choices and chunk.choices[0].delta.content:
                         last = time.perf_counter()
@@ -243,7 +252,9 @@ def run_serving(cfg: ServingConfig, *, progress: bool = True) -> dict:
 def markdown_table(result: dict) -> str:
     cfg = result["config"]
     lines = [f"{result['server']['model']} at {result['server']['url']}: streaming chat, T = 0, "
-             f"{cfg['max_tokens']} max tokens, {cfg['requests_per_client']} requests per client",
+             f"{cfg['max_tokens']} max tokens, {cfg['requests_per_client']} requests per client"
+             + ("" if cfg.get("learn", True) else ', every request with "learn": false (nothing kept in the live '
+                'corpus or the prefix cache)'),
              "",
              "| clients | mode | tokens/s | vs no-spec | requests | errors | TTFT p50 ms | TTFT p99 ms | "
              "ITL p50 ms | ITL p99 ms | τ |",
@@ -343,6 +354,9 @@ def main(argv=None) -> int:
                     help="after each 1-client pass, the same requests through the engine in this process")
     ap.add_argument("--in-process-model", default=d.in_process_model,
                     help="model of the in-process engine [the embedded default, which deployments/dart.yaml serves]")
+    ap.add_argument("--learn", action="store_true",
+                    help='send "learn": true: let the live corpus and the prefix cache keep the requests (the passes '
+                         'repeat the same prompts, so DART then drafts repeats from earlier answers) [false]')
     ap.add_argument("--out", default="bench/results", help="folder for serving.json/.md/.png")
     ap.add_argument("--no-progress", action="store_true")
     return run_cli(ServingConfig, ap.parse_args(argv), run_serving, save, markdown_table, requires=("openai",))

@@ -504,8 +504,9 @@ def test_repeated_prompts_prefill_from_the_prefix_cache_unless_they_opt_out(app,
 
 def test_per_request_opt_out_and_the_serving_benchmark(app, reference, tmp_path, tiny_model_dir):
     """``"speculative": false`` (the benchmark's baseline mode) gives the same greedy text
-    with τ = 1; the serving benchmark sweeps both modes on this app without an error, and pairs
-    each 1-client pass with the same requests through the engine in its own process."""
+    with τ = 1; the serving benchmark sweeps both modes on this app without an error, keeps its
+    requests out of the live corpus, and pairs each 1-client pass with the same requests through
+    the engine in its own process."""
     from dart_core.bench import serving
 
     msgs = [{"role": "user", "content": "Say something about rivers."}]
@@ -525,7 +526,12 @@ def test_per_request_opt_out_and_the_serving_benchmark(app, reference, tmp_path,
     prompts.write_text("\n".join(json.dumps({"prompt": f"Tell me about the number {i}."}) for i in range(5)))
     cfg = serving.ServingConfig(url=f"{HTTP}/v1", concurrency=[1, 3], requests_per_client=1, max_tokens=8,
                                 dataset=str(prompts), in_process=True, in_process_model=tiny_model_dir)
+    time.sleep(1.0)  # what earlier requests left in the live corpus's sender goes out first
+    learned = engine.stats.remote().result()["learned_tokens"]
     result = serving.run_serving(cfg, progress=False)
+    time.sleep(1.0)
+    # the benchmark's requests say "learn": false: its repeated passes stay first-seen traffic
+    assert engine.stats.remote().result()["learned_tokens"] == learned
     rows = {(r["concurrency"], r["mode"]): r for r in result["rows"]}
     assert set(rows) == {(1, "dart"), (1, "no-speculation"), (3, "dart"), (3, "no-speculation")}
     assert all(r["errors"] == 0 and r["requests"] == r["concurrency"] for r in rows.values())
