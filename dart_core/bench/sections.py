@@ -533,6 +533,42 @@ def render_draft_weights(results: Path = RESULTS) -> str:
 CEILING_KERNELS = ("qmm", "qmm-a8")
 
 
+def _verify_curves(paths: dict[str, Path]) -> dict[str, dict]:
+    """Each kernel's :mod:`dart_core.bench.verify_curve` result (``paths``: kernel -> its
+    ``verify_curve.json``), read, in the order given.
+
+    Raises:
+        FileNotFoundError: a kernel without its result file (named)."""
+    runs = {}
+    for k, path in paths.items():
+        if not path.is_file():
+            raise FileNotFoundError(f"no results {path}")
+        runs[k] = json.loads(path.read_text())
+    return runs
+
+
+def _verify_command(first: dict) -> str:
+    """The ``verify_curve`` command of a per-kernel run (its config and thread count), kernel left as ``<kernel>``."""
+    c = first["config"]
+    return (f"`python -m dart_core.bench.verify_curve --weights gguf-native --gguf-kernel <kernel> "
+            f"--nodes {' '.join(map(str, c['node_counts']))} --batch-sizes {' '.join(map(str, c['batch_sizes']))} "
+            f"--threads {first['hardware']['threads']} --repeats {c['repeats']}`")
+
+
+def _curve_tables(runs: dict[str, dict], allow: str) -> list[str]:
+    """Per kernel its verification timings (:func:`dart_core.bench.verify_curve.markdown_table`), then
+    ``allow`` and one :func:`~dart_core.bench.verify_curve.ceiling_table` over every kernel."""
+    from dart_core.bench import verify_curve
+
+    lines = []
+    for k, r in runs.items():
+        lines += [f"**{k}** ({r['curves']['gguf-native']['format']}):", "", verify_curve.markdown_table(r)]
+    lines += [allow, "",
+              verify_curve.ceiling_table({"curves": {k: r["curves"]["gguf-native"] for k, r in runs.items()}})
+              .rstrip("\n")]
+    return lines
+
+
 def render_speculation_ceiling(results: Path = RESULTS) -> str:
     """Per kernel of :data:`CEILING_KERNELS`: the verification timings by query tokens per sequence and
     batch size, then :func:`dart_core.bench.verify_curve.ceiling_table` (plain decoding's ms per token,
@@ -542,27 +578,15 @@ def render_speculation_ceiling(results: Path = RESULTS) -> str:
     Raises:
         FileNotFoundError: a kernel without its result file.
     """
-    from dart_core.bench import decoding, verify_curve
+    from dart_core.bench import decoding
 
-    runs = {}
-    for k in CEILING_KERNELS:
-        path = results / "speculation_ceiling" / k / "verify_curve.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no results {path}")
-        runs[k] = json.loads(path.read_text())
+    runs = _verify_curves({k: results / "speculation_ceiling" / k / "verify_curve.json" for k in CEILING_KERNELS})
     first = runs[CEILING_KERNELS[0]]
-    c = first["config"]
-    lines = [f"Measured on {decoding.hardware_line(first['hardware'])}; `python -m dart_core.bench.verify_curve "
-             f"--weights gguf-native --gguf-kernel <kernel> --nodes {' '.join(map(str, c['node_counts']))} "
-             f"--batch-sizes {' '.join(map(str, c['batch_sizes']))} --threads {first['hardware']['threads']} "
-             f"--repeats {c['repeats']}`, one run per kernel, one after the other. One target forward of n query "
-             "tokens per sequence after a 256-token prefix (each sequence its own), ms, median of the passes.", ""]
-    for k, r in runs.items():
-        lines += [f"**{k}** ({r['curves']['gguf-native']['format']}):", "", verify_curve.markdown_table(r)]
-    lines += ["What those timings allow, per kernel and batch size (`verify_curve.ceiling_table`; drafting, tree "
-              "search and host time counted as free, so a real step does worse):", ""]
-    lines.append(verify_curve.ceiling_table({"curves": {k: r["curves"]["gguf-native"] for k, r in runs.items()}})
-                 .rstrip("\n"))
+    lines = [f"Measured on {decoding.hardware_line(first['hardware'])}; {_verify_command(first)}, one run per "
+             "kernel, one after the other. One target forward of n query tokens per sequence after a 256-token "
+             "prefix (each sequence its own), ms, median of the passes.", ""]
+    lines += _curve_tables(runs, "What those timings allow, per kernel and batch size (`verify_curve.ceiling_table`; "
+                                 "drafting, tree search and host time counted as free, so a real step does worse):")
     return "\n".join(lines)
 
 
@@ -582,31 +606,18 @@ def render_kernel_default(results: Path = RESULTS) -> str:
     Raises:
         FileNotFoundError: a kernel without its result files.
     """
-    from dart_core.bench import decoding, verify_curve
+    from dart_core.bench import decoding
 
     folder = results / "kernel_default"
-    curves = {}
-    for k in ("qmm", "qmm-a8"):
-        path = folder / f"verify_curve-{k}" / "verify_curve.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no results {path}")
-        curves[k] = json.loads(path.read_text())
+    curves = _verify_curves({k: folder / f"verify_curve-{k}" / "verify_curve.json" for k in ("qmm", "qmm-a8")})
     prefixes = [p for p, _ in KERNEL_DEFAULT_VARIANTS]
     runs = _variant_runs(folder, prefixes, "{prefix}-r[0-9]*.json")
     first = curves["qmm"]
-    c = first["config"]
     lines = [f"Measured on {decoding.hardware_line(first['hardware'])}.", "",
-             f"**Verification** (`python -m dart_core.bench.verify_curve --weights gguf-native --gguf-kernel <kernel> "
-             f"--nodes {' '.join(map(str, c['node_counts']))} --batch-sizes {' '.join(map(str, c['batch_sizes']))} "
-             f"--threads {first['hardware']['threads']} --repeats {c['repeats']}`, one run per kernel, one after the "
-             "other): one target forward of n query tokens per sequence after a 256-token prefix, ms, median of the "
-             "passes.", ""]
-    for k, r in curves.items():
-        lines += [f"**{k}** ({r['curves']['gguf-native']['format']}):", "", verify_curve.markdown_table(r)]
-    lines += ["What those timings allow (`verify_curve.ceiling_table`; drafting, tree search and host time counted "
-              "as free):", "",
-              verify_curve.ceiling_table({"curves": {k: r["curves"]["gguf-native"] for k, r in curves.items()}})
-              .rstrip("\n"), ""]
+             f"**Verification** ({_verify_command(first)}, one run per kernel, one after the other): one target "
+             "forward of n query tokens per sequence after a 256-token prefix, ms, median of the passes.", ""]
+    lines += _curve_tables(curves, "What those timings allow (`verify_curve.ceiling_table`; drafting, tree search "
+                                   "and host time counted as free):") + [""]
     d = runs[prefixes[0]][0]["config"]
     lines += [f"**Decoding** (`python -m dart_core.bench --datasets {' '.join(d['datasets'])} --num-prompts "
               f"{d['num_prompts']} --max-new-tokens {d['max_new_tokens']} --repeats {d['repeats']} --threads "
