@@ -182,16 +182,16 @@ def default_kernel() -> str:
 
     ``qmm-a8`` is the default where it runs because speculation pays with it: on the AVX512-BF16
     EPYC of ``bench/results/kernel_default/`` a plain decoding step costs the same with both qmm
-    kernels, but each further query token of a verification costs about a third of what it costs
-    with ``qmm`` (the verification cost curves there), so the adaptive budget can verify larger
-    trees at the same price. Its arithmetic is the one llama.cpp's CPU back end uses for these block
+    kernels, but each further query token of a verification costs far less than with ``qmm`` (the
+    verification cost curves there), so the adaptive budget can verify larger trees at the same
+    price. Its arithmetic is the one llama.cpp's CPU back end uses for these block
     types, so its greedy text departs from the de-quantised float32 model's as llama.cpp's does;
     ``gguf_kernel: qmm`` keeps the float32 model's text (``weights: gguf-native`` and ``dense``
     then give the same text). Greedy DART equals greedy autoregressive decoding with every kernel.
     Without AVX-512 only the qmm kernels' portable loops remain."""
     if _kernels.qmm_a8_vectorised():
         return "qmm-a8"
-    return "qmm" if _kernels.qmm_vectorised() else "aten"
+    return "qmm" if qmm_runs_vectorised() else "aten"
 
 
 def _gguf_codes(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
