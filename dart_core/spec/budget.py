@@ -11,7 +11,8 @@ per sequence:
 P(node accepted) is estimated as the product of the draft probabilities on
 the node's path (the draft head's own belief, or on a context chain the
 chain's evidence q where higher: ``DraftTree.probs``); ``c`` calibrates it online as
-an exponential moving average of accepted / predicted.  Nodes are taken in
+the ratio of exponentially decayed sums, accepted nodes ÷ uncalibrated estimates, so that
+calibrated predictions match what is accepted on average.  Nodes are taken in
 the search's own rank order (min-score along the path, then depth), so every
 truncation is prefix-closed.  ``t_verify`` is a :class:`VerifyCostCurve`
 measured once at start-up (or configured): at batch 1 on a CPU, at batches
@@ -288,6 +289,10 @@ class AdaptiveBudget:
         self.ema = ema
         self.min_budget = min_budget
         self.calibration = 1.0
+        self._predicted_with = 1.0  # the calibration of the last select_batch: its predictions carry it
+        # decayed sums behind the calibration: accepted draft nodes, and their uncalibrated estimates (a
+        # prior of one node at ratio 1, which fades with the first observations)
+        self._accepted_sum = self._estimated_sum = 1.0
         self.overhead_ms = 0.0  # draft + tree search per step, EMA
         self._kept_depths: deque[int] = deque(maxlen=depth_window)  # deepest kept node of each recent batch step
         self._kept_nodes: deque[int] = deque(maxlen=depth_window)  # most draft nodes a tree kept, per batch step
@@ -385,6 +390,7 @@ class AdaptiveBudget:
         if not isinstance(trees, TreeBatch):
             trees = TreeBatch.from_trees(trees)
         b = len(trees)
+        self._predicted_with = self.calibration
         order, probs, sizes = self._ranked(trees)
         if packed and b > 1:
             keep = self._keep_counts_packed(probs, sizes)
@@ -459,17 +465,22 @@ class AdaptiveBudget:
         return out, predicted
 
     def observe(self, predicted: float, accepted: int, overhead_ms: float) -> None:
-        """Feeds back one sequence-step: predicted vs accepted draft nodes, and the step's draft+search time."""
-        self.overhead_ms = _ema(self.overhead_ms or None, overhead_ms, self.ema)
-        if predicted > 1e-6:
-            ratio = float(np.clip(accepted / predicted, 0.05, 20.0))
-            self.calibration = float(np.clip((1 - self.ema) * self.calibration + self.ema * ratio, 0.05, 20.0))
+        """Feeds back one sequence-step: the predicted accepted draft nodes (:meth:`select_batch`'s,
+        made with the calibration of that call) vs those accepted, and the step's draft+search time.
+
+        The calibration is Σ accepted ÷ Σ (predicted ÷ that calibration), both sums decayed by
+        ``1 − ema`` per sequence-step: a ratio of averages, so calibrated predictions match what
+        is accepted on average.  (An average of the ratios accepted ÷ predicted, the earlier rule,
+        settles at the square root of the true correction when predictions carry the calibration:
+        c predicts c·e, and a ÷ (c·e) averages to c where c² = a ÷ e.)  A node whose calibrated
+        estimate was capped at 1 counts its cap.
+        """
+        self.observe_batch(np.array([predicted], dtype=np.float64), np.array([accepted]), overhead_ms)
 
     def observe_batch(self, predicted: np.ndarray, accepted: np.ndarray, overhead_ms: float) -> None:
         """:meth:`observe` for the sequences of one step at once (predicted [B] and accepted [B] draft
         nodes, the step's draft+search time), in closed form: the same exponential averages as B calls
-        in row order, up to rounding (each update is a convex combination of values inside the
-        calibration's bounds, so the per-call clip never binds)."""
+        in row order, up to rounding (the rows' predictions were all made with one calibration)."""
         m = len(predicted)
         if m == 0:
             return
@@ -480,9 +491,10 @@ class AdaptiveBudget:
         live = predicted > 1e-6
         k = int(live.sum())
         if k:
-            ratios = np.clip(np.asarray(accepted, dtype=np.float64)[live] / predicted[live], 0.05, 20.0)
-            weights = self.ema * decay ** np.arange(k - 1, -1, -1)  # the newest row weighs most
-            self.calibration = float(np.clip(decay ** k * self.calibration + weights @ ratios, 0.05, 20.0))
+            weights = decay ** np.arange(k - 1, -1, -1)  # the newest row weighs most
+            self._accepted_sum = decay ** k * self._accepted_sum + weights @ np.asarray(accepted, np.float64)[live]
+            self._estimated_sum = decay ** k * self._estimated_sum + weights @ (predicted[live] / self._predicted_with)
+            self.calibration = float(np.clip(self._accepted_sum / self._estimated_sum, 0.05, 20.0))
 
     # -- lookup steps: the request's context chain verified alone (module docstring) -------------
 

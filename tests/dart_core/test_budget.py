@@ -201,6 +201,26 @@ def test_calibration_follows_observations():
     assert abs(policy.calibration - 0.5) < 0.01 and abs(policy.overhead_ms - 3.0) < 1e-9
 
 
+def test_calibrated_predictions_settle_on_what_is_accepted():
+    """A head whose estimates are twice the acceptance: the budget's calibrated predictions (what
+    select_batch returns, made with the calibration of the moment) must settle at what is accepted,
+    the calibration at 0.5, not at its square root (the fixed point of averaging accepted ÷ calibrated
+    prediction, which left every prediction 1.4× too high)."""
+    chain = make_tree([0, 1], [-1, 0], [1.0, 0.8])  # one draft node, estimate 0.8, accepted with rate 0.4
+    policy = AdaptiveBudget(VerifyCostCurve((1, 9), (10.0, 10.0)), ema=0.05)
+    rng = np.random.default_rng(3)
+    predicted_sum = accepted_sum = 0.0
+    for step in range(4000):
+        _, predicted = policy.select_batch([chain])
+        accepted = rng.random(1) < 0.4
+        policy.observe_batch(predicted, accepted.astype(np.int64), 1.0)
+        if step >= 2000:
+            predicted_sum += float(predicted.sum())
+            accepted_sum += float(accepted.sum())
+    assert policy.calibration == pytest.approx(0.5, abs=0.08)
+    assert accepted_sum / predicted_sum == pytest.approx(1.0, abs=0.05)
+
+
 def test_measured_curve_and_lossless_with_adaptive_budget():
     target = tiny_target("llama", seed=4)
     curve = VerifyCostCurve.measure(target, node_counts=(1, 8, 32), context_len=32, repeats=2)
