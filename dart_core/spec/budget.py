@@ -59,12 +59,15 @@ from ngram_service.tree_search import ContextChain, DraftTree, SearchParams, Tre
 logger = logging.getLogger(__name__)
 
 __all__ = ["VerifyCostCurve", "curve_shapes", "AdaptiveBudget", "SpeculationGate", "node_acceptance_estimates",
-           "chain_speedup", "LOOKUP_PREFERENCE"]
+           "chain_speedup", "LOOKUP_PREFERENCE", "CAN_PAY_MARGIN"]
 
 
 _CHAIN_PRIOR = (2.0, 3.0)  # r_m before evidence: 2/3
 _CHAIN_DECAY = 0.95  # weight of older chain evidence per observation
 _TREE_RATE_EMA = 0.2  # weight of the newest step in the tree rate and the lookup overhead
+_FIRST_LEVEL_DECAY = 0.99  # weight of older rows in the first-level acceptance (about 100 sequence-steps)
+_FIRST_LEVEL_PRIOR = 8.0  # rows of acceptance 1 before any evidence (can_pay starts where it did: α = 1)
+CAN_PAY_MARGIN = 0.2  # can_pay's α: the measured first-level acceptance plus this (deeper levels may accept more)
 
 
 def chain_speedup(ms, nodes, alpha: float) -> tuple[float, int]:
@@ -301,20 +304,44 @@ class AdaptiveBudget:
         self._chain_counts: dict[int, list[float]] = {}  # match length -> [accepted, offered], decayed
         self._tree_rate: dict[int, float] = {}  # batch bucket -> tokens/ms of tree steps, EMA
         self.lookup_overhead_ms = 0.0  # wall time of a lookup step beyond t_verify, EMA
-        self._can_pay: dict[tuple[int, float], bool] = {}  # can_pay's answers by (batch, overhead)
+        self._can_pay: dict[tuple[int, float, float], bool] = {}  # can_pay's answers by (batch, overhead, α)
+        # decayed [rows that accepted a draft token, rows that verified one], trees and lookups alike
+        self._first_level = [_FIRST_LEVEL_PRIOR, _FIRST_LEVEL_PRIOR]
+
+    @property
+    def first_level_acceptance(self) -> float:
+        """The share of sequence-steps that verified draft tokens and accepted at least one (tree
+        and lookup steps; decayed by 0.99 per row, 8 rows of acceptance 1 before any evidence)."""
+        return self._first_level[0] / self._first_level[1]
+
+    def _observe_first_level(self, hits: np.ndarray) -> None:
+        """Rows in order, each True where it accepted a draft token (closed form of one update per row)."""
+        k = len(hits)
+        if k:
+            weights = _FIRST_LEVEL_DECAY ** np.arange(k - 1, -1, -1)
+            self._first_level = [_FIRST_LEVEL_DECAY ** k * self._first_level[0] + float(weights @ hits),
+                                 _FIRST_LEVEL_DECAY ** k * self._first_level[1] + float(weights.sum())]
 
     def can_pay(self, batch: int) -> bool:
-        """Whether speculation can pay at all with ``batch`` running sequences: some draft of at
-        least one node per sequence, accepted at every node (α = 1), beats plain decoding when each
-        speculative step pays the measured draft and search time (:attr:`overhead_ms`) on top of
-        the verification cost curve (:meth:`VerifyCostCurve.ceiling` chooses more than one query
-        token).  The speculation gate asks it before every step; the answer is kept per batch size
-        and overhead (to 0.1 ms)."""
-        key = (int(batch), round(self.overhead_ms, 1))
+        """Whether speculation can pay at all with ``batch`` running sequences: some chain draft of
+        at least one node per sequence, each node accepted with α = the measured
+        :attr:`first_level_acceptance` + ``CAN_PAY_MARGIN`` (at most 1; a deeper level may accept
+        more than the first), beats plain decoding when each speculative step pays the measured
+        draft and search time (:attr:`overhead_ms`) on top of the verification cost curve
+        (:meth:`VerifyCostCurve.ceiling` chooses more than one query token).  Before any evidence
+        α is 1.  The speculation gate asks it before every step; the answer is kept per batch
+        size, overhead (to 0.1 ms) and α (to 0.01).
+
+        A batch size where it says no is never speculated at: no warm-up steps and no probes,
+        whose cost showed at 8 clients in the continuous-batching benchmark, where speculation
+        cannot win.  Smaller batches keep measuring the acceptance, and a batch size whose answer
+        turns to yes is warmed up and probed again."""
+        alpha = round(min(1.0, self.first_level_acceptance + CAN_PAY_MARGIN), 2)
+        key = (int(batch), round(self.overhead_ms, 1), alpha)
         if key not in self._can_pay:
             if len(self._can_pay) >= 4096:  # a bound: the overhead wanders over many values in a long run
                 self._can_pay.clear()
-            self._can_pay[key] = self.curve.ceiling(batch, 1.0, self.overhead_ms)[1] > 1
+            self._can_pay[key] = self.curve.ceiling(batch, alpha, self.overhead_ms)[1] > 1
         return self._can_pay[key]
 
     def search_depth(self, max_depth: int) -> int:
@@ -491,6 +518,7 @@ class AdaptiveBudget:
         live = predicted > 1e-6
         k = int(live.sum())
         if k:
+            self._observe_first_level(np.asarray(accepted)[live] >= 1)
             weights = decay ** np.arange(k - 1, -1, -1)  # the newest row weighs most
             self._accepted_sum = decay ** k * self._accepted_sum + weights @ np.asarray(accepted, np.float64)[live]
             self._estimated_sum = decay ** k * self._estimated_sum + weights @ (predicted[live] / self._predicted_with)
@@ -538,6 +566,8 @@ class AdaptiveBudget:
         """Feeds back one sequence of a lookup step: ``offered`` chain tokens verified, the first
         ``accepted`` of them accepted (each accepted token's successor was reached too)."""
         reached = min(accepted + 1, offered)
+        if offered >= 1:
+            self._observe_first_level(np.array([accepted >= 1]))
         counts = self._chain_counts.setdefault(int(match_length), [0.0, 0.0])
         counts[0] = _CHAIN_DECAY * counts[0] + accepted
         counts[1] = _CHAIN_DECAY * counts[1] + reached
@@ -604,9 +634,9 @@ class SpeculationGate:
     period's time at the winner's step time (mean wall ms per step of each mode, measured like
     the rates), up to ``max_probe_every``.
     **Batch sizes where speculation cannot pay** (``can_pay(batch)`` false: the engine asks
-    the verification cost curve whether even drafts accepted at every node would beat plain
-    decoding there, at the measured drafting and search time,
-    :meth:`VerifyCostCurve.ceiling`) never speculate: no warm-up, no probe.
+    the verification cost curve whether drafts accepted at the measured first-level rate plus a
+    margin, at every level, would beat plain decoding there, at the measured drafting and search
+    time: :meth:`AdaptiveBudget.can_pay`) never speculate: no warm-up, no probe.
 
     This is what :class:`AdaptiveBudget` cannot do by itself: its smallest
     tree still pays the draft and search overhead and a 2-token verification,

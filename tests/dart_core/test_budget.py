@@ -369,9 +369,33 @@ def test_gate_never_speculates_where_speculation_cannot_pay():
     assert _drive(gate, 4, 1, spec_rate=2.0, ar_rate=1.0) == [True]  # elsewhere the gate warms up as before
 
 
+def test_can_pay_prices_the_measured_first_level_acceptance():
+    """can_pay's α is the measured share of sequence-steps that accepted a draft token (trees and
+    lookups) plus CAN_PAY_MARGIN: a batch size that pays only with nearly every node accepted stops
+    speculating once drafts are measured to be accepted less, and comes back when they are."""
+    from dart_core.spec.budget import CAN_PAY_MARGIN
+
+    # batch 4 prices 4n tokens on the batch-1 curve: a second query token per sequence costs 50 %
+    curve = VerifyCostCurve((1, 4, 8, 16, 32), (10.0, 10.0, 15.0, 22.0, 38.0))
+    budget = AdaptiveBudget(curve)
+    assert budget.first_level_acceptance == 1.0 and budget.can_pay(4)
+    for _ in range(300):  # tree rows: one in four accepts its first node
+        budget.observe_batch(np.array([0.5, 0.5, 0.5, 0.5]), np.array([1, 0, 0, 0]), 0.0)
+    assert budget.first_level_acceptance == pytest.approx(0.25, abs=0.02)
+    alpha = budget.first_level_acceptance + CAN_PAY_MARGIN
+    assert curve.ceiling(4, alpha)[1] == 1 and not budget.can_pay(4)
+    assert budget.can_pay(1)  # batch 1: a second token is free, any acceptance pays
+    for _ in range(400):  # lookup rows count too: now every chain's first token is accepted
+        budget.observe_lookup(match_length=3, offered=4, accepted=2)
+    assert budget.first_level_acceptance > 0.9 and budget.can_pay(4)
+    budget.observe_lookup(match_length=3, offered=0, accepted=0)  # nothing offered: no evidence
+    assert budget.first_level_acceptance > 0.9
+
+
 def test_the_ceiling_and_whether_speculation_can_pay():
     """VerifyCostCurve.ceiling is chain_speedup over the curve's cost at the batch size plus the step's
-    overhead; AdaptiveBudget.can_pay is its α = 1 value at the measured overhead, at least 1."""
+    overhead; AdaptiveBudget.can_pay is its value at the measured overhead, at least 1, with α = 1
+    before any acceptance was measured."""
     linear = VerifyCostCurve((1, 2, 4, 8), (10.0, 20.0, 40.0, 80.0))  # every query token costs a whole step
     assert linear.ceiling(1, 1.0) == (pytest.approx(1.0), 1)
     flat = VerifyCostCurve((1, 2, 4, 8), (10.0, 10.0, 10.0, 12.0))
