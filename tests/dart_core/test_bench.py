@@ -566,6 +566,38 @@ def test_the_speculation_ceiling_follows_its_formula_from_the_timings():
         verify_curve.ceiling_table({"curves": {"dense": {"nodes": [1, 4], "ms": [1.0, 2.0]}}})
 
 
+def test_the_head_ceiling_reads_per_level_acceptance_from_chain_steps_and_prices_it_like_chain_speedup():
+    """head_ceiling: α_k = steps accepting ≥ k draft tokens ÷ steps whose chain reached level k with the first
+    k − 1 accepted; with one α at every level its ceiling is chain_speedup's; a level never reached ends the chain."""
+    from dart_core.bench import head_ceiling
+    from dart_core.spec.budget import chain_speedup
+
+    # (draft nodes, accepted draft tokens): 4 chains of 3; one of 2 (clipped at the end of the output)
+    steps = [(3, 0), (3, 1), (3, 3), (3, 2), (2, 2)]
+    alphas = head_ceiling.chain_acceptance(steps, 4)
+    # level 1: 4 accepted of 5; level 2: 3 of 4 (the step that accepted 0 never reached it);
+    # level 3: 1 accepted of the 2 three-node chains that accepted 2 (the two-node chain has no level 3); none reached level 4
+    assert alphas == [pytest.approx(0.8), pytest.approx(0.75), pytest.approx(0.5), None]
+    nodes, ms = [1, 2, 3, 4], [10.0, 10.5, 11.0, 14.0]
+    assert head_ceiling.ceiling_at([0.5] * 3, nodes, ms)[:2] == chain_speedup(ms, nodes, 0.5)
+    best, n, taus = head_ceiling.ceiling_at(alphas, nodes, ms)
+    # τ(n): 1, 1.8, 1.8 + 0.6 = 2.4, 2.4 + 0.3 = 2.7; speed-ups 1, 1.714, 2.182, 1.929
+    assert taus == pytest.approx([1.0, 1.8, 2.4, 2.7])
+    assert (best, n) == (pytest.approx(2.4 * 10 / 11), 3)
+    # nothing past a level never reached: a 2-level chain stops there
+    assert head_ceiling.ceiling_at([0.5, None, 0.9], nodes, ms)[2] == pytest.approx([1.0, 1.5, 1.5, 1.5])
+    with pytest.raises(ValueError, match="include 1"):
+        head_ceiling.ceiling_at(alphas, nodes[1:], ms[1:])
+    result = {"config": {"depth": 2, "num_prompts": 8, "max_new_tokens": 128, "repeats": 3},
+              "curve": {"nodes": [1, 2, 3], "ms": [6.3, 6.4, 7.3]},
+              "rows": [{"dataset": "mt-bench", "alpha": [0.36, None], "chain_tau": 1.36, "ceiling": 1.34, "ceiling_nodes": 2,
+                        "shipped_speedup": 1.01, "shipped_speedup_runs": [1.16, 1.0, 1.01], "shipped_tau": 1.12,
+                        "share_of_ceiling": 0.754}]}
+    table = head_ceiling.markdown_table(result)
+    assert "| mt-bench | 0.36 | – | 1.36 | 1.34× (2) | 1.01× (1.16, 1.00, 1.01) | 1.12 | 75% |" in table
+    assert head_ceiling.main(["--repeats", "0"]) == 2
+
+
 def test_the_speculation_ceiling_section_renders_every_kernel_or_names_the_missing_file(tmp_path):
     import json
 
