@@ -40,6 +40,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dart_core.spec.budget import chain_speedup, chain_taus
+
 __all__ = ["chain_acceptance", "ceiling_at", "run", "markdown_table", "main"]
 
 
@@ -62,7 +64,8 @@ def chain_acceptance(steps: list[tuple[int, int]], depth: int) -> list[float | N
 
 
 def ceiling_at(alphas: list[float | None], nodes: list[int], ms: list[float]) -> tuple[float, int, list[float]]:
-    """The best speed-up of free chain drafting at per-level acceptances ``alphas``.
+    """The best speed-up of free chain drafting at per-level acceptances ``alphas``
+    (:func:`~dart_core.spec.budget.chain_speedup` with per-level rates).
 
     Args:
         alphas: α_1 … α_d (None: that level was never reached; the chain stops there).
@@ -75,22 +78,8 @@ def ceiling_at(alphas: list[float | None], nodes: list[int], ms: list[float]) ->
     Raises:
         ValueError: no node count 1.
     """
-    if 1 not in nodes:
-        raise ValueError("the node counts must include 1 (the plain decoding step)")
-    cum, taus, prod = [1.0], [], 1.0
-    for a in alphas:
-        if a is None:
-            break
-        prod *= a
-        cum.append(cum[-1] + prod)
-    plain = ms[nodes.index(1)]
-    best = (0.0, 1)
-    for n, t in zip(nodes, ms):
-        tau = cum[min(n, len(cum)) - 1]
-        taus.append(tau)
-        if tau * plain / t > best[0] + 1e-12:
-            best = (tau * plain / t, n)
-    return best[0], best[1], taus
+    best, n = chain_speedup(ms, nodes, alphas)
+    return best, n, chain_taus(alphas, nodes)
 
 
 def _steps(engine, ids: list[int], sampling) -> tuple[list[int], list[tuple[int, int]], float]:
@@ -103,13 +92,6 @@ def _steps(engine, ids: list[int], sampling) -> tuple[list[int], list[tuple[int,
         if any(step.accepted_lengths) and step.num_nodes > 1:
             steps.append((int(step.draft_nodes[0]), int(step.accepted_lengths[0]) - 1))
     return tokens, steps, time.perf_counter() - t0
-
-
-def _timed(engine, ids: list[int], sampling, speculative: bool) -> tuple[list[int], float, int, int]:
-    """One prompt through ``engine.generate``: its tokens, seconds, tokens after prefill and steps."""
-    t0 = time.perf_counter()
-    res = engine.generate([ids], sampling, speculative=speculative)
-    return res.token_ids[0], time.perf_counter() - t0, res.emitted_after_prefill, res.sequence_steps
 
 
 def run(datasets: list[str], num_prompts: int, max_new_tokens: int, depth: int, repeats: int,
@@ -125,7 +107,7 @@ def run(datasets: list[str], num_prompts: int, max_new_tokens: int, depth: int, 
 
     from dart_core.api import DartModel
     from dart_core.bench.datasets import load_prompts
-    from dart_core.bench.decoding import hardware
+    from dart_core.bench.decoding import _timed, hardware
     from dart_core.spec.budget import VerifyCostCurve
 
     started = time.perf_counter()
@@ -155,7 +137,7 @@ def run(datasets: list[str], num_prompts: int, max_new_tokens: int, depth: int, 
     first = next(iter(prompts.values()))[0]
     short = model.sampling_params(max_new_tokens=16, temperature=0.0)
     for spec in (False, True):  # warm-up
-        _timed(engine, first, short, spec)
+        _timed(engine, first, short, speculative=spec)
     rows = []
     bar = tqdm(total=sum(len(p) for p in prompts.values()) * (1 + 2 * repeats), desc="head ceiling", unit="gen",
                disable=not progress)
@@ -174,14 +156,14 @@ def run(datasets: list[str], num_prompts: int, max_new_tokens: int, depth: int, 
             toks_n = {False: 0, True: 0}
             for i, ids in enumerate(plist):
                 for spec in ((False, True) if (rep + i) % 2 == 0 else (True, False)):
-                    toks, s, e, n = _timed(engine, ids, sampling, spec)
+                    r = _timed(engine, ids, sampling, speculative=spec)
                     if spec:
-                        emitted, steps_n = emitted + e, steps_n + n
-                    if toks != reference[i]:
+                        emitted, steps_n = emitted + r.emitted_after_prefill, steps_n + r.sequence_steps
+                    if r.tokens != reference[i]:
                         raise AssertionError(f"{d} prompt {i}: {'DART' if spec else 'autoregressive'} output "
                                              "differs from the chain-drafted output (greedy must be lossless)")
-                    secs[spec] += s
-                    toks_n[spec] += len(toks)
+                    secs[spec] += r.seconds
+                    toks_n[spec] += len(r.tokens)
                     bar.update()
             ratios.append((toks_n[True] / secs[True]) / (toks_n[False] / secs[False]))
         alphas = chain_acceptance(steps, depth)

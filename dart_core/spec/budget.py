@@ -40,6 +40,7 @@ same batch size (docs/engine.md, "Context in the tree").
 
 from __future__ import annotations
 
+import itertools
 import logging
 import statistics
 import time
@@ -59,7 +60,7 @@ from ngram_service.tree_search import ContextChain, DraftTree, SearchParams, Tre
 logger = logging.getLogger(__name__)
 
 __all__ = ["VerifyCostCurve", "curve_shapes", "AdaptiveBudget", "SpeculationGate", "node_acceptance_estimates",
-           "chain_speedup", "LOOKUP_PREFERENCE", "CAN_PAY_MARGIN"]
+           "chain_speedup", "chain_taus", "LOOKUP_PREFERENCE", "CAN_PAY_MARGIN"]
 
 
 _CHAIN_PRIOR = (2.0, 3.0)  # r_m before evidence: 2/3
@@ -70,28 +71,61 @@ _FIRST_LEVEL_PRIOR = 8.0  # rows of acceptance 1 before any evidence (can_pay st
 CAN_PAY_MARGIN = 0.2  # can_pay's α: the measured first-level acceptance plus this (deeper levels may accept more)
 
 
-def chain_speedup(ms, nodes, alpha: float) -> tuple[float, int]:
+def chain_taus(alpha, nodes) -> list[float]:
+    """τ(n) for each n of ``nodes``: the tokens per sequence of a step that verifies a chain of
+    n − 1 draft tokens, the bonus token included, 1 + α_1 + α_1·α_2 + … (n − 1 terms after the 1).
+
+    Args:
+        alpha: one acceptance for every level (α_k = α, so τ(n) = 1 + α + … + α^(n−1)), or the
+            per-level acceptances α_1, α_2, … of a token whose parent was accepted; past the
+            last one, or from a None on, no token is accepted (the chain stops there).
+        nodes: query tokens per sequence (n ≥ 1).
+
+    Raises:
+        ValueError: an acceptance outside [0, 1]."""
+    nodes = [int(n) for n in nodes]
+    one = isinstance(alpha, (int, float))
+    given = [float(alpha)] if one else [float(a) for a in itertools.takewhile(lambda a: a is not None, alpha)]
+    for a in given:
+        if not 0.0 <= a <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {a}")
+    rates = given * max(0, max(nodes, default=1) - 1) if one else given
+    cum, prod = [1.0], 1.0
+    for a in rates:
+        prod *= a
+        cum.append(cum[-1] + prod)
+    return [cum[min(n, len(cum)) - 1] for n in nodes]
+
+
+def chain_speedup(ms, nodes, alpha) -> tuple[float, int]:
     """The best speed-up over plain decoding, and its node count, of drafts verified with the
     timings ``ms`` [len(nodes)] (ms of one speculative step whose forward verifies ``nodes[i]``
     query tokens per sequence at one batch size; ``nodes`` must include 1, the plain step).
 
     Model: each sequence drafts a chain of n − 1 tokens, each accepted with probability ``alpha``
-    once its parent is, so a step emits τ(n) = 1 + α + … + α^(n−1) tokens per sequence (the bonus
-    token included).  Speed-up(n) = τ(n) · ms(1) / ms(n); the best over the measured n (the smaller
-    n on a tie).  With α = 1 and ``ms`` the forward alone this bounds every drafter that verifies n
-    nodes per sequence (no tree of n nodes accepts more than n tokens): the most speculation can
-    give at that batch size on that hardware.
+    once its parent is (or with per-level probabilities α_1, α_2, …: :func:`chain_taus`), so a
+    step emits τ(n) = 1 + α + … + α^(n−1) tokens per sequence (the bonus token included).
+    Speed-up(n) = τ(n) · ms(1) / ms(n); the best over the measured n (the smaller n on a tie).
+    With α = 1 and ``ms`` the forward alone this bounds every drafter that verifies n nodes per
+    sequence (no tree of n nodes accepts more than n tokens): the most speculation can give at
+    that batch size on that hardware.
 
     Raises:
-        ValueError: ``alpha`` outside [0, 1], or no node count 1."""
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+        ValueError: an acceptance outside [0, 1], or no node count 1."""
     nodes = [int(n) for n in nodes]
+    taus = chain_taus(alpha, nodes)
     if 1 not in nodes:
         raise ValueError("the node counts must include 1 (the plain decoding step)")
     plain = float(ms[nodes.index(1)])
-    speedup, fewer = max((sum(alpha ** i for i in range(n)) * plain / float(t), -n) for n, t in zip(nodes, ms))
+    speedup, fewer = max((tau * plain / float(t), -n) for n, t, tau in zip(nodes, ms, taus))
     return speedup, -fewer  # on a tie the fewer nodes (less to draft)
+
+
+def _decayed_sum(old: float, values: np.ndarray, decay: float) -> float:
+    """``old`` and then ``values`` in order, each step multiplying the sum so far by ``decay`` before
+    adding the next value: decay^k · old + Σ_i decay^(k−1−i) · values[i] (k = len(values))."""
+    k = len(values)
+    return float(decay ** k * old + decay ** np.arange(k - 1, -1, -1) @ np.asarray(values, dtype=np.float64))
 
 
 def _ema(old: float | None, new: float, weight: float) -> float:
@@ -316,11 +350,8 @@ class AdaptiveBudget:
 
     def _observe_first_level(self, hits: np.ndarray) -> None:
         """Rows in order, each True where it accepted a draft token (closed form of one update per row)."""
-        k = len(hits)
-        if k:
-            weights = _FIRST_LEVEL_DECAY ** np.arange(k - 1, -1, -1)
-            self._first_level = [_FIRST_LEVEL_DECAY ** k * self._first_level[0] + float(weights @ hits),
-                                 _FIRST_LEVEL_DECAY ** k * self._first_level[1] + float(weights.sum())]
+        self._first_level = [_decayed_sum(self._first_level[0], hits, _FIRST_LEVEL_DECAY),
+                             _decayed_sum(self._first_level[1], np.ones(len(hits)), _FIRST_LEVEL_DECAY)]
 
     def can_pay(self, batch: int) -> bool:
         """Whether speculation can pay at all with ``batch`` running sequences: some chain draft of
@@ -518,10 +549,10 @@ class AdaptiveBudget:
         live = predicted > 1e-6
         k = int(live.sum())
         if k:
-            self._observe_first_level(np.asarray(accepted)[live] >= 1)
-            weights = decay ** np.arange(k - 1, -1, -1)  # the newest row weighs most
-            self._accepted_sum = decay ** k * self._accepted_sum + weights @ np.asarray(accepted, np.float64)[live]
-            self._estimated_sum = decay ** k * self._estimated_sum + weights @ (predicted[live] / self._predicted_with)
+            accepted = np.asarray(accepted, dtype=np.float64)[live]
+            self._observe_first_level(accepted >= 1)
+            self._accepted_sum = _decayed_sum(self._accepted_sum, accepted, decay)  # the newest row weighs most
+            self._estimated_sum = _decayed_sum(self._estimated_sum, predicted[live] / self._predicted_with, decay)
             self.calibration = float(np.clip(self._accepted_sum / self._estimated_sum, 0.05, 20.0))
 
     # -- lookup steps: the request's context chain verified alone (module docstring) -------------
