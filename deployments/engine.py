@@ -28,6 +28,21 @@ from deployments.metrics import StatsMetrics
 
 logger = logging.getLogger("ray.serve")
 
+
+def route_library_logs(names: tuple[str, ...] = ("dart_core", "ngram_service")) -> None:
+    """Sends the libraries' INFO logs (the engine's kernel and speculative config, the verification
+    cost curve and the speculation calibration it logs at start-up) to the replica's log and the
+    ``serve run`` console, through the handlers Ray Serve gives its own ``ray.serve`` logger.  Without
+    this a replica keeps only ``ray.serve``'s lines: Python's default drops INFO from other loggers."""
+    serve_logger = logging.getLogger("ray.serve")
+    for name in names:
+        lib = logging.getLogger(name)
+        lib.setLevel(logging.INFO)
+        lib.propagate = False
+        for handler in serve_logger.handlers:
+            if handler not in lib.handlers:
+                lib.addHandler(handler)
+
 # Ray exports a histogram's _sum from bucket midpoints, so the buckets are fine enough
 # for sum/count to be a usable mean per phase (at most about 20 % off inside a bucket)
 _MS_BUCKETS = [0.5, 1, 1.5, 2, 3, 4, 5, 7, 10, 14, 20, 28, 40, 56, 80, 110, 150, 200, 280, 400, 560, 800, 1100,
@@ -168,6 +183,7 @@ class DartEngineDeployment:
         from dart_core.model.tokenizer import tokenizer_identity
         from ngram_service.client import LearnSender
 
+        route_library_logs()
         self.cfg = cfg = AppConfig.model_validate(config)
         self._ngram = ngram if cfg.ngram.enabled else None
         dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
@@ -242,11 +258,14 @@ class DartEngineDeployment:
         return await self._ngram.swap_trie.remote(path)
 
     def stats(self) -> dict:
-        """Counters for tests and operators: running and queued requests, steps by mode, n-gram
-        calls and fallbacks, the service's current address, and the tokens sent to its live corpus
+        """Counters for tests and operators: running and queued requests, steps by mode, the
+        adaptive budget's and the speculation gate's live state (``AdaptiveBudget.state``,
+        ``SpeculationGate.state``; None without them), n-gram calls and fallbacks, the service's current address, and the tokens sent to its live corpus
         (and the sequences dropped because its queue was full)."""
         g, lr = self.tree_search, self.learner
-        return self.batcher.stats() | {"ngram_calls": g.calls if g else 0, "ngram_fallbacks": g.fallbacks if g else 0,
+        budget, gate = self.model.engine.budget, self.model.engine.gate
+        return self.batcher.stats() | {"budget": budget.state() if budget is not None else None,
+                                       "gate": gate.state() if gate is not None else None} | {"ngram_calls": g.calls if g else 0, "ngram_fallbacks": g.fallbacks if g else 0,
                                        "ngram_address": g.address if g else None,
                                        "learned_tokens": lr.sent if lr else 0, "learn_dropped": lr.dropped if lr else 0}
 

@@ -69,6 +69,7 @@ _TREE_RATE_EMA = 0.2  # weight of the newest step in the tree rate and the looku
 _FIRST_LEVEL_DECAY = 0.99  # weight of older rows in the first-level acceptance (about 100 sequence-steps)
 _FIRST_LEVEL_PRIOR = 8.0  # rows of acceptance 1 before any evidence (can_pay starts where it did: α = 1)
 CAN_PAY_MARGIN = 0.2  # can_pay's α: the measured first-level acceptance plus this (deeper levels may accept more)
+_OVERHEAD_STALE_STEPS = 1024  # can_pay calls with no speculative step after which the overhead is re-measured
 
 
 def chain_taus(alpha, nodes) -> list[float]:
@@ -126,6 +127,59 @@ def _decayed_sum(old: float, values: np.ndarray, decay: float) -> float:
     adding the next value: decay^k · old + Σ_i decay^(k−1−i) · values[i] (k = len(values))."""
     k = len(values)
     return float(decay ** k * old + decay ** np.arange(k - 1, -1, -1) @ np.asarray(values, dtype=np.float64))
+
+
+class StepTimeAverage:
+    """Exponential moving average of a per-step time (ms) that a one-off stall cannot carry.
+
+    The first speculative step of an engine pays one-off costs that later steps do not: the
+    n-gram service's gRPC channel connecting, the draft head's fused kernels being built, first
+    pages touched.  Served on a 2-core Xeon, a plain average of weight 0.05 still read 10 ms
+    after 26 speculative steps of about 3 ms (the first had cost about 29), and the budget's
+    :meth:`AdaptiveBudget.can_pay` then stopped speculation for good (nothing speculative is
+    observed while it says no).  So:
+
+    - an observation more than ``outlier`` times the average is a stall and is not averaged,
+      unless ``confirm`` such observations come in a row: then the level has changed, and the
+      average restarts at their median;
+    - an observation below the average ÷ ``outlier`` restarts the average there (the earlier
+      values were the stall);
+    - otherwise ``steps`` observations' weight: ``value ← d·value + (1 − d)·x``, d = (1 − weight)^steps.
+
+    Raises:
+        ValueError: ``weight`` outside (0, 1], ``outlier`` ≤ 1 or ``confirm`` < 1.
+    """
+
+    def __init__(self, weight: float, outlier: float = 4.0, confirm: int = 3) -> None:
+        if not 0 < weight <= 1 or not outlier > 1 or confirm < 1:
+            raise ValueError("need 0 < weight <= 1, outlier > 1 and confirm >= 1")
+        self.weight, self.outlier, self.confirm = weight, outlier, confirm
+        self.value = 0.0  # ms; 0 before the first observation
+        self.stalls = 0  # observations left out as stalls
+        self._high: list[float] = []
+
+    def add(self, x: float, steps: int = 1) -> None:
+        """Feeds one observation ``x`` (ms), weighing as ``steps`` observations."""
+        if self.value <= 0:
+            self.value = float(x)
+            return
+        if x > self.outlier * self.value:
+            self._high.extend([float(x)] * steps)
+            if len(self._high) >= self.confirm:
+                self.value, self._high = statistics.median(self._high), []
+            else:
+                self.stalls += steps
+            return
+        self._high = []
+        if x * self.outlier < self.value:
+            self.value = float(x)
+            return
+        decay = (1.0 - self.weight) ** steps
+        self.value = decay * self.value + (1.0 - decay) * float(x)
+
+    def reset(self) -> None:
+        """Forgets every observation."""
+        self.value, self._high = 0.0, []
 
 
 def _ema(old: float | None, new: float, weight: float) -> float:
@@ -330,7 +384,8 @@ class AdaptiveBudget:
         # decayed sums behind the calibration: accepted draft nodes, and their uncalibrated estimates (a
         # prior of one node at ratio 1, which fades with the first observations)
         self._accepted_sum = self._estimated_sum = 1.0
-        self.overhead_ms = 0.0  # draft + tree search per step, EMA
+        self._overhead = StepTimeAverage(ema)  # draft + tree search per speculative step, ms
+        self._unobserved = 0  # can_pay calls since the last speculative step was observed
         self._kept_depths: deque[int] = deque(maxlen=depth_window)  # deepest kept node of each recent batch step
         self._kept_nodes: deque[int] = deque(maxlen=depth_window)  # most draft nodes a tree kept, per batch step
         self._sized: dict[tuple[SearchParams, int], SearchParams] = {}  # search_params' answers
@@ -343,6 +398,18 @@ class AdaptiveBudget:
         self._first_level = [_FIRST_LEVEL_PRIOR, _FIRST_LEVEL_PRIOR]
 
     @property
+    def overhead_ms(self) -> float:
+        """Draft and tree-search time of a speculative step, ms: a moving average of weight ``ema``
+        per sequence-step that leaves one-off stalls out (:class:`StepTimeAverage`); 0 before any."""
+        return self._overhead.value
+
+    @overhead_ms.setter
+    def overhead_ms(self, ms: float) -> None:
+        self._overhead.reset()
+        self._overhead.add(ms)
+        self._unobserved = 0
+
+    @property
     def first_level_acceptance(self) -> float:
         """The share of sequence-steps that verified draft tokens and accepted at least one (tree
         and lookup steps; decayed by 0.99 per row, 8 rows of acceptance 1 before any evidence)."""
@@ -352,6 +419,15 @@ class AdaptiveBudget:
         """Rows in order, each True where it accepted a draft token (closed form of one update per row)."""
         self._first_level = [_decayed_sum(self._first_level[0], hits, _FIRST_LEVEL_DECAY),
                              _decayed_sum(self._first_level[1], np.ones(len(hits)), _FIRST_LEVEL_DECAY)]
+
+    def state(self) -> dict:
+        """The budget's live estimates, for operators (the engine's ``stats``): the calibration
+        factor, the measured first-level acceptance, the drafting and search time per speculative
+        step (ms, moving average) and the verification cost curve at batch 1 (query tokens -> ms)."""
+        return {"calibration": round(self.calibration, 4),
+                "first_level_acceptance": round(self.first_level_acceptance, 4),
+                "overhead_ms": round(self.overhead_ms, 3),
+                "verify_ms": {int(n): float(m) for n, m in zip(self.curve.nodes, self.curve.ms)}}
 
     def can_pay(self, batch: int) -> bool:
         """Whether speculation can pay at all with ``batch`` running sequences: some chain draft of
@@ -366,7 +442,14 @@ class AdaptiveBudget:
         A batch size where it says no is never speculated at: no warm-up steps and no probes,
         whose cost showed at 8 clients in the continuous-batching benchmark, where speculation
         cannot win.  Smaller batches keep measuring the acceptance, and a batch size whose answer
-        turns to yes is warmed up and probed again."""
+        turns to yes is warmed up and probed again.  The overhead is only measured while some
+        batch size speculates, so after ``_OVERHEAD_STALE_STEPS`` calls with no speculative step
+        it is forgotten (0 until the next speculative step measures it again): a no that rests
+        on an old overhead is revisited, at the cost of one warm-up per that many steps."""
+        self._unobserved += 1
+        if self._unobserved > _OVERHEAD_STALE_STEPS and self.overhead_ms > 0:
+            self._overhead.reset()  # measured long ago; a no that rests on it would never be revisited
+            self._unobserved = 0
         alpha = round(min(1.0, self.first_level_acceptance + CAN_PAY_MARGIN), 2)
         key = (int(batch), round(self.overhead_ms, 1), alpha)
         if key not in self._can_pay:
@@ -543,8 +626,8 @@ class AdaptiveBudget:
         if m == 0:
             return
         decay = 1.0 - self.ema
-        self.overhead_ms = (overhead_ms if not self.overhead_ms
-                            else decay ** m * self.overhead_ms + (1.0 - decay ** m) * overhead_ms)
+        self._overhead.add(overhead_ms, m)
+        self._unobserved = 0
         predicted = np.asarray(predicted, dtype=np.float64)
         live = predicted > 1e-6
         k = int(live.sum())
@@ -744,6 +827,14 @@ class SpeculationGate:
             b.winner = winner
             b.steps = 0
         return winner != probing
+
+    def state(self) -> dict:
+        """Per batch-size bucket (:meth:`bucket`), for operators: steps measured, tokens per ms and
+        wall ms per step of each mode (moving averages), and the probe period, in steps."""
+        return {str(k): {"measured_steps": {"autoregressive": b.seen[0], "speculative": b.seen[1]},
+                         "tokens_per_ms": {"autoregressive": round(b.rate[0], 4), "speculative": round(b.rate[1], 4)},
+                         "step_ms": {"autoregressive": round(b.step_ms[0], 3), "speculative": round(b.step_ms[1], 3)},
+                         "probe_period": b.period} for k, b in sorted(self._buckets.items())}
 
     def _priced_period(self, b: "_GateBucket", winner: bool) -> int:
         """The shortest period whose probe costs at most ``max_probe_share`` of the period's time:

@@ -392,6 +392,70 @@ def test_can_pay_prices_the_measured_first_level_acceptance():
     assert budget.first_level_acceptance > 0.9
 
 
+def test_step_time_average_leaves_out_one_off_stalls():
+    """StepTimeAverage: a stall before the steady steps (the first served step's gRPC connect) is
+    replaced by the next step; a stall among them is left out; ``confirm`` in a row are a new level."""
+    from dart_core.spec.budget import StepTimeAverage
+
+    avg = StepTimeAverage(0.05)
+    avg.add(35.0)  # the first step: one-off costs
+    for _ in range(28):
+        avg.add(3.0)
+    assert avg.value == pytest.approx(3.0)  # a plain EMA of weight 0.05 would still be at 3 + 32 * 0.95**28 = 10.6
+    avg.add(40.0)  # one spike among steady steps
+    assert avg.value == pytest.approx(3.0) and avg.stalls == 1
+    avg.add(3.4)
+    assert 3.0 < avg.value < 3.4
+    for x in (20.0, 24.0, 22.0):  # three in a row: the level moved
+        avg.add(x)
+    assert avg.value == pytest.approx(22.0)
+    avg.add(21.0, steps=2)  # two observations at once: weight 1 - 0.95**2
+    assert avg.value == pytest.approx(0.95 ** 2 * 22.0 + (1 - 0.95 ** 2) * 21.0)
+    avg.reset()
+    assert avg.value == 0.0
+    with pytest.raises(ValueError):
+        StepTimeAverage(0.0)
+
+
+def test_budget_overhead_survives_the_first_step_and_a_stale_no_is_revisited():
+    """AdaptiveBudget.overhead_ms: a first step that paid one-off costs does not make can_pay say no
+    (the trap found serving on a 2-core Xeon: no speculative step, so the estimate never came down);
+    and a no resting on an overhead measured _OVERHEAD_STALE_STEPS calls ago is asked again."""
+    from dart_core.spec.budget import _OVERHEAD_STALE_STEPS
+
+    curve = VerifyCostCurve((1, 2, 4, 8), (10.0, 10.6, 11.8, 16.0))
+    budget = AdaptiveBudget(curve)
+    for i in range(300):  # lookup rows (no drafting time): 30 % accept their first token
+        budget.observe_lookup(match_length=2, offered=1, accepted=int(i % 10 < 3))
+    budget.observe_batch(np.array([0.5]), np.array([1]), 35.0)  # the first tree step
+    assert budget.overhead_ms == 35.0 and not budget.can_pay(1)  # 35 ms of drafting cannot pay
+    for _ in range(5):
+        budget.observe_batch(np.array([0.5]), np.array([1]), 2.0)
+    assert budget.overhead_ms == pytest.approx(2.0, rel=0.05) and budget.can_pay(1)
+    budget.overhead_ms = 40.0  # a slow service at the last speculative step
+    assert not budget.can_pay(1)
+    for _ in range(_OVERHEAD_STALE_STEPS - 1):
+        assert not budget.can_pay(1)
+    assert budget.can_pay(1) and budget.overhead_ms == 0.0  # forgotten: the next speculative step measures it
+
+
+def test_budget_and_gate_state_for_operators():
+    """AdaptiveBudget.state and SpeculationGate.state: what a served engine's stats report."""
+    curve = VerifyCostCurve((1, 2, 4), (10.0, 11.0, 13.0))
+    budget = AdaptiveBudget(curve)
+    budget.observe_batch(np.array([0.5, 0.5]), np.array([1, 0]), 2.5)
+    state = budget.state()
+    assert state["overhead_ms"] == 2.5 and state["verify_ms"] == {1: 10.0, 2: 11.0, 4: 13.0}
+    assert 0 < state["first_level_acceptance"] < 1 and state["calibration"] > 0
+    gate = SpeculationGate(warmup=1)
+    assert gate.state() == {}
+    gate.speculate(3)
+    gate.observe(3, True, tokens=6, step_ms=12.0)
+    bucket = gate.state()["4"]  # batch 3 is in the bucket of 4
+    assert bucket["measured_steps"] == {"autoregressive": 0, "speculative": 1}
+    assert bucket["tokens_per_ms"]["speculative"] == pytest.approx(0.5) and bucket["step_ms"]["speculative"] == 12.0
+
+
 def test_the_ceiling_and_whether_speculation_can_pay():
     """VerifyCostCurve.ceiling is chain_speedup over the curve's cost at the batch size plus the step's
     overhead; AdaptiveBudget.can_pay is its value at the measured overhead, at least 1, with α = 1

@@ -778,3 +778,33 @@ def test_an_app_with_method_eagle3_answers_with_the_targets_greedy_text(app, ref
         assert stats["speculative_steps"] > 0
     finally:
         serve.delete("eagle3")
+
+
+def test_library_logs_reach_the_replica_log():
+    """deployments.engine.route_library_logs: the engine's INFO lines (kernel and speculative
+    config, the verification cost curve, the speculation calibration) go through the handlers
+    Ray Serve gives its ``ray.serve`` logger; before, a replica dropped them."""
+    import logging
+
+    from deployments.engine import route_library_logs
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    serve_logger, handler = logging.getLogger("ray.serve"), Keep()
+    serve_logger.addHandler(handler)
+    lib = logging.getLogger("dart_core")
+    saved = lib.level, lib.propagate, list(lib.handlers)
+    try:
+        route_library_logs()
+        route_library_logs()  # twice: each line still arrives once
+        logging.getLogger("dart_core.spec.budget").info("speculation calibration: %s", "batch 1")
+        assert [r.getMessage() for r in records] == ["speculation calibration: batch 1"]
+    finally:
+        serve_logger.removeHandler(handler)
+        lib.setLevel(saved[0])
+        lib.propagate = saved[1]
+        lib.handlers[:] = saved[2]
