@@ -605,7 +605,7 @@ class AdaptiveBudget:
             self._kept_nodes.append(int(keep_counts.max()))
         return out, predicted
 
-    def observe(self, predicted: float, accepted: int, overhead_ms: float) -> None:
+    def observe(self, predicted: float, accepted: int, overhead_ms: float | None) -> None:
         """Feeds back one sequence-step: the predicted accepted draft nodes (:meth:`select_batch`'s,
         made with the calibration of that call) vs those accepted, and the step's draft+search time.
 
@@ -618,16 +618,19 @@ class AdaptiveBudget:
         """
         self.observe_batch(np.array([predicted], dtype=np.float64), np.array([accepted]), overhead_ms)
 
-    def observe_batch(self, predicted: np.ndarray, accepted: np.ndarray, overhead_ms: float) -> None:
+    def observe_batch(self, predicted: np.ndarray, accepted: np.ndarray, overhead_ms: float | None) -> None:
         """:meth:`observe` for the sequences of one step at once (predicted [B] and accepted [B] draft
         nodes, the step's draft+search time), in closed form: the same exponential averages as B calls
-        in row order, up to rounding (the rows' predictions were all made with one calibration)."""
+        in row order, up to rounding (the rows' predictions were all made with one calibration).
+        ``overhead_ms`` None: the step's draft time is not typical (the draft head caught up on
+        positions held while speculation was off) and leaves the overhead average alone."""
         m = len(predicted)
         if m == 0:
             return
         decay = 1.0 - self.ema
-        self._overhead.add(overhead_ms, m)
-        self._unobserved = 0
+        if overhead_ms is not None:
+            self._overhead.add(overhead_ms, m)
+            self._unobserved = 0
         predicted = np.asarray(predicted, dtype=np.float64)
         live = predicted > 1e-6
         k = int(live.sum())

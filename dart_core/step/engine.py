@@ -507,7 +507,10 @@ class DartEngine:
                                                int(counts_host[i]) - 1)
         elif predicted is not None:  # a constraint may have reshaped a tree: those rows are left out
             free = np.fromiter((g is None for g in state.constraints), dtype=bool, count=b_size)
-            self.budget.observe_batch(predicted[free], counts_host[free] - 1, proposal.draft_ms + proposal.search_ms)
+            # a catch-up's draft (the positions held while speculation was off) is the gate's switch
+            # cost, not what the next step's drafting costs: it leaves the overhead average alone
+            self.budget.observe_batch(predicted[free], counts_host[free] - 1,
+                                      None if proposal.catch_up else proposal.draft_ms + proposal.search_ms)
         # a gated-off step of a speculative batch: the draft head's inputs and the context indexes wait
         hold = state.speculative and not speculative
         new_tokens, nexts, logprobs = [], [], []

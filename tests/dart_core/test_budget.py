@@ -432,6 +432,8 @@ def test_budget_overhead_survives_the_first_step_and_a_stale_no_is_revisited():
     for _ in range(5):
         budget.observe_batch(np.array([0.5]), np.array([1]), 2.0)
     assert budget.overhead_ms == pytest.approx(2.0, rel=0.05) and budget.can_pay(1)
+    budget.observe_batch(np.array([0.5]), np.array([0]), None)  # a catch-up step: acceptance only
+    assert budget.overhead_ms == pytest.approx(2.0, rel=0.05)
     budget.overhead_ms = 40.0  # a slow service at the last speculative step
     assert not budget.can_pay(1)
     for _ in range(_OVERHEAD_STALE_STEPS - 1):
