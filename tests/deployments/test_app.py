@@ -796,15 +796,17 @@ def test_library_logs_reach_the_replica_log():
 
     serve_logger, handler = logging.getLogger("ray.serve"), Keep()
     serve_logger.addHandler(handler)
-    lib = logging.getLogger("dart_core")
-    saved = lib.level, lib.propagate, list(lib.handlers)
+    libs = [logging.getLogger(name) for name in ("dart_core", "ngram_service")]
+    saved = [(lib.level, lib.propagate, list(lib.handlers)) for lib in libs]
     try:
         route_library_logs()
         route_library_logs()  # twice: each line still arrives once
         logging.getLogger("dart_core.spec.budget").info("speculation calibration: %s", "batch 1")
-        assert [r.getMessage() for r in records] == ["speculation calibration: batch 1"]
-    finally:
+        logging.getLogger("ngram_service.server").info("n-gram service on %s", "host:1")
+        assert [r.getMessage() for r in records] == ["speculation calibration: batch 1", "n-gram service on host:1"]
+    finally:  # later tests read these loggers through the root logger (caplog)
         serve_logger.removeHandler(handler)
-        lib.setLevel(saved[0])
-        lib.propagate = saved[1]
-        lib.handlers[:] = saved[2]
+        for lib, (level, propagate, handlers) in zip(libs, saved):
+            lib.setLevel(level)
+            lib.propagate = propagate
+            lib.handlers[:] = handlers
