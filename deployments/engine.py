@@ -24,24 +24,12 @@ from ray.serve import metrics
 
 from dart_core.serve.request import GenerationChunk, GenerationRequest
 from deployments.config import AppConfig, NgramConfig
+from deployments.logs import route_library_logs
 from deployments.metrics import StatsMetrics
 
 logger = logging.getLogger("ray.serve")
 
 
-def route_library_logs(names: tuple[str, ...] = ("dart_core", "ngram_service")) -> None:
-    """Sends the libraries' INFO logs (the engine's kernel and speculative config, the verification
-    cost curve and the speculation calibration it logs at start-up) to the replica's log and the
-    ``serve run`` console, through the handlers Ray Serve gives its own ``ray.serve`` logger.  Without
-    this a replica keeps only ``ray.serve``'s lines: Python's default drops INFO from other loggers."""
-    serve_logger = logging.getLogger("ray.serve")
-    for name in names:
-        lib = logging.getLogger(name)
-        lib.setLevel(logging.INFO)
-        lib.propagate = False
-        for handler in serve_logger.handlers:
-            if handler not in lib.handlers:
-                lib.addHandler(handler)
 
 # Ray exports a histogram's _sum from bucket midpoints, so the buckets are fine enough
 # for sum/count to be a usable mean per phase (at most about 20 % off inside a bucket)
@@ -260,12 +248,14 @@ class DartEngineDeployment:
     def stats(self) -> dict:
         """Counters for tests and operators: running and queued requests, steps by mode, the
         adaptive budget's and the speculation gate's live state (``AdaptiveBudget.state``,
-        ``SpeculationGate.state``; None without them), n-gram calls and fallbacks, the service's current address, and the tokens sent to its live corpus
-        (and the sequences dropped because its queue was full)."""
+        ``SpeculationGate.state``; None without them), n-gram calls and fallbacks, the service's
+        current address, and the tokens sent to its live corpus (and the sequences dropped because
+        its queue was full)."""
         g, lr = self.tree_search, self.learner
         budget, gate = self.model.engine.budget, self.model.engine.gate
         return self.batcher.stats() | {"budget": budget.state() if budget is not None else None,
-                                       "gate": gate.state() if gate is not None else None} | {"ngram_calls": g.calls if g else 0, "ngram_fallbacks": g.fallbacks if g else 0,
+                                       "gate": gate.state() if gate is not None else None,
+                                       "ngram_calls": g.calls if g else 0, "ngram_fallbacks": g.fallbacks if g else 0,
                                        "ngram_address": g.address if g else None,
                                        "learned_tokens": lr.sent if lr else 0, "learn_dropped": lr.dropped if lr else 0}
 

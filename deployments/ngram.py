@@ -31,6 +31,7 @@ import grpc
 from ray import serve
 
 from deployments.config import AppConfig, NgramConfig
+from deployments.logs import route_library_logs
 from deployments.metrics import StatsMetrics
 from ngram_service.trie import TrieFormatError
 
@@ -94,6 +95,7 @@ class NgramService:
         from ngram_service.ray_actor import start_pinned_server
         from ngram_service.tokenizer import load_trie_tokenizer, source_name
 
+        route_library_logs()
         cfg = NgramConfig.model_validate(config)
         auto = cfg.trie == "auto"
         trie = default_trie_path(source_name(cfg.tokenizer), cfg.corpus, 3) if auto else Path(cfg.trie).expanduser()

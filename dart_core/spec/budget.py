@@ -134,10 +134,10 @@ class StepTimeAverage:
 
     The first speculative step of an engine pays one-off costs that later steps do not: the
     n-gram service's gRPC channel connecting, the draft head's fused kernels being built, first
-    pages touched.  Served on a 2-core Xeon, a plain average of weight 0.05 still read 10 ms
-    after 26 speculative steps of about 3 ms (the first had cost about 29), and the budget's
-    :meth:`AdaptiveBudget.can_pay` then stopped speculation for good (nothing speculative is
-    observed while it says no).  So:
+    pages touched.  As the first value of a plain average it stayed in the average for dozens of
+    steps, and the budget's :meth:`AdaptiveBudget.can_pay` then stopped speculation for good
+    (nothing speculative is observed while it says no; served on a 2-core Xeon:
+    ``bench/results/xeon_vnni/``).  So:
 
     - an observation more than ``outlier`` times the average is a stall and is not averaged,
       unless ``confirm`` such observations come in a row: then the level has changed, and the
@@ -423,10 +423,10 @@ class AdaptiveBudget:
     def state(self) -> dict:
         """The budget's live estimates, for operators (the engine's ``stats``): the calibration
         factor, the measured first-level acceptance, the drafting and search time per speculative
-        step (ms, moving average) and the verification cost curve at batch 1 (query tokens -> ms)."""
+        step (ms, moving average) and the steps it left out as stalls, and the verification cost curve at batch 1 (query tokens -> ms)."""
         return {"calibration": round(self.calibration, 4),
                 "first_level_acceptance": round(self.first_level_acceptance, 4),
-                "overhead_ms": round(self.overhead_ms, 3),
+                "overhead_ms": round(self.overhead_ms, 3), "overhead_stalls": self._overhead.stalls,
                 "verify_ms": {int(n): float(m) for n, m in zip(self.curve.nodes, self.curve.ms)}}
 
     def can_pay(self, batch: int) -> bool:

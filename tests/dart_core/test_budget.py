@@ -448,7 +448,7 @@ def test_budget_and_gate_state_for_operators():
     budget.observe_batch(np.array([0.5, 0.5]), np.array([1, 0]), 2.5)
     state = budget.state()
     assert state["overhead_ms"] == 2.5 and state["verify_ms"] == {1: 10.0, 2: 11.0, 4: 13.0}
-    assert 0 < state["first_level_acceptance"] < 1 and state["calibration"] > 0
+    assert 0 < state["first_level_acceptance"] < 1 and state["calibration"] > 0 and state["overhead_stalls"] == 0
     gate = SpeculationGate(warmup=1)
     assert gate.state() == {}
     gate.speculate(3)

@@ -780,14 +780,23 @@ def test_an_app_with_method_eagle3_answers_with_the_targets_greedy_text(app, ref
         serve.delete("eagle3")
 
 
-def test_library_logs_reach_the_replica_log():
-    """deployments.engine.route_library_logs: the engine's INFO lines (kernel and speculative
-    config, the verification cost curve, the speculation calibration) go through the handlers
-    Ray Serve gives its ``ray.serve`` logger; before, a replica dropped them."""
+def test_library_logs_reach_the_replica_log(monkeypatch):
+    """deployments.logs.route_library_logs (the engine and n-gram replicas call it): the libraries'
+    INFO lines (kernel and speculative config, the verification cost curve, the speculation
+    calibration, the n-gram server) go through the handlers Ray Serve gives its ``ray.serve``
+    logger; before, a replica dropped them.  Outside a replica it changes nothing."""
     import logging
 
-    from deployments.engine import route_library_logs
+    from ray import serve
 
+    from deployments.logs import route_library_logs
+
+    lib_state = {name: (logging.getLogger(name).propagate, list(logging.getLogger(name).handlers))
+                 for name in ("dart_core", "ngram_service")}
+    route_library_logs()  # outside a replica: nothing changes
+    assert {name: (logging.getLogger(name).propagate, list(logging.getLogger(name).handlers))
+            for name in lib_state} == lib_state
+    monkeypatch.setattr(serve, "get_replica_context", lambda: object())  # as inside a replica
     records: list[logging.LogRecord] = []
 
     class Keep(logging.Handler):
