@@ -132,6 +132,11 @@ class AppConfig(BaseModel):
                                                             "that takes longer to compile is refused (400)")
     max_grammar_chars: int = Field(65536, ge=1, description="structured output: longer schemas, regexes or "
                                                            "choice lists are refused (400)")
+    recalibrate_after_s: float | None = Field(30.0, ge=0, description="with budget auto: the engine measures its "
+                                              "verification cost curve again once, on its first idle second at "
+                                              "least this many seconds after start, and keeps the lower of the two "
+                                              "(the start-up measurement runs while the node's other replicas "
+                                              "start); null: never")
     stream_interval_ms: float = Field(50.0, ge=0, le=1000,
                                       description="streaming: after a request's first chunk, the engine replica "
                                                   "sends its chunks to the ingress in groups, one group per this "

@@ -194,7 +194,7 @@ class DartEngineDeployment:
             max_batch_size=cfg.max_batch_size, max_speculative_batch=cfg.max_speculative_batch,
             speculative=cfg.speculative, default_max_tokens=cfg.default_max_tokens,
             max_tokens_limit=cfg.max_tokens_limit, grammar_timeout_s=cfg.grammar_timeout_s,
-            max_grammar_chars=cfg.max_grammar_chars),
+            max_grammar_chars=cfg.max_grammar_chars, recalibrate_after_s=cfg.recalibrate_after_s),
             observer=_Metrics(self.tree_search, self.learner, cfg.ngram.learn_prompts,
                               self.model.engine.prefix_cache)).start()
         logger.info("DART engine ready: %s, head %s, speculative %s, max batch %d", self.name,

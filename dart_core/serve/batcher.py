@@ -40,12 +40,15 @@ from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable, Iterator, TypeVar
 
 from dart_core.serve.detokenizer import IncrementalDetokenizer
+from dart_core.spec.budget import CalibrationInterrupted
 from dart_core.step.engine import DartEngine, NewSequence, StepOutput, TokenLogprobs
 from dart_core.step.grammar import Grammar, GrammarCompiler, GrammarError
 from dart_core.serve.request import GenerationChunk, GenerationRequest, InvalidRequest, TokenLogprob
 from dart_core.step.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+_RECALIBRATE_TRIES = 5  # idle seconds in which a re-measurement of the verification cost curve is started
 
 __all__ = ["BatcherConfig", "BatcherObserver", "ContinuousBatcher", "RequestHandle", "encode_prompt", "load_in_own_thread"]
 
@@ -61,6 +64,9 @@ class BatcherConfig:
     max_tokens_limit: int = 2048  # the largest a request may ask for
     grammar_timeout_s: float = 10.0  # structured output: a grammar that takes longer to compile is refused
     max_grammar_chars: int = 65536  # structured output: longer schemas / regexes / choice lists are refused
+    # with an adaptive budget: the verification cost curve is measured again once, on the first idle
+    # second at least this long after start (AdaptiveBudget.remeasure); None: never
+    recalibrate_after_s: float | None = 30.0
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.default_max_tokens < 1 or self.max_tokens_limit < 1:
@@ -69,6 +75,8 @@ class BatcherConfig:
             raise ValueError("max_speculative_batch must be None or >= 1")
         if not self.grammar_timeout_s > 0 or self.max_grammar_chars < 1:
             raise ValueError("grammar_timeout_s must be > 0 and max_grammar_chars >= 1")
+        if self.recalibrate_after_s is not None and self.recalibrate_after_s < 0:
+            raise ValueError("recalibrate_after_s must be None or >= 0")
 
 
 class BatcherObserver:
@@ -248,6 +256,8 @@ class ContinuousBatcher:
         self._thread: threading.Thread | None = None
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
+        self._started = time.monotonic()
+        self._recalibrate_tries = 0
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -435,11 +445,36 @@ class ContinuousBatcher:
                 out.append(req)
         return out
 
+    def _idle(self, since: float) -> None:
+        """Called on the engine thread after each empty wait for work (``since``: when the engine
+        last had none).  Once, on the first whole idle second at least ``recalibrate_after_s``
+        after start, the adaptive budget re-measures its verification cost curve
+        (:meth:`dart_core.spec.budget.AdaptiveBudget.remeasure`): the start-up measurement ran
+        while the node's other processes were starting.  A request arriving meanwhile stops it
+        at the next forward, and it is tried again at the next idle second (up to
+        ``_RECALIBRATE_TRIES`` times)."""
+        after = self.config.recalibrate_after_s
+        remeasure = getattr(getattr(self.engine, "budget", None), "remeasure", None)
+        if (after is None or remeasure is None or self._recalibrate_tries >= _RECALIBRATE_TRIES
+                or time.monotonic() - self._started < after or time.monotonic() - since < 1.0):
+            return
+        self._recalibrate_tries += 1
+        try:
+            remeasure(self.engine.target, should_stop=lambda: not self._incoming.empty() or self._stop.is_set())
+            self._recalibrate_tries = _RECALIBRATE_TRIES  # done
+        except CalibrationInterrupted:
+            logger.info("verification cost re-measurement stopped by a request; tried again when idle")
+        except Exception:  # noqa: BLE001 - the start-up curve stays; serving goes on
+            logger.exception("verification cost re-measurement failed; the start-up curve stays")
+            self._recalibrate_tries = _RECALIBRATE_TRIES
+
     def _loop(self) -> None:
         cfg = self.config
+        idle_since = time.monotonic()
         while not self._stop.is_set():
             first = self._take(cfg.max_batch_size, block=True)
             if not first:
+                self._idle(idle_since)
                 continue
             by_seq: dict[int, _Request] = {}
             order: list[_Request] = []
@@ -466,6 +501,7 @@ class ContinuousBatcher:
                         req.done = True
                         _send(req, RuntimeError(f"generation failed: {e}"))
                 self.running = 0
+            idle_since = time.monotonic()
         while True:  # closed: nobody will serve what is still queued
             try:
                 req = self._incoming.get_nowait()

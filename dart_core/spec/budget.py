@@ -59,8 +59,8 @@ from ngram_service.tree_search import ContextChain, DraftTree, SearchParams, Tre
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["VerifyCostCurve", "curve_shapes", "AdaptiveBudget", "SpeculationGate", "node_acceptance_estimates",
-           "chain_speedup", "chain_taus", "LOOKUP_PREFERENCE", "CAN_PAY_MARGIN"]
+__all__ = ["VerifyCostCurve", "CalibrationInterrupted", "curve_shapes", "AdaptiveBudget", "SpeculationGate",
+           "node_acceptance_estimates", "chain_speedup", "chain_taus", "LOOKUP_PREFERENCE", "CAN_PAY_MARGIN"]
 
 
 _CHAIN_PRIOR = (2.0, 3.0)  # r_m before evidence: 2/3
@@ -187,6 +187,10 @@ def _ema(old: float | None, new: float, weight: float) -> float:
     return new if old is None else (1 - weight) * old + weight * new
 
 
+class CalibrationInterrupted(Exception):
+    """:meth:`VerifyCostCurve.measure` stopped because its ``should_stop`` said so (work arrived)."""
+
+
 @dataclass(frozen=True)
 class VerifyCostCurve:
     """Verification latency (ms) against query tokens, linearly interpolated; optionally also against
@@ -270,7 +274,8 @@ class VerifyCostCurve:
     @classmethod
     @torch.inference_mode()
     def measure(cls, target: TargetModel, node_counts: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64),
-                context_len: int = 256, repeats: int = 5, batch_sizes: tuple[int, ...] = (1,)) -> "VerifyCostCurve":
+                context_len: int = 256, repeats: int = 5, batch_sizes: tuple[int, ...] = (1,),
+                should_stop: Callable[[], bool] | None = None, log: bool = True) -> "VerifyCostCurve":
         """Times one verification forward per tree size (and batch size) after a ``context_len``-token
         prefix in every sequence.
 
@@ -284,9 +289,13 @@ class VerifyCostCurve:
         Args:
             batch_sizes: the batch sizes measured (1 is always measured); more than 1 fills
                 ``batches`` / ``batch_ms``.
+            should_stop: asked before every timed forward; True abandons the measurement (an
+                engine re-measuring while idle stops when a request arrives).
+            log: log the curve and the calibration lines (:meth:`calibration_lines`).
 
         Raises:
             ValueError: a batch size below 1.
+            CalibrationInterrupted: ``should_stop`` answered True.
         """
         node_counts = tuple(sorted(set(node_counts)))
         batch_sizes = tuple(sorted(set(batch_sizes) | {1}))
@@ -305,6 +314,8 @@ class VerifyCostCurve:
                 inputs[b, n] = (ids, caches[b].lengths[:, None] + torch.arange(n, device=device)[None], chain)
 
         def timed(b: int, n: int) -> float:
+            if should_stop is not None and should_stop():
+                raise CalibrationInterrupted("verification cost measurement stopped: work arrived")
             cache = caches[b]
             ids, pos, chain = inputs[b, n]
             mask = cache_mask(cache.lengths, cache.padded_length, chain, target.dtype)
@@ -329,13 +340,33 @@ class VerifyCostCurve:
             floor = np.maximum(floor, np.maximum.accumulate([statistics.median(times[b, n]) for n in node_counts]))
             rows.append(tuple(round(float(m), 3) for m in floor))
         curve = cls(node_counts, rows[0], batch_sizes[1:], tuple(rows[1:]))
-        logger.info("verify cost (nodes -> ms): %s", dict(zip(curve.nodes, curve.ms)))
-        for b, r in zip(curve.batches, curve.batch_ms):
-            logger.info("verify cost at batch %d (nodes per sequence -> ms): %s", b, dict(zip(curve.nodes, r)))
-        if 1 in curve.nodes and 2 in curve.nodes:
-            for line in curve.calibration_lines():
-                logger.info("speculation calibration: %s", line)
+        if log:
+            curve.log()
         return curve
+
+    def log(self, what: str = "") -> None:
+        """Logs the curve and, where it holds 1 and 2 query tokens, :meth:`calibration_lines`
+        (``what``, e.g. ``"re-measured "``, leads each line)."""
+        logger.info("%sverify cost (nodes -> ms): %s", what, dict(zip(self.nodes, self.ms)))
+        for b, r in zip(self.batches, self.batch_ms):
+            logger.info("%sverify cost at batch %d (nodes per sequence -> ms): %s", what, b, dict(zip(self.nodes, r)))
+        if 1 in self.nodes and 2 in self.nodes:
+            for line in self.calibration_lines():
+                logger.info("%sspeculation calibration: %s", what, line)
+
+    def minimum(self, other: "VerifyCostCurve") -> "VerifyCostCurve":
+        """The point-wise lower of two measurements of the same shapes.  A busy machine only ever
+        adds time to a forward, so the lower of two medians is the nearer to the step's own cost;
+        both inputs' orderings (non-decreasing in tokens, each batch size at least the smaller
+        one's) hold for their minimum too.
+
+        Raises:
+            ValueError: the two curves measured different shapes."""
+        if (self.nodes, self.batches) != (other.nodes, other.batches):
+            raise ValueError("the curves measured different shapes")
+        low = lambda a, b: tuple(min(x, y) for x, y in zip(a, b))  # noqa: E731
+        return VerifyCostCurve(self.nodes, low(self.ms, other.ms), self.batches,
+                               tuple(low(a, b) for a, b in zip(self.batch_ms, other.batch_ms)))
 
 
 def curve_shapes(device: torch.device | str, tree_budget: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -394,6 +425,7 @@ class AdaptiveBudget:
         self._tree_rate: dict[int, float] = {}  # batch bucket -> tokens/ms of tree steps, EMA
         self.lookup_overhead_ms = 0.0  # wall time of a lookup step beyond t_verify, EMA
         self._can_pay: dict[tuple[int, float, float], bool] = {}  # can_pay's answers by (batch, overhead, α)
+        self.remeasured = 0  # re-measurements of the curve done (remeasure)
         # decayed [rows that accepted a draft token, rows that verified one], trees and lookups alike
         self._first_level = [_FIRST_LEVEL_PRIOR, _FIRST_LEVEL_PRIOR]
 
@@ -423,11 +455,35 @@ class AdaptiveBudget:
     def state(self) -> dict:
         """The budget's live estimates, for operators (the engine's ``stats``): the calibration
         factor, the measured first-level acceptance, the drafting and search time per speculative
-        step (ms, moving average) and the steps it left out as stalls, and the verification cost curve at batch 1 (query tokens -> ms)."""
+        step (ms, moving average) and the steps it left out as stalls, how often the curve was
+        re-measured (:meth:`remeasure`), and the verification cost curve at batch 1 (query tokens -> ms)."""
         return {"calibration": round(self.calibration, 4),
                 "first_level_acceptance": round(self.first_level_acceptance, 4),
                 "overhead_ms": round(self.overhead_ms, 3), "overhead_stalls": self._overhead.stalls,
+                "curve_remeasured": self.remeasured,
                 "verify_ms": {int(n): float(m) for n, m in zip(self.curve.nodes, self.curve.ms)}}
+
+    def remeasure(self, target: TargetModel, should_stop: Callable[[], bool] | None = None) -> VerifyCostCurve:
+        """Measures the verification cost curve again, at the same shapes, and keeps the point-wise
+        lower of the two (:meth:`VerifyCostCurve.minimum`); returns the curve now used.
+
+        The start-up measurement of a served engine runs while the other replicas of the node
+        start (imports, model loads, the trie), which can price a batch size's draft node so high
+        that :meth:`can_pay` never says yes there.  An engine that re-measures once it is idle
+        (:class:`dart_core.serve.batcher.ContinuousBatcher`, ``recalibrate_after_s``) prices
+        speculation by what its steps cost once the node has settled.  ``can_pay``'s kept
+        answers are dropped; the gate asks again before the next step.
+
+        Raises:
+            CalibrationInterrupted: ``should_stop`` answered True (the curve is unchanged).
+        """
+        new = VerifyCostCurve.measure(target, node_counts=self.curve.nodes, batch_sizes=(1,) + self.curve.batches,
+                                      should_stop=should_stop, log=False)
+        self.curve = self.curve.minimum(new)
+        self._can_pay.clear()
+        self.remeasured += 1
+        self.curve.log("re-measured ")
+        return self.curve
 
     def can_pay(self, batch: int) -> bool:
         """Whether speculation can pay at all with ``batch`` running sequences: some chain draft of

@@ -464,3 +464,25 @@ def test_grouped_streaming_raises_after_the_chunks_before_a_failure(model, monke
         assert "boom" in str(error) and [len(batch) for batch in got] == [1, 2]  # the prefill, then 2 steps
         got, error = asyncio.run(collect(GenerationRequest(prompt="x", max_tokens=10 ** 6)))
         assert isinstance(error, InvalidRequest) and got == []
+
+
+def test_an_idle_engine_remeasures_its_verification_curve_once(tiny_model_dir):
+    """With an adaptive budget, the first idle second after ``recalibrate_after_s`` measures the
+    verification cost curve again (once); decoding afterwards is unchanged."""
+    auto = DartModel.from_pretrained(tiny_model_dir, head="random", trie=None)
+    budget = auto.engine.budget
+    assert budget is not None and budget.remeasured == 0
+    with pytest.raises(ValueError, match="recalibrate_after_s"):
+        BatcherConfig(recalibrate_after_s=-1)
+    with ContinuousBatcher(auto.engine, auto.tokenizer, BatcherConfig(recalibrate_after_s=0)) as b:
+        for _ in range(200):
+            if budget.remeasured:
+                break
+            time.sleep(0.05)
+        assert budget.remeasured == 1
+        req = GenerationRequest(prompt=PROMPTS[0], max_tokens=12, temperature=0.0)
+        tokens = [t for chunk in b.generate(req, timeout_s=60) for t in chunk.token_ids]
+        time.sleep(2.0)  # idle again: no second re-measurement
+        assert budget.remeasured == 1
+    assert tokens == auto.engine.generate([auto.encode(PROMPTS[0])], auto.sampling_params(max_new_tokens=12),
+                                          speculative=False).token_ids[0]

@@ -10,8 +10,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dart_core.spec.budget import (AdaptiveBudget, SpeculationGate, VerifyCostCurve, chain_speedup, curve_shapes,
-                              node_acceptance_estimates)
+from dart_core.spec.budget import (AdaptiveBudget, CalibrationInterrupted, SpeculationGate, VerifyCostCurve,
+                                   chain_speedup, curve_shapes, node_acceptance_estimates)
 from dart_core.step.engine import DartEngine
 from dart_core.step.sampling import SamplingParams
 from ngram_service.tree_search import ContextChain
@@ -244,6 +244,35 @@ def test_measured_curve_and_lossless_with_adaptive_budget():
     assert out == ar.token_ids
     # tree steps keep at most the oracle's 12 nodes; lookup steps verify at most lookup_length chain tokens
     assert all(1 <= n <= (engine.drafter.lookup_length if s.lookup else 12) for s in steps[1:] for n in s.draft_nodes if n)
+
+
+def test_curve_minimum_is_point_wise_and_needs_the_same_shapes():
+    a = VerifyCostCurve((1, 2, 4), (1.0, 3.0, 5.0), (4,), ((2.0, 4.0, 9.0),))
+    b = VerifyCostCurve((1, 2, 4), (2.0, 2.5, 6.0), (4,), ((1.5, 5.0, 8.0),))
+    low = a.minimum(b)
+    assert low.ms == (1.0, 2.5, 5.0) and low.batch_ms == ((1.5, 4.0, 8.0),)
+    with pytest.raises(ValueError, match="different shapes"):
+        a.minimum(VerifyCostCurve((1, 2, 8), (1.0, 2.0, 3.0), (4,), ((1.0, 2.0, 3.0),)))
+
+
+def test_remeasuring_replaces_a_start_up_curve_that_priced_speculation_out():
+    """A start-up curve measured on a busy node (a second query token at 50x the first) says no
+    batch size can pay; the idle re-measurement lowers it point-wise and can_pay answers again."""
+    target = tiny_target("llama", seed=4)
+    nodes = (1, 2, 4, 8)
+    busy = VerifyCostCurve(nodes, (1000.0, 50000.0, 50000.0, 50000.0))
+    budget = AdaptiveBudget(busy)
+    assert not budget.can_pay(1)
+    with pytest.raises(CalibrationInterrupted):
+        budget.remeasure(target, should_stop=lambda: True)
+    assert budget.curve is busy and budget.remeasured == 0 and not budget.can_pay(1)
+    asked = []
+    curve = budget.remeasure(target, should_stop=lambda: asked.append(1) or False)
+    assert budget.curve is curve and curve.nodes == nodes and budget.remeasured == 1
+    assert len(asked) == len(nodes) * 6  # asked before every forward: a warm-up pass and 5 timed passes
+    assert all(0 < new <= old for new, old in zip(curve.ms, busy.ms)) and curve.ms[1] < 1000.0
+    assert budget.can_pay(1)  # the kept no was dropped with the old curve
+    assert budget.state()["curve_remeasured"] == 1
 
 
 def _drive(gate, batch, steps, spec_rate, ar_rate):
