@@ -809,7 +809,13 @@ class SpeculationGate:
     **Batch sizes where speculation cannot pay** (``can_pay(batch)`` false: the engine asks
     the verification cost curve whether drafts accepted at the measured first-level rate plus a
     margin, at every level, would beat plain decoding there, at the measured drafting and search
-    time: :meth:`AdaptiveBudget.can_pay`) never speculate: no warm-up, no probe.
+    time: :meth:`AdaptiveBudget.can_pay`) never speculate: no warm-up, no probe.  Unless the
+    bucket's own measurements say otherwise: where both modes have been measured (``warmup``
+    steps each) and speculative steps emit more tokens per millisecond, the gate goes on
+    deciding by its measurements (can_pay is a model of the step; the gate measures the whole
+    step).  Served on a 2-core Xeon, can_pay's drafting and search average, set by a cold
+    first step after each long autoregressive stretch, said no while the gate measured
+    speculative steps well ahead (``bench/results/xeon_vnni/``).
 
     This is what :class:`AdaptiveBudget` cannot do by itself: its smallest
     tree still pays the draft and search overhead and a 2-token verification,
@@ -870,7 +876,7 @@ class SpeculationGate:
 
     def speculate(self, batch: int) -> bool:
         """Whether the next step of ``batch`` running sequences should speculate."""
-        if self.can_pay is not None and not self.can_pay(batch):
+        if self.can_pay is not None and not self.can_pay(batch) and not self._measured_winner(batch):
             return False
         b = self._stats(batch)
         if b.seen[1] < self.warmup:
@@ -886,6 +892,12 @@ class SpeculationGate:
             b.winner = winner
             b.steps = 0
         return winner != probing
+
+    def _measured_winner(self, batch: int) -> bool:
+        """Whether ``batch``'s bucket measured both modes (``warmup`` steps each) and speculation
+        emits more tokens per millisecond."""
+        b = self._buckets.get(self.bucket(batch))
+        return b is not None and min(b.seen) >= self.warmup and b.rate[1] > b.rate[0]
 
     def state(self) -> dict:
         """Per batch-size bucket (:meth:`bucket`), for operators: steps measured, tokens per ms and

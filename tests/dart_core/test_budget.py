@@ -398,6 +398,25 @@ def test_gate_never_speculates_where_speculation_cannot_pay():
     assert _drive(gate, 4, 1, spec_rate=2.0, ar_rate=1.0) == [True]  # elsewhere the gate warms up as before
 
 
+def test_the_gates_measurements_outrank_a_can_pay_no():
+    """A bucket that measured both modes, speculation ahead, keeps deciding by its measurements when
+    can_pay turns to no (a model of the step, here misled); one that measured speculation behind,
+    or has not measured both, obeys the no."""
+    says = {"pay": True}
+    gate = SpeculationGate(warmup=2, probe_every=8, probe_steps=2, max_probe_every=8,
+                           can_pay=lambda b: says["pay"])
+    _drive(gate, 1, 30, spec_rate=2.0, ar_rate=1.0)  # both modes measured at batch 1, speculation ahead
+    _drive(gate, 2, 30, spec_rate=0.5, ar_rate=1.0)  # both measured at batch 2, speculation behind
+    says["pay"] = False
+    ahead = _drive(gate, 1, 40, spec_rate=2.0, ar_rate=1.0)
+    assert ahead.count(True) >= 30  # still speculating, probing autoregressive steps now and then
+    assert not any(_drive(gate, 2, 20, spec_rate=0.5, ar_rate=1.0))
+    assert not any(_drive(gate, 4, 20, spec_rate=2.0, ar_rate=1.0))  # nothing measured there: the no holds
+    # the measurements then turn: speculation falls behind, and the gate stops on its own evidence
+    late = _drive(gate, 1, 200, spec_rate=0.5, ar_rate=1.0)
+    assert not any(late[-20:])
+
+
 def test_can_pay_prices_the_measured_first_level_acceptance():
     """can_pay's α is the measured share of sequence-steps that accepted a draft token (trees and
     lookups) plus CAN_PAY_MARGIN: a batch size that pays only with nearly every node accepted stops
