@@ -438,6 +438,7 @@ def build_trie_ray(
             scratch.start(manifest)
         num_parts = len(boundaries) + 1
         done = {p: s for p in range(num_parts) if (s := scratch.finished(p)) is not None}
+        build.partitions = [len(done), num_parts]
         needed = [p not in done for p in range(num_parts)]
         if done:
             logger.info("resuming %s: %d of %d partitions already built", output, len(done), num_parts)
@@ -449,11 +450,13 @@ def build_trie_ray(
         _write_atomic(scratch.root / "manifest.json", json.dumps(manifest))
         build.reduce(shard_runs, needed, done)
     except ray.exceptions.RayTaskError as e:
+        build.bar.close()
         cause = e.as_instanceof_cause() if hasattr(e, "as_instanceof_cause") else e
         raise RayBuildError(f"the distributed build of {output} failed (finished partitions are kept in "
                             f"{scratch.root}; rerun with --resume): {cause}") from e
     except (ray.exceptions.WorkerCrashedError, ray.exceptions.ObjectLostError,
             ray.exceptions.OutOfMemoryError) as e:
+        build.bar.close()
         raise RayBuildError(f"the distributed build of {output} lost a task after {MAX_RETRIES} retries "
                             f"(finished partitions are kept in {scratch.root}; rerun with --resume): {e}") from e
 
@@ -461,7 +464,10 @@ def build_trie_ray(
                          num_documents=num_documents, prune=prune,
                          metadata=text_metadata(corpus_name, special_tokens, eos_per_document, max_tokens, metadata))
     parts = [done[p] for p in range(num_parts)]
-    stats = build.write(parts, output, meta, min_count if prune == "reference" and min_count > 1 else None)
+    try:
+        stats = build.write(parts, output, meta, min_count if prune == "reference" and min_count > 1 else None)
+    finally:
+        build.bar.close()
     count_seconds = build.stages["reduce"]["seconds"] + build.stages["write"]["seconds"]
     return RayBuildSummary(
         path=str(output), order=order, total_tokens=stats["total_tokens"], num_nodes=stats["num_nodes"],
@@ -509,6 +515,12 @@ class _RayBuild:
 
     def __init__(self, ray, tok: TrieTokenizer, cfg: dict, scratch: _Scratch, progress: bool) -> None:
         self.ray, self.tok, self.cfg, self.scratch, self.progress = ray, tok, cfg, scratch, progress
+        # one bar for the whole build, across the cluster: documents mapped (its count), tokens and
+        # partitions done (its postfix), the stage in its description
+        self.bar = tqdm(desc="ray build: map", unit="doc", disable=not progress, smoothing=0.1,
+                        bar_format="{desc}{n_fmt} documents [{elapsed}, {rate_fmt}{postfix}]")
+        self.tokens = 0
+        self.partitions = [0, 0]  # done, total
         self.stages: dict[str, dict] = {s: {"seconds": 0.0, "cpu_seconds": 0.0}
                                         for s in ("read", "sample", "map", "reduce", "write")}
         self.stages["map"].update(tokenise_cpu_seconds=0.0, count_cpu_seconds=0.0)
@@ -522,6 +534,13 @@ class _RayBuild:
         self.sample_task = ray.remote(**task)(_sample_task)
         self.map_task = ray.remote(**task)(_map_task)
         self.reduce_task = ray.remote(**task)(_reduce_task)
+
+    def show(self, stage: str | None = None) -> None:
+        """Refreshes the build's bar: ``stage`` (map, reduce, write) in its description, tokens
+        and partitions done in its postfix."""
+        if stage is not None:
+            self.bar.set_description(f"ray build: {stage}", refresh=False)
+        self.bar.set_postfix(tokens=tqdm.format_sizeof(self.tokens), partitions="{}/{}".format(*self.partitions))
 
     def account(self, stage: str, usage: dict) -> None:
         self.tasks_per_node[usage["node"]] = self.tasks_per_node.get(usage["node"], 0) + 1
@@ -580,7 +599,7 @@ class _RayBuild:
             else:
                 runs[slot], stats_refs[slot] = out[:-1], out[-1]
 
-        bar = tqdm(desc="map: tokenise+count", unit="doc", disable=not self.progress, smoothing=0.1)
+        self.show("map")
         while True:
             while len(running) < max_in_flight and (item := shards.next()) is not None:
                 submit(*item)
@@ -619,9 +638,9 @@ class _RayBuild:
             documents += len(lengths)
             tokens += int(lengths.sum())
             self.shards_mapped += 1
-            bar.update(len(lengths))
-            bar.set_postfix(tokens=f"{tokens / 1e6:.1f}M", shards=self.shards_mapped, refresh=False)
-        bar.close()
+            self.tokens = tokens
+            self.bar.update(len(lengths))
+            self.show()
         self.stages["map"]["seconds"] = time.perf_counter() - t0
         return runs, documents
 
@@ -633,25 +652,27 @@ class _RayBuild:
         futures = {self.reduce_task.remote(p, self.cfg, *[runs[p] for runs in shard_runs]): p
                    for p in range(len(needed)) if needed[p]}
         shard_runs.clear()  # each reduce task now holds its own runs
-        with tqdm(total=len(needed), initial=len(done), desc="reduce: merge", unit="partition",
-                  disable=not self.progress) as bar:
-            while futures:
-                ready, _ = ray.wait(list(futures), num_returns=1)
-                p = futures.pop(ready[0])
-                stats, arrays, usage = ray.get(ready[0])
-                self.account("reduce", usage)
-                self.spilled_bytes += stats["spilled_bytes"]
-                node = usage["node"]
-                self.output_by_node[node] = self.output_by_node.get(node, 0) + sum(a.nbytes for a in arrays.values())
-                self.scratch.save(p, {**stats, "node": node}, arrays)
-                done[p] = self.scratch.finished(p)
-                bar.update(1)
+        self.partitions = [len(done), len(needed)]
+        self.show("reduce")
+        while futures:
+            ready, _ = ray.wait(list(futures), num_returns=1)
+            p = futures.pop(ready[0])
+            stats, arrays, usage = ray.get(ready[0])
+            self.account("reduce", usage)
+            self.spilled_bytes += stats["spilled_bytes"]
+            node = usage["node"]
+            self.output_by_node[node] = self.output_by_node.get(node, 0) + sum(a.nbytes for a in arrays.values())
+            self.scratch.save(p, {**stats, "node": node}, arrays)
+            done[p] = self.scratch.finished(p)
+            self.partitions[0] += 1
+            self.show()
         self.stages["reduce"]["seconds"] = time.perf_counter() - t0
 
     def write(self, parts: list[dict], output: Path, meta: dict, reference_threshold: int | None) -> dict:
         """Lays out the file from the partitions, checksums it, prunes it as the reference's
         ``reduce`` when asked, renames it into place and clears the scratch folder."""
         t0, c0 = time.perf_counter(), time.process_time()
+        self.show("write")
         partial = self.scratch.root / output.name
         stats = _stitch(self.scratch, parts, partial, self.cfg["order"], self.tok.vocab_size, meta)
         write_checksums(partial)

@@ -229,3 +229,15 @@ def test_a_full_disk_names_the_node_and_the_limit(local_ray, tokenizer, tmp_path
         assert not (tmp_path / "ray.trie").exists()
     finally:
         subprocess.run(["umount", "--lazy", str(spill)], capture_output=True)  # a Ray worker may still hold it
+
+
+def test_one_progress_bar_follows_the_whole_build(local_ray, tokenizer, tmp_path, capsys):
+    """One bar across the build: documents counted, the stage described, tokens and partitions in
+    its postfix (no separate bar per stage)."""
+    texts = _texts(300)
+    summary = build_trie_ray(texts, tmp_path / "ray.trie", tokenizer, order=3, progress=True, shard_chars=20_000,
+                             partitions=3)
+    err = capsys.readouterr().err
+    assert "ray build: map" in err and "ray build: reduce" in err and "ray build: write" in err
+    assert "partitions=3/3" in err and f"{summary.num_documents} documents" in err
+    assert "merge" not in err and "tokenise+count" not in err
