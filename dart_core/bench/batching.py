@@ -54,7 +54,8 @@ class BatchingConfig:
     """Settings of one batching-benchmark run (``python -m dart_core.bench.batching --help``)."""
 
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
-    head: str | None = None  # None: the head shipped for the model
+    head: str | None = None  # None: the head shipped for the model (method eagle3: an EAGLE-3 head folder or "random")
+    method: str = "dart"  # the drafter of the speculative ("dart") rows: "dart" or "eagle3"
     trie: str = "auto"  # "auto": the default trie (built when missing), a file, or "none"
     concurrency: list[int] = field(default_factory=lambda: [1, 4, 16])
     requests_per_client: int = 2
@@ -180,6 +181,8 @@ def run_batching(cfg: BatchingConfig, *, progress: bool = True) -> dict:
         raise ValueError("concurrency levels must be ≥ 1")
     if cfg.repeats < 1:
         raise ValueError("repeats must be ≥ 1")
+    if cfg.method not in ("dart", "eagle3"):
+        raise ValueError(f"method must be dart or eagle3, got {cfg.method!r}")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     started = time.perf_counter()
@@ -193,7 +196,7 @@ def run_batching(cfg: BatchingConfig, *, progress: bool = True) -> dict:
     model = load_in_own_thread(lambda: DartModel.from_pretrained(
         cfg.model, head=cfg.head, trie=trie, dtype=getattr(torch, cfg.dtype) if cfg.dtype else None,
         weights=cfg.weights, gguf_kernel=cfg.gguf_kernel, draft_weights=cfg.draft_weights, device=cfg.device,
-        speculative_config=SpeculativeConfig(budget=budget, cuda_graphs=cfg.cuda_graphs,
+        speculative_config=SpeculativeConfig(method=cfg.method, budget=budget, cuda_graphs=cfg.cuda_graphs,
                                              pooled_budget=cfg.pooled_budget,
                                              draft_graphs=bench_switches()["draft_graphs"]),
         kernel_config=bench_kernel_config()))
@@ -233,10 +236,15 @@ def save(result: dict, out_dir: str | Path, stem: str = "batching") -> dict[str,
     from dart_core.bench import serving
 
     hw = result["hardware"].get("gpu") or result["hardware"]["cpu"]
+    method = result["config"].get("method", "dart")
+    drafter = "" if method == "dart" else f", speculative rows drafted by {method}"
     paths = serving.save(result, out_dir, stem=stem, title=f"Continuous batching without Ray, "
-                                                           f"{result['server']['model']} on {hw}")
+                                                           f"{result['server']['model']} on {hw}{drafter}")
+    md = Path(out_dir) / f"{stem}.md"
+    if method != "dart":
+        md.write_text(f"The rows of mode `dart` speculate with the {method} drafter (`--method {method}`).\n\n"
+                      + md.read_text())
     if any("steps" in r for r in result["rows"]):
-        md = Path(out_dir) / f"{stem}.md"
         md.write_text(md.read_text().rstrip("\n") + "\n\n" + step_table(result))
     return paths
 
@@ -251,6 +259,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dart_core.bench.batching", description=__doc__.split("\n\n")[0])
     add_engine_arguments(ap, d)
     add_sweep_arguments(ap, d)
+    ap.add_argument("--method", default=d.method, choices=["dart", "eagle3"],
+                    help='the drafter of the speculative rows (mode "dart"): the DART head and tree search, or '
+                         'an EAGLE-3 head (--head: its folder, or "random") [%(default)s]')
     ap.add_argument("--no-gate", dest="gate", action="store_false", help="speculate at every step (no gate)")
     ap.add_argument("--pooled-budget", action="store_true",
                     help="one verification budget for the whole batch, padding not computed (packed CPU targets)")

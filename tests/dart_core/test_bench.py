@@ -226,6 +226,22 @@ def test_serving_cli_checks_its_dependencies_before_the_sweep(monkeypatch, capsy
     assert started == [] and "needs openai" in capsys.readouterr().err
 
 
+def test_batching_benchmark_with_the_eagle3_drafter(tiny_model_dir, prompts_file, tmp_path):
+    """--method eagle3: the speculative rows are drafted by an EAGLE-3 head, say so, and decode what
+    the autoregressive rows decode."""
+    from dart_core.bench import batching
+
+    cfg = batching.BatchingConfig(model=tiny_model_dir, head="random", trie="none", concurrency=[2], method="eagle3",
+                                  requests_per_client=1, max_tokens=6, dataset=prompts_file, budget="4")
+    result = batching.run_batching(cfg, progress=False)
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert rows["dart"]["errors"] == 0 and rows["dart"]["completion_tokens"] == 12
+    assert rows["dart"]["steps"]["speculative_share"] > 0 and result["config"]["method"] == "eagle3"
+    assert "eagle3 drafter" in batching.save(result, tmp_path)["md"].read_text()
+    with pytest.raises(ValueError, match="method"):
+        batching.run_batching(batching.BatchingConfig(method="medusa"), progress=False)
+
+
 def test_batching_benchmark_runs_without_ray(tiny_model_dir, prompts_file, tmp_path, monkeypatch):
     from dart_core.bench import batching, serving
 
