@@ -30,7 +30,6 @@ from deployments.metrics import StatsMetrics
 logger = logging.getLogger("ray.serve")
 
 
-
 # Ray exports a histogram's _sum from bucket midpoints, so the buckets are fine enough
 # for sum/count to be a usable mean per phase (at most about 20 % off inside a bucket)
 _MS_BUCKETS = [0.5, 1, 1.5, 2, 3, 4, 5, 7, 10, 14, 20, 28, 40, 56, 80, 110, 150, 200, 280, 400, 560, 800, 1100,

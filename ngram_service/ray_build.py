@@ -519,8 +519,8 @@ class _RayBuild:
         # partitions done (its postfix), the stage in its description
         self.bar = tqdm(desc="ray build: map", unit="doc", disable=not progress, smoothing=0.1,
                         bar_format="{desc}{n_fmt} documents [{elapsed}, {rate_fmt}{postfix}]")
-        self.tokens = 0
-        self.partitions = [0, 0]  # done, total
+        self.tokens = 0  # tokens mapped
+        self.partitions = [0, 0]  # done, total (build_trie_ray sets them once the partitions are known)
         self.stages: dict[str, dict] = {s: {"seconds": 0.0, "cpu_seconds": 0.0}
                                         for s in ("read", "sample", "map", "reduce", "write")}
         self.stages["map"].update(tokenise_cpu_seconds=0.0, count_cpu_seconds=0.0)
@@ -584,7 +584,7 @@ class _RayBuild:
         stats_refs: list = []  # per shard: the ref of its statistics
         payloads: list = []  # per shard: (its payload ref while a --max-tokens cut may need it, kind)
         running: set = set()  # statistics refs of the map tasks not finished
-        documents = text_tokens = tokens = 0
+        documents = text_tokens = 0
 
         def submit(payload, kind: str, slot: int | None = None) -> None:
             ref = payload if isinstance(payload, ray.ObjectRef) else ray.put(payload)
@@ -636,9 +636,8 @@ class _RayBuild:
             text_tokens += int(lengths.sum()) if kind == "texts" else 0
             payloads[i] = (None, kind)
             documents += len(lengths)
-            tokens += int(lengths.sum())
+            self.tokens += int(lengths.sum())
             self.shards_mapped += 1
-            self.tokens = tokens
             self.bar.update(len(lengths))
             self.show()
         self.stages["map"]["seconds"] = time.perf_counter() - t0
@@ -652,7 +651,6 @@ class _RayBuild:
         futures = {self.reduce_task.remote(p, self.cfg, *[runs[p] for runs in shard_runs]): p
                    for p in range(len(needed)) if needed[p]}
         shard_runs.clear()  # each reduce task now holds its own runs
-        self.partitions = [len(done), len(needed)]
         self.show("reduce")
         while futures:
             ready, _ = ray.wait(list(futures), num_returns=1)
