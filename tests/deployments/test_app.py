@@ -804,6 +804,8 @@ def test_library_logs_reach_the_replica_log(monkeypatch):
             records.append(record)
 
     serve_logger, handler = logging.getLogger("ray.serve"), Keep()
+    serve_level = serve_logger.level
+    serve_logger.setLevel(logging.INFO)
     serve_logger.addHandler(handler)
     libs = [logging.getLogger(name) for name in ("dart_core", "ngram_service")]
     saved = [(lib.level, lib.propagate, list(lib.handlers)) for lib in libs]
@@ -813,7 +815,14 @@ def test_library_logs_reach_the_replica_log(monkeypatch):
         logging.getLogger("dart_core.spec.budget").info("speculation calibration: %s", "batch 1")
         logging.getLogger("ngram_service.server").info("n-gram service on %s", "host:1")
         assert [r.getMessage() for r in records] == ["speculation calibration: batch 1", "n-gram service on host:1"]
+        logging.getLogger("dart_core.step.engine").debug("gate: %s", "batch 1")  # Serve's level: INFO
+        assert len(records) == 2
+        serve_logger.setLevel(logging.DEBUG)  # as `logging_config: {log_level: DEBUG}` sets it
+        route_library_logs()
+        logging.getLogger("dart_core.step.engine").debug("gate: %s", "batch 1")
+        assert [r.getMessage() for r in records][2:] == ["gate: batch 1"]
     finally:  # later tests read these loggers through the root logger (caplog)
+        serve_logger.setLevel(serve_level)
         serve_logger.removeHandler(handler)
         for lib, (level, propagate, handlers) in zip(libs, saved):
             lib.setLevel(level)
