@@ -11,10 +11,16 @@ and the gate observes it as the engine would.  Over many seeded replays this giv
 each gate setting reaches (tokens per ms, as a multiple of always stepping autoregressively) and
 the share of steps it speculates, against the two fixed choices, with no benchmark noise: every
 setting sees the same steps.  A second scenario slows every speculative step down by a factor
-(``--slowdown``), so that speculation loses, and shows that the gate still turns it off.
+(``--slowdown``), so that speculation loses, and shows that the gate still turns it off.  A third
+slows them only for the first third of the run, then not: speculation loses, then pays (a server's
+first seconds, when its other processes still start, or a change of traffic), and shows how fast
+a setting follows the change.
 
-Steps are drawn independently, so the replay has no runs of easy or hard text; it measures how
-well a setting tells the modes apart from noisy steps, not how fast it follows a change.
+The first steps after each change of mode are drawn from their own pools where the logs hold
+enough of them (:data:`COLD_STEPS`): served, a speculative step right after an autoregressive
+stretch runs cold (the n-gram service's process and the draft head's weights wake up), and a gate
+that judges its probes by those steps ranks speculation low.  Otherwise steps are drawn
+independently, so the replay has no runs of easy or hard text.
 """
 
 from __future__ import annotations
@@ -24,19 +30,26 @@ import random
 import re
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dart_core.spec.budget import SpeculationGate
 
-__all__ = ["Steps", "read_steps", "replay", "render", "SETTINGS", "main"]
+__all__ = ["Steps", "read_steps", "replay", "render", "SETTINGS", "COLD_STEPS", "main"]
 
 _LINE = re.compile(r"gate: batch (\d+), (speculative|autoregressive) step, (\d+) tokens in ([\d.]+) ms")
 
 #: (label, SpeculationGate keyword arguments) of the settings the table compares; the first is the default
-SETTINGS = (("shipped (ema 0.02, warmup 8)", {}), ("ema 0.05 (the previous setting)", {"ema": 0.05}),
-            ("ema 0.1", {"ema": 0.1}), ("warmup 2", {"warmup": 2}),
-            ("ema 0.1, warmup 2 (the earlier settings)", {"ema": 0.1, "warmup": 2}))
+SETTINGS = (("shipped (ema 0.02, warmup 8, settle 1, probe 4)", {}),
+            ("settle 3, probe 7", {"settle_steps": 3, "probe_steps": 7}),
+            ("settle 2, probe 6", {"settle_steps": 2, "probe_steps": 6}),
+            ("longest period 256", {"max_probe_every": 256}),
+            ("ema 0.05", {"ema": 0.05}), ("warmup 2", {"warmup": 2}))
+
+#: steps after a change of mode drawn from their own pools (position 0 is the switch); a pool of
+#: fewer than :data:`_MIN_POOL` steps falls back to the mode's whole pool
+COLD_STEPS = 4
+_MIN_POOL = 5
 
 
 @dataclass
@@ -46,6 +59,17 @@ class Steps:
     speculative: list[tuple[int, float]]
     autoregressive: list[tuple[int, float]]
     catch_up: list[tuple[int, float]]  # speculative steps the gate left unmeasured
+    #: (speculative?, k) -> the steps k = 1 .. COLD_STEPS - 1 steps after their mode began (0 for the
+    #: autoregressive switch step itself), in log order
+    after_switch: dict[tuple[bool, int], list[tuple[int, float]]] = field(default_factory=dict)
+
+    def pool(self, speculative: bool, k: int) -> list[tuple[int, float]]:
+        """What a step ``k`` steps after its mode began is drawn from (the switch to speculation:
+        a catch-up step)."""
+        if speculative and k == 0:
+            return self.catch_up
+        cold = self.after_switch.get((speculative, k), []) if k < COLD_STEPS else []
+        return cold if len(cold) >= _MIN_POOL else self.speculative if speculative else self.autoregressive
 
     def rate(self, which: str) -> float:
         """Tokens per ms of a pool, all its steps together."""
@@ -61,11 +85,16 @@ def read_steps(paths, batch: int = 1) -> Steps:
     """
     steps = Steps([], [], [])
     for path in paths:
+        last, k = None, 0
         for line in Path(path).read_text(encoding="utf-8").splitlines():
             m = _LINE.search(line)
             if m is None or int(m.group(1)) != batch:
                 continue
             step = (int(m.group(3)), float(m.group(4)))
+            spec = m.group(2) == "speculative"
+            k, last = (k + 1 if spec == last else 0), spec
+            if k < COLD_STEPS and (k or not spec):
+                steps.after_switch.setdefault((spec, k), []).append(step)
             if m.group(2) == "autoregressive":
                 steps.autoregressive.append(step)
             elif "not measured" in line:
@@ -81,18 +110,20 @@ def read_steps(paths, batch: int = 1) -> Steps:
 
 
 def replay(steps: Steps, gate_kwargs: dict | bool, *, num_steps: int = 2000, seed: int = 0,
-           slowdown: float = 1.0) -> tuple[float, float]:
+           slowdown: float = 1.0, slow_steps: int | None = None) -> tuple[float, float]:
     """One replay: (tokens per ms, speculative share).  ``gate_kwargs``: a gate's keyword arguments, or a
-    bool that fixes the mode (True: always speculate)."""
+    bool that fixes the mode (True: always speculate).  Speculative steps take ``slowdown`` times as
+    long during the first ``slow_steps`` steps (None: all of them)."""
     rnd = random.Random(seed)
     gate = SpeculationGate(**gate_kwargs) if isinstance(gate_kwargs, dict) else None
     tokens = ms = spec_steps = 0
-    last = None
-    for _ in range(num_steps):
+    last, k = None, 0
+    for i in range(num_steps):
         spec = gate.speculate(1) if gate is not None else bool(gate_kwargs)
         catch_up = spec and last is False
-        t, d = rnd.choice(steps.catch_up if catch_up else steps.speculative if spec else steps.autoregressive)
-        if spec:
+        k = k + 1 if spec == last else (0 if last is not None else 1)  # a replay starts warm: no catch-up
+        t, d = rnd.choice(steps.pool(spec, k))
+        if spec and (slow_steps is None or i < slow_steps):
             d *= slowdown
         if gate is not None:
             gate.observe(1, spec, t, d, typical=not catch_up)
@@ -104,19 +135,28 @@ def render(paths, *, seeds: int = 20, num_steps: int = 2000, short_steps: int = 
            slowdown: float = 1.5) -> str:
     """The replay table of the logs ``paths`` (Markdown): every setting of :data:`SETTINGS` and the two
     fixed choices, over runs of ``short_steps`` (a fresh engine's first requests: the warm-up weighs) and
-    of ``num_steps`` with the measured speculative steps, and ``num_steps`` with them ``slowdown`` times
-    slower; ``seeds`` replays per row (four times as many for the short runs)."""
+    of ``num_steps`` with the measured speculative steps, ``num_steps`` with them ``slowdown`` times
+    slower, and ``num_steps`` with them slower for the first third only (the change scenario);
+    ``seeds`` replays per row (four times as many for the short runs)."""
     steps = read_steps(paths)
     ar = steps.rate("autoregressive")
+    cold = sorted(f"{'speculative' if spec else 'autoregressive'} {k}" for (spec, k), pool
+                  in steps.after_switch.items() if len(pool) >= _MIN_POOL)
     lines = [f"{len(steps.speculative)} speculative, {len(steps.autoregressive)} autoregressive and "
              f"{len(steps.catch_up)} catch-up steps of batch 1 from {', '.join(f'`{Path(p).name}`' for p in paths)}; "
+             f"steps after a change of mode drawn from their own pools: {', '.join(cold) or 'none'} "
+             f"(mode, steps after the switch); "
              f"seeded replays ({4 * seeds} of each short run, {seeds} of each long one), means.", "",
              "| speculative steps | steps per run | gate | tokens/ms ÷ autoregressive | speculative share |",
              "|---|---:|---|---:|---:|"]
-    for factor, n, reps in ((1.0, short_steps, 4 * seeds), (1.0, num_steps, seeds), (slowdown, num_steps, seeds)):
-        label = "as measured" if factor == 1.0 else f"{factor:g}× slower"
+    third = num_steps // 3
+    for label, factor, slow, n, reps in (("as measured", 1.0, None, short_steps, 4 * seeds),
+                                         ("as measured", 1.0, None, num_steps, seeds),
+                                         (f"{slowdown:g}× slower", slowdown, None, num_steps, seeds),
+                                         (f"{slowdown:g}× slower for {third} steps, then as measured", slowdown, third,
+                                          num_steps, seeds)):
         for name, kwargs in (("always speculate", True), ("never speculate", False), *SETTINGS):
-            runs = [replay(steps, kwargs, num_steps=n, seed=s, slowdown=factor) for s in range(reps)]
+            runs = [replay(steps, kwargs, num_steps=n, seed=s, slowdown=factor, slow_steps=slow) for s in range(reps)]
             lines.append(f"| {label} | {n} | {name} | {statistics.mean(r[0] for r in runs) / ar:.3f} | "
                          f"{statistics.mean(r[1] for r in runs):.3f} |")
     return "\n".join(lines)

@@ -652,7 +652,10 @@ GATE_LOGS = (("CPU: 2-core AMD EPYC with AVX512-BF16, the 4-bit target, AlpacaEv
               "client (`python -m dart_core.bench.batching --concurrency 1 --requests-per-client 4 --max-tokens 128 "
               "--dataset alpacaeval --threads 2 --modes dart --log-level debug`, two runs, the engine of 2026-11-28)", "gate/cpu-*.log"),
              ("GPU: one H200, bf16, CUDA graphs, the same kind of run (`scripts/gpu_session/bench.sh gate-bf16-graphs`)",
-              "gpu-h200-7/gate-bf16-graphs.log"))
+              "gpu-h200-7/gate-bf16-graphs.log"),
+             ("CPU: 2-core Intel Xeon with AVX-512 VNNI (no BF16), the 4-bit target, **served** (`serve run "
+              "deployments/dart.yaml`, one client, 16 AlpacaEval instructions (the tuning set), 128 tokens: "
+              "`gate/served-xeon-trace.sh`, three fresh servers, the engine of 2026-11-30)", "gate/served-xeon-*.log"))
 
 
 def render_gate_replay(results: Path = RESULTS) -> str:

@@ -70,6 +70,7 @@ _FIRST_LEVEL_DECAY = 0.99  # weight of older rows in the first-level acceptance 
 _FIRST_LEVEL_PRIOR = 8.0  # rows of acceptance 1 before any evidence (can_pay starts where it did: α = 1)
 CAN_PAY_MARGIN = 0.2  # can_pay's α: the measured first-level acceptance plus this (deeper levels may accept more)
 _OVERHEAD_STALE_STEPS = 1024  # can_pay calls with no speculative step after which the overhead is re-measured
+_OVERHEAD_MIN_STEPS = 8  # speculative steps the overhead must have seen before can_pay prices it (0 until then)
 
 
 def chain_taus(alpha, nodes) -> list[float]:
@@ -156,10 +157,12 @@ class StepTimeAverage:
         self.weight, self.outlier, self.confirm = weight, outlier, confirm
         self.value = 0.0  # ms; 0 before the first observation
         self.stalls = 0  # observations left out as stalls
+        self.count = 0  # observations since the start or the last reset, stalls included
         self._high: list[float] = []
 
     def add(self, x: float, steps: int = 1) -> None:
         """Feeds one observation ``x`` (ms), weighing as ``steps`` observations."""
+        self.count += 1
         if self.value <= 0:
             self.value = float(x)
             return
@@ -179,7 +182,7 @@ class StepTimeAverage:
 
     def reset(self) -> None:
         """Forgets every observation."""
-        self.value, self._high = 0.0, []
+        self.value, self._high, self.count = 0.0, [], 0
 
 
 def _ema(old: float | None, new: float, weight: float) -> float:
@@ -437,8 +440,10 @@ class AdaptiveBudget:
 
     @overhead_ms.setter
     def overhead_ms(self, ms: float) -> None:
+        """Sets the average to ``ms``, taken as measured (:meth:`can_pay` prices it at once)."""
         self._overhead.reset()
         self._overhead.add(ms)
+        self._overhead.count = max(self._overhead.count, _OVERHEAD_MIN_STEPS)
         self._unobserved = 0
 
     @property
@@ -501,17 +506,23 @@ class AdaptiveBudget:
         turns to yes is warmed up and probed again.  The overhead is only measured while some
         batch size speculates, so after ``_OVERHEAD_STALE_STEPS`` calls with no speculative step
         it is forgotten (0 until the next speculative step measures it again): a no that rests
-        on an old overhead is revisited, at the cost of one warm-up per that many steps."""
+        on an old overhead is revisited, at the cost of one warm-up per that many steps.  Nor is
+        an overhead priced before ``_OVERHEAD_MIN_STEPS`` speculative steps measured it (0 until
+        then): an engine's first speculative steps run cold (served on a 2-core Xeon, four of them
+        at twice a settled step's time said no, and the engine stepped autoregressively for the
+        next 1,024 steps while speculation, measured later, was 1.25× ahead:
+        ``bench/results/gate/``); the gate's warm-up measures whole steps in the meantime."""
         self._unobserved += 1
         if self._unobserved > _OVERHEAD_STALE_STEPS and self.overhead_ms > 0:
             self._overhead.reset()  # measured long ago; a no that rests on it would never be revisited
             self._unobserved = 0
         alpha = round(min(1.0, self.first_level_acceptance + CAN_PAY_MARGIN), 2)
-        key = (int(batch), round(self.overhead_ms, 1), alpha)
+        overhead = self.overhead_ms if self._overhead.count >= _OVERHEAD_MIN_STEPS else 0.0
+        key = (int(batch), round(overhead, 1), alpha)
         if key not in self._can_pay:
             if len(self._can_pay) >= 4096:  # a bound: the overhead wanders over many values in a long run
                 self._can_pay.clear()
-            self._can_pay[key] = self.curve.ceiling(batch, alpha, self.overhead_ms)[1] > 1
+            self._can_pay[key] = self.curve.ceiling(batch, alpha, overhead)[1] > 1
         return self._can_pay[key]
 
     def search_depth(self, max_depth: int) -> int:
@@ -773,9 +784,12 @@ class SpeculationGate:
     the other mode, so a change of content or load is seen.  The period
     starts at ``probe_every`` steps and doubles (up to ``max_probe_every``)
     each time a probe confirms the same winner, so a settled choice costs
-    little.  The first step after a change of mode is not measured (it
-    carries the switch: the draft head catching up on the positions it
-    skipped), nor is a speculative step whose draft catches up on more
+    little.  The first ``settle_steps`` steps after a change of mode, and a
+    bucket's first steps, are not measured (they carry the switch: the draft
+    head catching up on the positions it skipped, and served, the n-gram
+    service's process and the draft head's weights waking up after an
+    autoregressive stretch; ``bench/results/gate/`` replays cold steps), nor
+    is a speculative step whose draft catches up on more
     positions than one step can accept (positions held over steps that did
     not draft).  A new prompt's positions are folded into the head's KV cache
     at its prefill (``HeadTreeDrafter.fold_width``, on by default), so the first
@@ -800,9 +814,9 @@ class SpeculationGate:
     Output is unaffected: both modes are lossless.
 
     **Priced probes.**  A probe loses ``probe_steps`` × the loser's step time × (1 − the
-    loser's rate ÷ the winner's) against running the winner, plus what the step that resumes
-    speculation costs beyond a speculative step (the draft head catching up on the positions
-    held while it was off; an average over switches); when a probe confirms the winner,
+    loser's rate ÷ the winner's) against running the winner, plus what the settling steps that
+    resume speculation cost beyond speculative steps (the draft head catching up on the positions
+    held while it was off, the cold steps after it; an average over switches); when a probe confirms the winner,
     the next period is also long enough that this loss stays within ``max_probe_share`` of the
     period's time at the winner's step time (mean wall ms per step of each mode, measured like
     the rates), up to ``max_probe_every``.
@@ -830,8 +844,8 @@ class SpeculationGate:
             replays measured steps through the gate at several settings; ``bench/results/gate/``).
         probe_every: first probe period, in steps of one bucket.
         max_probe_every: longest probe period.
-        probe_steps: consecutive steps of the other mode per probe (≥ 2: the
-            first is not measured).
+        probe_steps: consecutive steps of the other mode per probe (more than
+            ``settle_steps``, which are not measured).
         warmup: measured steps of each mode before the gate decides (a few steps of
             noisy speculative rates decide wrongly often enough to cost a short run
             a whole probe period: the replay's short runs).
@@ -840,6 +854,9 @@ class SpeculationGate:
         max_probe_share: the most a settled bucket's probes may cost, as a share of its
             period's time (see above).
         can_pay: batch size -> whether speculation can pay there at all (None: everywhere).
+        settle_steps: steps after each change of mode (and a bucket's first steps) that are
+            not measured (see above; 3 with ``probe_steps`` 7 did not pay, replayed over served
+            logs or served A/B on a 2-core Xeon: ``bench/results/gate/``).
 
     Raises:
         ValueError: settings out of range.
@@ -847,11 +864,12 @@ class SpeculationGate:
 
     def __init__(self, ema: float = 0.02, probe_every: int = 64, probe_steps: int = 4, warmup: int = 8,
                  max_probe_every: int = 1024, outlier: float = 8.0, max_probe_share: float = 0.05,
-                 can_pay: Callable[[int], bool] | None = None) -> None:
-        if (not (0 < ema <= 1) or not (2 <= probe_steps < probe_every <= max_probe_every) or warmup < 1
-                or not outlier > 1 or not 0 < max_probe_share < 1):
-            raise ValueError("need 0 < ema <= 1, 2 <= probe_steps < probe_every <= max_probe_every, warmup >= 1, "
-                             "outlier > 1 and 0 < max_probe_share < 1")
+                 can_pay: Callable[[int], bool] | None = None, settle_steps: int = 1) -> None:
+        if (not (0 < ema <= 1) or not (1 <= settle_steps < probe_steps < probe_every <= max_probe_every)
+                or warmup < 1 or not outlier > 1 or not 0 < max_probe_share < 1):
+            raise ValueError("need 0 < ema <= 1, 1 <= settle_steps < probe_steps < probe_every <= max_probe_every, "
+                             "warmup >= 1, outlier > 1 and 0 < max_probe_share < 1")
+        self.settle_steps = settle_steps
         self.max_probe_share = max_probe_share
         self.can_pay = can_pay
         self.ema = ema
@@ -931,9 +949,12 @@ class SpeculationGate:
         if switched and b.streak >= self.probe_every:  # the other mode ran more than a probe period
             b.run[k] = min(b.run[k], 1)  # stale: the old average counts as one step beside the steps to come
         b.streak = 1 if switched else b.streak + 1
-        if switched and speculative and b.run[1] and step_ms > 0:  # the catch-up, priced into the probe period
-            b.switch_ms = _ema(b.switch_ms, max(0.0, step_ms - b.step_ms[1]), 0.25)
-        if switched or not typical or step_ms <= 0:
+        if speculative and b.run[1] and step_ms > 0 and b.streak <= self.settle_steps:
+            # resuming speculation: the settling steps' excess over a speculative step, priced into the period
+            b.resume_ms = (0.0 if switched else b.resume_ms) + max(0.0, step_ms - b.step_ms[1])
+            if b.streak == self.settle_steps:
+                b.switch_ms = _ema(b.switch_ms, b.resume_ms, 0.25)
+        if b.streak <= self.settle_steps or not typical or step_ms <= 0:  # settling (a bucket's first steps too)
             return
         rate = tokens / step_ms
         if b.run[k] and rate * self.outlier < b.rate[k]:  # a hiccup: skipped
@@ -970,4 +991,5 @@ class _GateBucket:
     seen: list[int] = field(default_factory=lambda: [0, 0])  # steps measured
     streak: int = 0  # steps of the last observed mode in a row
     run: list[int] = field(default_factory=lambda: [0, 0])  # steps the current average weighs (1 + new ones on resuming)
-    switch_ms: float | None = None  # what a step resuming speculation costs beyond a speculative step, ms (average)
+    switch_ms: float | None = None  # what resuming speculation costs beyond its settling steps at the average, ms
+    resume_ms: float = 0.0  # that excess so far, while the current resumption settles

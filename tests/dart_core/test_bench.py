@@ -933,7 +933,7 @@ def test_gate_replay_reads_the_engine_log_and_replays_it(tmp_path):
     assert share > 0.9 and rate > 0.25
     rate, share = replay(steps, {}, num_steps=500, slowdown=4.0)  # 3 tokens in 40 ms against 1 in 8: speculation loses
     assert share < 0.2
-    assert "| as measured | 200 | shipped (ema 0.02, warmup 8) |" in render([log], seeds=2, num_steps=200)
+    assert "| as measured | 200 | shipped (ema 0.02, warmup 8, settle 1, probe 4) |" in render([log], seeds=2, num_steps=200)
     empty = tmp_path / "empty.log"
     empty.write_text("nothing logged\n")
     with pytest.raises(ValueError, match="no gated"):

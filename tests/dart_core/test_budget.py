@@ -286,36 +286,49 @@ def _drive(gate, batch, steps, spec_rate, ar_rate):
 
 
 def test_gate_measures_both_modes_then_keeps_the_faster_and_probes_the_other():
-    gate = SpeculationGate(probe_every=8, probe_steps=2, warmup=2, max_probe_every=8)  # a fixed probe period
-    modes = _drive(gate, 1, 5 + 32, spec_rate=0.5, ar_rate=1.0)  # speculation loses
-    # 2 speculative steps, then 3 autoregressive (the first one after the switch is not measured)
-    assert modes[:5] == [True, True, False, False, False]
-    assert modes[5:].count(True) == 32 // 8 * 2  # only the probes speculate, two steps at a time
-    assert [i for i, m in enumerate(modes[5:]) if m][:4] == [6, 7, 14, 15]
+    gate = SpeculationGate(probe_every=8, probe_steps=2, settle_steps=1, warmup=2, max_probe_every=8)  # a fixed probe period
+    modes = _drive(gate, 1, 6 + 32, spec_rate=0.5, ar_rate=1.0)  # speculation loses
+    # 3 speculative steps, then 3 autoregressive (the first step of each mode is not measured)
+    assert modes[:6] == [True, True, True, False, False, False]
+    assert modes[6:].count(True) == 32 // 8 * 2  # only the probes speculate, two steps at a time
+    assert [i for i, m in enumerate(modes[6:]) if m][:4] == [6, 7, 14, 15]
     assert gate.speedup(1) == pytest.approx(0.5)
-    modes = _drive(gate, 4, 5 + 32, spec_rate=2.0, ar_rate=1.0)  # speculation wins at batch 4: its own statistics
-    assert modes[:5] == [True, True, False, False, False] and modes[5:].count(False) == 32 // 8 * 2
+    modes = _drive(gate, 4, 6 + 32, spec_rate=2.0, ar_rate=1.0)  # speculation wins at batch 4: its own statistics
+    assert modes[:6] == [True, True, True, False, False, False] and modes[6:].count(False) == 32 // 8 * 2
     assert gate.speedup(4) == pytest.approx(2.0) and gate.speedup(16) is None
 
 
 def test_gate_buckets_batch_sizes_by_powers_of_two():
     assert [SpeculationGate.bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 2, 4, 4, 8, 8, 16, 16, 32]
-    gate = SpeculationGate(warmup=1)
-    _drive(gate, 5, 3, spec_rate=2.0, ar_rate=1.0)  # batch 5 measures bucket 8
+    gate = SpeculationGate(warmup=1, settle_steps=1)
+    _drive(gate, 5, 4, spec_rate=2.0, ar_rate=1.0)  # batch 5 measures bucket 8
     assert gate.speedup(8) == pytest.approx(2.0) and gate.speedup(4) is None
     assert gate.speculate(7)
 
 
-def test_gate_does_not_measure_the_step_after_a_switch():
-    gate = SpeculationGate(warmup=1)
+def test_gate_does_not_measure_the_settling_steps_after_a_switch():
+    """The first ``settle_steps`` steps of each mode (a bucket's first steps too) are not measured: the
+    switch's catch-up and the cold steps after it."""
+    gate = SpeculationGate(warmup=1, settle_steps=3, probe_steps=7)
+    for _ in range(3):
+        gate.observe(1, True, 1, 100.0)  # a fresh engine's cold first steps, ignored
     gate.observe(1, True, 10, 10.0)
+    assert gate.state()["1"]["measured_steps"] == {"autoregressive": 0, "speculative": 1}
     gate.observe(1, False, 1, 1000.0)  # the switch: a slow catch-up, ignored
+    gate.observe(1, False, 1, 100.0)  # still settling, ignored
+    gate.observe(1, False, 1, 100.0)
     gate.observe(1, False, 10, 20.0)
     assert gate.speedup(1) == pytest.approx(2.0)
+    gate.observe(1, True, 1, 100.0)  # speculation resumes: three settling steps, 90 ms each beyond its average
+    gate.observe(1, True, 1, 100.0)
+    assert gate.speedup(1) == pytest.approx(2.0)
+    gate.observe(1, True, 1, 100.0)
+    assert gate._buckets[1].switch_ms == pytest.approx(3 * 90.0)  # priced into the probe period
 
 
 def test_gate_ignores_atypical_steps():
-    gate = SpeculationGate(warmup=1)
+    gate = SpeculationGate(warmup=1, settle_steps=1)
+    gate.observe(1, True, 1, 10.0)  # the bucket's first step: settling
     gate.observe(1, True, 2, 1000.0, typical=False)  # the draft over a whole new prompt
     gate.observe(1, True, 10, 10.0)
     gate.observe(1, False, 1, 1000.0)  # switch
@@ -326,8 +339,9 @@ def test_gate_ignores_atypical_steps():
 def test_gate_leaves_hiccups_out_of_its_averages():
     """A step far slower than its mode's average (a CUDA graph capture, a GC pause) is skipped; when the
     first steps were the hiccup, a step far faster restarts the average."""
-    gate = SpeculationGate(warmup=2)
-    gate.observe(1, True, 2, 500.0)  # the first speculative step captured graphs: 0.004 tokens/ms
+    gate = SpeculationGate(warmup=2, settle_steps=1)
+    gate.observe(1, True, 1, 10.0)  # the bucket's first step: settling
+    gate.observe(1, True, 2, 500.0)  # the first measured step captured graphs: 0.004 tokens/ms
     gate.observe(1, True, 3, 10.0)  # 0.3 tokens/ms: the average restarts here
     gate.observe(1, True, 3, 600.0)  # a later hiccup: skipped
     gate.observe(1, True, 3, 10.0)
@@ -336,7 +350,8 @@ def test_gate_leaves_hiccups_out_of_its_averages():
     gate.observe(1, False, 1, 5.0)
     assert gate.speedup(1) == pytest.approx(0.3 / 0.2) and gate.hiccups == 2
     assert gate.speculate(1)  # the hiccups do not turn speculation off
-    plain = SpeculationGate(warmup=1, ema=0.1)  # the first steps average plainly, not 1 : 0.1
+    plain = SpeculationGate(warmup=1, ema=0.1, settle_steps=1)  # the first steps average plainly, not 1 : 0.1
+    plain.observe(1, True, 1, 1.0)  # settling
     plain.observe(1, True, 1, 10.0)
     plain.observe(1, True, 3, 10.0)
     plain.observe(1, False, 1, 10.0)  # switch
@@ -345,7 +360,7 @@ def test_gate_leaves_hiccups_out_of_its_averages():
 
 
 def test_gate_follows_a_change_seen_by_its_probes():
-    gate = SpeculationGate(ema=0.5, probe_every=4, probe_steps=2, warmup=1, max_probe_every=4)
+    gate = SpeculationGate(ema=0.5, probe_every=4, probe_steps=2, settle_steps=1, warmup=1, max_probe_every=4)
     _drive(gate, 2, 20, spec_rate=0.5, ar_rate=1.0)
     modes = _drive(gate, 2, 40, spec_rate=3.0, ar_rate=1.0)  # the draft head got good (e.g. code prompts)
     assert modes[-20:].count(False) == 20 // 4 * 2  # speculation wins again; autoregressive steps are the probes
@@ -353,8 +368,8 @@ def test_gate_follows_a_change_seen_by_its_probes():
 
 def test_gate_probes_less_often_while_the_same_mode_keeps_winning():
     # probes priced loosely (a probe may cost 90 % of its period), so the period only doubles
-    gate = SpeculationGate(ema=0.5, probe_every=4, probe_steps=2, warmup=1, max_probe_every=16, max_probe_share=0.9)
-    warm = 3  # one speculative step, then two autoregressive (the first one after the switch is not measured)
+    gate = SpeculationGate(ema=0.5, probe_every=4, probe_steps=2, settle_steps=1, warmup=1, max_probe_every=16, max_probe_share=0.9)
+    warm = 4  # two speculative steps, then two autoregressive (the first step of each mode is not measured)
     modes = _drive(gate, 1, warm + 48, spec_rate=0.5, ar_rate=1.0)
     # probe periods 4, 4 (the first end only records the winner), 8, 16, 16: one 2-step probe each
     assert [i for i, m in enumerate(modes[warm:]) if m] == [2, 3, 6, 7, 14, 15, 30, 31, 46, 47]
@@ -379,7 +394,7 @@ def test_gate_spaces_its_probes_by_their_measured_cost():
     """Once a probe confirms the winner, the next period is long enough that what a probe loses
     (probe_steps of the loser, each losing its step time x (1 - its rate / the winner's)) stays within
     max_probe_share of the period.  Here both modes emit 10 tokens a step, so a probe step loses 30 - 10 ms."""
-    gate = SpeculationGate(ema=0.5, probe_every=8, probe_steps=2, warmup=1, max_probe_every=1024,
+    gate = SpeculationGate(ema=0.5, probe_every=8, probe_steps=2, settle_steps=1, warmup=1, max_probe_every=1024,
                            max_probe_share=0.05)
     modes = _drive(gate, 1, 3 + 2000, spec_rate=1 / 3, ar_rate=1.0)  # a speculative step takes 3x as long
     starts = [i for i in range(1, len(modes)) if modes[i] and not modes[i - 1]]
@@ -392,7 +407,7 @@ def test_gate_spaces_its_probes_by_their_measured_cost():
 
 def test_gate_never_speculates_where_speculation_cannot_pay():
     """A batch size where can_pay says no never speculates: no warm-up, no probe, nothing measured."""
-    gate = SpeculationGate(warmup=1, probe_every=8, probe_steps=2, max_probe_every=8, can_pay=lambda b: b < 8)
+    gate = SpeculationGate(warmup=1, probe_every=8, probe_steps=2, settle_steps=1, max_probe_every=8, can_pay=lambda b: b < 8)
     assert not any(_drive(gate, 16, 50, spec_rate=2.0, ar_rate=1.0))
     assert gate.speedup(16) is None
     assert _drive(gate, 4, 1, spec_rate=2.0, ar_rate=1.0) == [True]  # elsewhere the gate warms up as before
@@ -403,7 +418,7 @@ def test_the_gates_measurements_outrank_a_can_pay_no():
     can_pay turns to no (a model of the step, here misled); one that measured speculation behind,
     or has not measured both, obeys the no."""
     says = {"pay": True}
-    gate = SpeculationGate(warmup=2, probe_every=8, probe_steps=2, max_probe_every=8,
+    gate = SpeculationGate(warmup=2, probe_every=8, probe_steps=2, settle_steps=1, max_probe_every=8,
                            can_pay=lambda b: says["pay"])
     _drive(gate, 1, 30, spec_rate=2.0, ar_rate=1.0)  # both modes measured at batch 1, speculation ahead
     _drive(gate, 2, 30, spec_rate=0.5, ar_rate=1.0)  # both measured at batch 2, speculation behind
@@ -467,16 +482,21 @@ def test_step_time_average_leaves_out_one_off_stalls():
 
 def test_budget_overhead_survives_the_first_step_and_a_stale_no_is_revisited():
     """AdaptiveBudget.overhead_ms: a first step that paid one-off costs does not make can_pay say no
-    (the trap found serving on a 2-core Xeon: no speculative step, so the estimate never came down);
+    (the trap found serving on a 2-core Xeon: no speculative step, so the estimate never came down),
+    nor do the first _OVERHEAD_MIN_STEPS steps before they are all measured;
     and a no resting on an overhead measured _OVERHEAD_STALE_STEPS calls ago is asked again."""
-    from dart_core.spec.budget import _OVERHEAD_STALE_STEPS
+    from dart_core.spec.budget import _OVERHEAD_MIN_STEPS, _OVERHEAD_STALE_STEPS
 
     curve = VerifyCostCurve((1, 2, 4, 8), (10.0, 10.6, 11.8, 16.0))
     budget = AdaptiveBudget(curve)
     for i in range(300):  # lookup rows (no drafting time): 30 % accept their first token
         budget.observe_lookup(match_length=2, offered=1, accepted=int(i % 10 < 3))
-    budget.observe_batch(np.array([0.5]), np.array([1]), 35.0)  # the first tree step
-    assert budget.overhead_ms == 35.0 and not budget.can_pay(1)  # 35 ms of drafting cannot pay
+    budget.observe_batch(np.array([0.5]), np.array([1]), 35.0)  # the first tree step, cold
+    assert budget.overhead_ms == 35.0 and budget.can_pay(1)  # too few steps to price it: drafting free
+    for _ in range(_OVERHEAD_MIN_STEPS - 1):  # the cold steps go on
+        assert budget.can_pay(1)
+        budget.observe_batch(np.array([0.5]), np.array([1]), 35.0)
+    assert not budget.can_pay(1)  # now measured: 35 ms of drafting cannot pay
     for _ in range(5):
         budget.observe_batch(np.array([0.5]), np.array([1]), 2.0)
     assert budget.overhead_ms == pytest.approx(2.0, rel=0.05) and budget.can_pay(1)
@@ -497,9 +517,10 @@ def test_budget_and_gate_state_for_operators():
     state = budget.state()
     assert state["overhead_ms"] == 2.5 and state["verify_ms"] == {1: 10.0, 2: 11.0, 4: 13.0}
     assert 0 < state["first_level_acceptance"] < 1 and state["calibration"] > 0 and state["overhead_stalls"] == 0
-    gate = SpeculationGate(warmup=1)
+    gate = SpeculationGate(warmup=1, settle_steps=1)
     assert gate.state() == {}
     gate.speculate(3)
+    gate.observe(3, True, tokens=6, step_ms=1000.0)  # the bucket's first step settles: not measured
     gate.observe(3, True, tokens=6, step_ms=12.0)
     bucket = gate.state()["4"]  # batch 3 is in the bucket of 4
     assert bucket["measured_steps"] == {"autoregressive": 0, "speculative": 1}
