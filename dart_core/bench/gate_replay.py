@@ -18,8 +18,8 @@ a setting follows the change.
 
 The first steps after each change of mode are drawn from their own pools where the logs hold
 enough of them (:data:`COLD_STEPS`): served, a speculative step right after an autoregressive
-stretch runs cold (the n-gram service's process and the draft head's weights wake up), and a gate
-that judges its probes by those steps ranks speculation low.  Otherwise steps are drawn
+stretch can run cold (the n-gram service's process and the draft head's weights wake up), and a
+gate that judged its probes by such steps would rank speculation low.  Otherwise steps are drawn
 independently, so the replay has no runs of easy or hard text.
 """
 

@@ -934,6 +934,20 @@ def test_gate_replay_reads_the_engine_log_and_replays_it(tmp_path):
     rate, share = replay(steps, {}, num_steps=500, slowdown=4.0)  # 3 tokens in 40 ms against 1 in 8: speculation loses
     assert share < 0.2
     assert "| as measured | 200 | shipped (ema 0.02, warmup 8, settle 1, probe 4) |" in render([log], seeds=2, num_steps=200)
+    # cold steps: the speculative steps right after each autoregressive stretch get their own pool
+    cold = tmp_path / "cold.log"
+    block = [line(1, "autoregressive", 1, 8.0)] * 3 + [line(1, "speculative", 1, 40.0, measured=False),
+                                                       line(1, "speculative", 1, 30.0)] + [line(1, "speculative", 3, 10.0)] * 4
+    cold.write_text("\n".join(block * 6))
+    steps = read_steps([cold])
+    assert steps.pool(True, 1) == [(1, 30.0)] * 6 and steps.pool(True, 2) == [(3, 10.0)] * 6
+    assert steps.pool(True, 5) is steps.speculative and steps.pool(False, 0) == [(1, 8.0)] * 6
+    table = render([cold], seeds=2, num_steps=300)
+    assert "speculative 1" in table and "| 1.5× slower for 100 steps, then as measured | 300 | always speculate |" in table
+    # speculation slowed for the first third only: the gate speculates less than where it pays throughout
+    paying = statistics.mean(replay(steps, {}, num_steps=900, seed=s)[1] for s in range(4))
+    changing = statistics.mean(replay(steps, {}, num_steps=900, seed=s, slowdown=4.0, slow_steps=300)[1] for s in range(4))
+    assert changing < paying
     empty = tmp_path / "empty.log"
     empty.write_text("nothing logged\n")
     with pytest.raises(ValueError, match="no gated"):
