@@ -454,8 +454,13 @@ def build_trie_ray(
         cause = e.as_instanceof_cause() if hasattr(e, "as_instanceof_cause") else e
         raise RayBuildError(f"the distributed build of {output} failed (finished partitions are kept in "
                             f"{scratch.root}; rerun with --resume): {cause}") from e
-    except (ray.exceptions.WorkerCrashedError, ray.exceptions.ObjectLostError,
-            ray.exceptions.OutOfMemoryError) as e:
+    except ray.exceptions.OutOfMemoryError as e:  # Ray's memory monitor killed a task: its message names the node
+        build.bar.close()
+        raise RayBuildError(f"the distributed build of {output} ran a node out of memory (each reduce task holds "
+                            f"--memory-mb {memory_mb} of windows plus its partition's level streams: lower "
+                            f"--memory-mb or raise --partitions; finished partitions "
+                            f"are kept in {scratch.root}; rerun with --resume): {e}") from e
+    except (ray.exceptions.WorkerCrashedError, ray.exceptions.ObjectLostError) as e:
         build.bar.close()
         raise RayBuildError(f"the distributed build of {output} lost a task after {MAX_RETRIES} retries "
                             f"(finished partitions are kept in {scratch.root}; rerun with --resume): {e}") from e

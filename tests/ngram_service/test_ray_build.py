@@ -231,6 +231,26 @@ def test_a_full_disk_names_the_node_and_the_limit(local_ray, tokenizer, tmp_path
         subprocess.run(["umount", "--lazy", str(spill)], capture_output=True)  # a Ray worker may still hold it
 
 
+def test_a_task_killed_for_memory_names_the_node_and_the_limit(local_ray, tokenizer, tmp_path, monkeypatch):
+    """A reduce task that Ray's memory monitor kills (Ray raises OutOfMemoryError, whose message names the
+    node; raised here by a stand-in, since a real kill needs the node itself short of memory): the build fails
+    with that message, --memory-mb and what to change, keeps its finished partitions for --resume, and
+    writes nothing at the output."""
+    from ngram_service.ray_build import _RayBuild
+
+    def killed(self, shard_runs, needed, done):
+        raise ray.exceptions.OutOfMemoryError("Task was killed due to the node running low on memory. "
+                                              "Memory on the node (IP: 10.0.0.7, ID: abc) where the task was running")
+
+    monkeypatch.setattr(_RayBuild, "reduce", killed)
+    with pytest.raises(RayBuildError) as failure:
+        build_trie_ray(_texts(200, seed=9), tmp_path / "ray.trie", tokenizer, order=3, partitions=2, memory_mb=64,
+                       progress=False)
+    message = str(failure.value)
+    assert "IP: 10.0.0.7" in message and "--memory-mb 64" in message and "--partitions" in message
+    assert "--resume" in message and not (tmp_path / "ray.trie").exists()
+
+
 def test_one_progress_bar_follows_the_whole_build(local_ray, tokenizer, tmp_path, capsys):
     """One bar across the build: documents counted, the stage described, tokens and partitions in
     its postfix (no separate bar per stage)."""
