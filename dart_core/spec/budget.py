@@ -70,7 +70,8 @@ _FIRST_LEVEL_DECAY = 0.99  # weight of older rows in the first-level acceptance 
 _FIRST_LEVEL_PRIOR = 8.0  # rows of acceptance 1 before any evidence (can_pay starts where it did: α = 1)
 CAN_PAY_MARGIN = 0.2  # can_pay's α: the measured first-level acceptance plus this (deeper levels may accept more)
 _OVERHEAD_STALE_STEPS = 1024  # can_pay calls with no speculative step after which the overhead is re-measured
-_OVERHEAD_MIN_STEPS = 8  # speculative steps the overhead must have seen before can_pay prices it (0 until then)
+_OVERHEAD_MIN_STEPS = 8  # speculative steps the overhead must have seen before can_pay prices it (0 until then) ...
+_GRACE_CEILING = 1.5  # ... at batch sizes whose ceiling with drafting free reaches this at can_pay's acceptance
 
 
 def chain_taus(alpha, nodes) -> list[float]:
@@ -506,18 +507,24 @@ class AdaptiveBudget:
         turns to yes is warmed up and probed again.  The overhead is only measured while some
         batch size speculates, so after ``_OVERHEAD_STALE_STEPS`` calls with no speculative step
         it is forgotten (0 until the next speculative step measures it again): a no that rests
-        on an old overhead is revisited, at the cost of one warm-up per that many steps.  Nor is
-        an overhead priced before ``_OVERHEAD_MIN_STEPS`` speculative steps measured it (0 until
-        then): an engine's first speculative steps run cold (served on a 2-core Xeon, four of them
-        at twice a settled step's time said no, and the engine stepped autoregressively for the
-        next 1,024 steps while speculation, measured later, was 1.25× ahead:
-        ``bench/results/gate/``); the gate's warm-up measures whole steps in the meantime."""
+        on an old overhead is revisited, at the cost of one warm-up per that many steps.  Where
+        the ceiling with drafting free reaches ``_GRACE_CEILING`` (batch 1 on a CPU; larger batches
+        on a GPU), nor is an overhead priced before ``_OVERHEAD_MIN_STEPS`` speculative steps
+        measured it (0 until then): an engine's first speculative steps run cold, and served on a
+        2-core Xeon a few of them said no for the next ``_OVERHEAD_STALE_STEPS`` steps while
+        speculation, measured later, was well ahead; the gate's warm-up measures whole steps in
+        the meantime.  Where the ceiling is lower the early no stands: there the warm-up it would
+        let in costs more than it finds (served at 4 clients on the same machine; both in
+        ``bench/results/gate/``)."""
         self._unobserved += 1
         if self._unobserved > _OVERHEAD_STALE_STEPS and self.overhead_ms > 0:
             self._overhead.reset()  # measured long ago; a no that rests on it would never be revisited
             self._unobserved = 0
         alpha = round(min(1.0, self.first_level_acceptance + CAN_PAY_MARGIN), 2)
-        overhead = self.overhead_ms if self._overhead.count >= _OVERHEAD_MIN_STEPS else 0.0
+        overhead = self.overhead_ms
+        if (self._overhead.count < _OVERHEAD_MIN_STEPS and overhead > 0
+                and self.curve.ceiling(batch, alpha)[0] >= _GRACE_CEILING):
+            overhead = 0.0  # too few steps to price it where speculation can pay most
         key = (int(batch), round(overhead, 1), alpha)
         if key not in self._can_pay:
             if len(self._can_pay) >= 4096:  # a bound: the overhead wanders over many values in a long run

@@ -483,7 +483,8 @@ def test_step_time_average_leaves_out_one_off_stalls():
 def test_budget_overhead_survives_the_first_step_and_a_stale_no_is_revisited():
     """AdaptiveBudget.overhead_ms: a first step that paid one-off costs does not make can_pay say no
     (the trap found serving on a 2-core Xeon: no speculative step, so the estimate never came down),
-    nor do the first _OVERHEAD_MIN_STEPS steps before they are all measured;
+    nor do the first _OVERHEAD_MIN_STEPS steps before they are all measured where the ceiling with
+    drafting free is high (on a steep curve the first step is priced at once);
     and a no resting on an overhead measured _OVERHEAD_STALE_STEPS calls ago is asked again."""
     from dart_core.spec.budget import _OVERHEAD_MIN_STEPS, _OVERHEAD_STALE_STEPS
 
@@ -507,6 +508,13 @@ def test_budget_overhead_survives_the_first_step_and_a_stale_no_is_revisited():
     for _ in range(_OVERHEAD_STALE_STEPS - 1):
         assert not budget.can_pay(1)
     assert budget.can_pay(1) and budget.overhead_ms == 0.0  # forgotten: the next speculative step measures it
+    # where even free drafting pays little (a steep curve), the first step's time is priced at once
+    steep = AdaptiveBudget(VerifyCostCurve((1, 2, 4, 8), (10.0, 14.0, 20.0, 34.0)))
+    for i in range(300):
+        steep.observe_lookup(match_length=2, offered=1, accepted=int(i % 10 < 3))
+    assert steep.curve.ceiling(1, 0.5)[0] < 1.5 and steep.can_pay(1)
+    steep.observe_batch(np.array([0.5]), np.array([1]), 35.0)
+    assert not steep.can_pay(1)
 
 
 def test_budget_and_gate_state_for_operators():
