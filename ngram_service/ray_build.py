@@ -428,51 +428,47 @@ def build_trie_ray(
 
     build = _RayBuild(ray, tok, cfg, scratch, progress)
     shards = _ShardSource(_text_shards(texts, shard_chars), _doc_shards(documents), build.timed_next)
-    try:
-        if resumed:
-            boundaries = np.asarray(manifest["boundaries"], dtype=np.uint32)
-        else:
-            boundaries = build.sample(shards, partitions or max(1, int(4 * cluster_cpus)),
-                                      max(SAMPLE_SHARDS, int(cluster_cpus)))
-            manifest = {"fingerprint": fingerprint, "boundaries": boundaries.tolist(), "output": str(output)}
-            scratch.start(manifest)
-        num_parts = len(boundaries) + 1
-        done = {p: s for p in range(num_parts) if (s := scratch.finished(p)) is not None}
-        build.partitions = [len(done), num_parts]
-        needed = [p not in done for p in range(num_parts)]
-        if done:
-            logger.info("resuming %s: %d of %d partitions already built", output, len(done), num_parts)
-        if not any(needed) and "num_documents" in manifest:  # killed while writing: nothing to map again
-            shard_runs, num_documents = [], manifest["num_documents"]
-        else:
-            shard_runs, num_documents = build.map(shards, boundaries, needed, max(2, int(2 * cluster_cpus)))
-        manifest["num_documents"] = num_documents
-        _write_atomic(scratch.root / "manifest.json", json.dumps(manifest))
-        build.reduce(shard_runs, needed, done)
-    except ray.exceptions.RayTaskError as e:
-        build.bar.close()
-        cause = e.as_instanceof_cause() if hasattr(e, "as_instanceof_cause") else e
-        raise RayBuildError(f"the distributed build of {output} failed (finished partitions are kept in "
-                            f"{scratch.root}; rerun with --resume): {cause}") from e
-    except ray.exceptions.OutOfMemoryError as e:  # Ray's memory monitor killed a task: its message names the node
-        build.bar.close()
-        raise RayBuildError(f"the distributed build of {output} ran a node out of memory (each reduce task holds "
-                            f"--memory-mb {memory_mb} of windows plus its partition's level streams: lower "
-                            f"--memory-mb or raise --partitions; finished partitions "
-                            f"are kept in {scratch.root}; rerun with --resume): {e}") from e
-    except (ray.exceptions.WorkerCrashedError, ray.exceptions.ObjectLostError) as e:
-        build.bar.close()
-        raise RayBuildError(f"the distributed build of {output} lost a task after {MAX_RETRIES} retries "
-                            f"(finished partitions are kept in {scratch.root}; rerun with --resume): {e}") from e
+    with build.bar:  # the build's one progress bar, closed however the build ends
+        try:
+            if resumed:
+                boundaries = np.asarray(manifest["boundaries"], dtype=np.uint32)
+            else:
+                boundaries = build.sample(shards, partitions or max(1, int(4 * cluster_cpus)),
+                                          max(SAMPLE_SHARDS, int(cluster_cpus)))
+                manifest = {"fingerprint": fingerprint, "boundaries": boundaries.tolist(), "output": str(output)}
+                scratch.start(manifest)
+            num_parts = len(boundaries) + 1
+            done = {p: s for p in range(num_parts) if (s := scratch.finished(p)) is not None}
+            build.partitions = [len(done), num_parts]
+            needed = [p not in done for p in range(num_parts)]
+            if done:
+                logger.info("resuming %s: %d of %d partitions already built", output, len(done), num_parts)
+            if not any(needed) and "num_documents" in manifest:  # killed while writing: nothing to map again
+                shard_runs, num_documents = [], manifest["num_documents"]
+            else:
+                shard_runs, num_documents = build.map(shards, boundaries, needed, max(2, int(2 * cluster_cpus)))
+            manifest["num_documents"] = num_documents
+            _write_atomic(scratch.root / "manifest.json", json.dumps(manifest))
+            build.reduce(shard_runs, needed, done)
+        except ray.exceptions.RayTaskError as e:
+            cause = e.as_instanceof_cause() if hasattr(e, "as_instanceof_cause") else e
+            raise RayBuildError(f"the distributed build of {output} failed (finished partitions are kept in "
+                                f"{scratch.root}; rerun with --resume): {cause}") from e
+        except ray.exceptions.OutOfMemoryError as e:  # Ray's memory monitor killed a task: its message names the node
+            raise RayBuildError(f"the distributed build of {output} ran a node out of memory (each reduce task holds "
+                                f"--memory-mb {memory_mb} of windows plus its partition's level streams: lower "
+                                f"--memory-mb or raise --partitions; finished partitions "
+                                f"are kept in {scratch.root}; rerun with --resume): {e}") from e
+        except (ray.exceptions.WorkerCrashedError, ray.exceptions.ObjectLostError) as e:
+            raise RayBuildError(f"the distributed build of {output} lost a task after {MAX_RETRIES} retries "
+                                f"(finished partitions are kept in {scratch.root}; rerun with --resume): {e}") from e
 
-    meta = trie_metadata(tokenizer_name=tok.name, vocab_hash=tok.vocab_hash, order=order, min_count=min_count,
-                         num_documents=num_documents, prune=prune,
-                         metadata=text_metadata(corpus_name, special_tokens, eos_per_document, max_tokens, metadata))
-    parts = [done[p] for p in range(num_parts)]
-    try:
+        meta = trie_metadata(tokenizer_name=tok.name, vocab_hash=tok.vocab_hash, order=order, min_count=min_count,
+                             num_documents=num_documents, prune=prune,
+                             metadata=text_metadata(corpus_name, special_tokens, eos_per_document, max_tokens,
+                                                    metadata))
+        parts = [done[p] for p in range(num_parts)]
         stats = build.write(parts, output, meta, min_count if prune == "reference" and min_count > 1 else None)
-    finally:
-        build.bar.close()
     count_seconds = build.stages["reduce"]["seconds"] + build.stages["write"]["seconds"]
     return RayBuildSummary(
         path=str(output), order=order, total_tokens=stats["total_tokens"], num_nodes=stats["num_nodes"],
