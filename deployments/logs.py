@@ -13,9 +13,9 @@ def route_library_logs(names: tuple[str, ...] = ("dart_core", "ngram_service")) 
     default drops INFO from other loggers.  The libraries' level is the one Serve's
     ``logging_config.log_level`` gives its logger (INFO unless the config says otherwise), so
     ``log_level: DEBUG`` on the engine deployment also logs each gated step
-    (:data:`dart_core.step.engine.GATE_LOG`, which :mod:`dart_core.bench.gate_replay` reads).  Calling it again adds no handler twice.  Outside a
-    Serve replica (a deployment class constructed in a user's own process) it does nothing: that
-    process's logging stays its own."""
+    (:data:`dart_core.step.engine.GATE_LOG`, which :mod:`dart_core.bench.gate_replay` reads).
+    Calling it again adds no handler twice.  Outside a Serve replica (a deployment class
+    constructed in a user's own process) it does nothing: that process's logging stays its own."""
     from ray import serve
 
     try:

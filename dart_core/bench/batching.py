@@ -241,11 +241,12 @@ def save(result: dict, out_dir: str | Path, stem: str = "batching") -> dict[str,
     paths = serving.save(result, out_dir, stem=stem, title=f"Continuous batching without Ray, "
                                                            f"{result['server']['model']} on {hw}{drafter}")
     md = Path(out_dir) / f"{stem}.md"
+    text = md.read_text()
     if method != "dart":
-        md.write_text(f"The rows of mode `dart` speculate with the {method} drafter (`--method {method}`).\n\n"
-                      + md.read_text())
+        text = f"The rows of mode `dart` speculate with the {method} drafter (`--method {method}`).\n\n" + text
     if any("steps" in r for r in result["rows"]):
-        md.write_text(md.read_text().rstrip("\n") + "\n\n" + step_table(result))
+        text = text.rstrip("\n") + "\n\n" + step_table(result)
+    md.write_text(text)
     return paths
 
 

@@ -120,8 +120,8 @@ def replay(steps: Steps, gate_kwargs: dict | bool, *, num_steps: int = 2000, see
     last, k = None, 0
     for i in range(num_steps):
         spec = gate.speculate(1) if gate is not None else bool(gate_kwargs)
-        catch_up = spec and last is False
         k = k + 1 if spec == last else (0 if last is not None else 1)  # a replay starts warm: no catch-up
+        catch_up = spec and k == 0  # the switch to speculation
         t, d = rnd.choice(steps.pool(spec, k))
         if spec and (slow_steps is None or i < slow_steps):
             d *= slowdown
