@@ -6,9 +6,11 @@ a loadable head, and resume from its checkpoint."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -44,7 +46,11 @@ def _fake_sharegpt(monkeypatch, n, quoting_alpacaeval):
 
     def first_prompts(path=None, *, exclude_evaluation=True, exclude_alpacaeval=False):
         return iter([f"q{i}" for i in range(n) if not (exclude_alpacaeval and i in quoting_alpacaeval)])
+
+    def lists(path=None, *, exclude_evaluation=True):
+        return tuple(first_prompts()), frozenset(first_prompts(exclude_alpacaeval=True))
     monkeypatch.setattr(corpus, "sharegpt_first_prompts", first_prompts)
+    monkeypatch.setattr(corpus, "sharegpt_first_prompt_lists", lists)
 
 
 def test_prompts_keep_their_index_when_alpacaeval_is_excluded(monkeypatch):
@@ -90,7 +96,7 @@ def _write_tiny_data(folder, target, n):
 def test_training_learns_saves_and_resumes(tmp_path, monkeypatch):
     target = tiny_target("llama")
     n = 14
-    monkeypatch.setenv("DART_SERVE_CACHE", str(tmp_path / "cache"))
+    _use_cache(monkeypatch, tmp_path / "cache")
     work = tmp_path / "cache" / "train"  # the default work_dir follows $DART_SERVE_CACHE
     _write_tiny_data(work / "data", target, n)
     cfg = TrainConfig(out=str(tmp_path / "head"), data=DataConfig(num_prompts=n, eval_prompts=2),
@@ -146,10 +152,29 @@ def test_self_distilled_data_is_the_targets_greedy_output_and_resumable(tmp_path
     assert [e.index for e in again] == [0, 1, 2] and again[:2] == first
 
 
+@functools.lru_cache(maxsize=1)
+def _alpacaeval_json() -> str:
+    """The AlpacaEval instructions as cached in the user's cache (fetched from PyPI there at most once)."""
+    from ngram_service.corpus import alpacaeval_instructions
+
+    return json.dumps(alpacaeval_instructions())
+
+
+def _use_cache(monkeypatch, cache: Path) -> None:
+    """Points $DART_SERVE_CACHE at ``cache`` with the AlpacaEval instructions already in it, as a
+    user's cache has them after the first run (else every training run here downloads them again)."""
+    text = _alpacaeval_json()  # before the variable moves: from the user's cache
+    from ngram_service.corpus import ALPACAEVAL_VERSION
+
+    (cache / "data").mkdir(parents=True, exist_ok=True)
+    (cache / "data" / f"alpacaeval-{ALPACAEVAL_VERSION}.json").write_text(text, encoding="utf-8")
+    monkeypatch.setenv("DART_SERVE_CACHE", str(cache))
+
+
 def _small_run(tmp_path, monkeypatch, n=14):
     """A tiny target, its self-distilled data in the default work dir, and small training settings (no epochs)."""
     target = tiny_target("llama")
-    monkeypatch.setenv("DART_SERVE_CACHE", str(tmp_path / "cache"))
+    _use_cache(monkeypatch, tmp_path / "cache")
     _write_tiny_data(tmp_path / "cache" / "train" / "data", target, n)
     base = dict(data=DataConfig(num_prompts=n, eval_prompts=2), draft_vocab_size=64, teacher_top_k=8, max_length=64,
                 anchors_per_seq=8, batch_size=2, warmup_steps=2, eval_every=0, eval_tau_prompts=0, save_every=100,
@@ -170,7 +195,7 @@ def test_a_token_budget_trains_on_a_subset_and_a_time_limit_stops_resumably(tmp_
     assert full["sequences"]["train_tokens_self_distilled"] == full["sequences"]["train_tokens"]
     assert small["sequences"]["train_tokens_self_distilled"] == small["sequences"]["train_tokens"]
     # the same run in another work dir (the same settings in this one would find the finished run)
-    monkeypatch.setenv("DART_SERVE_CACHE", str(tmp_path / "cache2"))
+    _use_cache(monkeypatch, tmp_path / "cache2")
     _write_tiny_data(tmp_path / "cache2" / "train" / "data", target, n)
     stopped = train(TrainConfig(out=str(tmp_path / "timed"), max_minutes=0.0, **base), target=target, progress=False)
     assert not stopped["finished"] and 1 <= stopped["steps_done"] < stopped["steps"]
@@ -665,7 +690,7 @@ def test_a_run_padding_sequences_together_trains_the_same_head(tmp_path, monkeyp
     base.update(epochs=1, lr=1e-2)  # a high rate, so training moves the head well past rounding
     one = train(TrainConfig(out=str(tmp_path / "one"), sequences_per_forward=1, **base), target=target,
                 progress=False)
-    monkeypatch.setenv("DART_SERVE_CACHE", str(tmp_path / "cache2"))  # the same run from scratch elsewhere
+    _use_cache(monkeypatch, tmp_path / "cache2")  # the same run from scratch elsewhere
     _write_tiny_data(tmp_path / "cache2" / "train" / "data", target, 14)
     two = train(TrainConfig(out=str(tmp_path / "two"), sequences_per_forward=2, **base), target=target,
                 progress=False)
