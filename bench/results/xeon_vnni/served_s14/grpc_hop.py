@@ -6,12 +6,11 @@ In process, fixed budget, AlpacaEval prompts (tuning set), T=0.  Modes alternate
   ar:     speculative=False (autoregressive), with the server process alive
 Per step: draft_ms, tree_search_ms, verify_ms, step_ms, and wall ms between steps.
 """
-import os, subprocess, sys, time, statistics, json
-import torch
+import os, subprocess, sys, time, statistics
 from dart_core.api import DartModel
 from dart_core.bench.datasets import load_prompts
 from dart_core.model.tokenizer import tokenizer_identity
-from ngram_service.client import GrpcTreeSearch, InProcessTreeSearch
+from ngram_service.client import GrpcTreeSearch
 
 budget = int(os.environ.get("BUDGET", "8"))
 rounds = int(os.environ.get("ROUNDS", "3"))
