@@ -48,6 +48,11 @@ class NgramConfig(BaseModel):
     numa_node: int | None = Field(None, ge=0, description="NUMA node to bind to (default: the one with most CPUs)")
     timeout_ms: float = Field(50.0, gt=0, description="engine-side deadline of one tree-search call; slower calls "
                                                       "fall back to the logits-only search")
+    local_search: bool = Field(True, description="an engine replica on the service's own node maps the service's "
+                                                 "trie file and searches in its own process, with a mirror of the "
+                                                 "live corpus pulled every half second (no gRPC round trip per "
+                                                 "step); replicas on other nodes, and false, search through the "
+                                                 "service")
     learn: bool = Field(True, description="keep a live corpus of the traffic in the service: every engine replica "
                                           "sends each finished request's generated tokens (not a request with "
                                           "\"learn\": false), and every search drafts from what was sent as well "

@@ -185,6 +185,13 @@ class DartEngineDeployment:
             self.tree_search = grpc_tree_search(cfg.ngram, self._resolve_ngram,
                                                 tokenizer_identity(self.model.tokenizer)[1], ngram_auth_token,
                                                 2 * getattr(self.model.engine.drafter, "lookup_length", 0))
+            if cfg.ngram.local_search:  # in this process while the service's trie is on this node
+                import ray
+
+                from ngram_service.client import ColocatedTreeSearch
+
+                self.tree_search = ColocatedTreeSearch(self.tree_search, self._locate_ngram,
+                                                       ray.get_runtime_context().get_node_id())
             self.model.engine.tree_search = self.tree_search
             if cfg.ngram.learn:  # finished requests go to the service's live corpus, off the decoding path
                 self.learner = LearnSender(self.tree_search)
@@ -202,6 +209,11 @@ class DartEngineDeployment:
     def _resolve_ngram(self) -> str:
         """The service's address, asked of its replica (on the client's background thread)."""
         return self._ngram.address.remote().result(timeout_s=5)
+
+    def _locate_ngram(self, since: int) -> dict:
+        """The service's node, trie file and live-corpus tokens since ``since`` (on the colocated
+        client's background thread)."""
+        return self._ngram.locate.remote(since).result(timeout_s=5)
 
     def model_name(self) -> str:
         return self.name
@@ -248,14 +260,17 @@ class DartEngineDeployment:
         """Counters for tests and operators: running and queued requests, steps by mode, the
         adaptive budget's and the speculation gate's live state (``AdaptiveBudget.state``,
         ``SpeculationGate.state``; None without them), n-gram calls and fallbacks, the service's
-        current address, and the tokens sent to its live corpus (and the sequences dropped because
-        its queue was full)."""
+        current address, whether searches run in this process (``ngram_local``, with
+        ``ngram_mirror_tokens`` in its mirror of the live corpus), and the tokens
+        sent to its live corpus (and the sequences dropped because its queue was full)."""
         g, lr = self.tree_search, self.learner
         budget, gate = self.model.engine.budget, self.model.engine.gate
         return self.batcher.stats() | {"budget": budget.state() if budget is not None else None,
                                        "gate": gate.state() if gate is not None else None,
                                        "ngram_calls": g.calls if g else 0, "ngram_fallbacks": g.fallbacks if g else 0,
                                        "ngram_address": g.address if g else None,
+                                       "ngram_local": bool(getattr(g, "local", False)),
+                                       "ngram_mirror_tokens": getattr(g, "mirror_tokens", 0),
                                        "learned_tokens": lr.sent if lr else 0, "learn_dropped": lr.dropped if lr else 0}
 
     def check_health(self) -> None:

@@ -35,8 +35,8 @@ from ngram_service.trie import NgramTrie
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TreeSearchClient", "InProcessTreeSearch", "GrpcTreeSearch", "LearnSender", "MAX_CONTEXT_TAIL",
-           "usable_cpus", "write_chains", "read_chains"]
+__all__ = ["TreeSearchClient", "InProcessTreeSearch", "GrpcTreeSearch", "ColocatedTreeSearch", "LearnSender",
+           "MAX_CONTEXT_TAIL", "usable_cpus", "write_chains", "read_chains"]
 
 #: Context tokens sent per sequence before the service's trie order is known (orders go up to 6).
 MAX_CONTEXT_TAIL = 8
@@ -469,6 +469,164 @@ class GrpcTreeSearch(TreeSearchClient):
             if self._channel is not None:
                 self._channel.close()
             self._channel = self._stub = None
+
+
+class ColocatedTreeSearch(TreeSearchClient):
+    """The n-gram service's tree search run in the engine's own process when the service's trie
+    file is on the engine's node, with a mirror of the service's live corpus; otherwise the service
+    itself over gRPC.
+
+    A search through the service pays its round trip and a second process's wake-up on every
+    step; on a one-node deployment of a few cores that is several times the search itself.  Where
+    ``locate`` says the service runs on ``node_id`` (this process's node) and its trie file is
+    readable here, this client maps the same file and searches in process
+    (:class:`InProcessTreeSearch`), weighing a mirror of the service's live corpus: a daemon
+    thread asks ``locate`` every ``interval_s`` for the tokens the corpus took since the last answer
+    (every replica's learned sequences and the admin route's corpora) and for the trie served now
+    (a swapped trie is mapped on the next answer).  Learning still goes to the service
+    (:meth:`learn`), which every replica shares; an engine's own sequences reach its mirror on the
+    next answer.  Until the first answer, on another node, without a readable file, with a trie
+    of another tokenizer, or while ``locate`` fails, every search goes to ``remote``.  Output never
+    depends on which search answered (verification decides every token).
+
+    Args:
+        remote: the service's gRPC client (its fallback included); also sends :meth:`learn`.
+        locate: ``since -> dict``, the service's answer (``NgramService.locate`` in
+            ``deployments/ngram.py``): ``{"node_id", "address", "trie", "trie_mtime_ns", "live"}``, ``live``
+            None or ``{"stream", "position", "reset", "tokens", "max_tokens", "max_context", "vocab_hash"}``
+            (``stream``: the corpus's :attr:`~ngram_service.live.LiveCorpus.stream_id`; a new one, as
+            after the service restarted, starts the mirror over).
+            It may block (a Ray call); it is called on the daemon thread only.
+        node_id: this process's node.
+        interval_s: seconds between two ``locate`` calls.
+        threads: the in-process search's threads (:class:`InProcessTreeSearch`).
+
+    Raises:
+        ValueError: ``interval_s`` <= 0.
+    """
+
+    def __init__(self, remote: GrpcTreeSearch, locate: Callable[[int], dict], node_id: str, *,
+                 interval_s: float = 0.5, threads: int | None = None) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self.remote, self.locate, self.node_id = remote, locate, node_id
+        self.interval_s, self.threads = interval_s, threads
+        self.local_calls = 0
+        self._local: InProcessTreeSearch | None = None
+        self._trie_key: tuple | None = None
+        self._live: LiveCorpus | None = None
+        self._since, self._stream = -1, None  # the mirror's place in the service's corpus
+        self._why = "not located yet"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ngram-colocate", daemon=True)
+        self._thread.start()
+
+    # the service's counters, for the engine's stats and metrics
+    calls = property(lambda self: self.remote.calls + self.local_calls)
+    fallbacks = property(lambda self: self.remote.fallbacks)
+    errors = property(lambda self: self.remote.errors)
+    address = property(lambda self: self.remote.address)
+
+    @property
+    def local(self) -> bool:
+        """Whether searches run in this process now."""
+        return self._local is not None
+
+    @property
+    def mirror_tokens(self) -> int:
+        """Tokens the live corpus's mirror holds (0: none)."""
+        live = self._live
+        return len(live) if live is not None else 0
+
+    @property
+    def why_remote(self) -> str | None:
+        """Why searches go to the service (None: they run here)."""
+        return None if self._local is not None else self._why
+
+    def _client(self) -> TreeSearchClient:
+        local = self._local
+        if local is None:
+            return self.remote
+        self.local_calls += 1
+        return local
+
+    def search(self, topk_ids, topk_probs, contexts, params, chains=None):
+        return self._client().search(topk_ids, topk_probs, contexts, params, chains)
+
+    def search_batch(self, topk_ids, topk_probs, contexts, params, chains=None):
+        return self._client().search_batch(topk_ids, topk_probs, contexts, params, chains)
+
+    def chains(self, contexts, chains, max_len):
+        local = self._local
+        return chains if local is None else local.chains(contexts, chains, max_len)
+
+    def learn(self, documents):
+        return self.remote.learn(documents)
+
+    def refresh(self) -> None:
+        """One ``locate`` call and what follows from it (the daemon thread's step; tests call it).
+
+        Raises:
+            whatever ``locate`` raises."""
+        answer = self.locate(self._since)
+        if answer.get("address") and answer["address"] != self.remote.address:
+            self.remote._resolve_in_background()  # a new service (restarted elsewhere): its gRPC client follows
+        path = answer.get("trie")
+        if answer.get("node_id") != self.node_id or not path or not os.access(path, os.R_OK):
+            why = ("the service runs on another node" if answer.get("node_id") != self.node_id else
+                   "the service has no trie" if not path else f"its trie {path} is not readable here")
+            self._go_remote(why)
+            return
+        key = (path, answer.get("trie_mtime_ns"))
+        trie = self._local.trie if self._local is not None and key == self._trie_key else None
+        if trie is None:
+            try:
+                trie = NgramTrie(path)
+                if self.remote.vocab_hash:
+                    trie.check_tokenizer(self.remote.vocab_hash)
+            except (OSError, ValueError) as e:  # TrieFormatError and TokenizerMismatchError are ValueErrors
+                self._go_remote(f"its trie cannot be searched here: {e}")
+                return
+        live = answer.get("live")
+        if live is None:
+            self._live, self._since, self._stream = None, -1, None
+        elif live.get("stream") != self._stream and not live["reset"]:
+            self._since, self._stream = -1, live.get("stream")  # another corpus: all of it on the next answer
+        else:
+            if self._live is None or live["reset"] or self._live.max_tokens != live["max_tokens"]:
+                self._live = LiveCorpus(live["max_tokens"], live["max_context"], live["vocab_hash"])
+            self._live.extend(live["tokens"])
+            self._since, self._stream = live["position"], live.get("stream")
+        if self._local is None or self._local.trie is not trie or self._local.live is not self._live:
+            self._local = InProcessTreeSearch(trie, threads=self.threads, live=self._live)
+            if key != self._trie_key:
+                logger.info("tree search in this process over %s (the n-gram service's trie, on this node)%s",
+                            path, ", with a mirror of its live corpus" if self._live is not None else "")
+        self._trie_key = key
+
+    def _go_remote(self, why: str) -> None:
+        if self._local is not None or self._why != why:
+            logger.info("tree search through the n-gram service: %s", why)
+        self._local, self._trie_key, self._live, self._why = None, None, None, why
+        self._since, self._stream = -1, None
+
+    def _run(self) -> None:
+        failed = False
+        while not self._stop.is_set():
+            try:
+                self.refresh()
+                failed = False
+            except Exception as e:  # noqa: BLE001 - the service may be restarting; searches go to it meanwhile
+                if not failed:
+                    logger.warning("cannot locate the n-gram service (%s): searching through it", e)
+                failed = True
+                self._go_remote("the service cannot be located")
+            self._stop.wait(self.interval_s)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5 * self.interval_s + 5)
+        self.remote.close()
 
 
 class LearnSender:

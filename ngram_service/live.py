@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
+import uuid
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,9 +159,52 @@ class LiveCorpus:
         self.max_tokens, self.max_context, self.vocab_hash = max_tokens, max_context, vocab_hash
         self._lock = threading.Lock()
         self._inserts = self._evicted = self._lookups = self._hits = 0
+        self._position = 0  # tokens ever appended, boundaries included: the end of the stream held
+        self.stream_id = uuid.uuid4().hex  # which stream positions refer to (another corpus, another stream)
 
     def __len__(self) -> int:
         return self._index.size
+
+    @property
+    def position(self) -> int:
+        """Tokens ever appended (boundaries included): where the stream this corpus holds the end
+        of stands; :meth:`tokens_since` answers from it."""
+        return self._position
+
+    def _append(self, tokens: np.ndarray) -> None:  # call with the lock held
+        before = self._index.size
+        self._index.append(tokens)
+        self._evicted += max(0, before + tokens.size - self._index.size)
+        self._position += int(tokens.size)
+
+    def extend(self, tokens: Sequence[int] | np.ndarray) -> int:
+        """Appends a stream of tokens as :meth:`tokens_since` and :meth:`save` give them (documents
+        each followed by :data:`BOUNDARY`), as they are; returns how many.  A mirror of another
+        corpus feeds itself with this.
+
+        Raises:
+            ValueError: a negative token id (nothing is added)."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if tokens.size and tokens.min() < 0:
+            raise ValueError("token ids must be >= 0")
+        tokens = tokens[-self.max_tokens:]
+        with self._lock:
+            self._append(tokens)
+        return int(tokens.size)
+
+    def tokens_since(self, position: int) -> tuple[int, bool, np.ndarray]:
+        """What was appended after stream position ``position`` (an earlier :attr:`position` of this
+        corpus, whose :attr:`stream_id` a mirror keeps to tell a restarted corpus from it):
+        ``(position now, reset, tokens)``.  ``reset`` is True where some of it was evicted since (or
+        ``position`` is not one of this corpus's, e.g. after a restart): ``tokens`` is then every
+        token held, and a mirror starts over from them.  [T] int64, boundaries included."""
+        with self._lock:
+            end, size = self._position, self._index.size
+            if 0 <= position <= end and position >= end - size:
+                if position == end:
+                    return end, False, np.zeros(0, dtype=np.int64)
+                return end, False, np.array(self._index.tokens()[size - (end - position):], dtype=np.int64)
+            return end, True, np.array(self._index.tokens(), dtype=np.int64)
 
     def add(self, documents: Sequence[Sequence[int]]) -> int:
         """Indexes each document (token ids ≥ 0) followed by :data:`BOUNDARY`; returns the tokens
@@ -179,9 +223,7 @@ class LiveCorpus:
                 continue
             a = np.append(a[-keep:], BOUNDARY)
             with self._lock:
-                before = self._index.size
-                self._index.append(a)
-                self._evicted += max(0, before + a.size - self._index.size)
+                self._append(a)
                 self._inserts += 1
             added += a.size
         return added
@@ -235,7 +277,7 @@ class LiveCorpus:
                                    f"this corpus's {self.vocab_hash[:12]}…)")
         tokens = snap.tokens[-self.max_tokens:]
         with self._lock:
-            self._index.append(tokens)
+            self._append(tokens)
             self.vocab_hash = self.vocab_hash or snap.vocab_hash
         return int(tokens.size)
 

@@ -470,3 +470,163 @@ def test_a_trie_swap_under_load_fails_no_search_and_a_bad_file_keeps_the_old_tri
         assert p9 > 0.5 and p3 == 0  # b's n-grams: [1, 2] is followed by 9, never by 3
     finally:
         server.stop()
+
+
+def test_a_mirror_follows_the_stream_and_starts_over_after_an_eviction():
+    """tokens_since gives what was appended after a position (the same tokens the corpus holds at its
+    end); a position that was evicted since, or not one of this corpus's, gives everything held with
+    reset; extend feeds a mirror whose chains equal the corpus's."""
+    live = LiveCorpus(max_tokens=64, max_context=3)
+    assert live.tokens_since(-1) == (0, True, pytest.approx(np.zeros(0)))
+    live.add([[1, 2, 3, 4], [5, 6, 7]])
+    position, reset, tokens = live.tokens_since(-1)
+    assert (position, reset) == (9, True) and tokens.tolist() == [1, 2, 3, 4, BOUNDARY, 5, 6, 7, BOUNDARY]
+    mirror = LiveCorpus(max_tokens=64, max_context=3)
+    mirror.extend(tokens)
+    live.add([[2, 3, 4, 9, 9]])
+    position, reset, tokens = live.tokens_since(9)
+    assert (position, reset) == (15, False) and tokens.tolist() == [2, 3, 4, 9, 9, BOUNDARY]
+    mirror.extend(tokens)
+    assert live.tokens_since(15)[2].size == 0 and not live.tokens_since(15)[1]
+    for ctx in ([1, 2, 3], [2, 3, 4], [6, 7]):
+        a, b = live.chain(ctx, 5), mirror.chain(ctx, 5)
+        assert (a.tokens.tolist(), a.match_length) == (b.tokens.tolist(), b.match_length)
+    stream = [1, 2, 3, 4, BOUNDARY, 5, 6, 7, BOUNDARY, 2, 3, 4, 9, 9, BOUNDARY]
+    rng = np.random.default_rng(0)
+    for _ in range(20):  # past the cap: the held tokens stay the end of the stream
+        doc = rng.integers(0, 50, size=int(rng.integers(1, 9))).tolist()
+        live.add([doc])
+        stream += doc + [BOUNDARY]
+    position, reset, tokens = live.tokens_since(15)
+    assert reset and position == len(stream) and tokens.tolist() == stream[len(stream) - len(live):]
+    assert live.tokens_since(position + 1)[1]  # a position this corpus never reached
+    with pytest.raises(ValueError, match=">= 0"):
+        mirror.extend([1, -2])
+
+
+def test_the_colocated_client_searches_here_on_the_services_node_and_through_it_elsewhere(tmp_path, caplog):
+    """ColocatedTreeSearch: on the service's node, with the trie file readable, searches run in this
+    process over the same file with a mirror of the live corpus, the trees equal to the service's;
+    a swapped trie is mapped on the next answer; another node, a missing file, a trie of another
+    tokenizer or a failing locate send searches to the service; learning always goes to it."""
+    import logging
+
+    from ngram_service.build import build_trie
+    from ngram_service.client import ColocatedTreeSearch, InProcessTreeSearch, TreeSearchClient
+    from ngram_service.trie import NgramTrie
+    from ngram_service.tree_search import SearchParams
+
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(0, 40, size=30).tolist() for _ in range(20)]
+    paths = [tmp_path / "a.trie", tmp_path / "b.trie"]
+    build_trie(docs, paths[0], vocab_size=64, order=3)
+    build_trie(docs[:5], paths[1], vocab_size=64, order=3)
+    service_live = LiveCorpus(max_tokens=4096, max_context=4)
+    state = {"node": "n1", "trie": str(paths[0]), "fail": False, "live": service_live}
+
+    def locate(since):
+        if state["fail"]:
+            raise TimeoutError("no answer")
+        live = state["live"]
+        position, reset, tokens = live.tokens_since(since)
+        return {"node_id": state["node"], "trie": state["trie"], "trie_mtime_ns": 1,
+                "live": {"stream": live.stream_id, "position": position, "reset": reset, "tokens": tokens,
+                         "max_tokens": 4096, "max_context": 4, "vocab_hash": ""}}
+
+    class Remote(TreeSearchClient):  # the service's client, counted
+        vocab_hash, calls, fallbacks, errors, address = "", 0, 0, {}, "10.0.0.1:50051"
+
+        def __init__(self):
+            self.learned = []
+
+        def search(self, topk_ids, *a, **kw):
+            raise AssertionError("the engine asks search_batch")
+
+        def search_batch(self, topk_ids, *a, **kw):
+            self.calls += 1
+            return "remote"
+
+        def learn(self, documents):
+            self.learned += documents
+            return sum(len(d) + 1 for d in documents)
+
+        def close(self):
+            self.closed = True
+
+    remote = Remote()
+    client = ColocatedTreeSearch(remote, locate, "n1", interval_s=60)  # the thread's first refresh, then tests drive it
+    for _ in range(200):
+        if client.local:
+            break
+        time.sleep(0.01)
+    assert client.local and client.why_remote is None
+    topk = rng.integers(0, 40, size=(2, 5, 4)).astype(np.int64)
+    probs = np.sort(rng.random((2, 5, 4)).astype(np.float32), -1)[..., ::-1].copy()
+    contexts = [np.array(docs[0][:6]), np.array([7, 8, 9, 10, 11])]
+    params = SearchParams(top_k=4, beam_width=4, budget=10)
+    assert client.learn([[7, 8, 9, 10, 11, 12, 13, 14]]) == 9 and remote.learned == [[7, 8, 9, 10, 11, 12, 13, 14]]
+    service_live.add(remote.learned)  # what the service does with it
+    client.refresh()
+    here = client.search_batch(topk, probs, contexts, params)
+    reference = InProcessTreeSearch(NgramTrie(paths[0]), live=service_live).search_batch(topk, probs, contexts, params)
+    for name in ("tokens", "parents", "counts"):
+        assert np.array_equal(getattr(here, name), getattr(reference, name)), name
+    assert {12, 13} <= set(here.tree(1).tokens.tolist())  # the learned continuation, from the mirror
+    assert client.chains([np.array([8, 9, 10, 11])], None, 3)[0].tokens.tolist() == [12, 13, 14]
+    assert remote.calls == 0 and client.calls == client.local_calls == 1
+    restarted = LiveCorpus(max_tokens=4096, max_context=4)  # a restarted service: another stream, its
+    restarted.add([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])  # position (13) inside the old one's (18)
+    state["live"] = restarted
+    client.refresh()
+    client.refresh()
+    assert client.chains([np.array([2, 3, 4, 5])], None, 3)[0].tokens.tolist() == [6, 7, 8]
+    assert client.chains([np.array([8, 9, 10, 11])], None, 3)[0].tokens.tolist() == [12]  # the old mirror is gone
+    state["trie"] = str(paths[1])  # a swap on the service
+    client.refresh()
+    assert str(client._local.trie.path) == str(paths[1])
+    caplog.set_level(logging.INFO, logger="ngram_service.client")
+    state["node"] = "n2"
+    client.refresh()
+    assert not client.local and "another node" in client.why_remote
+    assert client.search_batch(topk, probs, contexts, params) == "remote" and remote.calls == 1
+    state.update(node="n1", trie=str(tmp_path / "missing.trie"))
+    client.refresh()
+    assert not client.local and "not readable" in client.why_remote
+    state["trie"] = str(paths[0])
+    remote.vocab_hash = "another tokenizer"
+    client.refresh()
+    assert not client.local and "cannot be searched here" in client.why_remote
+    remote.vocab_hash = ""
+    client.refresh()
+    assert client.local
+    state["fail"] = True
+    with pytest.raises(TimeoutError):
+        client.refresh()  # the thread catches it and searches through the service (below)
+    client.close()
+    assert remote.closed
+    with pytest.raises(ValueError, match="interval_s"):
+        ColocatedTreeSearch(remote, locate, "n1", interval_s=0)
+
+
+def test_the_colocated_clients_thread_searches_through_the_service_while_locate_fails():
+    from ngram_service.client import ColocatedTreeSearch
+
+    class Remote:
+        vocab_hash, calls, fallbacks, errors, address = "", 0, 0, {}, None
+
+        def close(self):
+            pass
+
+    calls = []
+
+    def locate(since):
+        calls.append(since)
+        raise TimeoutError("the service is restarting")
+
+    client = ColocatedTreeSearch(Remote(), locate, "n1", interval_s=0.01)
+    for _ in range(200):
+        if len(calls) >= 3:
+            break
+        time.sleep(0.01)
+    client.close()
+    assert len(calls) >= 3 and calls[0] == -1 and not client.local and "cannot be located" in client.why_remote
