@@ -5,7 +5,10 @@ One replica loads the target model and its draft head
 (:meth:`dart_core.DartModel.from_pretrained`), points the engine's tree search
 at the n-gram service over gRPC (:class:`ngram_service.client.GrpcTreeSearch`,
 which falls back to the in-process logits-only search whenever the service is
-away — a request never fails because of the trie), and hands everything else
+away — a request never fails because of the trie) or, on the service's own
+node, at the same trie file in its own process with a mirror of the service's
+live corpus (:class:`ngram_service.client.ColocatedTreeSearch`,
+``ngram.local_search``), and hands everything else
 to the batcher: queueing, admission, cancellation, detokenisation, stop
 strings.  What this class adds is Serve's: the handle method
 :meth:`DartEngineDeployment.generate` streaming lists of
@@ -174,7 +177,8 @@ class DartEngineDeployment:
         self.cfg = cfg = AppConfig.model_validate(config)
         self._ngram = ngram if cfg.ngram.enabled else None
         dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
-        # with the service the trie lives on the n-gram node; without it the search is logits-only
+        # with the service the trie lives on the n-gram node (mapped here too when this is that node);
+        # without it the search is logits-only
         # loaded on a thread that ends, so that the batcher's engine thread owns the only OpenMP pool
         self.model = load_in_own_thread(lambda: DartModel.from_pretrained(
             cfg.model, head=cfg.head, trie=None, dtype=dtype, weights=cfg.weights,
