@@ -203,8 +203,8 @@ class LiveCorpus:
             if 0 <= position <= end and position >= end - size:
                 if position == end:
                     return end, False, np.zeros(0, dtype=np.int64)
-                return end, False, np.array(self._index.tokens()[size - (end - position):], dtype=np.int64)
-            return end, True, np.array(self._index.tokens(), dtype=np.int64)
+                return end, False, self._index.tokens(size - (end - position))
+            return end, True, self._index.tokens()
 
     def add(self, documents: Sequence[Sequence[int]]) -> int:
         """Indexes each document (token ids ≥ 0) followed by :data:`BOUNDARY`; returns the tokens

@@ -426,11 +426,15 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("memory_bytes", &ContextIndex::memory_bytes)
       .def(
           "tokens",
-          [](const ContextIndex& c) {
-            std::vector<int64_t> t = c.tokens();
-            const auto n = static_cast<py::ssize_t>(t.size());
-            return to_array(std::move(t), {n});
-          })
+          [](const ContextIndex& c, size_t start) {
+            // the tokens from index `start` on (oldest first), copied once into the returned array
+            const std::vector<int64_t>& all = c.tokens();
+            const size_t from = std::min(start, all.size());
+            py::array_t<int64_t> out(static_cast<py::ssize_t>(all.size() - from));
+            std::copy(all.begin() + static_cast<std::ptrdiff_t>(from), all.end(), out.mutable_data());
+            return out;
+          },
+          py::arg("start") = 0)
       .def_readonly_static("BOUNDARY", &ContextIndex::kBoundary)
       .def_property_readonly("size", &ContextIndex::size)
       .def_property_readonly("max_context", &ContextIndex::max_context);
