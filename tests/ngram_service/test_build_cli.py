@@ -123,7 +123,12 @@ def test_both_first_prompt_lists_come_from_one_pass_and_equal_two(tmp_path, monk
     assert kept == set(corpus.sharegpt_first_prompts(path, exclude_alpacaeval=True)) == {"Alpha", "Gamma", "BETA", "epsilon"}
     assert corpus.sharegpt_first_prompt_lists(path) == (every, kept)
     path.write_text(json.dumps(convs[:2] + [conv("zeta and more")]))
+    reads, read = [], corpus.alpacaeval_instructions
+    monkeypatch.setattr(corpus, "alpacaeval_instructions", lambda **kw: reads.append(1) or read(**kw))
     assert corpus.sharegpt_first_prompt_lists(path)[0] == ("Alpha", "beta", "zeta and more")
+    assert len(reads) == 1  # AlpacaEval is read once a call, a pass or not
+    (tmp_path / "data" / f"alpacaeval-{corpus.ALPACAEVAL_VERSION}.json").write_text('["Alpha"]')
+    assert corpus.sharegpt_first_prompt_lists(path)[1] == {"beta", "zeta and more"}  # new instructions: read again
 
 
 def test_real_sharegpt_and_stdlib_readers():
