@@ -278,7 +278,7 @@ class GrpcTreeSearch(TreeSearchClient):
         if address is not None:
             self._connect(address)
         else:
-            self._resolve_in_background()
+            self.resolve_in_background()
 
     @property
     def address(self) -> str | None:
@@ -305,8 +305,12 @@ class GrpcTreeSearch(TreeSearchClient):
         service from the first step on."""
         return self._connected.wait(timeout_s)
 
-    def _resolve_in_background(self) -> None:
-        """Asks the resolver on a daemon thread (one at a time); the answer takes effect at the next search."""
+    def resolve_in_background(self) -> None:
+        """Asks the resolver for the service's address again, on a daemon thread (one call at a time;
+        a call while one runs does nothing); a new address takes effect at the next search.  The
+        client calls it itself after a failure; a caller that learns the service moved (as
+        :class:`ColocatedTreeSearch` does from ``locate``) calls it too.  Without a resolver, or
+        once closed, it does nothing."""
         with self._lock:
             if self._resolving or self._closed or self.resolver is None:
                 return
@@ -381,7 +385,7 @@ class GrpcTreeSearch(TreeSearchClient):
             resolving = self._resolving
             retry_after_failure = not cooling and self._skip_until > 0
         if retry_after_failure:
-            self._resolve_in_background()  # the service may have come back somewhere else
+            self.resolve_in_background()  # the service may have come back somewhere else
         if cooling:
             return self._fall_back(topk_ids, topk_probs, contexts, params, chains, None, padded=padded)
         if stub is None:  # no address yet: waiting for the resolver is no failure, its failing is
@@ -570,7 +574,7 @@ class ColocatedTreeSearch(TreeSearchClient):
             whatever ``locate`` raises."""
         answer = self.locate(self._since)
         if answer.get("address") and answer["address"] != self.remote.address:
-            self.remote._resolve_in_background()  # a new service (restarted elsewhere): its gRPC client follows
+            self.remote.resolve_in_background()  # a new service (restarted elsewhere): its gRPC client follows
         path = answer.get("trie")
         if answer.get("node_id") != self.node_id or not path or not os.access(path, os.R_OK):
             why = ("the service runs on another node" if answer.get("node_id") != self.node_id else

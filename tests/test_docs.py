@@ -66,7 +66,8 @@ for module in sys.argv[1:]:
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         except BaseException as e:
-            code, _ = 1, buf.write(f"{type(e).__name__}: {e}")
+            code = 1
+            buf.write(f"{type(e).__name__}: {e}")
     out[module] = [code, buf.getvalue()]
 print(json.dumps(out))
 """
