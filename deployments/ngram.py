@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 from pathlib import Path
 
@@ -134,24 +133,13 @@ class NgramService:
 
     def locate(self, since: int = -1) -> dict:
         """Where this service's trie is, for an engine that searches in its own process when it runs
-        on the same node (:class:`~ngram_service.client.ColocatedTreeSearch`): ``{"node_id", "address", "trie"
-        (the file served now, None: logits-only), "trie_mtime_ns", "live"}``; ``live`` is None
-        without a live corpus, else ``{"stream", "position", "reset", "tokens", "max_tokens",
-        "max_context", "vocab_hash"}`` with the tokens appended after stream position ``since``
-        (:meth:`LiveCorpus.tokens_since <ngram_service.live.LiveCorpus.tokens_since>`)."""
+        on the same node (:class:`~ngram_service.client.ColocatedTreeSearch`): ``{"node_id",
+        "address"}`` and :meth:`NgramServer.location <ngram_service.server.NgramServer.location>`'s
+        ``{"trie", "trie_mtime_ns", "live"}`` (the live corpus's tokens after stream position ``since``)."""
         import ray
 
-        trie = self.server.trie
-        path = None if trie is None else str(trie.path)
-        out = {"node_id": ray.get_runtime_context().get_node_id(), "address": self.address(), "trie": path,
-               "trie_mtime_ns": os.stat(path).st_mtime_ns if path and os.path.exists(path) else 0, "live": None}
-        live = self.server.live
-        if live is not None:
-            position, reset, tokens = live.tokens_since(since)
-            out["live"] = {"stream": live.stream_id, "position": position, "reset": reset, "tokens": tokens,
-                           "max_tokens": live.max_tokens, "max_context": live.max_context,
-                           "vocab_hash": live.vocab_hash}
-        return out
+        return {"node_id": ray.get_runtime_context().get_node_id(), "address": self.address()} | \
+            self.server.location(since)
 
     def add_corpus(self, documents: list[list[int]]) -> dict:
         """The admin route's corpus (token-id documents, already checked by the engine) into the live

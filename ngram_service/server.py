@@ -417,6 +417,29 @@ class NgramServer:
                     new.path, new.info.order, new.info.num_nodes)
         return new.info
 
+    def location(self, since: int = -1) -> dict:
+        """What an engine on this server's node needs to search in its own process
+        (:class:`~ngram_service.client.ColocatedTreeSearch`): ``{"trie"`` (the file served now; None:
+        logits-only), ``"trie_mtime_ns"`` (0 without one), ``"live"}``; ``live`` is None without a
+        live corpus, else ``{"stream", "position", "reset", "tokens", "max_tokens", "max_context",
+        "vocab_hash"}`` with the tokens appended after stream position ``since``
+        (:meth:`LiveCorpus.tokens_since <ngram_service.live.LiveCorpus.tokens_since>`: [T] int64,
+        document boundaries included).  The Serve deployment adds its node and address."""
+        trie = self.trie
+        path = None if trie is None else str(trie.path)
+        try:
+            mtime = os.stat(path).st_mtime_ns if path else 0
+        except OSError:  # the file was removed under the mapping: no engine can map it now
+            path, mtime = None, 0
+        out = {"trie": path, "trie_mtime_ns": mtime, "live": None}
+        live = self.live
+        if live is not None:
+            position, reset, tokens = live.tokens_since(since)
+            out["live"] = {"stream": live.stream_id, "position": position, "reset": reset, "tokens": tokens,
+                           "max_tokens": live.max_tokens, "max_context": live.max_context,
+                           "vocab_hash": live.vocab_hash}
+        return out
+
     def save_snapshot(self) -> bool:
         """Writes the live corpus's snapshot when it changed since the last one; False when there
         was nothing to write (or no snapshot file), or the write failed (logged)."""

@@ -630,3 +630,52 @@ def test_the_colocated_clients_thread_searches_through_the_service_while_locate_
         time.sleep(0.01)
     client.close()
     assert len(calls) >= 3 and calls[0] == -1 and not client.local and "cannot be located" in client.why_remote
+
+
+def test_two_colocated_replicas_draft_from_what_the_other_generated(tmp_path):
+    """Two engine replicas on the service's node, one service (issue: one live corpus for every
+    replica): each replica searches in its own process with a mirror of the service's corpus
+    (ColocatedTreeSearch over the real server's ``location``, as ``NgramService.locate`` answers);
+    what replica A sends to ``Learn`` reaches B's mirror on B's next ``locate``, and B's tree then
+    holds the continuation A generated although the draft head's top-k (random here) never
+    proposes it; before that answer, B's tree does not."""
+    from ngram_service.build import build_trie
+    from ngram_service.client import ColocatedTreeSearch, GrpcTreeSearch
+    from ngram_service.server import NgramServer
+    from ngram_service.tree_search import SearchParams
+
+    rng = np.random.default_rng(5)
+    trie = tmp_path / "base.trie"
+    build_trie([rng.integers(0, 30, size=40).tolist() for _ in range(10)], trie, vocab_size=64, order=3)
+    server = NgramServer(str(trie), threads=1, learn_max_tokens=4096).start()
+    replicas = []
+    try:
+        def locate(since):
+            return {"node_id": "n1", "address": server.address} | server.location(since)
+
+        for _ in range(2):
+            remote = GrpcTreeSearch(server.address, timeout_ms=2000)
+            replicas.append(ColocatedTreeSearch(remote, locate, "n1", interval_s=60))  # tests drive refresh()
+        a, b = replicas
+        for _ in range(200):
+            if a.local and b.local:
+                break
+            time.sleep(0.01)
+        assert a.local and b.local
+        generated = [41, 42, 43, 44, 45, 46, 47, 48, 49, 50]  # tokens the base trie never saw
+        topk = rng.integers(30, 40, size=(1, 6, 4)).astype(np.int64)
+        probs = np.full((1, 6, 4), 0.25, np.float32)
+        params = SearchParams(top_k=4, beam_width=4, budget=12)
+        context = [np.array([1, 2, 42, 43, 44])]
+        assert not {45, 46, 47} & set(b.search_batch(topk, probs, context, params).tree(0).tokens.tolist())
+        assert a.learn([generated]) == len(generated) + 1  # replica A's finished sequence, to the service
+        assert len(server.live) == len(generated) + 1 and b.mirror_tokens == 0
+        b.refresh()
+        assert b.mirror_tokens == len(generated) + 1 and b.local
+        tree = b.search_batch(topk, probs, context, params).tree(0)
+        assert {45, 46, 47} <= set(tree.tokens.tolist())
+        assert b.remote.calls == 0 and b.local_calls == 2  # both searches ran in B's process
+    finally:
+        for r in replicas:
+            r.close()
+        server.stop()
