@@ -633,8 +633,8 @@ def test_the_colocated_clients_thread_searches_through_the_service_while_locate_
 
 
 def test_two_colocated_replicas_draft_from_what_the_other_generated(tmp_path):
-    """Two engine replicas on the service's node, one service (issue: one live corpus for every
-    replica): each replica searches in its own process with a mirror of the service's corpus
+    """Two engine replicas on the service's node, one service whose live corpus every replica
+    shares: each replica searches in its own process with a mirror of the service's corpus
     (ColocatedTreeSearch over the real server's ``location``, as ``NgramService.locate`` answers);
     what replica A sends to ``Learn`` reaches B's mirror on B's next ``locate``, and B's tree then
     holds the continuation A generated although the draft head's top-k (random here) never
