@@ -420,16 +420,16 @@ class NgramServer:
     def location(self, since: int = -1) -> dict:
         """What an engine on this server's node needs to search in its own process
         (:class:`~ngram_service.client.ColocatedTreeSearch`): ``{"trie"`` (the file served now; None:
-        logits-only), ``"trie_mtime_ns"`` (0 without one or where the file is gone), ``"live"}``; ``live`` is None without a
-        live corpus, else ``{"stream", "position", "reset", "tokens", "max_tokens", "max_context",
-        "vocab_hash"}`` with the tokens appended after stream position ``since``
+        logits-only), ``"trie_mtime_ns"`` (0 without one or where the file is gone), ``"live"}``;
+        ``live`` is None without a live corpus, else ``{"stream", "position", "reset", "tokens",
+        "max_tokens", "max_context", "vocab_hash"}`` with the tokens appended after stream position ``since``
         (:meth:`LiveCorpus.tokens_since <ngram_service.live.LiveCorpus.tokens_since>`: [T] int64,
         document boundaries included).  The Serve deployment adds its node and address."""
         trie = self.trie
         path = None if trie is None else str(trie.path)
         try:
             mtime = os.stat(path).st_mtime_ns if path else 0
-        except OSError:  # removed under the mapping: an engine finds it unreadable and searches here
+        except OSError:  # removed under the mapping: an engine finds the path unreadable and searches through us
             mtime = 0
         out = {"trie": path, "trie_mtime_ns": mtime, "live": None}
         live = self.live
