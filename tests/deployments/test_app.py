@@ -488,6 +488,65 @@ def test_finished_requests_feed_the_live_corpus_unless_they_opt_out(app):
     assert now == mirrored + out.usage.completion_tokens + 1
 
 
+def test_an_output_through_one_engine_replica_drafts_for_another(app):
+    """Two engine replicas, one n-gram service, through the OpenAI API: replica A and replica B
+    (two applications, each its own ingress and engine, B's engine bound to the service of A's
+    application) share one live corpus.  The target is the embedded SmolLM2 (the tiny random
+    model's greedy text repeats one token, which its own context drafts already) with a random
+    head and budget 8.  A prompt sent through B first (``"learn": false``) is drafted from its own
+    context, the trie and the head only; after the same prompt went through A, B drafts it from
+    A's output (its mirror of the service's corpus), so its τ rises; the text is the same each time."""
+    from openai import OpenAI
+
+    from deployments.config import AppConfig
+    from deployments.engine import DartEngineDeployment
+    from deployments.ingress import OpenAIIngress
+    from deployments.ngram import NgramService, resolve_ngram_config
+
+    token = "tw1n-t0ken"
+    cfg = AppConfig.model_validate({"served_model_name": "twin", "head": "random", "budget": 8,
+                                    "ngram": {"trie": app["ngram"]["trie"], "port": 0, "timeout_ms": 200}})
+    config = cfg.model_dump()
+    ngram = NgramService.options(name="TwinNgram", ray_actor_options={"num_cpus": 0.25}).bind(
+        resolve_ngram_config(cfg).model_dump(), auth_token=token)
+
+    def twin(name: str, ngram_service) -> None:
+        engine = DartEngineDeployment.options(name=f"TwinEngine{name}", ray_actor_options={"num_cpus": 0.25}).bind(
+            config, ngram_service, ngram_auth_token=token)
+        ingress = OpenAIIngress.options(name=f"TwinIngress{name}", ray_actor_options={"num_cpus": 0.05}).bind(
+            engine, config)
+        serve.run(ingress, name=f"twin-{name.lower()}", route_prefix=f"/twin-{name.lower()}")
+
+    try:
+        twin("A", ngram)
+        twin("B", serve.get_deployment_handle("TwinNgram", app_name="twin-a"))
+        engine_b = serve.get_deployment_handle("TwinEngineB", app_name="twin-b")
+        msgs = [{"role": "user", "content": "Write a short note to a neighbour about a parcel left at the door."}]
+
+        def ask(name: str, learn: bool):
+            return OpenAI(base_url=f"{HTTP}/twin-{name}/v1", api_key="unused", max_retries=0).chat.completions.create(
+                model="twin", messages=msgs, max_tokens=40, temperature=0, extra_body={"learn": learn})
+
+        before = ask("b", False)
+        mirrored = engine_b.stats.remote().result()["ngram_mirror_tokens"]
+        out_a = ask("a", True)
+        for _ in range(100):  # A's sender sends every half second; B's mirror asks every half second
+            stats = engine_b.stats.remote().result()
+            if stats["ngram_mirror_tokens"] >= mirrored + out_a.usage.completion_tokens + 1:
+                break
+            time.sleep(0.1)
+        assert stats["ngram_local"] and stats["learned_tokens"] == 0  # B itself learned nothing
+        assert stats["ngram_mirror_tokens"] == mirrored + out_a.usage.completion_tokens + 1
+        after = ask("b", False)
+        texts = {o.choices[0].message.content for o in (before, out_a, after)}
+        assert len(texts) == 1 and out_a.usage.completion_tokens == 40
+        tau_before, tau_after = (o.usage.model_extra["dart"]["tau"] for o in (before, after))
+        assert tau_after >= tau_before + 1.0, (tau_before, tau_after)
+    finally:
+        for name in ("twin-b", "twin-a"):
+            serve.delete(name)
+
+
 def test_repeated_prompts_prefill_from_the_prefix_cache_unless_they_opt_out(app, reference):
     """The engine replica keeps prompts' KV entries (``prefix_cache_tokens``, on by default): a
     repeated prompt reads all but its last block from the cache, with the reference's greedy text;
