@@ -497,7 +497,8 @@ class ColocatedTreeSearch(TreeSearchClient):
         remote: the service's gRPC client (its fallback included); also sends :meth:`learn`.
         locate: ``since -> dict``, the service's answer (``NgramService.locate`` in
             ``deployments/ngram.py``): ``{"node_id", "address", "trie", "trie_mtime_ns", "live"}``, ``live``
-            None or ``{"stream", "position", "reset", "tokens", "max_tokens", "max_context", "vocab_hash"}``
+            None or ``{"stream", "position", "reset", "tokens", "max_tokens", "max_context", "min_match",
+            "vocab_hash"}``
             (``stream``: the corpus's :attr:`~ngram_service.live.LiveCorpus.stream_id`; a new one, as
             after the service restarted, starts the mirror over).
             It may block (a Ray call); it is called on the daemon thread only.
@@ -598,7 +599,8 @@ class ColocatedTreeSearch(TreeSearchClient):
             self._since, self._stream = -1, live.get("stream")  # another corpus: all of it on the next answer
         else:
             if self._live is None or live["reset"] or self._live.max_tokens != live["max_tokens"]:
-                self._live = LiveCorpus(live["max_tokens"], live["max_context"], live["vocab_hash"])
+                self._live = LiveCorpus(live["max_tokens"], live["max_context"], live["vocab_hash"],
+                                        min_match=live["min_match"])
             self._live.extend(live["tokens"])
             self._since, self._stream = live["position"], live.get("stream")
         if self._local is None or self._local.trie is not trie or self._local.live is not self._live:

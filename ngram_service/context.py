@@ -91,9 +91,15 @@ class ContextIndex:
             return
         h = self._hint
         if h is not None and len(h.tokens) - self._hint_at >= len(chain.tokens) and \
-                min(h.match_length + self._hint_at, self.hint_match_cap) > chain.match_length:
+                self._followed(h, self._hint_at) > min(chain.match_length, self.max_context):
             return
         self._hint, self._hint_at = chain, 0
+
+    def _followed(self, hint: ContextChain, at: int) -> int:
+        """A hint's match length after ``at`` of its tokens were followed: its match, counted at most
+        as ``max_context`` tokens (a longer match in the live corpus does not outweigh the
+        sequence's own full-length one), plus ``at``, at most :attr:`hint_match_cap`."""
+        return min(min(hint.match_length, self.max_context) + at, self.hint_match_cap)
 
     def probability(self, token: int, extra: Sequence[int] = ()) -> float:
         """q(token | the sequence followed by ``extra``) = (|s| / max_context) · count(s·token) / count(s)
@@ -105,12 +111,13 @@ class ContextIndex:
         """Up to ``max_len`` tokens that followed the most recent earlier occurrence of the longest
         suffix that occurred before (empty when none did), with their probabilities.  Where a
         :meth:`hint` is still followed and has tokens left, its remainder instead when it matched a
-        longer suffix: its match length plus the tokens followed since (at most
-        :attr:`hint_match_cap`), against the sequence's own (the sequence's own on a tie)."""
+        longer suffix: its match length (counted at most as ``max_context``) plus the tokens
+        followed since (at most :attr:`hint_match_cap`), against the sequence's own (the sequence's
+        own on a tie)."""
         tokens, probs, match = self._native.continuation(int(max_len))
         h, at = self._hint, self._hint_at
         if h is not None and at < len(h.tokens):
-            followed = min(h.match_length + at, self.hint_match_cap)
+            followed = self._followed(h, at)
             if followed > match or not len(tokens):
                 return ContextChain(h.tokens[at:at + max_len], h.probs[at:at + max_len], followed)
         return ContextChain(tokens, probs, int(match))

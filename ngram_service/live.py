@@ -41,7 +41,8 @@ from ngram_service import _native
 from ngram_service.tree_search import ContextChain
 
 __all__ = ["LiveCorpus", "LiveStats", "CorruptSnapshot", "SnapshotMismatch", "Snapshot", "read_snapshot", "BOUNDARY",
-           "DEFAULT_MAX_TOKENS", "with_live_chains", "prefer_longer_match"]
+           "DEFAULT_MAX_TOKENS", "DEFAULT_MAX_CONTEXT", "REQUEST_MATCH_CAP", "with_live_chains",
+           "prefer_longer_match"]
 
 #: the id appended after each document (no tokenizer uses it; a chain never crosses it)
 BOUNDARY = int(_native.ContextIndex.BOUNDARY)
@@ -49,6 +50,17 @@ BOUNDARY = int(_native.ContextIndex.BOUNDARY)
 
 #: the default cap of a live corpus, in tokens (``ngram.learn_max_tokens``)
 DEFAULT_MAX_TOKENS = 1 << 20
+#: the suffix length a live corpus matches, in tokens: by default only a match this long proposes a
+#: chain (``min_match``).  Tuned on the tuning split (bench/results/live_corpus_steering/): with
+#: matches of 1 to 4 tokens, other traffic's text lowered first-seen requests' τ; 4-token matches
+#: alone lowered it less; 8-token matches alone left it as without a corpus, and drafted exact
+#: repeats best.
+DEFAULT_MAX_CONTEXT = 8
+#: the longest match a request's own context chain has (``SpeculativeConfig.context_order``, 4 by
+#: default): a live-corpus chain replaces the request's own only where the request's matched fewer
+#: tokens than the corpus's, counted at most as this many, so a request's own full-length match (a
+#: loop, a phrase it repeats) is kept over other traffic's text
+REQUEST_MATCH_CAP = 4
 
 #: a snapshot: magic, format version, max_context, token count, CRC-32 of the tokens, then (format 2)
 #: the tokenizer's vocabulary hash (a 2-byte length and its ASCII bytes, empty when unknown); then int64 tokens
@@ -64,8 +76,8 @@ class CorruptSnapshot(ValueError):
 
 
 class SnapshotMismatch(CorruptSnapshot):
-    """A sound snapshot that does not fit where it is loaded: another tokenizer (vocabulary hash)
-    or another context length."""
+    """A sound snapshot that does not fit where it is loaded: another tokenizer (vocabulary hash).
+    (Its context length does not count: a snapshot holds tokens, indexed afresh when loaded.)"""
 
 
 @dataclass(frozen=True)
@@ -144,6 +156,10 @@ class LiveCorpus:
     Args:
         max_tokens: the cap, in tokens (boundaries included), at least 64.
         max_context: the longest suffix matched, in tokens (1..8).
+        min_match: the shortest suffix match that proposes a chain, in tokens (1..``max_context``;
+            None: ``max_context``): a shorter match in other traffic's text says little about
+            this request.  The index keeps only the lengths ``min_match..max_context`` (its memory
+            and inserts grow with how many).
         vocab_hash: the tokenizer's vocabulary hash (:func:`~ngram_service.tokenizer.tokenizer_identity`),
             written into snapshots and checked against theirs; "" while unknown (the service sets it
             from its trie, or from the first ``Learn`` call that names one).
@@ -152,10 +168,15 @@ class LiveCorpus:
         ValueError: settings out of range.
     """
 
-    def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS, max_context: int = 4, vocab_hash: str = "") -> None:
+    def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS, max_context: int = DEFAULT_MAX_CONTEXT,
+                 vocab_hash: str = "", min_match: int | None = None) -> None:
         if max_tokens < 64:
             raise ValueError(f"max_tokens must be >= 64, got {max_tokens}")
-        self._index = _native.ContextIndex(max_context, max_tokens)
+        min_match = max_context if min_match is None else min_match
+        if not 1 <= min_match <= max_context:
+            raise ValueError(f"min_match must be in 1..max_context ({max_context}), got {min_match}")
+        self.min_match = min_match
+        self._index = _native.ContextIndex(max_context, max_tokens, min_match)
         self.max_tokens, self.max_context, self.vocab_hash = max_tokens, max_context, vocab_hash
         self._lock = threading.Lock()
         self._inserts = self._evicted = self._lookups = self._hits = 0
@@ -230,8 +251,9 @@ class LiveCorpus:
 
     def chain(self, context: Sequence[int] | np.ndarray, max_len: int) -> ContextChain:
         """Up to ``max_len`` tokens that followed the most recent occurrence of the longest suffix
-        of ``context`` in the corpus (empty without one), with their probabilities under the
-        corpus (as :meth:`ContextIndex.probability <ngram_service.context.ContextIndex.probability>`).
+        of ``context`` in the corpus, at least ``min_match`` tokens long (empty without one), with
+        their probabilities under the corpus (as :meth:`ContextIndex.probability
+        <ngram_service.context.ContextIndex.probability>`).
         Only the last ``max_context`` tokens of ``context`` are read (and converted)."""
         query = np.asarray(context[-self.max_context:], dtype=np.int64).reshape(-1)
         with self._lock:
@@ -266,12 +288,8 @@ class LiveCorpus:
 
         Raises:
             FileNotFoundError: no file; CorruptSnapshot: not a snapshot, truncated, or a failed
-                checksum; SnapshotMismatch: another context length, or another tokenizer where both
-                name one (nothing is added)."""
-        snap = read_snapshot(path)
-        if snap.max_context != self.max_context:
-            raise SnapshotMismatch(f"{path}: written with max_context {snap.max_context}, this corpus uses "
-                                   f"{self.max_context}")
+                checksum; SnapshotMismatch: another tokenizer where both name one (nothing is added)."""
+        snap = read_snapshot(path)  # its tokens are indexed afresh: the context lengths it was written with do not count
         if snap.vocab_hash and self.vocab_hash and snap.vocab_hash != self.vocab_hash:
             raise SnapshotMismatch(f"{path}: written for another tokenizer (vocabulary hash {snap.vocab_hash[:12]}…, "
                                    f"this corpus's {self.vocab_hash[:12]}…)")
@@ -291,7 +309,7 @@ def with_live_chains(live: LiveCorpus, contexts: Sequence[np.ndarray], chains: S
                      max_len: int) -> list[ContextChain | None]:
     """Each sequence's chain for the tree search: its own context chain (``chains[b]``, the engine's)
     or the live corpus's continuation of ``contexts[b]``, whichever matched the longer suffix (the
-    request's own on a tie).  ``contexts``: B token sequences ending with each root (the last
+    corpus's counted at most as :data:`REQUEST_MATCH_CAP` tokens; the request's own on a tie).  ``contexts``: B token sequences ending with each root (the last
     ``max_context`` tokens are read); ``max_len``: the longest chain."""
     return prefer_longer_match(chains, [live.chain(ctx, max_len) for ctx in contexts], max_len)
 
@@ -299,12 +317,13 @@ def with_live_chains(live: LiveCorpus, contexts: Sequence[np.ndarray], chains: S
 def prefer_longer_match(chains: Sequence[ContextChain | None] | None, live: Sequence[ContextChain],
                         max_len: int) -> list[ContextChain | None]:
     """Per sequence, ``live[b]`` (its first ``max_len`` tokens) where it has tokens and matched a
-    longer suffix than ``chains[b]`` (or that one is absent or empty), otherwise ``chains[b]``."""
+    longer suffix than ``chains[b]``, its match counted at most as :data:`REQUEST_MATCH_CAP` tokens
+    (or where ``chains[b]`` is absent or empty), otherwise ``chains[b]``."""
     own = list(chains) if chains is not None else [None] * len(live)
     out = []
     for c, lv in zip(own, live):
         mine = c is not None and len(c.tokens) > 0
-        if len(lv.tokens) and (not mine or lv.match_length > c.match_length):
+        if len(lv.tokens) and (not mine or min(lv.match_length, REQUEST_MATCH_CAP) > c.match_length):
             c = lv if len(lv.tokens) <= max_len else ContextChain(lv.tokens[:max_len], lv.probs[:max_len],
                                                                   lv.match_length)
         out.append(c)

@@ -422,9 +422,10 @@ class NgramServer:
         (:class:`~ngram_service.client.ColocatedTreeSearch`): ``{"trie"`` (the file served now; None:
         logits-only), ``"trie_mtime_ns"`` (0 without one or where the file is gone), ``"live"}``;
         ``live`` is None without a live corpus, else ``{"stream", "position", "reset", "tokens",
-        "max_tokens", "max_context", "vocab_hash"}`` with the tokens appended after stream position ``since``
-        (:meth:`LiveCorpus.tokens_since <ngram_service.live.LiveCorpus.tokens_since>`: [T] int64,
-        document boundaries included).  The Serve deployment adds its node and address."""
+        "max_tokens", "max_context", "min_match", "vocab_hash"}`` with the tokens appended after
+        stream position ``since`` (:meth:`LiveCorpus.tokens_since
+        <ngram_service.live.LiveCorpus.tokens_since>`: [T] int64, document boundaries included).
+        The Serve deployment adds its node and address."""
         trie = self.trie
         path = None if trie is None else str(trie.path)
         try:
@@ -436,7 +437,7 @@ class NgramServer:
         if live is not None:
             position, reset, tokens = live.tokens_since(since)
             out["live"] = {"stream": live.stream_id, "position": position, "reset": reset, "tokens": tokens,
-                           "max_tokens": live.max_tokens, "max_context": live.max_context,
+                           "max_tokens": live.max_tokens, "max_context": live.max_context, "min_match": live.min_match,
                            "vocab_hash": live.vocab_hash}
         return out
 

@@ -23,12 +23,18 @@ inline uint64_t with_next(uint64_t h, int64_t next) { return mix(h + 0x632be59bd
 
 }  // namespace
 
-ContextIndex::ContextIndex(int max_context, size_t max_tokens)
-    : max_context_(max_context), max_tokens_(max_tokens), contexts_(max_context), follows_(max_context) {
+ContextIndex::ContextIndex(int max_context, size_t max_tokens, int min_context)
+    : max_context_(max_context), min_context_(min_context), max_tokens_(max_tokens) {
   if (max_context < 1 || max_context > kMaxContext) {
     throw std::invalid_argument("max_context must be in 1.." + std::to_string(kMaxContext) + ", got " +
                                 std::to_string(max_context));
   }
+  if (min_context < 1 || min_context > max_context) {
+    throw std::invalid_argument("min_context must be in 1..max_context (" + std::to_string(max_context) +
+                                "), got " + std::to_string(min_context));
+  }
+  contexts_.resize(max_context);
+  follows_.resize(max_context);
   if (max_tokens < static_cast<size_t>(2 * max_context + 2) || max_tokens > (1ULL << 31)) {
     throw std::invalid_argument("max_tokens must be in " + std::to_string(2 * max_context + 2) + "..2^31");
   }
@@ -49,7 +55,7 @@ void ContextIndex::index_position(size_t i) {
   int n = 0;
   suffix_hashes(tokens_, i, hashes, &n);
   const int64_t next = tokens_[i];
-  for (int m = 0; m < n; ++m) {
+  for (int m = min_context_ - 1; m < n; ++m) {
     Seen& s = contexts_[m][hashes[m]];
     ++s.count;
     s.next_pos = static_cast<uint32_t>(i);
@@ -93,7 +99,7 @@ double ContextIndex::probability_tail(const std::vector<int64_t>& tail, int64_t 
   uint64_t hashes[kMaxContext];
   int n = 0;
   suffix_hashes(tail, tail.size(), hashes, &n);
-  for (int m = n - 1; m >= 0; --m) {
+  for (int m = n - 1; m >= min_context_ - 1; --m) {
     const auto c = contexts_[m].find(hashes[m]);
     if (c == contexts_[m].end()) continue;
     const auto f = follows_[m].find(with_next(hashes[m], tok));
@@ -111,7 +117,7 @@ ContextIndex::Continuation ContextIndex::continuation(size_t max_len) const {
   uint64_t hashes[kMaxContext];
   int n = 0;
   suffix_hashes(tokens_, tokens_.size(), hashes, &n);
-  for (int m = n - 1; m >= 0; --m) {
+  for (int m = n - 1; m >= min_context_ - 1; --m) {
     const auto c = contexts_[m].find(hashes[m]);
     if (c == contexts_[m].end()) continue;
     out.match_length = m + 1;
@@ -133,7 +139,7 @@ ContextIndex::Continuation ContextIndex::continuation_after(const int64_t* query
   uint64_t hashes[kMaxContext];
   int count = 0;
   suffix_hashes(tail, tail.size(), hashes, &count);
-  for (int m = count - 1; m >= 0 && max_len > 0; --m) {
+  for (int m = count - 1; m >= min_context_ - 1 && max_len > 0; --m) {
     const auto c = contexts_[m].find(hashes[m]);
     // a suffix whose most recent occurrence ended its document proposes nothing: a shorter one may
     if (c == contexts_[m].end() || tokens_[c->second.next_pos] == kBoundary) continue;

@@ -23,7 +23,10 @@
 //
 // The same index serves as the n-gram service's live corpus: documents (finished sequences) are
 // appended each followed by kBoundary, and continuation_after() matches an outside query (a
-// request's last tokens) instead of the index's own suffix, stopping at a document's end.
+// request's last tokens) instead of the index's own suffix, stopping at a document's end.  There a
+// short match in other requests' text says little about this one, so the index can keep only the
+// lengths min_context..max_context (memory and inserts O(max_context - min_context + 1) per token):
+// a shorter suffix is never looked up, and matches nothing.
 #pragma once
 
 #include <cstddef>
@@ -35,8 +38,9 @@ namespace dart_ngram {
 
 class ContextIndex {
  public:
-  // max_context: longest suffix looked up (1..8); max_tokens: tokens kept (>= 2 * max_context + 2).
-  ContextIndex(int max_context, size_t max_tokens);
+  // max_context: longest suffix looked up (1..8); max_tokens: tokens kept (>= 2 * max_context + 2);
+  // min_context: shortest suffix kept and looked up (1..max_context).
+  ContextIndex(int max_context, size_t max_tokens, int min_context = 1);
 
   // a token id no tokenizer uses: appended after each document of a live corpus; never matched by a query,
   // and a continuation stops before it
@@ -46,6 +50,7 @@ class ContextIndex {
   size_t size() const { return tokens_.size(); }  // tokens currently indexed
   const std::vector<int64_t>& tokens() const { return tokens_; }  // the tokens indexed, oldest first
   int max_context() const { return max_context_; }
+  int min_context() const { return min_context_; }
 
   // q(tok | the indexed tokens followed by extra[0..n_extra)), as above.
   double probability(const int64_t* extra, size_t n_extra, int64_t tok) const;
@@ -76,10 +81,11 @@ class ContextIndex {
   void suffix_hashes(const std::vector<int64_t>& seq, size_t end, uint64_t* out, int* count) const;
 
   int max_context_;
+  int min_context_;
   size_t max_tokens_;
   std::vector<int64_t> tokens_;
-  std::vector<std::unordered_map<uint64_t, Seen>> contexts_;      // [m - 1]
-  std::vector<std::unordered_map<uint64_t, uint32_t>> follows_;  // [m - 1]
+  std::vector<std::unordered_map<uint64_t, Seen>> contexts_;      // [m - 1], empty below min_context
+  std::vector<std::unordered_map<uint64_t, uint32_t>> follows_;  // [m - 1], empty below min_context
 };
 
 }  // namespace dart_ngram

@@ -387,7 +387,7 @@ PYBIND11_MODULE(_native, m) {
       "counts), padded to the largest kept count.");
 
   py::class_<ContextIndex>(m, "ContextIndex")
-      .def(py::init<int, size_t>(), py::arg("max_context"), py::arg("max_tokens"))
+      .def(py::init<int, size_t, int>(), py::arg("max_context"), py::arg("max_tokens"), py::arg("min_context") = 1)
       .def(
           "append",
           [](ContextIndex& c, const I64Array& tokens) {
@@ -437,7 +437,8 @@ PYBIND11_MODULE(_native, m) {
           py::arg("start") = 0)
       .def_readonly_static("BOUNDARY", &ContextIndex::kBoundary)
       .def_property_readonly("size", &ContextIndex::size)
-      .def_property_readonly("max_context", &ContextIndex::max_context);
+      .def_property_readonly("max_context", &ContextIndex::max_context)
+      .def_property_readonly("min_context", &ContextIndex::min_context);
 
   py::class_<TrieBuilder>(m, "TrieBuilder")
       .def(py::init<int, uint32_t, std::string, uint64_t>(), py::arg("order"), py::arg("vocab_size"),

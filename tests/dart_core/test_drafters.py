@@ -156,7 +156,7 @@ def test_a_lookup_step_takes_the_live_corpus_chain_where_it_matches_longer():
     from dart_core.spec.drafters import LookupDrafter
     from ngram_service.context import ContextIndex
 
-    live = LiveCorpus(max_tokens=256)
+    live = LiveCorpus(max_tokens=256, max_context=4, min_match=1)  # the 3-token match below
     live.add([[1, 9, 3, 4, 5, 6, 7, 8]])
     own = ContextIndex(4, 1 << 16)
     own.append([3, 4, 9, 3, 4])  # its own chain: after [3, 4] came 9 (a 2-token match)

@@ -194,7 +194,7 @@ def test_the_live_corpus_counters_reach_prometheus_as_deltas(monkeypatch):
 
     ngram_module._LiveMetrics(LiveCorpus(max_tokens=64))  # Ray's own metric classes accept the definitions
     monkeypatch.setattr(metrics_module, "metrics", types.SimpleNamespace(Counter=_Recorded, Gauge=_Recorded))
-    live = LiveCorpus(max_tokens=64)
+    live = LiveCorpus(max_tokens=64, max_context=2)  # matches of 2 tokens: [2, 3] below
     m = ngram_module._LiveMetrics(live)
     live.add([[1, 2, 3], [2, 3, 4]])
     live.chain([2, 3], 2)

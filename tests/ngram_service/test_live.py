@@ -12,16 +12,21 @@ import pytest
 from ngram_service.live import BOUNDARY, LiveCorpus, with_live_chains
 from ngram_service.tree_search import ContextChain
 
+#: a corpus matching suffixes of 1 to 4 tokens (the shipped one matches 8 only): the tests of what
+#: does not depend on the match length use short documents
+SHORT = {"max_context": 4, "min_match": 1}
 
-def reference_chain(docs: list[list[int]], query: list[int], max_len: int, max_context: int = 4):
-    """What followed the most recent occurrence of the longest suffix of ``query`` (≤ max_context tokens)
-    that did not end its document, up to max_len tokens within that document; each token's q as
-    ContextIndex.probability: (|s| / max_context) · count(s·tok) / count(s) for the longest suffix s of the
-    query and the chain so far with count(s·tok) > 0."""
+
+def reference_chain(docs: list[list[int]], query: list[int], max_len: int, max_context: int = 4,
+                    min_match: int = 1):
+    """What followed the most recent occurrence of the longest suffix of ``query`` (min_match..max_context
+    tokens) that did not end its document, up to max_len tokens within that document; each token's q as
+    ContextIndex.probability: (|s| / max_context) · count(s·tok) / count(s) for the longest suffix s
+    (at least min_match tokens) of the query and the chain so far with count(s·tok) > 0."""
     corpus = [t for d in docs for t in d + [BOUNDARY]]
 
     def q(tail, tok):
-        for m in range(min(max_context, len(tail)), 0, -1):
+        for m in range(min(max_context, len(tail)), min_match - 1, -1):
             s = tail[-m:]
             starts = [i for i in range(len(corpus) - m) if corpus[i:i + m] == s]
             if not starts:
@@ -31,7 +36,7 @@ def reference_chain(docs: list[list[int]], query: list[int], max_len: int, max_c
                 return m / max_context * hits / len(starts)
         return 0.0
 
-    for m in range(min(max_context, len(query)), 0, -1):
+    for m in range(min(max_context, len(query)), min_match - 1, -1):
         s = query[-m:]
         ends = [i + m for i in range(len(corpus) - m) if corpus[i:i + m] == s]
         if not ends or corpus[ends[-1]] == BOUNDARY:
@@ -48,22 +53,51 @@ def reference_chain(docs: list[list[int]], query: list[int], max_len: int, max_c
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_the_chain_equals_the_reference(seed):
+@pytest.mark.parametrize("max_context, min_match", [(4, 1), (6, 3), (8, 8)])
+def test_the_chain_equals_the_reference(seed, max_context, min_match):
+    """Every suffix length from ``min_match`` to ``max_context`` (the shipped corpus: 8 and 8); half the
+    queries end with a piece of a document, so that long matches occur; a shorter match proposes
+    nothing."""
     rng = np.random.default_rng(seed)
     docs = [list(map(int, rng.integers(0, 6, size=int(rng.integers(1, 30))))) for _ in range(12)]
-    live = LiveCorpus(max_tokens=4096)
+    live = LiveCorpus(max_tokens=4096, max_context=max_context, min_match=min_match)
     assert live.add(docs) == sum(len(d) + 1 for d in docs)
-    for _ in range(40):
-        query = list(map(int, rng.integers(0, 6, size=int(rng.integers(1, 7)))))
+    matched = set()
+    for i in range(60):
+        query = list(map(int, rng.integers(0, 6, size=int(rng.integers(1, 10)))))
+        if i % 2:
+            doc = docs[int(rng.integers(0, len(docs)))]
+            end = int(rng.integers(1, len(doc) + 1))
+            query += doc[max(0, end - int(rng.integers(1, 11))):end]
         got = live.chain(query, 8)
-        tokens, probs, match = reference_chain(docs, query, 8)
+        tokens, probs, match = reference_chain(docs, query, 8, max_context, min_match)
+        matched.add(match)
         assert got.tokens.tolist() == tokens and got.match_length == match
         np.testing.assert_allclose(got.probs, probs, rtol=1e-6)
+    assert max(matched) >= min_match and all(m == 0 or m >= min_match for m in matched)
     assert live.chain([5, 4, 3], 0).tokens.tolist() == []
 
 
-def test_a_chain_stops_at_its_document_and_skips_a_suffix_that_ended_one():
+def test_the_shipped_corpus_matches_eight_tokens_or_nothing():
+    """The default corpus proposes a chain only after an 8-token match (``DEFAULT_MAX_CONTEXT``; tuned on
+    the tuning split): a 7-token one, which the corpus of 4..8 would have taken, proposes nothing."""
+    from ngram_service.live import DEFAULT_MAX_CONTEXT
+
     live = LiveCorpus(max_tokens=256)
+    assert live.max_context == live.min_match == DEFAULT_MAX_CONTEXT == 8
+    live.add([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]])
+    assert live.chain([1, 2, 3, 4, 5, 6, 7, 8], 8).tokens.tolist() == [9, 10, 11]
+    assert live.chain([0, 2, 3, 4, 5, 6, 7, 8], 8).tokens.tolist() == []
+    assert LiveCorpus(max_tokens=256, min_match=4).add([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]) == 12
+    four = LiveCorpus(max_tokens=256, min_match=4)
+    four.add([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]])
+    assert four.chain([0, 2, 3, 4, 5, 6, 7, 8], 8).match_length == 7
+    with pytest.raises(ValueError, match="min_match"):
+        LiveCorpus(max_tokens=256, max_context=4, min_match=5)
+
+
+def test_a_chain_stops_at_its_document_and_skips_a_suffix_that_ended_one():
+    live = LiveCorpus(max_tokens=256, **SHORT)
     live.add([[1, 2, 3], [3, 4, 5, 6]])
     assert live.chain([7, 2, 3], 8).tokens.tolist() == [4, 5, 6]  # [2, 3] ended the first document; [3] did not
     assert live.chain([4], 8).tokens.tolist() == [5, 6]
@@ -71,7 +105,7 @@ def test_a_chain_stops_at_its_document_and_skips_a_suffix_that_ended_one():
 
 
 def test_the_cap_holds_under_inserts_and_the_oldest_go_first():
-    live = LiveCorpus(max_tokens=1000)
+    live = LiveCorpus(max_tokens=1000, **SHORT)
     rng = np.random.default_rng(4)
     sizes = []
     for i in range(300):
@@ -93,7 +127,7 @@ def test_the_cap_holds_under_inserts_and_the_oldest_go_first():
 
 def test_concurrent_inserts_and_searches():
     """Four threads insert while four search; every chain is a run of some inserted document."""
-    live = LiveCorpus(max_tokens=2000)
+    live = LiveCorpus(max_tokens=2000, **SHORT)
     docs = [[d * 10 + i for i in range(8)] for d in range(40)]
     errors = []
 
@@ -123,7 +157,7 @@ def test_concurrent_inserts_and_searches():
 
 
 def test_the_longer_match_wins_and_the_request_keeps_its_own_on_a_tie():
-    live = LiveCorpus(max_tokens=256)
+    live = LiveCorpus(max_tokens=256, **SHORT)
     live.add([[1, 2, 3, 4, 5, 6]])
     own = ContextChain(np.array([9, 9]), np.array([0.5, 0.5], np.float32), 1)
     contexts = [np.array([2, 3]), np.array([3]), np.array([8])]
@@ -132,6 +166,31 @@ def test_the_longer_match_wins_and_the_request_keeps_its_own_on_a_tie():
     assert chains[1] is own  # a tie: the request's own
     assert chains[2] is None  # nothing anywhere
     assert with_live_chains(live, contexts[:1], None, 2)[0].tokens.tolist() == [4, 5]
+
+
+def test_a_requests_own_full_length_match_is_kept_over_the_corpus_longer_one():
+    """The shipped corpus matches 8 tokens, the request's own index at most 4 (REQUEST_MATCH_CAP): the
+    corpus's chain replaces the request's own only where that matched fewer than 4 (a loop or a
+    phrase the request repeats keeps its own continuation); a hint from the service follows the
+    same rule, and wins once the sequence followed one of its tokens."""
+    from ngram_service.context import ContextIndex
+    from ngram_service.live import REQUEST_MATCH_CAP
+
+    live = LiveCorpus(max_tokens=256)
+    doc = list(range(10, 30))
+    live.add([doc])
+    context = [np.array(doc[:8])]
+    corpus = live.chain(context[0], 3)
+    assert corpus.tokens.tolist() == [18, 19, 20] and corpus.match_length == 8 and REQUEST_MATCH_CAP == 4
+    for own_match, kept in ((3, False), (4, True)):
+        own = ContextChain(np.array([7, 7]), np.array([0.5, 0.5], np.float32), own_match)
+        assert (with_live_chains(live, context, [own], 3)[0] is own) == kept
+    index = ContextIndex(4, 1 << 16)
+    index.append([7, 7, 7, 7, 7, 7])  # a loop: its own chain matches 4 tokens
+    index.hint(ContextChain(np.array([18, 19, 20]), np.full(3, 0.5, np.float32), 8))
+    assert index.continuation(2).tokens.tolist() == [7, 7]  # a tie at 4: the sequence's own
+    index.append([18])
+    assert index.continuation(2).tokens.tolist() == [19, 20]  # followed: 5, longer than any own match
 
 
 def test_the_service_learns_and_every_client_drafts_from_what_another_sent(tmp_path):
@@ -158,20 +217,22 @@ def test_the_service_learns_and_every_client_drafts_from_what_another_sent(tmp_p
         probs = np.full((1, 6, 4), 0.25, np.float32)
         params = SearchParams(top_k=4, beam_width=4, budget=12)
         for _ in range(100):  # the client asks Info on a background thread (until then it sends 8 tokens)
-            if b.context_tail != 8:
+            if b.service_live:
                 break
             time.sleep(0.02)
-        assert b.context_tail == 4  # the live corpus matches 4 tokens, more than a logits-only search needs
-        tree = b.search_batch(topk, probs, [np.array([1, 2, 12, 13, 14])], params).tree(0)
-        assert {15, 16, 17} <= set(tree.tokens.tolist())
-        without = b.search_batch(topk, probs, [np.array([1, 2, 12, 13, 14])], SearchParams(
+        assert b.context_tail == 8  # the live corpus matches 8 tokens, more than a logits-only search needs
+        context = np.array([1, 2, 11, 12, 13, 14, 15, 16, 17, 18])
+        tree = b.search_batch(topk, probs, [context], params).tree(0)
+        assert {19, 20} <= set(tree.tokens.tolist())
+        assert not {19, 20} & set(b.search_batch(topk, probs, [context[:-1]], params).tree(0).tokens.tolist())
+        without = b.search_batch(topk, probs, [context], SearchParams(
             top_k=4, beam_width=4, budget=12, context_weight=0.0)).tree(0)
-        assert not {15, 16, 17} & set(without.tokens.tolist())  # context weight 0: the paper's search
+        assert not {19, 20} & set(without.tokens.tolist())  # context weight 0: the paper's search
         channel = grpc.insecure_channel(server.address)
         stub = ngram_pb2_grpc.NgramTreeSearchStub(channel)
         auth = (("authorization", "Bearer s3cret"),)
         info = stub.Info(ngram_pb2.InfoRequest(), metadata=auth).live
-        assert (info.tokens, info.max_tokens, info.inserts, info.max_context) == (11, 4096, 1, 4)
+        assert (info.tokens, info.max_tokens, info.inserts, info.max_context) == (11, 4096, 1, 8)
         assert info.lookups >= 1 and info.hits >= 1 and info.bytes > 0
         with pytest.raises(grpc.RpcError) as e:
             stub.Learn(ngram_pb2.LearnRequest(tokens=[1, 2, 3], lengths=[2]), metadata=auth)
@@ -235,11 +296,11 @@ def test_the_learn_sender_batches_off_the_caller_and_drops_what_it_cannot_hold()
 def test_a_snapshot_round_trips_and_a_corrupt_or_truncated_one_is_refused_by_name(tmp_path):
     from ngram_service.live import CorruptSnapshot
 
-    live = LiveCorpus(max_tokens=512)
+    live = LiveCorpus(max_tokens=512, **SHORT)
     live.add([[1, 2, 3, 4, 5], [6, 7, 8]])
     path = tmp_path / "live.snap"
     assert live.save(path) == 10 and not list(tmp_path.glob(".*tmp*"))  # written, nothing left beside it
-    again = LiveCorpus(max_tokens=512)
+    again = LiveCorpus(max_tokens=512, **SHORT)
     assert again.load(path) == 10 and len(again) == 10
     assert again.chain([2, 3], 4).tokens.tolist() == [4, 5]
     data = path.read_bytes()
@@ -251,8 +312,8 @@ def test_a_snapshot_round_trips_and_a_corrupt_or_truncated_one_is_refused_by_nam
             fresh.load(path)
         assert len(fresh) == 0
     path.write_bytes(data)
-    with pytest.raises(CorruptSnapshot, match="max_context"):
-        LiveCorpus(max_tokens=512, max_context=3).load(path)
+    other = LiveCorpus(max_tokens=512, max_context=3)  # other context lengths: the tokens are indexed afresh
+    assert other.load(path) == 10 and other.chain([1, 2, 3], 2).tokens.tolist() == [4, 5]
 
 
 def test_a_restarted_service_keeps_what_it_learned_and_a_bad_snapshot_starts_it_empty(tmp_path, caplog):
@@ -260,11 +321,11 @@ def test_a_restarted_service_keeps_what_it_learned_and_a_bad_snapshot_starts_it_
 
     snap = str(tmp_path / "live.snap")
     server = NgramServer(None, threads=1, learn_max_tokens=4096, learn_snapshot=snap).start()
-    server.live.add([[11, 12, 13, 14, 15]])
+    server.live.add([list(range(11, 31))])
     server.stop()  # writes the snapshot
     again = NgramServer(None, threads=1, learn_max_tokens=4096, learn_snapshot=snap).start()
     try:
-        assert again.live.chain([12, 13], 3).tokens.tolist() == [14, 15]
+        assert again.live.chain(list(range(11, 19)), 3).tokens.tolist() == [19, 20, 21]
         assert not again.save_snapshot()  # nothing new since it was loaded
     finally:
         again.stop()
@@ -331,11 +392,12 @@ def test_a_search_answers_the_live_continuation_the_engine_asked_for():
         topk = np.full((2, 4, 2), 7, np.int64)
         probs = np.full((2, 4, 2), 0.5, np.float32)
         params = SearchParams(top_k=2, beam_width=2, budget=6)
-        trees = client.search_batch(topk, probs, [np.array([1, 100, 101, 102]), np.array([3, 4])], params)
-        assert trees.live[0].tokens.tolist() == doc[3:27] and trees.live[0].match_length == 3
+        trees = client.search_batch(topk, probs, [np.array([1] + doc[:8]), np.array([3, 4])], params)
+        assert trees.live[0].tokens.tolist() == doc[8:32] and trees.live[0].match_length == 8
         assert len(trees.live[1].tokens) == 0 and trees.live[1].match_length == 0
-        assert client.search_batch(topk[:1], probs[:1], [np.array([100])], params).live[0].tokens.tolist() == doc[1:25]
-        assert client.search(topk[:1], probs[:1], [np.array([100])], params)[0].num_nodes >= 1  # trees: no live
+        assert client.search_batch(topk[:1], probs[:1], [np.array(doc[2:10])], params).live[0].tokens.tolist() == \
+            doc[10:34]
+        assert client.search(topk[:1], probs[:1], [np.array(doc[:8])], params)[0].num_nodes >= 1  # trees: no live
         other = GrpcTreeSearch(plain.address, timeout_ms=2000, live_chain_length=24)
         time.sleep(0.3)
         assert not other.service_live and other.search_batch(topk, probs, [np.array([100])] * 2, params).live is None
@@ -531,7 +593,7 @@ def test_the_colocated_client_searches_here_on_the_services_node_and_through_it_
         position, reset, tokens = live.tokens_since(since)
         return {"node_id": state["node"], "trie": state["trie"], "trie_mtime_ns": 1,
                 "live": {"stream": live.stream_id, "position": position, "reset": reset, "tokens": tokens,
-                         "max_tokens": 4096, "max_context": 4, "vocab_hash": ""}}
+                         "max_tokens": 4096, "max_context": 4, "min_match": live.min_match, "vocab_hash": ""}}
 
     class Remote(TreeSearchClient):  # the service's client, counted
         vocab_hash, calls, fallbacks, errors, address = "", 0, 0, {}, "10.0.0.1:50051"
@@ -666,14 +728,14 @@ def test_two_colocated_replicas_draft_from_what_the_other_generated(tmp_path):
         topk = rng.integers(30, 40, size=(1, 6, 4)).astype(np.int64)
         probs = np.full((1, 6, 4), 0.25, np.float32)
         params = SearchParams(top_k=4, beam_width=4, budget=12)
-        context = [np.array([1, 2, 42, 43, 44])]
-        assert not {45, 46, 47} & set(b.search_batch(topk, probs, context, params).tree(0).tokens.tolist())
+        context = [np.array([1, 2] + generated[:8])]  # 8 tokens of A's output: the live corpus's match
+        assert not {49, 50} & set(b.search_batch(topk, probs, context, params).tree(0).tokens.tolist())
         assert a.learn([generated]) == len(generated) + 1  # replica A's finished sequence, to the service
         assert len(server.live) == len(generated) + 1 and b.mirror_tokens == 0
         b.refresh()
         assert b.mirror_tokens == len(generated) + 1 and b.local
         tree = b.search_batch(topk, probs, context, params).tree(0)
-        assert {45, 46, 47} <= set(tree.tokens.tolist())
+        assert {49, 50} <= set(tree.tokens.tolist())
         assert b.remote.calls == 0 and b.local_calls == 2  # both searches ran in B's process
     finally:
         for r in replicas:
