@@ -289,7 +289,7 @@ class LiveCorpus:
         Raises:
             FileNotFoundError: no file; CorruptSnapshot: not a snapshot, truncated, or a failed
                 checksum; SnapshotMismatch: another tokenizer where both name one (nothing is added)."""
-        snap = read_snapshot(path)  # its tokens are indexed afresh: the context lengths it was written with do not count
+        snap = read_snapshot(path)  # its tokens are indexed afresh: the lengths it was written with do not count
         if snap.vocab_hash and self.vocab_hash and snap.vocab_hash != self.vocab_hash:
             raise SnapshotMismatch(f"{path}: written for another tokenizer (vocabulary hash {snap.vocab_hash[:12]}…, "
                                    f"this corpus's {self.vocab_hash[:12]}…)")
@@ -309,8 +309,9 @@ def with_live_chains(live: LiveCorpus, contexts: Sequence[np.ndarray], chains: S
                      max_len: int) -> list[ContextChain | None]:
     """Each sequence's chain for the tree search: its own context chain (``chains[b]``, the engine's)
     or the live corpus's continuation of ``contexts[b]``, whichever matched the longer suffix (the
-    corpus's counted at most as :data:`REQUEST_MATCH_CAP` tokens; the request's own on a tie).  ``contexts``: B token sequences ending with each root (the last
-    ``max_context`` tokens are read); ``max_len``: the longest chain."""
+    corpus's counted at most as :data:`REQUEST_MATCH_CAP` tokens; the request's own on a tie).
+    ``contexts``: B token sequences ending with each root (the last ``max_context`` tokens are
+    read); ``max_len``: the longest chain."""
     return prefer_longer_match(chains, [live.chain(ctx, max_len) for ctx in contexts], max_len)
 
 
