@@ -175,7 +175,6 @@ class LiveCorpus:
         min_match = max_context if min_match is None else min_match
         if not 1 <= min_match <= max_context:
             raise ValueError(f"min_match must be in 1..max_context ({max_context}), got {min_match}")
-        self.min_match = min_match
         self._index = _native.ContextIndex(max_context, max_tokens, min_match)
         self.max_tokens, self.max_context, self.vocab_hash = max_tokens, max_context, vocab_hash
         self._lock = threading.Lock()
@@ -185,6 +184,12 @@ class LiveCorpus:
 
     def __len__(self) -> int:
         return self._index.size
+
+    @property
+    def min_match(self) -> int:
+        """The shortest suffix match that proposes a chain (the index keeps no shorter one: fixed
+        when the corpus is made)."""
+        return self._index.min_context
 
     @property
     def position(self) -> int:

@@ -3,9 +3,10 @@
 ``python bench/results/live_corpus_steering/tune_min_match.py [passes] [SETTING ...]``
 
 A setting is ``MIN_MATCH`` (``max_context`` 4, the corpus's before this study) or
-``MAX_CONTEXT:MIN_MATCH``, with a trailing ``c`` where the corpus's chain replaces the request's own
-only if its match, counted at most as 4 tokens (the request's own longest), is longer; 0 is no
-corpus.  Default: 0 1 2 3 4.
+``MAX_CONTEXT:MIN_MATCH``, with a trailing ``c`` for the shipped chain choice (the corpus's chain
+replaces the request's own only if its match, counted at most as ``REQUEST_MATCH_CAP`` = 4 tokens,
+is longer); without it, the choice before this study (any longer match wins); 0 is no corpus.
+Default: 0 1 2 3 4.
 
 The live corpus holds other traffic: the target's greedy answers (128 tokens, autoregressive) to the
 first user turns of 160 ShareGPT conversations of the tuning pool (``tuning_conversations(160,
@@ -50,19 +51,20 @@ answers = [m.engine.generate([ids], sp, speculative=False).token_ids[0] for ids 
 classes = {"first": [chat_ids(p) for p in load_prompts("alpacaeval", 16)], "repeat": other[:8]}
 
 
-def capped(chains, live, max_len):
-    """prefer_longer_match, the corpus's match counted at most as 4 tokens."""
+def uncapped(chains, live, max_len):
+    """The chain choice before this study: the corpus's chain wherever it matched a longer suffix
+    than the request's own, at any length."""
     own = list(chains) if chains is not None else [None] * len(live)
     out = []
     for c, lv in zip(own, live):
-        if len(lv.tokens) and (c is None or not len(c.tokens) or min(lv.match_length, 4) > c.match_length):
+        if len(lv.tokens) and (c is None or not len(c.tokens) or lv.match_length > c.match_length):
             c = ContextChain(lv.tokens[:max_len], lv.probs[:max_len], lv.match_length)
         out.append(c)
     return out
 
 
 def corpus_for(setting: str) -> LiveCorpus | None:
-    ngram_live.prefer_longer_match = capped if setting.endswith("c") else shipped_rule
+    ngram_live.prefer_longer_match = shipped_rule if setting.endswith("c") else uncapped
     setting = setting.rstrip("c")
     order, _, least = setting.rpartition(":")
     if least == "0":
