@@ -41,6 +41,7 @@ p99 milliseconds per call in alternating blocks, and the corpus's tokens and byt
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import statistics
@@ -51,6 +52,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 from urllib.parse import urlparse
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["TrafficConfig", "MODES", "KINDS", "TEMPLATES", "build_workload", "classify", "load_workload",
            "run_traffic", "summarise", "markdown_table", "save"]
@@ -243,6 +246,40 @@ def _app(cfg: TrafficConfig, learn: bool) -> Iterator[None]:
         yield
 
 
+_STATS_SCRIPT = """
+import json, sys
+import ray
+from ray import serve
+ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+print(json.dumps(serve.get_deployment_handle("DartEngine", app_name=sys.argv[1]).stats.remote().result()))
+"""
+
+
+def _app_name(config: str | Path) -> str:
+    """The first application's name in a Serve config file."""
+    import yaml
+
+    return yaml.safe_load(Path(config).read_text())["applications"][0]["name"]
+
+
+def engine_stats(app_name: str, timeout_s: float = 120.0) -> dict | None:
+    """The engine's counters (``DartEngine.stats``: steps by mode, the speculation gate's and the
+    adaptive budget's state) of the running application ``app_name`` on the local Ray cluster, read
+    by a short-lived Ray driver in a child process, so that this process never joins the cluster
+    (it times requests); None, with a warning, where it cannot be read (no local cluster, another
+    deployment layout)."""
+    import subprocess
+    import sys
+
+    try:
+        out = subprocess.run([sys.executable, "-c", _STATS_SCRIPT, app_name], capture_output=True, text=True,
+                             timeout=timeout_s, check=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, OSError, ValueError, IndexError) as e:
+        logger.warning("cannot read the engine's stats of application %r: %s", app_name, e)
+        return None
+
+
 def search_latency(cfg: TrafficConfig) -> dict:
     """p50/p99 ms of a tree search over gRPC with a live corpus filled to its default cap, and
     without one (module docstring)."""
@@ -345,7 +382,7 @@ def run_traffic(cfg: TrafficConfig, *, progress: bool = True) -> dict:
                                   f"deployments/dart.yaml, or pass --serve)") from None
     bar = tqdm(total=cfg.passes * len(cfg.modes) * len(workload), desc="traffic benchmark", unit="request",
                disable=not progress)
-    passes = []
+    passes, stats = [], {}
     for p in range(cfg.passes):
         runs = {}
         # with --serve each mode's own server (the order rotating by pass), else all on the one at --url
@@ -358,6 +395,8 @@ def run_traffic(cfg: TrafficConfig, *, progress: bool = True) -> dict:
                     _warm_up(client, model, cfg)
                 for mode in group:
                     runs[mode] = run_mode(client, model, workload, cfg, mode, bar)
+                if cfg.serve:  # after the timed requests: the gate's and budget's state as the mode left them
+                    stats[(p, group[0])] = engine_stats(_app_name(cfg.config))
         passes.append(runs)
     bar.close()
     texts = [[r["text"] for r in runs[m]] for runs in passes for m in runs]
@@ -378,6 +417,7 @@ def run_traffic(cfg: TrafficConfig, *, progress: bool = True) -> dict:
             "passes": [{m: [{k: v for k, v in r.items() if k != "text"} for r in rs] for m, rs in runs.items()}
                        for runs in passes],
             "summary": summary, "lossless": lossless,
+            "engine_stats": [{m: stats.get((p, m)) for m in runs} for p, runs in enumerate(passes)] if cfg.serve else None,
             "search_latency": search_latency(cfg) if cfg.search_latency else None,
             "seconds": round(time.perf_counter() - started, 1)}
 

@@ -988,3 +988,33 @@ def test_the_traffic_workload_is_classed_by_what_came_before_and_summarised_per_
                           for m, v in (("learn-on", 30.0), ("learn-off", 20.0), ("no-speculation", 10.0))}}
     table = traffic.markdown_table(result)
     assert "| repeat | 1 | 30.0, 60.0, 1.00 |" in table and "| 1.00× | 3.00× | 3.00× |" in table
+
+
+def test_the_traffic_benchmark_reads_the_engines_stats_through_a_child_driver_or_says_it_cannot(monkeypatch, caplog):
+    """dart_core.bench.traffic.engine_stats: the engine's counters come back as the child Ray
+    driver printed them (its last line: Ray may print before it), for the application named in
+    the Serve config; a child that fails or prints no JSON gives None and a warning, never an
+    exception in the middle of a benchmark."""
+    import subprocess
+
+    from dart_core.bench import traffic
+
+    assert traffic._app_name("deployments/dart.yaml") == "dart"
+    seen = []
+
+    def child(args, **kwargs):
+        seen.append(args[-1])
+        return subprocess.CompletedProcess(args, 0, stdout='connecting\n{"speculative_steps": 3}\n', stderr="")
+
+    monkeypatch.setattr(subprocess, "run", child)
+    assert traffic.engine_stats("dart") == {"speculative_steps": 3} and seen == ["dart"]
+
+    def failing(args, **kwargs):
+        raise subprocess.CalledProcessError(1, args, stderr="no cluster")
+
+    for run in (failing, lambda args, **kw: subprocess.CompletedProcess(args, 0, stdout="", stderr="")):
+        monkeypatch.setattr(subprocess, "run", run)
+        with caplog.at_level("WARNING", logger="dart_core.bench.traffic"):
+            assert traffic.engine_stats("dart") is None
+        assert "cannot read the engine's stats" in caplog.text
+        caplog.clear()
