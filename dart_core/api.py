@@ -352,6 +352,8 @@ class DartModel:
             gate = SpeculationGate(probe_every=spec.gate_probe_every, can_pay=policy.can_pay)
         if draft is not None:
             draft.use_kernels(kernels)
+        if drafter is not None:  # the EAGLE-3 drafter sizes each draft to what the budget keeps
+            drafter.budget = policy
         engine = DartEngine(target, draft, tree_search, params, budget=policy, gate=gate, drafter=drafter,
                             **spec.engine_kwargs())
         if cuda_graphs and draft is not None and spec.draft_graphs:

@@ -270,7 +270,8 @@ class _Bench:
         """An engine on the same target drafting with the EAGLE-3 head ``cfg.eagle3_head``
         (``eagle3_depth``, ``eagle3_top_k``, ``eagle3_total_tokens`` nodes; its linear layers as the
         run's ``draft_weights`` put the DART head's: :func:`dart_core.api.eagle3_drafter`), its own
-        adaptive budget on the same verification cost curve when the run's budget is adaptive, else
+        adaptive budget on the same verification cost curve when the run's budget is adaptive (which
+        also sizes each draft: :meth:`~dart_core.spec.eagle3.Eagle3Drafter.tree_size`), else
         that many nodes."""
         from dart_core.api import eagle3_drafter
         from dart_core.spec.budget import AdaptiveBudget
@@ -281,8 +282,8 @@ class _Bench:
         total = cfg.eagle3_total_tokens if cfg.budget == "auto" else int(cfg.budget) + 1
         drafter = eagle3_drafter(cfg.eagle3_head, self.engine.target, draft_weights=cfg.draft_weights,
                                  total_tokens=total, depth=cfg.eagle3_depth, top_k=cfg.eagle3_top_k)
-        budget = AdaptiveBudget(self.engine.budget.curve) if self.engine.budget is not None else None
-        return DartEngine(self.engine.target, drafter=drafter, budget=budget)
+        drafter.budget = AdaptiveBudget(self.engine.budget.curve) if self.engine.budget is not None else None
+        return DartEngine(self.engine.target, drafter=drafter, budget=drafter.budget)
 
     def _load_dense(self, cfg: DecodingConfig) -> None:
         from dart_core.step.engine import DartEngine

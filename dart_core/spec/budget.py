@@ -544,16 +544,23 @@ class AdaptiveBudget:
             return max_depth
         return max(1, min(max_depth, max(self._kept_depths) + 1))
 
+    def node_limit(self, max_nodes: int) -> int:
+        """The most draft nodes the next tree needs (≤ ``max_nodes``): twice the most any tree kept
+        over the last ``depth_window`` steps, at least 4, so trees can grow back when they pay.
+        Before any step, ``max_nodes``."""
+        if not self._kept_nodes:
+            return max_nodes
+        return min(max_nodes, max(4, 2 * max(self._kept_nodes)))
+
     def search_params(self, params: SearchParams) -> SearchParams:
-        """The tree search sized to what this budget keeps: at most twice the most draft nodes any
-        tree kept over the last ``depth_window`` steps (at least 4), with a beam width no wider
-        than that and a top-k no wider than that or 8, whichever is more, so that a step that
-        verifies a few nodes does not search for ``params.budget`` (a tree of n nodes has at most
-        n nodes on a level; the top-k keeps room for the n-gram term to promote a token the head
-        ranks lower).  Before any step, ``params``."""
+        """The tree search sized to what this budget keeps: :meth:`node_limit` nodes, with a beam
+        width no wider than that and a top-k no wider than that or 8, whichever is more, so that a
+        step that verifies a few nodes does not search for ``params.budget`` (a tree of n nodes has
+        at most n nodes on a level; the top-k keeps room for the n-gram term to promote a token the
+        head ranks lower).  Before any step, ``params``."""
         if not self._kept_nodes:
             return params
-        n = min(params.budget, max(4, 2 * max(self._kept_nodes)))
+        n = self.node_limit(params.budget)
         key = (params, n)
         if key not in self._sized:
             self._sized[key] = replace(params, budget=n, beam_width=min(params.beam_width, n),

@@ -40,6 +40,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from dart_core.model.device import sync_device
+from dart_core.spec.budget import AdaptiveBudget
 from dart_core.spec.draft_head import HeadLoadError, add_reference_layers, checked_state
 from dart_core.spec.drafters import DraftInputs, Drafter, HeadState, Proposal, ProposalKind
 from ngram_service.tree_search import DraftTree
@@ -463,6 +464,9 @@ class Eagle3Drafter(Drafter):
         total_tokens, depth, top_k: the tree's size (nodes, root included), its expansions after
             the first level, and the children per node and frontier width (:func:`draft_tree`;
             the reference's defaults are 60, 7 and 10).
+        budget: the engine's adaptive budget (None: every draft has the sizes above).  With one,
+            each draft is sized to what the budget keeps (:meth:`tree_size`): a head forward per
+            level the budget may keep, over no more frontier nodes than it may keep.
 
     Each node's acceptance estimate (``DraftTree.probs``) is its draft probability given its parent,
     so an adaptive budget prices a path by the product along it, as for DART's trees.
@@ -474,12 +478,33 @@ class Eagle3Drafter(Drafter):
     uses_taps = True
 
     def __init__(self, head: Eagle3Head, embed: nn.Module, *, total_tokens: int = 60, depth: int = 7,
-                 top_k: int = 10) -> None:
+                 top_k: int = 10, budget: AdaptiveBudget | None = None) -> None:
         if min(depth, top_k) < 1 or not 2 <= total_tokens <= top_k + depth * top_k * top_k + 1:
             raise ValueError(f"total_tokens must be in 2..{top_k + depth * top_k * top_k + 1} "
                              f"and depth, top_k >= 1 (got {total_tokens}, {depth}, {top_k})")
         self.head, self.embed = head, embed
         self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
+        self.budget = budget
+
+    def tree_size(self) -> tuple[int, int, int]:
+        """(total_tokens, depth, top_k) of the next draft (:func:`draft_trees`' arguments).
+
+        Without a budget, the drafter's own.  With one, what the budget can keep: the levels below
+        the root it asks for (:meth:`AdaptiveBudget.search_depth
+        <dart_core.spec.budget.AdaptiveBudget.search_depth>` of depth + 1; one head forward each),
+        and n = :meth:`~dart_core.spec.budget.AdaptiveBudget.node_limit` draft nodes, a frontier and
+        children per node of at most n, and n + 1 nodes with the root.  The smaller frontier loses
+        no node the n-node tree could hold: a node's cumulative score is below its parent's, so the
+        n best nodes' parents are among the n best, and a level holds at most n of them.  Each level
+        costs a head forward and its ``lm_head`` rows, which on a CPU are most of the draft's time.
+        """
+        total, depth, top_k = self.total_tokens, self.depth, self.top_k
+        if self.budget is None:
+            return total, depth, top_k
+        depth = self.budget.search_depth(depth + 1) - 1  # levels below the root, less the root's forward's
+        n = self.budget.node_limit(total - 1)
+        top_k = min(top_k, n)
+        return min(total, n + 1, top_k + depth * top_k * top_k + 1), depth, top_k
 
     def new_state(self, rows: int, device: torch.device) -> HeadState:
         return HeadState.empty(rows, self.head, device)
@@ -493,9 +518,10 @@ class Eagle3Drafter(Drafter):
             raise RuntimeError("an EAGLE-3 draft needs every row's newly accepted positions")
         nexts = torch.tensor([row + [0] * (width - len(row)) for row in state.next], dtype=torch.long,
                              device=state.taps.device)
+        total, depth, top_k = self.tree_size()
         trees, new_k, new_v = draft_trees(self.head, self.embed, state.cache.keys, state.cache.values,
                                           state.cache.lengths, state.taps[:, :width], nexts, state.counts,
-                                          total_tokens=self.total_tokens, depth=self.depth, top_k=self.top_k)
+                                          total_tokens=total, depth=depth, top_k=top_k)
         state.cache.append(new_k, new_v, state.counts)
         state.clear()
         sync_device(state.taps.device)

@@ -155,10 +155,37 @@ def test_greedy_decoding_with_the_eagle3_drafter_equals_autoregressive(arch, len
         out = DartEngine(target, drafter=drafter).generate(prompts, sp)
         assert out.token_ids == ar.token_ids
         assert out.verified_nodes > 2 * out.sequence_steps  # the steps verified trees, not roots alone
-    budget = AdaptiveBudget(VerifyCostCurve((1, 64), (10.0, 10.5)))
-    drafter = Eagle3Drafter(_random_head(target, 1), target.embed_tokens, total_tokens=12, depth=3, top_k=4)
-    assert DartEngine(target, drafter=drafter, budget=budget).generate(prompts, sp).token_ids == ar.token_ids
+    for sized in (False, True):  # the budget choosing nodes; and sizing each draft too (tree_size)
+        budget = AdaptiveBudget(VerifyCostCurve((1, 64), (10.0, 10.5)))
+        drafter = Eagle3Drafter(_random_head(target, 1), target.embed_tokens, total_tokens=12, depth=3, top_k=4,
+                                budget=budget if sized else None)
+        assert DartEngine(target, drafter=drafter, budget=budget).generate(prompts, sp).token_ids == ar.token_ids
 
+
+def test_an_adaptive_budget_sizes_each_eagle3_draft_to_what_it_keeps(reference):
+    """Eagle3Drafter.tree_size: without a budget, or before the budget saw a step, the drafter's
+    own sizes; after a step that kept two nodes, to depth 2, three levels below the root (two
+    expansions) over a frontier of 4 (the budget's node limit) and 5 nodes.  The smaller frontier
+    and top-k lose nothing: at those node and level counts the tree equals the one drafted with
+    the drafter's wider top-k (a node's score is below its parent's, so the best n nodes' parents
+    are among the best n)."""
+    from ngram_service.tree_search import DraftTree, TreeBatch
+
+    head, embed, inp = reference
+    budget = AdaptiveBudget(VerifyCostCurve((1, 64), (10.0, 10.5)))
+    drafter = Eagle3Drafter(head, embed, total_tokens=30, depth=4, top_k=6, budget=budget)
+    assert drafter.tree_size() == (30, 4, 6) and Eagle3Drafter(head, embed).tree_size() == (60, 7, 10)
+    chain = DraftTree.from_parents(np.array([1, 2, 3, 4]), np.array([-1, 0, 1, 2]), np.array([0, 1, 2, 3]),
+                                   np.zeros(4), np.array([1.0, 0.9, 0.01, 0.01]))
+    budget.select_batch(TreeBatch.from_trees([chain]))  # keeps two nodes, to depth 2
+    assert (budget.search_depth(5), budget.node_limit(29)) == (3, 4)
+    assert drafter.tree_size() == (5, 2, 4)
+    trees = [draft_tree(head, embed, Eagle3Cache(), inp["step1_hidden_states"], inp["step1_draft_input_ids"],
+                        total_tokens=5, depth=2, top_k=k) for k in (4, 6)]
+    assert len(trees[0].tokens) == 5 and int(trees[0].depths.max()) <= 3
+    for name in ("tokens", "parents", "depths"):
+        assert torch.equal(getattr(trees[0], name), getattr(trees[1], name))
+    torch.testing.assert_close(trees[0].scores, trees[1].scores)
 
 def test_drafter_sizes_are_checked(reference):
     with pytest.raises(ValueError, match="total_tokens"):
@@ -190,6 +217,7 @@ def test_dart_model_with_method_eagle3(tiny_model_dir):
     cfg = SpeculativeConfig(method="eagle3", eagle3_total_tokens=12, eagle3_depth=3, eagle3_top_k=4)
     model = DartModel.from_pretrained(tiny_model_dir, head="random", trie=None, speculative_config=cfg)
     assert isinstance(model.engine.drafter, Eagle3Drafter) and model.engine.head is None
+    assert model.engine.drafter.budget is model.engine.budget is not None  # the budget sizes its drafts
     prompt = [{"role": "user", "content": "Count from one to ten."}]
     ar = model.generate(prompt, max_new_tokens=16, speculative=False)
     assert model.generate(prompt, max_new_tokens=16)[0].token_ids == ar[0].token_ids
