@@ -121,12 +121,13 @@ class AppConfig(BaseModel):
         "dart", description='the drafter: "dart" (the DART head + the n-gram tree search), "eagle3" (an EAGLE-3 '
                             "head's dynamic tree: `head` must name an EAGLE-3 checkpoint folder, none ships), "
                             '"none" (no drafter: autoregressive decoding)')
-    eagle3_total_tokens: int | None = Field(None, description="with method eagle3: tree nodes, root included "
-                                                              "(default: the engine's, the reference's 60)")
-    eagle3_depth: int | None = Field(None, description="with method eagle3: expansions after the first level "
-                                                       "(default: the engine's, 7)")
-    eagle3_top_k: int | None = Field(None, description="with method eagle3: children per node and frontier width "
-                                                       "(default: the engine's, 10)")
+    eagle3_total_tokens: int | None = Field(None, description="with method eagle3: the most tree nodes, root "
+                                                              "included; the adaptive budget drafts fewer where it "
+                                                              "keeps fewer (default: the engine's, the reference's 60)")
+    eagle3_depth: int | None = Field(None, description="with method eagle3: the most expansions after the first "
+                                                       "level (default: the engine's, 7)")
+    eagle3_top_k: int | None = Field(None, description="with method eagle3: the most children per node and "
+                                                       "frontier width (default: the engine's, 10)")
     max_batch_size: int = Field(16, ge=1, le=_LIMITS.max_batch,
                                 description="sequences decoded together by one engine replica")
     max_speculative_batch: int | None = Field(8, ge=1, description="above this many running sequences a step is "

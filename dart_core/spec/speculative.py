@@ -53,9 +53,10 @@ class SpeculativeConfig:
     fold_width: int | None = FOLD_WIDTH  # held draft-head inputs folded past this many positions; None: held
     prefix_cache_tokens: int = 0  # prompts' KV entries kept for prompts that start alike, positions (0: off)
     method: str = "dart"  # the drafter: "dart" (head + tree search), "eagle3" (an EAGLE-3 head's tree), "none"
-    eagle3_total_tokens: int = 60  # with method eagle3: tree nodes, root included (the reference's default)
-    eagle3_depth: int = 7  # with method eagle3: expansions after the first level
-    eagle3_top_k: int = 10  # with method eagle3: children per node and frontier width
+    # with method eagle3, the largest tree (the adaptive budget drafts less: Eagle3Drafter.tree_size):
+    eagle3_total_tokens: int = 60  # nodes, root included (the reference's default)
+    eagle3_depth: int = 7  # expansions after the first level
+    eagle3_top_k: int = 10  # children per node and frontier width
 
     def __post_init__(self) -> None:
         if not (self.budget == "auto" or (isinstance(self.budget, int) and not isinstance(self.budget, bool)
