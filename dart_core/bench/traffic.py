@@ -224,6 +224,13 @@ def summarise(records: list[dict]) -> dict:
     return out
 
 
+def _first_app(config: str | Path) -> dict:
+    """The first application of a Serve config file (its ``name``, ``args``, ...)."""
+    import yaml
+
+    return yaml.safe_load(Path(config).read_text())["applications"][0]
+
+
 @contextmanager
 def _app(cfg: TrafficConfig, learn: bool) -> Iterator[None]:
     """With ``cfg.serve``, a fresh ``serve run`` of ``cfg.config`` with ``ngram.learn`` set
@@ -235,11 +242,9 @@ def _app(cfg: TrafficConfig, learn: bool) -> Iterator[None]:
     if not cfg.serve:
         yield
         return
-    import yaml
-
     from dart_core.bench.report import launch_app
 
-    ngram = yaml.safe_load(Path(cfg.config).read_text())["applications"][0]["args"].get("ngram") or {}
+    ngram = _first_app(cfg.config)["args"].get("ngram") or {}
     with launch_app(None, port=urlparse(cfg.url).port or 8000, timeout_s=600.0, config=cfg.config,
                     log=Path(tempfile.gettempdir()) / "dart-traffic-serve.log",
                     args={"ngram": {**ngram, "learn": learn}}):
@@ -253,13 +258,6 @@ from ray import serve
 ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
 print(json.dumps(serve.get_deployment_handle("DartEngine", app_name=sys.argv[1]).stats.remote().result()))
 """
-
-
-def _app_name(config: str | Path) -> str:
-    """The first application's name in a Serve config file."""
-    import yaml
-
-    return yaml.safe_load(Path(config).read_text())["applications"][0]["name"]
 
 
 def engine_stats(app_name: str, timeout_s: float = 120.0) -> dict | None:
@@ -383,6 +381,7 @@ def run_traffic(cfg: TrafficConfig, *, progress: bool = True) -> dict:
     bar = tqdm(total=cfg.passes * len(cfg.modes) * len(workload), desc="traffic benchmark", unit="request",
                disable=not progress)
     passes, stats = [], {}
+    app_name = _first_app(cfg.config)["name"] if cfg.serve else None
     for p in range(cfg.passes):
         runs = {}
         # with --serve each mode's own server (the order rotating by pass), else all on the one at --url
@@ -396,7 +395,7 @@ def run_traffic(cfg: TrafficConfig, *, progress: bool = True) -> dict:
                 for mode in group:
                     runs[mode] = run_mode(client, model, workload, cfg, mode, bar)
                 if cfg.serve:  # after the timed requests: the gate's and budget's state as the mode left them
-                    stats[(p, group[0])] = engine_stats(_app_name(cfg.config))
+                    stats[(p, group[0])] = engine_stats(app_name)
         passes.append(runs)
     bar.close()
     texts = [[r["text"] for r in runs[m]] for runs in passes for m in runs]
@@ -417,7 +416,8 @@ def run_traffic(cfg: TrafficConfig, *, progress: bool = True) -> dict:
             "passes": [{m: [{k: v for k, v in r.items() if k != "text"} for r in rs] for m, rs in runs.items()}
                        for runs in passes],
             "summary": summary, "lossless": lossless,
-            "engine_stats": [{m: stats.get((p, m)) for m in runs} for p, runs in enumerate(passes)] if cfg.serve else None,
+            "engine_stats": ([{m: stats.get((p, m)) for m in runs} for p, runs in enumerate(passes)]
+                             if cfg.serve else None),
             "search_latency": search_latency(cfg) if cfg.search_latency else None,
             "seconds": round(time.perf_counter() - started, 1)}
 

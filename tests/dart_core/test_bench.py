@@ -999,7 +999,7 @@ def test_the_traffic_benchmark_reads_the_engines_stats_through_a_child_driver_or
 
     from dart_core.bench import traffic
 
-    assert traffic._app_name("deployments/dart.yaml") == "dart"
+    assert traffic._first_app("deployments/dart.yaml")["name"] == "dart"
     seen = []
 
     def child(args, **kwargs):

@@ -187,6 +187,7 @@ def test_an_adaptive_budget_sizes_each_eagle3_draft_to_what_it_keeps(reference):
         assert torch.equal(getattr(trees[0], name), getattr(trees[1], name))
     torch.testing.assert_close(trees[0].scores, trees[1].scores)
 
+
 def test_drafter_sizes_are_checked(reference):
     with pytest.raises(ValueError, match="total_tokens"):
         Eagle3Drafter(reference[0], reference[1], total_tokens=30, depth=1, top_k=4)
