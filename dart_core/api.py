@@ -35,6 +35,7 @@ from dart_core.model.kernel_config import KernelConfig
 from dart_core.model.quant import can_int4, default_kernel, qmm_runs_vectorised, quantize_linears
 from dart_core.model.rows import can_pack, pack_linears
 from dart_core.step.sampling import SamplingParams
+from dart_core.spec.routing import RoutedDrafter
 from dart_core.spec.speculative import SpeculativeConfig
 from dart_core.model.target import TargetModel
 from dart_core.model.tokenizer import DEFAULT_MODEL, resolve_model, tokenizer_identity
@@ -213,6 +214,7 @@ class DartModel:
         cuda_graphs: bool = False,
         speculative_config: SpeculativeConfig | None = None,
         kernel_config: KernelConfig | None = None,
+        eagle3_head: str | Path | None = None,
     ) -> "DartModel":
         """Loads everything from local files.
 
@@ -283,6 +285,11 @@ class DartModel:
             kernel_config: the kernel and memory switches (:class:`~dart_core.model.kernel_config.KernelConfig`:
                 SDPA backends, grouped-query attention, static-cache windows, freed CPU memory kept);
                 None: its defaults. Both configs are logged at start-up.
+            eagle3_head: with method dart, an EAGLE-3 head folder (or ``"random"``) loaded beside the
+                DART head, sized by the config's ``eagle3_*`` fields: each sequence is then drafted by
+                the method its request names (``NewSequence.method``, the serving API's ``"method"``
+                field; :class:`~dart_core.spec.routing.RoutedDrafter`), DART by default, and every
+                tree is verified in the same forward. None: DART alone.
 
         Raises:
             TypeError: a value given under both its name and its reference alias, or
@@ -291,7 +298,8 @@ class DartModel:
             ReferenceTrieError: a reference n-gram file that is truncated or inconsistent.
             HeadLoadError: the head does not fit the target.
             TokenizerMismatchError: the trie was built with another tokenizer.
-            ValueError: ``cuda_graphs`` off CUDA; method eagle3 without a head; an unknown
+            ValueError: ``cuda_graphs`` off CUDA; method eagle3 without a head; ``eagle3_head`` with a
+                method other than dart, or where no DART head is loaded; an unknown
                 ``weights``, or "gguf-native" where it does not apply (see
                 :meth:`TargetModel.from_pretrained`); an unknown ``draft_weights``, or "q8_0" off the
                 CPU, without AVX-512 or with a non-float32 ``draft_dtype``.
@@ -312,6 +320,9 @@ class DartModel:
         dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
         if cuda_graphs and not str(device).startswith("cuda"):
             raise ValueError(f"cuda_graphs needs a CUDA device, not {device}")
+        if eagle3_head is not None and spec.method != "dart":
+            raise ValueError(f"eagle3_head loads an EAGLE-3 head beside the DART head (method dart), not with method "
+                             f"{spec.method} (method eagle3 takes its head as head=)")
         kernels = kernel_config or KernelConfig()
         logger.info("speculative config: %s; kernel config: %s", spec, kernels.as_dict())
         if str(device) == "cpu" and device_map is None and kernels.keep_freed_memory:
@@ -358,6 +369,14 @@ class DartModel:
                             **spec.engine_kwargs())
         if cuda_graphs and draft is not None and spec.draft_graphs:
             engine.drafter.enable_static_draft()
+        if eagle3_head is not None:  # both heads: each request names its drafter
+            if engine.drafter is None:
+                raise ValueError(f"eagle3_head is loaded beside a DART head, and none is loaded for {name}")
+            eagle3 = eagle3_drafter(eagle3_head, target, draft_weights=draft_weights, draft_dtype=draft_dtype,
+                                    total_tokens=spec.eagle3_total_tokens, depth=spec.eagle3_depth,
+                                    top_k=spec.eagle3_top_k)
+            eagle3.budget = policy
+            engine.drafter = RoutedDrafter({"dart": engine.drafter, "eagle3": eagle3}, default="dart")
         return cls(engine, target.tokenizer)
 
     @staticmethod
@@ -440,8 +459,14 @@ class DartModel:
 
     def generate(self, inputs: Prompt | Sequence[Prompt], *, max_new_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 stop_token_ids: Sequence[int] | None = None, stream: bool = False, speculative: bool = True):
-        """Generates for one prompt or a batch (text, token ids, or chat messages).
+                 stop_token_ids: Sequence[int] | None = None, stream: bool = False, speculative: bool = True,
+                 method: str | None = None):
+        """Generates for one prompt or a batch (text, token ids, or chat messages).  ``method``: the
+        drafter (``"dart"``, or ``"eagle3"`` where an ``eagle3_head`` is loaded beside it); None: the
+        model's default.
+
+        Raises:
+            ValueError: a method the model does not hold (as :meth:`DartEngine.generate_stream`).
 
         Returns:
             a :class:`GenerateOutput` (list of :class:`Completion`), or with
@@ -451,14 +476,14 @@ class DartModel:
         sampling = self.sampling_params(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                         top_k=top_k, seed=seed, stop_token_ids=stop_token_ids)
         if stream:
-            return self._stream(prompts, sampling, speculative)
-        result = self.engine.generate(prompts, sampling, speculative=speculative)
+            return self._stream(prompts, sampling, speculative, method)
+        result = self.engine.generate(prompts, sampling, speculative=speculative, method=method)
         return GenerateOutput([Completion(ids, self.tokenizer.decode(ids, skip_special_tokens=True), reason)
                                for ids, reason in zip(result.token_ids, result.finish_reasons)], result)
 
-    def _stream(self, prompts, sampling, speculative) -> Iterator[StreamChunk]:
+    def _stream(self, prompts, sampling, speculative, method) -> Iterator[StreamChunk]:
         detoks = [IncrementalDetokenizer(self.tokenizer) for _ in prompts]
-        for step in self.engine.generate_stream(prompts, sampling, speculative=speculative):
+        for step in self.engine.generate_stream(prompts, sampling, speculative=speculative, method=method):
             for sid, toks, reason in zip(step.seq_ids, step.new_tokens, step.finish_reasons):
                 delta = detoks[sid].add(toks)
                 if reason is not None:

@@ -121,6 +121,10 @@ class AppConfig(BaseModel):
         "dart", description='the drafter: "dart" (the DART head + the n-gram tree search), "eagle3" (an EAGLE-3 '
                             "head's dynamic tree: `head` must name an EAGLE-3 checkpoint folder, none ships), "
                             '"none" (no drafter: autoregressive decoding)')
+    eagle3_head: str | None = Field(None, description="with method dart: an EAGLE-3 checkpoint folder loaded beside "
+                                                      "the DART head; each request may then name \"method\": "
+                                                      "\"eagle3\" (DART stays the default, both verified in one "
+                                                      "forward); null = DART alone")
     eagle3_total_tokens: int | None = Field(None, description="with method eagle3: the most tree nodes, root "
                                                               "included; the adaptive budget drafts fewer where it "
                                                               "keeps fewer (default: the engine's, the reference's 60)")
@@ -188,6 +192,9 @@ class AppConfig(BaseModel):
     @model_validator(mode="after")
     def _speculation_is_valid(self) -> "AppConfig":
         self.speculative_config()  # validated where every speculation setting is: SpeculativeConfig
+        if self.eagle3_head is not None and self.method != "dart":
+            raise ValueError(f"eagle3_head loads an EAGLE-3 head beside the DART head (method dart), not with "
+                             f"method {self.method}: method eagle3 takes its checkpoint as head")
         return self
 
     def speculative_config(self):

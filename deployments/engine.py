@@ -183,7 +183,7 @@ class DartEngineDeployment:
         self.model = load_in_own_thread(lambda: DartModel.from_pretrained(
             cfg.model, head=cfg.head, trie=None, dtype=dtype, weights=cfg.weights,
             gguf_kernel=cfg.gguf_kernel, draft_weights=cfg.draft_weights,
-            speculative_config=cfg.speculative_config()))
+            speculative_config=cfg.speculative_config(), eagle3_head=cfg.eagle3_head))
         self.tree_search = self.learner = None
         if self._ngram is not None:
             self.tree_search = grpc_tree_search(cfg.ngram, self._resolve_ngram,
@@ -207,8 +207,9 @@ class DartEngineDeployment:
             max_grammar_chars=cfg.max_grammar_chars, recalibrate_after_s=cfg.recalibrate_after_s),
             observer=_Metrics(self.tree_search, self.learner, cfg.ngram.learn_prompts,
                               self.model.engine.prefix_cache)).start()
-        logger.info("DART engine ready: %s, head %s, speculative %s, max batch %d", self.name,
-                    "none" if self.model.engine.head is None else "loaded", cfg.speculative, cfg.max_batch_size)
+        logger.info("DART engine ready: %s, head %s, methods %s, speculative %s, max batch %d", self.name,
+                    "none" if self.model.engine.head is None else "loaded", ", ".join(self.batcher.methods),
+                    cfg.speculative, cfg.max_batch_size)
 
     def _resolve_ngram(self) -> str:
         """The service's address, asked of its replica (on the client's background thread)."""

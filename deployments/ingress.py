@@ -236,6 +236,9 @@ class _Common(BaseModel):
                                                 "steps autoregressively")
     learn: bool = Field(True, description="dart-serve extension: false keeps this request's tokens out of the "
                                           "n-gram service's live corpus (where the deployment keeps one)")
+    method: str | None = Field(None, description='dart-serve extension: the drafter, "dart", "eagle3" (where the '
+                                                 'deployment loads an EAGLE-3 head: eagle3_head) or "none" (as '
+                                                 '"speculative": false); null = the deployment\'s method')
     # vLLM's sampling extensions, as vLLM means them (load generators such as guidellm send them)
     ignore_eos: bool = Field(False, description="vLLM extension: keep generating past the EOS token")
     min_tokens: int = Field(0, ge=0, description="vLLM extension: EOS and stop_token_ids are held back until this "
@@ -404,6 +407,7 @@ def _generation_request(body: _Common, **prompt) -> GenerationRequest:
         return GenerationRequest(**prompt, max_tokens=body.max_completion_tokens or body.max_tokens,
                                  temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
                                  stop=body.stop_strings(), speculative=body.speculative, learn=body.learn,
+                                 method=body.method,
                                  logprobs=body.logprobs_k(),
                                  ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
                                  stop_token_ids=tuple(body.stop_token_ids or ()),
@@ -737,7 +741,9 @@ class OpenAIIngress:
                 top_k=request.top_k, seed=request.seed if request.HasField("seed") else None,
                 stop=tuple(request.stop),
                 speculative=request.speculative if request.HasField("speculative") else True,
-                learn=request.learn if request.HasField("learn") else True, ignore_eos=request.ignore_eos, stop_token_ids=tuple(request.stop_token_ids),
+                learn=request.learn if request.HasField("learn") else True,
+                method=request.method if request.HasField("method") else None,
+                ignore_eos=request.ignore_eos, stop_token_ids=tuple(request.stop_token_ids),
                 skip_special_tokens=request.skip_special_tokens if request.HasField("skip_special_tokens") else True,
                 include_stop_str_in_output=request.include_stop_str_in_output, min_tokens=request.min_tokens,
                 grammar=_grpc_grammar(request))

@@ -159,6 +159,7 @@ class _Request:
     detok: IncrementalDetokenizer
     sink: Sink
     learn: bool = True
+    method: str | None = None  # the drafter named by the request (None: the engine's default)
     output: list[int] = field(default_factory=list)  # generated token ids so far (kept when ``learn``)
     arrived: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
@@ -339,20 +340,32 @@ class ContinuousBatcher:
         except GrammarError as e:
             raise InvalidRequest(str(e)) from None
 
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The methods a request may name: the engine's drafters (:attr:`DartEngine.methods`) and
+        ``"none"`` (no speculation for that request)."""
+        return tuple(getattr(self.engine, "methods", ())) + ("none",)
+
     def submit(self, request: GenerationRequest, sink: Sink) -> RequestHandle:
         """Queues a request; ``sink`` then receives its chunks, or one exception, from the engine thread.
 
         Raises:
-            InvalidRequest: before anything is queued (see :meth:`sampling_params`, :func:`encode_prompt`).
+            InvalidRequest: before anything is queued (see :meth:`sampling_params`, :func:`encode_prompt`);
+                a ``method`` this engine does not hold (:attr:`methods`).
             RuntimeError: the batcher is not running.
         """
         if not self.alive or self._stop.is_set():
             raise RuntimeError("the batcher is not running (call start())")
+        if request.method is not None and request.method not in self.methods:
+            raise InvalidRequest(f"method {request.method} is not loaded by this deployment (loaded: "
+                                 f"{', '.join(self.methods)})")
         ids = encode_prompt(self.tokenizer, request)
         sampling = replace(self.sampling_params(request, len(ids)), grammar=self.grammar(request))
         detok = IncrementalDetokenizer(self.tokenizer, request.stop, skip_special_tokens=request.skip_special_tokens,
                                        include_stop=request.include_stop_str_in_output)
-        req = _Request(ids, sampling, request.speculative, detok, sink, learn=request.learn)
+        method = None if request.method == "none" else request.method  # "none": as speculative false
+        req = _Request(ids, sampling, request.speculative and request.method != "none", detok, sink,
+                       learn=request.learn, method=method)
         self._incoming.put(req)
         return RequestHandle(req, len(ids))
 
@@ -518,7 +531,7 @@ class ContinuousBatcher:
             self.observer.on_admit(1e3 * (now - r.arrived), self.queued)
         self.running += len(reqs)
         # a request that opted out of learning leaves nothing behind: its prompt is not prefix-cached either
-        return [NewSequence(r.ids, r.sampling, r.speculative, cache_prefix=r.learn) for r in reqs]
+        return [NewSequence(r.ids, r.sampling, r.speculative, cache_prefix=r.learn, method=r.method) for r in reqs]
 
     def _publish(self, step: StepOutput, by_seq: dict[int, _Request]) -> None:
         prefill = not any(step.accepted_lengths)

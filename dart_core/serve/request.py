@@ -19,6 +19,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
+from dart_core.spec.speculative import METHODS
 from dart_core.step.grammar import GrammarSpec
 
 __all__ = ["InvalidRequest", "ChatMessage", "GenerationRequest", "TokenLogprob", "GenerationChunk",
@@ -75,6 +76,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()  # stop strings, not included in the text
     speculative: bool = True  # False: decode this request without speculation (its batch steps autoregressively)
     learn: bool = True  # False: this request's tokens never enter the n-gram service's live corpus
+    method: str | None = None  # the drafter ("dart", "eagle3" where loaded; "none" = speculative False); None: default
     logprobs: int | None = None  # None: none; k >= 0: each token's log-probability and the k most likely
     # vLLM's sampling extensions, with vLLM's meaning
     ignore_eos: bool = False  # keep generating past the model's EOS token (load generators fix lengths so)
@@ -115,6 +117,8 @@ class GenerationRequest:
         object.__setattr__(self, "stop", stop)
         _require(isinstance(self.speculative, bool), "speculative must be true or false")
         _require(isinstance(self.learn, bool), "learn must be true or false")
+        _require(self.method is None or self.method in METHODS,
+                 f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
         _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
                  f"top logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):

@@ -127,11 +127,23 @@ class Drafter:
     uses_taps: bool = False
     #: CUDA graphs the drafter has captured so far (a step that captured one is not typical of its mode)
     captures: int = 0
+    #: the method a request names to be drafted so (its ``"method"`` field); None: not a request's choice
+    method: str | None = None
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The methods a request may name with this drafter (a routed drafter holds several)."""
+        return (self.method,) if self.method is not None else ()
 
     def propose(self, inputs: DraftInputs) -> Proposal | None:
         """One tree per running sequence, or None to step autoregressively this time.  Changes
         nothing the engine's other phases read; a drafter may consume its own ``inputs.state``."""
         raise NotImplementedError
+
+    def propose_trees(self, inputs: DraftInputs) -> Proposal | None:
+        """As :meth:`propose`, but a proposal of kind ``TREE`` (or None): what a step that verifies
+        several drafters' trees together asks for (:class:`~dart_core.spec.routing.RoutedDrafter`)."""
+        return self.propose(inputs)
 
     def new_state(self, rows: int, device: torch.device) -> "HeadState | None":
         """The per-row state of ``rows`` joining sequences (with ``uses_taps``: an empty
@@ -346,6 +358,7 @@ class HeadTreeDrafter(Drafter):
     """
 
     uses_taps = True
+    method = "dart"
 
     def __init__(self, head: DartDraftHead, embed: torch.nn.Module, tree_search: TreeSearchClient,
                  search_params: SearchParams, *, budget: AdaptiveBudget | None = None,
@@ -484,6 +497,10 @@ class DartDrafter(HeadTreeDrafter):
         # the budget, the node limit and the tree search as they are now (the engine may have swapped them)
         length = min(self.lookup_length, self.search_params.budget)
         return _lookup(inputs, self.budget, length, self.tree_search) or super().propose(inputs)
+
+    def propose_trees(self, inputs: DraftInputs) -> Proposal:
+        """The head and the tree search, never a lookup step (a lookup's chain is sized apart)."""
+        return super().propose(inputs)
 
 
 @dataclass(frozen=True)

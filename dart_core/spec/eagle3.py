@@ -476,6 +476,7 @@ class Eagle3Drafter(Drafter):
     """
 
     uses_taps = True
+    method = "eagle3"
 
     def __init__(self, head: Eagle3Head, embed: nn.Module, *, total_tokens: int = 60, depth: int = 7,
                  top_k: int = 10, budget: AdaptiveBudget | None = None) -> None:

@@ -37,6 +37,7 @@ from dart_core.spec.budget import AdaptiveBudget, SpeculationGate
 from dart_core.model.device import sync_device as _sync
 from dart_core.spec.draft_head import DartDraftHead
 from dart_core.spec.drafters import DartDrafter, DraftBatch, Drafter, DraftInputs, HeadState, NoDraft, Proposal, ProposalKind
+from dart_core.spec.routing import RoutedDrafter, RoutedState
 from dart_core.step.grammar import row_constraint
 from dart_core.model.kv_cache import cache_mask, pad_cat
 from dart_core.model.prefix_cache import PrefixCache
@@ -260,11 +261,11 @@ class DartEngine:
     # -- public API -------------------------------------------------------
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None, *,
-                 speculative: bool = True) -> GenerationResult:
+                 speculative: bool = True, method: str | None = None) -> GenerationResult:
         """Drains :meth:`generate_stream`; returns every sequence's tokens and τ."""
         sampling = sampling or SamplingParams()
         result = GenerationResult([[] for _ in prompts], ["length"] * len(prompts))
-        for step in self.generate_stream(prompts, sampling, speculative=speculative):
+        for step in self.generate_stream(prompts, sampling, speculative=speculative, method=method):
             for sid, toks, reason, acc in zip(step.seq_ids, step.new_tokens, step.finish_reasons,
                                               step.accepted_lengths):
                 result.token_ids[sid].extend(toks)
@@ -287,7 +288,7 @@ class DartEngine:
     def generate_stream(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams]
                         | None = None, *, speculative: bool = True, admit: Callable[[], list[NewSequence]] | None = None,
                         cancelled: Container[int] = (), max_speculative_batch: int | None = None,
-                        ) -> Iterator[StepOutput]:
+                        method: str | None = None) -> Iterator[StepOutput]:
         """Decodes a batch; yields one :class:`StepOutput` per target forward.
 
         Args:
@@ -306,10 +307,12 @@ class DartEngine:
                 plain autoregressive steps (speculation stops paying at large batch);
                 the draft head catches up on the skipped positions at the next draft
                 (most of them folded into its KV cache ahead of it: ``fold_width``).
+            method: the drafter of the ``prompts`` (one of :attr:`methods`; a sequence from
+                ``admit`` names its own, ``NewSequence.method``); None: the engine's default.
 
         Raises:
             ValueError: empty prompt, token id outside the vocabulary, or a prompt
-                that leaves no room in the target's context.
+                that leaves no room in the target's context; a method the engine does not hold.
         """
         speculative = speculative and self.drafter is not None
         prompts = [list(map(int, p)) for p in prompts]
@@ -325,12 +328,14 @@ class DartEngine:
         # the draft head's inputs (taps of accepted positions, its KV cache) are kept for drafters that read them
         state = _BatchState.empty(speculative and self.drafter.uses_taps)
         next_id = 0
-        pending = [NewSequence(p, s) for p, s in zip(prompts, samplings)]
+        pending = [NewSequence(p, s, method=method) for p, s in zip(prompts, samplings)]
+        self._check_methods(pending)
         while True:
             if admit is not None:
                 joining = admit()
                 if joining:
                     self._check_prompts([list(map(int, x.prompt)) for x in joining])
+                    self._check_methods(joining)
                     pending += joining
             if pending:
                 ids = list(range(next_id, next_id + len(pending)))
@@ -407,7 +412,8 @@ class DartEngine:
                           context=[self._new_context(p) if speculative and x.speculative else None
                                    for p, x in zip(prompts, joining)], constraints=constraints)
         if state.speculative:  # the prompt's positions feed the first draft (rows that opted out keep none)
-            new.draft = self.drafter.new_state(len(prompts), device)
+            new.draft = (self.drafter.new_state(len(prompts), device, methods=[x.method for x in joining])
+                         if isinstance(self.drafter, RoutedDrafter) else self.drafter.new_state(len(prompts), device))
             new.add_pending(taps, torch.arange(taps.shape[1], device=device)[None, :].expand(len(prompts), -1),
                             cache.lengths, [p[1:] + [f] for p, f in zip(prompts, first)])
             # the work the first draft would do, done now (the batch then holds one position per row)
@@ -564,6 +570,18 @@ class DartEngine:
 
     # -- internals ----------------------------------------------------------
 
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The drafting methods a joining sequence may name (``NewSequence.method``): the drafter's,
+        several with a :class:`~dart_core.spec.routing.RoutedDrafter`; none without a drafter."""
+        return self.drafter.methods if self.drafter is not None else ()
+
+    def _check_methods(self, joining: list["NewSequence"]) -> None:
+        for x in joining:
+            if x.method is not None and x.method not in self.methods:
+                raise ValueError(f"no drafter for method {x.method!r} in this engine (loaded: "
+                                 f"{', '.join(self.methods) or 'none'})")
+
     def _check_prompts(self, prompts: list[list[int]]) -> None:
         vocab = self.target.config.vocab_size
         for i, p in enumerate(prompts):
@@ -635,6 +653,7 @@ class NewSequence:
     sampling: SamplingParams
     speculative: bool = True  # False: while this sequence runs, every step of the batch is autoregressive
     cache_prefix: bool = True  # False: the prompt's entries are not kept in the engine's prefix cache
+    method: str | None = None  # the drafter that drafts it (one of DartEngine.methods); None: the engine's default
 
 
 def _rows():
@@ -661,7 +680,7 @@ class _BatchState:
     constraints: list = _rows()
     cache: TargetCache | None = None
     # the drafter's own per-row inputs (with a drafter that reads taps, while the batch may speculate)
-    draft: HeadState | None = None
+    draft: HeadState | RoutedState | None = None
     speculative: bool = False  # whether the batch keeps draft inputs (a tap-reading drafter, speculation allowed)
 
     @classmethod

@@ -113,6 +113,10 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(app, body, status,
     ({"presence_penalty": 0, "frequency_penalty": 0.0, "user": "u1", "logit_bias": {}, "store": False}, 200, ""),
     ({"repetition_penalty": 1.0, "ignore_eos": True, "min_tokens": 2, "skip_special_tokens": True,
       "stop_token_ids": [], "include_stop_str_in_output": False}, 200, ""),
+    ({"method": "eagle3"}, 400, "method eagle3 is not loaded by this deployment (loaded: dart, none)"),
+    ({"method": "medusa"}, 400, "method must be one of dart, eagle3, none"),
+    ({"method": "dart"}, 200, ""),
+    ({"method": "none"}, 200, ""),
 ])
 def test_openai_fields_work_or_are_refused(app, extra, status, needle):
     body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2} | extra
@@ -336,6 +340,14 @@ def test_grpc_generate_and_stream(app, reference):
             stub.Generate(dart_pb2.GenerateRequest(prompt="hi", max_tokens=4, min_tokens=2, stop=["x"]), metadata=meta,
                           timeout=60)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_tokens" in e.value.details()
+        # the drafter per request: "none" decodes without speculation; a head the deployment lacks is refused
+        plain = stub.Generate(dart_pb2.GenerateRequest(messages=req.messages, max_tokens=12, method="none"),
+                              metadata=meta, timeout=60)
+        assert plain.text == want and plain.dart.draft_tokens == 0  # no tree verified
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Generate(dart_pb2.GenerateRequest(prompt="hi", max_tokens=2, method="eagle3"), metadata=meta,
+                          timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not loaded" in e.value.details()
 
 
 STRUCTURED = {"type": "object", "additionalProperties": False, "required": ["colour", "count"],
@@ -822,7 +834,8 @@ def test_the_ngram_service_writes_its_snapshot_when_serve_stops_it(app, tmp_path
 def test_an_app_with_method_eagle3_answers_with_the_targets_greedy_text(app, reference):
     """``method: eagle3`` serves with an EAGLE-3 drafter (here a random head: none ships): the
     OpenAI client's answer is the target's greedy text, ``usage.dart.tau`` is reported, and the
-    engine's steps speculate."""
+    engine's steps speculate.  Then an app with both heads (``eagle3_head`` beside a DART head):
+    each request's ``"method"`` picks the drafter, every answer the target's greedy text."""
     from openai import OpenAI
 
     from deployments.config import AppConfig
@@ -847,6 +860,24 @@ def test_an_app_with_method_eagle3_answers_with_the_targets_greedy_text(app, ref
         assert stats["speculative_steps"] > 0
     finally:
         serve.delete("eagle3")
+    cfg = AppConfig.model_validate({"model": app["model"], "served_model_name": "both", "head": "random",
+                                    "eagle3_head": "random", "budget": 8, "eagle3_total_tokens": 12,
+                                    "eagle3_depth": 3, "eagle3_top_k": 4, "ngram": {"enabled": False}})
+    engine = DartEngineDeployment.options(name="BothEngine", ray_actor_options={"num_cpus": 0.5}).bind(
+        cfg.model_dump(), None)
+    ingress = OpenAIIngress.options(name="BothIngress", ray_actor_options={"num_cpus": 0.1}).bind(
+        engine, cfg.model_dump())
+    serve.run(ingress, name="both", route_prefix="/both")
+    try:
+        client = OpenAI(base_url=f"{HTTP}/both/v1", api_key="unused", max_retries=0)
+        want = reference(msgs, 12)
+        for method in ("eagle3", "dart", None, "none"):
+            out = client.chat.completions.create(model="both", messages=msgs, max_tokens=12, temperature=0,
+                                                 extra_body={"method": method} if method else None)
+            assert out.choices[0].message.content == want, method
+            assert (out.usage.model_extra["dart"]["draft_tokens"] > 0) == (method != "none"), method
+    finally:
+        serve.delete("both")
 
 
 def test_library_logs_reach_the_replica_log(monkeypatch):

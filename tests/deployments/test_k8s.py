@@ -51,18 +51,17 @@ def test_cluster_has_the_node_groups_the_app_needs():
 
 def test_the_qwen3_reference_example_is_a_valid_gpu_config():
     """deployments/dart-qwen3-reference.yaml: valid app args, the reference's paths and search
-    settings, GPU engines, the n-gram service on the n-gram host with the target's tokenizer; beside
-    it an EAGLE-3 app on the same target (the reference demo's pair), valid but not run here."""
+    settings, GPU engines, the n-gram service on the n-gram host with the target's tokenizer; an
+    EAGLE-3 head loaded beside the DART head on the same target (the reference demo's pair, picked
+    per request), valid but not run here."""
     example = yaml.safe_load((ROOT / "deployments/dart-qwen3-reference.yaml").read_text())
     local = yaml.safe_load((ROOT / "deployments/dart.yaml").read_text())
     for key in ("proxy_location", "http_options", "grpc_options"):
         assert example[key] == local[key], key
-    app, eagle3 = example["applications"]
-    e3 = AppConfig.model_validate(eagle3["args"])
-    assert (e3.method, e3.model, e3.ngram.enabled) == ("eagle3", app["args"]["model"], False)
+    app, = example["applications"]
+    e3 = AppConfig.model_validate(app["args"])
+    assert (e3.method, e3.eagle3_head) == ("dart", "/models/Qwen3-8B_eagle3")
     assert (e3.eagle3_total_tokens, e3.eagle3_depth, e3.eagle3_top_k) == (60, 7, 10)
-    assert eagle3["route_prefix"] != app["route_prefix"] and eagle3["name"] != app["name"]
-    assert {d["name"] for d in eagle3["deployments"]} == {"OpenAIIngress", "DartEngine"}
     assert app["import_path"] == local["applications"][0]["import_path"]
     cfg = AppConfig.model_validate(app["args"])
     assert (cfg.top_k, cfg.beam_width, cfg.context_weight) == (25, 20, 0.0)
