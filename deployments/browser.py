@@ -42,6 +42,7 @@ class ColumnResult:
     bonus: int  # bonus-token marks
     stats: str  # the figures line under the column
     error: str  # the column's error message, if any
+    visible: bool = True  # shown: a pane of a drafter the server loads (EAGLE-3's only where it has the head)
 
 
 def find_chromium() -> tuple[str, str]:
@@ -89,23 +90,25 @@ const col = document.querySelector(arguments[0]);
 return {state: col.dataset.state || "idle", text: col.querySelector('.output').textContent,
         steps: new Set(Array.from(col.querySelectorAll('.output span'), s => s.dataset.step)).size,
         bonus: col.querySelectorAll('.output .bonus').length,
-        stats: col.querySelector('.stats').textContent, error: col.querySelector('.error').textContent};
+        stats: col.querySelector('.stats').textContent, error: col.querySelector('.error').textContent,
+        visible: !col.hidden};
 """
 
 
 def read_column(driver, selector: str) -> ColumnResult:
-    """The state of one column (``#col-dart`` or ``#col-ar``)."""
+    """The state of one column (``#col-dart``, ``#col-eagle3`` or ``#col-ar``)."""
     return ColumnResult(**driver.execute_script(_READ_COLUMN, selector))
 
 
 def run_compare(driver, url: str, prompt: str, *, max_tokens: int = 64, temperature: float = 0.0,
                 timeout_s: float = 300.0, api_key: str | None = None) -> dict:
     """Opens the page, types the prompt (and ``api_key`` into the page's key field, for a server
-    that asks for one), presses Run and waits until the run ends (both columns done, or a message
+    that asks for one), presses Run and waits until the run ends (every shown column done, or a message
     shown) or ``timeout_s`` passes.
 
     Returns:
-        ``{"dart": ColumnResult, "ar": ColumnResult, "message": str, "speedup": str, "model": str}``.
+        ``{"dart": ColumnResult, "eagle3": ColumnResult, "ar": ColumnResult, "message": str, "speedup": str,
+        "model": str}`` (the EAGLE-3 pane is hidden and idle where the server loads no EAGLE-3 head).
     """
     from selenium.webdriver.common.by import By
 
@@ -130,11 +133,11 @@ def run_compare(driver, url: str, prompt: str, *, max_tokens: int = 64, temperat
 
 
 def press_run(driver, timeout_s: float = 300.0) -> dict:
-    """Presses Run on the page already open and waits until the run ends (both columns done,
-    or a message shown) or ``timeout_s`` passes.
+    """Presses Run on the page already open and waits until the run ends (every shown column
+    done, or a message shown) or ``timeout_s`` passes.
 
     Returns:
-        ``{"dart": ColumnResult, "ar": ColumnResult, "message": str, "speedup": str}``.
+        ``{"dart": ColumnResult, "eagle3": ColumnResult, "ar": ColumnResult, "message": str, "speedup": str}``.
     """
     from selenium.webdriver.common.by import By
 
@@ -143,14 +146,17 @@ def press_run(driver, timeout_s: float = 300.0) -> dict:
     while time.monotonic() < deadline:
         time.sleep(0.2)
         message = driver.find_element(By.ID, "message").text
-        dart, ar = read_column(driver, "#col-dart"), read_column(driver, "#col-ar")
-        ended = message or (dart.state == "done" and ar.state == "done"
+        cols = [read_column(driver, f"#col-{name}") for name in _COLUMNS]
+        ended = message or (all(c.state == "done" for c in cols if c.visible)
                             and driver.find_element(By.ID, "speedup").text)
         if ended:
             break
-    return {"dart": read_column(driver, "#col-dart"), "ar": read_column(driver, "#col-ar"),
-            "message": driver.find_element(By.ID, "message").text,
-            "speedup": driver.find_element(By.ID, "speedup").text}
+    return {name: read_column(driver, f"#col-{name}") for name in _COLUMNS} | {
+        "message": driver.find_element(By.ID, "message").text,
+        "speedup": driver.find_element(By.ID, "speedup").text}
+
+
+_COLUMNS = ("dart", "eagle3", "ar")  # the page's columns (#col-dart, ...), press_run's keys
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--width", type=int, default=1400)
     p.add_argument("--height", type=int, default=1250)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for both runs [%(default)s]")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for every run [%(default)s]")
     args = p.parse_args(argv)
     try:
         driver = chromium_driver(args.width, args.height)
@@ -179,10 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         driver.quit()
     summary = {k: (v.__dict__ if isinstance(v, ColumnResult) else v) for k, v in result.items()}
-    for col in ("dart", "ar"):
+    for col in _COLUMNS:
         summary[col] = {k: v for k, v in summary[col].items() if k != "text"}
     print(json.dumps(summary | {"screenshot": str(args.out)}, indent=1, ensure_ascii=False))
-    ok = result["dart"].state == result["ar"].state == "done"
+    ok = all(result[col].state == "done" for col in _COLUMNS if result[col].visible)
     return 0 if ok else 1
 
 

@@ -223,6 +223,10 @@ class DartEngineDeployment:
     def model_name(self) -> str:
         return self.name
 
+    def methods(self) -> list[str]:
+        """The drafters a request's ``"method"`` may name here, ``"none"`` included (ContinuousBatcher.methods)."""
+        return list(self.batcher.methods)
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[list[GenerationChunk]]:
         """Streams one completion as lists of chunks: the first chunk alone and at once, then the
         chunks of each ``stream_interval_ms`` together (see

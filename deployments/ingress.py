@@ -546,12 +546,18 @@ class OpenAIIngress:
         self.api_key = os.environ.get(self.cfg.api_key_env) or None
         self.admin_key = os.environ.get(self.cfg.admin_key_env) or None
         self.name = None
+        self.methods: list[str] | None = None  # the drafters a request may name (asked of an engine once)
         self._engine_up, self._engine_checked = False, float("-inf")
 
     async def _model_name(self) -> str:
         if self.name is None:
             self.name = await self.engine.model_name.remote()
         return self.name
+
+    async def _methods(self) -> list[str]:
+        if self.methods is None:
+            self.methods = list(await self.engine.methods.remote())
+        return self.methods
 
     def _key_ok(self, authorization: str | None) -> bool:
         """Whether ``authorization`` carries the API key (:func:`_bearer_is`); True when no key is set
@@ -612,8 +618,10 @@ class OpenAIIngress:
     @app.get("/v1/models")
     async def models(self, request: Request):
         self._check_key(request.headers.get("authorization"))
+        # "methods" (a dart-serve extension): what a request's "method" may name on this deployment
         return {"object": "list", "data": [{"id": await self._model_name(), "object": "model",
-                                            "created": 0, "owned_by": "dart-serve"}]}
+                                            "created": 0, "owned_by": "dart-serve",
+                                            "methods": await self._methods()}]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):

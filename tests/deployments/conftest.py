@@ -67,6 +67,27 @@ def guarded(app):
 
 
 @pytest.fixture(scope="package")
+def both(app):
+    """A third app on the same cluster (route /both): a random DART head and a random EAGLE-3 head
+    (``eagle3_head``) on one target, each request naming its drafter (``"method"``)."""
+    from deployments.config import AppConfig
+    from deployments.engine import DartEngineDeployment
+    from deployments.ingress import OpenAIIngress
+
+    cfg = AppConfig.model_validate({"model": app["model"], "served_model_name": "both", "head": "random",
+                                    "eagle3_head": "random", "budget": 8, "eagle3_total_tokens": 12,
+                                    "eagle3_depth": 3, "eagle3_top_k": 4, "max_tokens_limit": 64,
+                                    "ngram": {"enabled": False}})
+    engine = DartEngineDeployment.options(name="BothEngine", ray_actor_options={"num_cpus": 0.5}).bind(
+        cfg.model_dump(), None)
+    ingress = OpenAIIngress.options(name="BothIngress", ray_actor_options={"num_cpus": 0.1}).bind(
+        engine, cfg.model_dump())
+    serve.run(ingress, name="both", route_prefix="/both")
+    yield f"{HTTP}/both"
+    serve.delete("both")
+
+
+@pytest.fixture(scope="package")
 def reference(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)

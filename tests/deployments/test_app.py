@@ -28,6 +28,8 @@ pytestmark = pytest.mark.slow
 def test_models_and_health(app):
     assert httpx.get(f"{HTTP}/health").json() == {"status": "ok"}
     assert [m.id for m in client().models.list().data] == [NAME]
+    # a dart-serve extension: the drafters a request's "method" may name here
+    assert httpx.get(f"{HTTP}/v1/models").json()["data"][0]["methods"] == ["dart", "none"]
 
 
 def test_health_follows_the_engine_replicas():
@@ -831,7 +833,7 @@ def test_the_ngram_service_writes_its_snapshot_when_serve_stops_it(app, tmp_path
     assert [d.tolist() for d in read_snapshot(snap).documents()] == docs
 
 
-def test_an_app_with_method_eagle3_answers_with_the_targets_greedy_text(app, reference):
+def test_an_app_with_method_eagle3_answers_with_the_targets_greedy_text(app, both, reference):
     """``method: eagle3`` serves with an EAGLE-3 drafter (here a random head: none ships): the
     OpenAI client's answer is the target's greedy text, ``usage.dart.tau`` is reported, and the
     engine's steps speculate.  Then an app with both heads (``eagle3_head`` beside a DART head):
@@ -858,26 +860,17 @@ def test_an_app_with_method_eagle3_answers_with_the_targets_greedy_text(app, ref
         assert out.usage.model_extra["dart"]["tau"] >= 1.0
         stats = serve.get_deployment_handle("Eagle3Engine", app_name="eagle3").stats.remote().result()
         assert stats["speculative_steps"] > 0
+        assert httpx.get(f"{HTTP}/eagle3/v1/models").json()["data"][0]["methods"] == ["eagle3", "none"]
     finally:
         serve.delete("eagle3")
-    cfg = AppConfig.model_validate({"model": app["model"], "served_model_name": "both", "head": "random",
-                                    "eagle3_head": "random", "budget": 8, "eagle3_total_tokens": 12,
-                                    "eagle3_depth": 3, "eagle3_top_k": 4, "ngram": {"enabled": False}})
-    engine = DartEngineDeployment.options(name="BothEngine", ray_actor_options={"num_cpus": 0.5}).bind(
-        cfg.model_dump(), None)
-    ingress = OpenAIIngress.options(name="BothIngress", ray_actor_options={"num_cpus": 0.1}).bind(
-        engine, cfg.model_dump())
-    serve.run(ingress, name="both", route_prefix="/both")
-    try:
-        client = OpenAI(base_url=f"{HTTP}/both/v1", api_key="unused", max_retries=0)
-        want = reference(msgs, 12)
-        for method in ("eagle3", "dart", None, "none"):
-            out = client.chat.completions.create(model="both", messages=msgs, max_tokens=12, temperature=0,
-                                                 extra_body={"method": method} if method else None)
-            assert out.choices[0].message.content == want, method
-            assert (out.usage.model_extra["dart"]["draft_tokens"] > 0) == (method != "none"), method
-    finally:
-        serve.delete("both")
+    client = OpenAI(base_url=f"{both}/v1", api_key="unused", max_retries=0)
+    want = reference(msgs, 12)
+    assert httpx.get(f"{both}/v1/models").json()["data"][0]["methods"] == ["dart", "eagle3", "none"]
+    for method in ("eagle3", "dart", None, "none"):
+        out = client.chat.completions.create(model="both", messages=msgs, max_tokens=12, temperature=0,
+                                             extra_body={"method": method} if method else None)
+        assert out.choices[0].message.content == want, method
+        assert (out.usage.model_extra["dart"]["draft_tokens"] > 0) == (method != "none"), method
 
 
 def test_library_logs_reach_the_replica_log(monkeypatch):

@@ -1,6 +1,7 @@
 """The compare page (``GET /`` and ``/compare``): served by the app from files in the package,
 self-contained, and driven in headless Chromium (``browser`` marker) against the tiny served
-model: both columns fill with the target's greedy text, steps are coloured, the bonus tokens are
+model: every column (DART, EAGLE-3 where the server loads its head, autoregressive) fills with the
+target's greedy text, steps are coloured, the bonus tokens are
 marked, the figures and the speed-up appear; an empty prompt, a refused request, a server that
 is gone and a stream cut short each show a message instead of a stuck page."""
 
@@ -65,6 +66,30 @@ def test_both_columns_fill_with_coloured_steps_and_figures(app, reference, brows
     assert "steps speculative" in dart.stats and "draft nodes" in dart.stats and "draft nodes" not in ar.stats
     assert "× the tokens/s of autoregressive decoding" in result["speedup"]
     assert "identical output" in result["speedup"]
+    # this server loads no EAGLE-3 head: its pane is hidden and never runs
+    assert not result["eagle3"].visible and result["eagle3"].state == "idle" and "EAGLE-3" not in result["speedup"]
+
+
+@pytest.mark.slow
+@pytest.mark.browser
+def test_three_panes_where_the_server_loads_both_heads(both, reference, browser):
+    """A server with a DART and an EAGLE-3 head: the page shows DART, EAGLE-3 and autoregressive
+    panes, runs each (its request naming the method), all three show the target's greedy text with
+    coloured steps, the speculative panes mark bonus tokens, and the speed-up line gives each
+    drafter against autoregressive decoding and DART against EAGLE-3."""
+    want = reference([{"role": "user", "content": PROMPT}], 24)
+    result = run_compare(browser, f"{both}/compare", PROMPT, max_tokens=24, timeout_s=240)
+    dart, eagle3, ar = result["dart"], result["eagle3"], result["ar"]
+    assert result["message"] == "" and result["model"] == "both", result
+    assert dart.visible and eagle3.visible and ar.visible
+    assert dart.state == eagle3.state == ar.state == "done", (dart, eagle3, ar)
+    assert dart.text == eagle3.text == ar.text == want
+    for col in (dart, eagle3):
+        assert col.steps >= 2 and col.bonus >= 1 and "steps speculative" in col.stats and "24 tokens" in col.stats
+    assert ar.bonus == 0 and "draft nodes" not in ar.stats
+    speedup = result["speedup"]
+    assert "DART: " in speedup and "EAGLE-3: " in speedup and "DART ÷ EAGLE-3: " in speedup
+    assert "identical output" in speedup
 
 
 @pytest.mark.slow
