@@ -4,9 +4,11 @@ HTTP with the official ``openai`` client (``python -m dart_core.bench.serving``)
 For each concurrency level C (default 1, 4, 16, 64) and each mode — ``dart``
 and ``no-speculation`` (the same server, requests sent with the dart-serve
 extension ``"speculative": false``, so both modes run in one run on one
-deployment) — C client threads each send ``requests_per_client`` streaming
-chat completions back to back (MT-Bench first turns, T = 0).  The two modes
-alternate which goes first from level to level.  ``--repeats N`` runs each
+deployment), and with ``--modes dart eagle3 no-speculation`` ``eagle3`` (requests
+naming ``"method": "eagle3"``, on a deployment that loads an EAGLE-3 head beside
+the DART head: ``eagle3_head``) — C client threads each send ``requests_per_client`` streaming
+chat completions back to back (MT-Bench first turns, T = 0).  The modes
+alternate their order (as given, then reversed) from level to level.  ``--repeats N`` runs each
 level N times, still alternating (:func:`run_sweep`), and reports each
 (level, mode)'s median pass, with every pass's tokens/s.
 
@@ -29,7 +31,7 @@ requests through it one at a time in the same mode (streamed and
 detokenised, as the server does): the table then gives served ÷ in-process
 tokens/s per mode, what the serving path (HTTP, Ray Serve's handles, the
 replica's batcher, the n-gram service's gRPC hop, processes sharing the
-cores) costs against the engine alone.
+cores) costs against the engine alone (modes ``dart`` and ``no-speculation``; not ``eagle3``).
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-__all__ = ["ServingConfig", "MODES", "run_serving", "run_sweep", "markdown_table", "plot_serving", "save"]
+__all__ = ["ServingConfig", "MODES", "SERVING_MODES", "run_serving", "run_sweep", "markdown_table", "plot_serving", "save"]
 
-MODES = ("dart", "no-speculation")
+MODES = ("dart", "no-speculation")  # the default modes, and the batching benchmark's
+# every mode of the serving sweep: "eagle3" sends "method": "eagle3" to a deployment that loads an EAGLE-3 head
+SERVING_MODES = ("dart", "eagle3", "no-speculation")
 
 
 @dataclass
@@ -96,7 +100,7 @@ def run_sweep(levels: list[int], modes: list[str], repeats: int, run_level, bar)
         for mode, runs in passes.items():
             median = sorted(runs, key=lambda r: r["tokens_per_s"])[(len(runs) - 1) // 2]
             rows.append({**median, "tokens_per_s_runs": [r["tokens_per_s"] for r in runs]})
-    rows.sort(key=lambda r: (r["concurrency"], MODES.index(r["mode"])))
+    rows.sort(key=lambda r: (r["concurrency"], SERVING_MODES.index(r["mode"])))
     return rows
 
 
@@ -127,9 +131,10 @@ def add_request(rec: dict, t0: float, first: float | None, last: float | None, t
         rec["tau"].append(tau)
 
 
-def level_row(concurrency: int, speculative: bool, wall_s: float, rec: dict) -> dict:
-    """One row of the results: a level's record summarised (tokens/s, TTFT, ITL, τ)."""
-    return {"concurrency": concurrency, "mode": "dart" if speculative else "no-speculation",
+def level_row(concurrency: int, speculative: bool, wall_s: float, rec: dict, mode: str | None = None) -> dict:
+    """One row of the results: a level's record summarised (tokens/s, TTFT, ITL, τ); ``mode``: its
+    name (default ``"dart"`` or ``"no-speculation"`` by ``speculative``)."""
+    return {"concurrency": concurrency, "mode": mode or ("dart" if speculative else "no-speculation"),
             "seconds": round(wall_s, 2), "requests": rec["requests"], "errors": len(rec["errors"]),
             "error_samples": rec["errors"][:3], "completion_tokens": rec["tokens"],
             "tokens_per_s": round(rec["tokens"] / wall_s, 2), "requests_per_s": round(rec["requests"] / wall_s, 3),
@@ -149,10 +154,12 @@ def run_clients(concurrency: int, worker) -> float:
     return time.perf_counter() - start
 
 
-def _level(client, model: str, prompts: list[str], concurrency: int, speculative: bool,
-           cfg: ServingConfig) -> dict:
+def _level(client, model: str, prompts: list[str], concurrency: int, mode: str, cfg: ServingConfig) -> dict:
     lock = threading.Lock()
     rec = new_record()
+    # "dart" leaves the drafter to the deployment (its method); "eagle3" names it
+    extra = {"speculative": mode != "no-speculation", "learn": cfg.learn} | (
+        {"method": "eagle3"} if mode == "eagle3" else {})
 
     def worker(cid: int) -> None:
         for k in range(cfg.requests_per_client):
@@ -164,7 +171,7 @@ def _level(client, model: str, prompts: list[str], concurrency: int, speculative
                 stream = client.chat.completions.create(
                     model=model, messages=[{"role": "user", "content": prompt}], max_tokens=cfg.max_tokens,
                     temperature=0, stream=True, stream_options={"include_usage": True},
-                    extra_body={"speculative": speculative, "learn": cfg.learn})
+                    extra_body=extra)
                 for chunk in stream:
                     if chunk.choices and chunk.choices[0].delta.content:
                         last = time.perf_counter()
@@ -180,7 +187,7 @@ def _level(client, model: str, prompts: list[str], concurrency: int, speculative
                 add_request(rec, t0, first, last, usage.completion_tokens if usage is not None else 0,
                             dart.get("tau"))
 
-    return level_row(concurrency, speculative, run_clients(concurrency, worker), rec)
+    return level_row(concurrency, mode != "no-speculation", run_clients(concurrency, worker), rec, mode=mode)
 
 
 def in_process_pass(model, prompts: list[str], cfg: ServingConfig, speculative: bool) -> float:
@@ -200,7 +207,8 @@ def run_serving(cfg: ServingConfig, *, progress: bool = True) -> dict:
     """Runs the sweep against ``cfg.url``; returns ``{"config", "server", "rows", "seconds"}``.
 
     Raises:
-        ValueError: an unknown mode or a concurrency below 1.
+        ValueError: an unknown mode or a concurrency below 1; mode ``eagle3`` against a server that
+            loads no EAGLE-3 head (its ``/v1/models`` entry's ``"methods"``).
         ConnectionError: no server answers ``/v1/models`` at ``cfg.url``, or it
             answers with an error (e.g. 404 while Serve is still deploying the app).
     """
@@ -209,8 +217,8 @@ def run_serving(cfg: ServingConfig, *, progress: bool = True) -> dict:
 
     from dart_core.bench.datasets import load_prompts
 
-    if set(cfg.modes) - set(MODES) or not cfg.modes:
-        raise ValueError(f"modes must be among {', '.join(MODES)}")
+    if set(cfg.modes) - set(SERVING_MODES) or not cfg.modes:
+        raise ValueError(f"modes must be among {', '.join(SERVING_MODES)}")
     if min(cfg.concurrency) < 1:
         raise ValueError("concurrency levels must be ≥ 1")
     if cfg.repeats < 1:
@@ -219,13 +227,18 @@ def run_serving(cfg: ServingConfig, *, progress: bool = True) -> dict:
     key = cfg.api_key or os.environ.get("DART_API_KEY") or "unused"
     client = OpenAI(base_url=cfg.url, api_key=key, max_retries=0, timeout=cfg.timeout_s)
     try:
-        model = cfg.model or client.models.list().data[0].id
+        listed = client.models.list().data[0]
+        model = cfg.model or listed.id
     except APIConnectionError:
         raise ConnectionError(f"no dart-serve app answers at {cfg.url} (start one: serve run "
                               f"deployments/dart.yaml)") from None
     except APIStatusError as e:
         raise ConnectionError(f"{cfg.url}/models answered HTTP {e.status_code}: not a ready dart-serve app "
                               "(still deploying? wait for GET /health to answer ok)") from None
+    methods = (listed.model_extra or {}).get("methods") or []
+    if "eagle3" in cfg.modes and "eagle3" not in methods:
+        raise ValueError(f"mode eagle3 needs a server that loads an EAGLE-3 head (eagle3_head in the app's args); "
+                         f"{cfg.url} lists the methods: {', '.join(methods) or 'none given'}")
     prompts = load_prompts(cfg.dataset)
     local = None
     if cfg.in_process and 1 in cfg.concurrency:
@@ -236,8 +249,8 @@ def run_serving(cfg: ServingConfig, *, progress: bool = True) -> dict:
         in_process_pass(local, prompts[:1], replace(cfg, requests_per_client=1, max_tokens=8), True)  # warm-up
 
     def run_level(c: int, mode: str) -> dict:
-        row = _level(client, model, prompts, c, mode == "dart", cfg)
-        if local is not None and c == 1:  # right after the served pass: the same drift weighs on both
+        row = _level(client, model, prompts, c, mode, cfg)
+        if local is not None and c == 1 and mode != "eagle3":  # right after the served pass: the same drift
             row["in_process_tokens_per_s"] = in_process_pass(local, prompts, cfg, mode == "dart")
         return row
 
@@ -272,6 +285,13 @@ def markdown_table(result: dict) -> str:
         lines.append(f"| {r['concurrency']} | {r['mode']} | {r['tokens_per_s']:.1f} | {ratio} | {r['requests']} | "
                      f"{r['errors']} | {f(r['ttft_ms']['p50'])} | {f(r['ttft_ms']['p99'])} | "
                      f"{f(r['itl_ms']['p50'])} | {f(r['itl_ms']['p99'])} | {tau} |")
+    pairs = [(d, e) for d in result["rows"] for e in result["rows"]
+             if d["mode"] == "dart" and e["mode"] == "eagle3" and d["concurrency"] == e["concurrency"]]
+    if pairs:
+        lines += ["", "DART against EAGLE-3 on the same server (each its median pass):", "",
+                  "| clients | DART ÷ EAGLE-3 tokens/s | τ DART | τ EAGLE-3 |", "|---:|---:|---:|---:|"]
+        lines += [f"| {d['concurrency']} | {d['tokens_per_s'] / e['tokens_per_s']:.2f}× | {d['tau_mean'] or 0:.2f} | "
+                  f"{e['tau_mean'] or 0:.2f} |" for d, e in pairs if e["tokens_per_s"]]
     local = [r for r in result["rows"] if r.get("in_process_tokens_per_s")]
     if local:
         lines += ["", "Served against in process (the same requests one at a time through `DartModel` in the "
@@ -299,7 +319,7 @@ def plot_serving(result: dict, path: str | Path, title: str = "") -> None:
               ("TTFT p99 (ms)", lambda r: r["ttft_ms"]["p99"]),
               ("ITL p99 (ms)", lambda r: r["itl_ms"]["p99"]))
     for ax, (label, get) in zip(axes, panels):
-        for mode in MODES:
+        for mode in SERVING_MODES:
             rows = [r for r in result["rows"] if r["mode"] == mode and get(r) is not None]
             if rows:
                 ax.plot([r["concurrency"] for r in rows], [get(r) for r in rows], marker="o", label=mode)
@@ -328,12 +348,13 @@ def save(result: dict, out_dir: str | Path, stem: str = "serving", title: str = 
     return paths
 
 
-def add_sweep_arguments(ap, defaults) -> None:
-    """The sweep's options (levels, requests, tokens, modes, prompts), shared with the batching benchmark."""
+def add_sweep_arguments(ap, defaults, modes: tuple[str, ...] = MODES) -> None:
+    """The sweep's options (levels, requests, tokens, ``modes`` to choose from, prompts), shared with the
+    batching benchmark."""
     ap.add_argument("--concurrency", type=int, nargs="+", default=defaults.concurrency)
     ap.add_argument("--requests-per-client", type=int, default=defaults.requests_per_client)
     ap.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
-    ap.add_argument("--modes", nargs="+", default=defaults.modes, choices=MODES)
+    ap.add_argument("--modes", nargs="+", default=defaults.modes, choices=modes)
     ap.add_argument("--dataset", default=defaults.dataset, help="mt-bench, humaneval, alpacaeval or a JSONL file")
     ap.add_argument("--repeats", type=int, default=defaults.repeats,
                     help="passes per level, alternating which mode goes first; the median pass is reported")
@@ -348,7 +369,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dart_core.bench.serving", description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default=d.url)
     ap.add_argument("--model", default=d.model, help="served model name [the first of /v1/models]")
-    add_sweep_arguments(ap, d)
+    add_sweep_arguments(ap, d, SERVING_MODES)
     ap.add_argument("--api-key", default=None, help="[$DART_API_KEY]")
     ap.add_argument("--in-process", action="store_true",
                     help="after each 1-client pass, the same requests through the engine in this process")

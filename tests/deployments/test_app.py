@@ -630,6 +630,28 @@ def test_per_request_opt_out_and_the_serving_benchmark(app, reference, tmp_path,
             f"{local['tokens_per_s'] / local['in_process_tokens_per_s']:.2f}× |") in md
 
 
+def test_the_serving_benchmark_runs_eagle3_beside_dart(app, both, tmp_path):
+    """``--modes dart eagle3 no-speculation`` on a server with both heads: every mode's rows, no
+    error, the DART-against-EAGLE-3 table; a server without an EAGLE-3 head is refused up front."""
+    from dart_core.bench import serving
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"Tell me about the number {i}."}) for i in range(3)))
+    cfg = serving.ServingConfig(url=f"{both}/v1", concurrency=[1, 2], requests_per_client=1, max_tokens=8,
+                                dataset=str(prompts), modes=["dart", "eagle3", "no-speculation"])
+    result = serving.run_serving(cfg, progress=False)
+    rows = {(r["concurrency"], r["mode"]): r for r in result["rows"]}
+    assert set(rows) == {(c, m) for c in (1, 2) for m in ("dart", "eagle3", "no-speculation")}
+    assert all(r["errors"] == 0 and r["requests"] == r["concurrency"] and r["tokens_per_s"] > 0
+               for r in rows.values())
+    assert rows[(1, "no-speculation")]["tau_mean"] == 1.0 and rows[(1, "eagle3")]["tau_mean"] >= 1.0
+    md = serving.markdown_table(result)
+    assert "| 2 | eagle3 |" in md and "DART ÷ EAGLE-3 tokens/s" in md
+    with pytest.raises(ValueError, match="mode eagle3 needs a server that loads an EAGLE-3 head"):
+        serving.run_serving(serving.ServingConfig(url=f"{HTTP}/v1", concurrency=[1], dataset=str(prompts),
+                                                  modes=["eagle3"]), progress=False)
+
+
 def test_api_key_and_full_queue(guarded):
     """An app that requires a bearer key (401 without it, in the OpenAI error shape) and
     whose engine takes one request plus one queued: the rest get 503 with Retry-After,
