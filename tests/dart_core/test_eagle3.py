@@ -316,3 +316,36 @@ def test_the_decoding_benchmark_runs_eagle3_losslessly(tiny_model_dir, tmp_path)
     assert rows["eagle3"]["ms_per_step"]["draft"] > 0
     with pytest.raises(ValueError, match="--eagle3-head"):
         decoding.run_decoding(decoding.DecodingConfig(**base, methods=["eagle3"]), progress=False)
+
+
+def test_the_methods_benchmark_compares_dart_and_eagle3_losslessly(tiny_model_dir, tmp_path):
+    """``python -m dart_core.bench.methods``: DART and EAGLE-3 (random heads) beside autoregressive
+    decoding on one target at two batch sizes, every row lossless, its τ, phases and speed-up, and
+    the table's DART ÷ EAGLE-3; without an EAGLE-3 head it is refused."""
+    from transformers import AutoConfig
+
+    from dart_core.bench import methods
+    from dart_core.spec.eagle3 import save_eagle3_head
+
+    torch.manual_seed(0)
+    save_eagle3_head(Eagle3Head(Eagle3Config.for_target(AutoConfig.from_pretrained(tiny_model_dir))),
+                     tmp_path / "eagle3", dtype=None)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Write a function that adds two numbers."}\n{"prompt": "def fib(n):"}\n'
+                       '{"prompt": "Name three colours."}\n')
+    cfg = methods.MethodsConfig(eagle3_head=str(tmp_path / "eagle3"), model=tiny_model_dir, head="random",
+                                trie="none", datasets=[str(prompts)], num_prompts=3, max_new_tokens=8,
+                                batch_sizes=[1, 2], repeats=2)
+    result = methods.run_methods(cfg, progress=False)
+    rows = {(r["batch"], r["method"]): r for r in result["rows"]}
+    assert set(rows) == {(b, m) for b in (1, 2) for m in methods.METHODS}
+    assert all(r["lossless"] and len(r["tokens_per_s_runs"]) == 2 for r in rows.values())
+    assert rows[(1, "autoregressive")]["speedup"] == 1.0 and rows[(1, "autoregressive")]["tau"] == 1.0
+    for b in (1, 2):
+        assert rows[(b, "eagle3")]["ms_per_step"]["draft"] > 0 and rows[(b, "dart")]["ms_per_step"]["draft"] > 0
+    md = methods.markdown_table(result)
+    assert "| 2 | dart |" in md and "| 2 | eagle3 |" in md and md.count("×") >= 6
+    paths = methods.save(result, tmp_path / "out")
+    assert json.loads(paths["json"].read_text())["rows"] == result["rows"]
+    with pytest.raises(ValueError, match="--eagle3-head"):
+        methods.run_methods(methods.MethodsConfig(model=tiny_model_dir), progress=False)
