@@ -48,7 +48,8 @@ from ngram_service.tree_search import SearchParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DartModel", "Completion", "GenerateOutput", "StreamChunk", "SHIPPED_HEADS", "DRAFT_WEIGHTS", "default_weights",
+__all__ = ["DartModel", "Completion", "GenerateOutput", "StreamChunk", "SHIPPED_HEADS", "SHIPPED_EAGLE3_HEADS",
+           "DRAFT_WEIGHTS", "default_weights",
            "default_draft_weights", "resolve_draft_weights", "eagle3_drafter"]
 
 Message = dict  # {"role": ..., "content": ...}
@@ -56,6 +57,8 @@ Prompt = Union[str, Sequence[int], Sequence[Message]]
 
 #: Heads shipped inside the package, by target model name.
 SHIPPED_HEADS = {DEFAULT_MODEL: Path(__file__).parent / "heads" / DEFAULT_MODEL}
+#: EAGLE-3 heads shipped inside the package (for method eagle3 and ``eagle3_head="auto"``), by target model name.
+SHIPPED_EAGLE3_HEADS = {DEFAULT_MODEL: Path(__file__).parent / "heads" / f"{DEFAULT_MODEL}-eagle3"}
 
 
 @dataclass(frozen=True)
@@ -136,13 +139,14 @@ def eagle3_drafter(head: str | Path | None, target: TargetModel, *, draft_weight
                    draft_dtype: torch.dtype | None = None, total_tokens: int = 60, depth: int = 7,
                    top_k: int = 10) -> Eagle3Drafter:
     """An :class:`~dart_core.spec.eagle3.Eagle3Drafter` on ``target`` (``method="eagle3"``): the
-    EAGLE-3 head in ``head`` (:func:`~dart_core.spec.eagle3.load_eagle3_head`), or ``"random"`` for
-    one of the target's shape with torch's default initialisation, seeded (tests), its linear
-    layers as the DART head's are (:func:`resolve_draft_weights`: Q8_0 blocks on a CPU with
-    AVX-512), in ``draft_dtype`` or the target's dtype otherwise.
+    EAGLE-3 head in ``head`` (:func:`~dart_core.spec.eagle3.load_eagle3_head`); None or ``"auto"``
+    for the one shipped for the target (:data:`SHIPPED_EAGLE3_HEADS`); ``"random"`` for one of the
+    target's shape with torch's default initialisation, seeded (tests).  Its linear layers as the
+    DART head's are (:func:`resolve_draft_weights`: Q8_0 blocks on a CPU with AVX-512), in
+    ``draft_dtype`` or the target's dtype otherwise.
 
     Raises:
-        ValueError: no ``head`` (none ships); a ``draft_weights`` :func:`resolve_draft_weights`
+        ValueError: no ``head`` and none shipped for the target; a ``draft_weights`` :func:`resolve_draft_weights`
             refuses; tree sizes :class:`~dart_core.spec.eagle3.Eagle3Drafter` refuses.
         HeadLoadError: as :func:`~dart_core.spec.eagle3.load_eagle3_head`."""
     q8 = resolve_draft_weights(draft_weights, target, draft_dtype) == "q8_0"
@@ -150,9 +154,12 @@ def eagle3_drafter(head: str | Path | None, target: TargetModel, *, draft_weight
     if head == "random":
         torch.manual_seed(0)
         eagle = Eagle3Head(Eagle3Config.for_target(target.config)).to(device=target.device, dtype=dtype).eval()
-    elif head is None:
+    elif head in (None, "auto"):
         name = getattr(target.tokenizer, "dart_model_name", DEFAULT_MODEL)
-        raise ValueError(f"method eagle3 needs an EAGLE-3 head folder (head=...): none ships for {name}")
+        shipped = SHIPPED_EAGLE3_HEADS.get(name)
+        if shipped is None or not (shipped / "config.json").is_file():
+            raise ValueError(f"method eagle3 needs an EAGLE-3 head folder (head=...): none ships for {name}")
+        eagle = load_eagle3_head(shipped, target.config, device=target.device, dtype=dtype)
     else:
         eagle = load_eagle3_head(head, target.config, device=target.device, dtype=dtype)
     if q8:  # Q8_0 blocks run by the qmm kernel, as the DART head's
@@ -232,8 +239,9 @@ class DartModel:
                 head shipped for this model (decoding is autoregressive, with a warning, when
                 there is none); ``"random"`` for a randomly initialised head (lossless, τ ≈ 1).
                 With ``SpeculativeConfig(method="eagle3")`` an EAGLE-3 head folder in the published
-                layout (:func:`~dart_core.spec.eagle3.load_eagle3_head`) or ``"random"``: none ships, so
-                None is refused; with ``method="none"`` no head is loaded (autoregressive decoding).
+                layout (:func:`~dart_core.spec.eagle3.load_eagle3_head`), ``"random"``, or None for
+                the one shipped for the model (:data:`SHIPPED_EAGLE3_HEADS`; refused where none
+                ships); with ``method="none"`` no head is loaded (autoregressive decoding).
             trie: an n-gram model: a dart-serve trie file; a reference ``.trie`` file, or a
                 reference n-gram folder holding ``full.trie`` (``small.trie`` with
                 ``is_small_ngram``), converted once into the cache and then memory-mapped
@@ -285,7 +293,8 @@ class DartModel:
             kernel_config: the kernel and memory switches (:class:`~dart_core.model.kernel_config.KernelConfig`:
                 SDPA backends, grouped-query attention, static-cache windows, freed CPU memory kept);
                 None: its defaults. Both configs are logged at start-up.
-            eagle3_head: with method dart, an EAGLE-3 head folder (or ``"random"``) loaded beside the
+            eagle3_head: with method dart, an EAGLE-3 head folder (``"auto"``: the one shipped for the
+                model; ``"random"``) loaded beside the
                 DART head, sized by the config's ``eagle3_*`` fields: each sequence is then drafted by
                 the method its request names (``NewSequence.method``, the serving API's ``"method"``
                 field; :class:`~dart_core.spec.routing.RoutedDrafter`), DART by default, and every

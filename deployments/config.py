@@ -119,9 +119,11 @@ class AppConfig(BaseModel):
     speculative: bool = Field(True, description="false = plain autoregressive serving (the baseline)")
     method: Literal["dart", "eagle3", "none"] = Field(
         "dart", description='the drafter: "dart" (the DART head + the n-gram tree search), "eagle3" (an EAGLE-3 '
-                            "head's dynamic tree: `head` must name an EAGLE-3 checkpoint folder, none ships), "
+                            "head's dynamic tree: `head` names an EAGLE-3 checkpoint folder; null = the one shipped "
+                            "for the default model), "
                             '"none" (no drafter: autoregressive decoding)')
-    eagle3_head: str | None = Field(None, description="with method dart: an EAGLE-3 checkpoint folder loaded beside "
+    eagle3_head: str | None = Field(None, description="with method dart: an EAGLE-3 checkpoint folder (\"auto\": the "
+                                                      "one shipped for the default model) loaded beside "
                                                       "the DART head; each request may then name \"method\": "
                                                       "\"eagle3\" (DART stays the default, both verified in one "
                                                       "forward); null = DART alone")

@@ -102,7 +102,7 @@ class DecodingConfig:
     threads: int | None = None  # torch CPU threads (default: torch's)
     cuda_graphs: bool = False  # CUDA: verification and draft replayed as CUDA graphs over static KV caches
     seed: int = 0
-    eagle3_head: str | None = None  # method eagle3: an EAGLE-3 head folder (published layout; none ships)
+    eagle3_head: str | None = None  # method eagle3: an EAGLE-3 head folder (published layout); None: the shipped one
     eagle3_total_tokens: int = 60  # method eagle3: tree nodes, root included (the reference's default)
     eagle3_depth: int = 7  # method eagle3: expansions after the first level (the reference's default)
     eagle3_top_k: int = 10  # method eagle3: children per node and frontier width (the reference's default)
@@ -277,8 +277,6 @@ class _Bench:
         from dart_core.spec.budget import AdaptiveBudget
         from dart_core.step.engine import DartEngine
 
-        if cfg.eagle3_head is None:
-            raise ValueError("method eagle3 needs --eagle3-head FOLDER (an EAGLE-3 checkpoint; none ships)")
         total = cfg.eagle3_total_tokens if cfg.budget == "auto" else int(cfg.budget) + 1
         drafter = eagle3_drafter(cfg.eagle3_head, self.engine.target, draft_weights=cfg.draft_weights,
                                  total_tokens=total, depth=cfg.eagle3_depth, top_k=cfg.eagle3_top_k)

@@ -1,9 +1,9 @@
-"""DART against EAGLE-3 on one target (``python -m dart_core.bench.methods --eagle3-head DIR``).
+"""DART against EAGLE-3 on one target (``python -m dart_core.bench.methods [--eagle3-head DIR]``).
 
 The paper's headline claim (arXiv 2601.19278) is that DART drafts faster than EAGLE-3 for as
 much acceptance.  This benchmark loads the target once with its DART head and the n-gram trie
 (the engine's defaults: the request's context in the tree, lookup steps), and an EAGLE-3 head
-beside it: a second engine on the same target, with its own adaptive budget on the same
+beside it (default the one shipped for the model): a second engine on the same target, with its own adaptive budget on the same
 verification cost curve (each draft sized by it: :meth:`Eagle3Drafter.tree_size
 <dart_core.spec.eagle3.Eagle3Drafter.tree_size>`).  The speculation gate is off, so each row
 measures its method; both verify with the same tree attention.
@@ -14,8 +14,9 @@ the prompts decoded ``batch`` at a time, each group until its last sequence ends
 method decodes every prompt once per pass, the method order rotating from pass to pass; one
 untimed warm-up generation per method first.  Per (dataset, batch, method): tokens/s = generated
 tokens ÷ wall seconds of the pass (median over passes); speed-up = the median over passes of
-tokens/s ÷ the same pass's autoregressive tokens/s; τ = tokens emitted after prefill ÷ target
-forwards; draft, tree-search and verification milliseconds per target forward; lossless = every
+tokens/s ÷ the same pass's autoregressive tokens/s; τ = tokens emitted after prefill ÷ the
+sequences' steps (per sequence, bonus included); draft, tree-search and verification
+milliseconds per target forward (one forward serves the whole batch); lossless = every
 output equals the autoregressive one.  DART ÷ EAGLE-3 is the ratio of their speed-ups.
 """
 
@@ -34,7 +35,7 @@ METHODS = ("autoregressive", "dart", "eagle3")
 
 @dataclass
 class MethodsConfig:
-    eagle3_head: str | None = None  # an EAGLE-3 checkpoint folder (required)
+    eagle3_head: str | None = None  # an EAGLE-3 checkpoint folder; None: the one shipped for the model
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     head: str | None = None  # the DART head; None: the one shipped for the model
     trie: str | None = "auto"  # the n-gram trie; "auto": the default trie (built when absent); "none": none
@@ -74,13 +75,15 @@ def _engines(cfg: MethodsConfig):
 
 def _pass(engine, method: str, prompts: list[list[int]], batch: int, sampling) -> dict:
     """One pass of ``method`` over ``prompts``, ``batch`` at a time: tokens, seconds and the step figures."""
-    out = {"tokens": [], "emitted": 0, "forwards": 0, "ms": {"draft": 0.0, "tree_search": 0.0, "verify": 0.0}}
+    out = {"tokens": [], "emitted": 0, "forwards": 0, "sequence_steps": 0,
+           "ms": {"draft": 0.0, "tree_search": 0.0, "verify": 0.0}}
     t0 = time.perf_counter()
     for i in range(0, len(prompts), batch):
         res = engine.generate(prompts[i:i + batch], sampling, speculative=method != "autoregressive")
         out["tokens"] += res.token_ids
         out["emitted"] += res.emitted_after_prefill
         out["forwards"] += res.target_forwards
+        out["sequence_steps"] += res.sequence_steps
         for k in out["ms"]:
             out["ms"][k] += res.phase_ms[k]
     out["seconds"] = time.perf_counter() - t0
@@ -91,15 +94,14 @@ def run_methods(cfg: MethodsConfig, *, progress: bool = True) -> dict:
     """Runs the comparison; returns ``{"config", "hardware", "rows", "seconds"}``.
 
     Raises:
-        ValueError: no ``eagle3_head``, a batch size or prompt count below 1, ``repeats`` below 1.
+        ValueError: no ``eagle3_head`` and none shipped for the model, a batch size or prompt count
+            below 1, ``repeats`` below 1.
         HeadLoadError: the EAGLE-3 head does not fit the target."""
     from tqdm import tqdm
 
     from dart_core.bench.datasets import load_prompts
     from dart_core.bench.decoding import hardware
 
-    if not cfg.eagle3_head:
-        raise ValueError("the comparison needs --eagle3-head FOLDER (an EAGLE-3 checkpoint for the target)")
     if min(cfg.batch_sizes) < 1 or cfg.num_prompts < 1 or cfg.repeats < 1:
         raise ValueError("batch sizes, --num-prompts and --repeats must be >= 1")
     started = time.perf_counter()
@@ -130,7 +132,8 @@ def run_methods(cfg: MethodsConfig, *, progress: bool = True) -> dict:
                      "tokens_per_s_runs": [round(x, 2) for x in tps],
                      "speedup": round(statistics.median(
                          t / (sum(map(len, a["tokens"])) / a["seconds"]) for t, a in zip(tps, ar)), 3),
-                     "tau": round(sum(p["emitted"] for p in passes) / max(fwd, 1), 3),
+                     "tau": round(sum(p["emitted"] for p in passes)
+                                  / max(sum(p["sequence_steps"] for p in passes), 1), 3),
                      "ms_per_step": {k: round(sum(p["ms"][k] for p in passes) / max(fwd, 1), 2)
                                      for k in ("draft", "tree_search", "verify")},
                      "lossless": all(p["tokens"] == a["tokens"] for p, a in zip(passes, ar))})
@@ -146,7 +149,7 @@ def markdown_table(result: dict) -> str:
     by = {(r["dataset"], r["batch"], r["method"]): r for r in result["rows"]}
     lines = [f"**Hardware**: {hardware_line(result['hardware'])}. T = 0, {c['max_new_tokens']} new tokens, the first "
              f"{c['num_prompts']} prompts of each set, the median of {c['repeats']} passes; the gate off; EAGLE-3 head "
-             f"`{c['eagle3_head']}`.", "",
+             f"`{c['eagle3_head'] or 'shipped'}`.", "",
              "| dataset | batch | method | τ | draft ms / step | tree-search ms / step | tokens/s | "
              "÷ autoregressive | DART ÷ EAGLE-3 | lossless |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|:---:|"]
@@ -180,7 +183,8 @@ def main(argv=None) -> int:
 
     d = MethodsConfig()
     ap = argparse.ArgumentParser(prog="python -m dart_core.bench.methods", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--eagle3-head", required=True, help="an EAGLE-3 checkpoint folder for the target")
+    ap.add_argument("--eagle3-head", default=d.eagle3_head,
+                    help="an EAGLE-3 checkpoint folder for the target [the one shipped for the model]")
     ap.add_argument("--model", default=d.model, help="[the embedded SmolLM2-135M-Instruct]")
     ap.add_argument("--head", default=d.head, help="the DART head [the one shipped for the model]")
     ap.add_argument("--trie", default=d.trie, help="[%(default)s: the default trie]")

@@ -37,7 +37,9 @@ START, END = "<!-- study:start -->", "<!-- study:end -->"
 #: the study whose repetitive-traffic run the page summarises, and its command
 TRAFFIC_RUN = "live_corpus_served"
 TRAFFIC_CMD = "python -m dart_core.bench.traffic --serve --out bench/results/live_corpus_served"
-MAX_LINES = 250  # the page stays a page a reader uses
+#: the study whose DART-against-EAGLE-3 run the page shows (python -m dart_core.bench.methods)
+METHODS_RUN = "dart_vs_eagle3"
+MAX_LINES = 275  # the page stays a page a reader uses
 _CMD = "python -m dart_core.bench.page"
 #: the methods of the decoding summary: the baseline and the two DART methods the defaults can run
 _METHODS = ("autoregressive", "dart", "dart-context")
@@ -157,6 +159,20 @@ def _traffic_summary(results: Path) -> list[str]:
     return traffic.markdown_table(run).split("\n")
 
 
+def _methods_summary(results: Path, page: Path) -> list[str]:
+    """The last DART-against-EAGLE-3 run (``METHODS_RUN``), or nothing before there is one."""
+    from dart_core.bench import methods
+
+    path = results / METHODS_RUN / "methods.json"
+    if not path.is_file():
+        return []
+    rel = os.path.relpath(results / METHODS_RUN, page.parent)
+    return ["## DART against EAGLE-3 (CPU)", "",
+            f"Both heads on one target, each with its own adaptive budget, the gate off "
+            f"([{METHODS_RUN}]({rel}/README.md): the command, the heads and what differs between their training).",
+            "", *methods.markdown_table(json.loads(path.read_text())).rstrip("\n").split("\n"), ""]
+
+
 def render_page(results: Path = RESULTS, page: Path = PAGE) -> str:
     """BENCHMARKS.md, whole.
 
@@ -192,7 +208,7 @@ def render_page(results: Path = RESULTS, page: Path = PAGE) -> str:
               "## Repetitive traffic (CPU, served)", "",
               f"The n-gram service's live corpus on templated requests and exact repeats "
               f"([{TRAFFIC_RUN}]({rel}/{TRAFFIC_RUN}/README.md)): `{TRAFFIC_CMD}`.", "",
-              *_traffic_summary(results), ""]
+              *_traffic_summary(results), "", *_methods_summary(results, page)]
     for area in areas:
         if area != report["area"]:
             lines += area_table(area, f"## {area}")

@@ -568,13 +568,13 @@ class DartEngine:
             return None
         return padded_rows(counts, n, self.target.device)
 
-    # -- internals ----------------------------------------------------------
-
     @property
     def methods(self) -> tuple[str, ...]:
         """The drafting methods a joining sequence may name (``NewSequence.method``): the drafter's,
         several with a :class:`~dart_core.spec.routing.RoutedDrafter`; none without a drafter."""
         return self.drafter.methods if self.drafter is not None else ()
+
+    # -- internals ----------------------------------------------------------
 
     def _check_methods(self, joining: list["NewSequence"]) -> None:
         for x in joining:

@@ -1,7 +1,8 @@
 """The draft head shipped for SmolLM2-135M-Instruct (issue 5): the files are
 what the model card says (bf16, no embedding, ≤ 32 MB), it is the head every
 entry point loads by default, and with it greedy DART decoding on the real
-target is exact and accepts drafts (a random head's τ stays below 1.3)."""
+target is exact and accepts drafts (a random head's τ stays below 1.3).  The
+EAGLE-3 head shipped beside it likewise (method eagle3, ``eagle3_head="auto"``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dart_core.api import SHIPPED_HEADS, DartModel, default_draft_dtype
+from dart_core.api import SHIPPED_EAGLE3_HEADS, SHIPPED_HEADS, DartModel, default_draft_dtype, eagle3_drafter
 from dart_core.step.engine import DartEngine
 from dart_core.step.sampling import SamplingParams
 from dart_core.model.tokenizer import DEFAULT_MODEL
@@ -49,3 +50,34 @@ def test_shipped_head_is_the_default_and_exact_on_smollm2(smollm2):
     dart = engine.generate(prompts, sp)
     assert dart.token_ids == ar.token_ids
     assert dart.tau > 1.4, dart.tau
+
+
+EAGLE3_HEAD = SHIPPED_EAGLE3_HEADS[DEFAULT_MODEL]
+
+
+def test_shipped_eagle3_head_files():
+    names = {p.name for p in EAGLE3_HEAD.iterdir()}
+    assert {"config.json", "model.safetensors", "training.json", "README.md"} <= names
+    assert sum(p.stat().st_size for p in EAGLE3_HEAD.iterdir()) <= 32 * 2**20
+    config = json.loads((EAGLE3_HEAD / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["hidden_size"] == 576
+    with safe_open(str(EAGLE3_HEAD / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert not any("embed" in k for k in keys)
+        dtypes = {f.get_tensor(k).dtype for k in keys if k not in ("d2t", "t2d")}
+    assert dtypes == {torch.bfloat16}
+    assert {"fc.weight", "lm_head.weight", "d2t", "t2d"} <= keys
+
+
+@pytest.mark.slow
+def test_shipped_eagle3_head_is_the_default_and_exact_on_smollm2(smollm2):
+    """``eagle3_drafter(None)`` (method eagle3 with no head, ``eagle3_head: auto``) loads the shipped
+    EAGLE-3 head; greedy decoding with it on the real target equals autoregressive decoding and
+    accepts drafts."""
+    drafter = eagle3_drafter(None, smollm2, total_tokens=16, depth=3, top_k=4)
+    prompts = [chat(smollm2, p) for p in PROMPTS]
+    sp = SamplingParams(max_new_tokens=48)
+    ar = DartEngine(smollm2).generate(prompts, sp, speculative=False)
+    out = DartEngine(smollm2, drafter=drafter).generate(prompts, sp)
+    assert out.token_ids == ar.token_ids
+    assert out.tau > 1.15, out.tau

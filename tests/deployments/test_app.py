@@ -856,7 +856,7 @@ def test_the_ngram_service_writes_its_snapshot_when_serve_stops_it(app, tmp_path
 
 
 def test_an_app_with_method_eagle3_answers_with_the_targets_greedy_text(app, both, reference):
-    """``method: eagle3`` serves with an EAGLE-3 drafter (here a random head: none ships): the
+    """``method: eagle3`` serves with an EAGLE-3 drafter (here a random head on the tiny target): the
     OpenAI client's answer is the target's greedy text, ``usage.dart.tau`` is reported, and the
     engine's steps speculate.  Then an app with both heads (``eagle3_head`` beside a DART head):
     each request's ``"method"`` picks the drafter, every answer the target's greedy text."""
