@@ -78,9 +78,11 @@ def both(app):
                                     "eagle3_head": "random", "budget": 8, "eagle3_total_tokens": 12,
                                     "eagle3_depth": 3, "eagle3_top_k": 4, "max_tokens_limit": 64,
                                     "ngram": {"enabled": False}})
-    engine = DartEngineDeployment.options(name="BothEngine", ray_actor_options={"num_cpus": 0.5}).bind(
+    # no logical CPUs reserved: it stays up for the whole package, and the cluster's 4 must still fit
+    # the apps other tests deploy for a while (the SmolLM2 app's engine takes 1)
+    engine = DartEngineDeployment.options(name="BothEngine", ray_actor_options={"num_cpus": 0}).bind(
         cfg.model_dump(), None)
-    ingress = OpenAIIngress.options(name="BothIngress", ray_actor_options={"num_cpus": 0.1}).bind(
+    ingress = OpenAIIngress.options(name="BothIngress", ray_actor_options={"num_cpus": 0}).bind(
         engine, cfg.model_dump())
     serve.run(ingress, name="both", route_prefix="/both")
     yield f"{HTTP}/both"
