@@ -37,7 +37,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=d.threads)
     add_cuda_graphs_argument(ap)
     ap.add_argument("--seed", type=int, default=d.seed)
-    ap.add_argument("--eagle3-head", default=d.eagle3_head, help="method eagle3: an EAGLE-3 head folder [the one shipped for the model]")
+    ap.add_argument("--eagle3-head", default=d.eagle3_head,
+                    help="method eagle3: an EAGLE-3 head folder [the one shipped for the model]")
     ap.add_argument("--eagle3-total-tokens", type=int, default=d.eagle3_total_tokens,
                     help="method eagle3: tree nodes, root included (with --budget N: N + 1)")
     ap.add_argument("--eagle3-depth", type=int, default=d.eagle3_depth, help="method eagle3: expansions after level 1")

@@ -3,10 +3,10 @@
 The paper's headline claim (arXiv 2601.19278) is that DART drafts faster than EAGLE-3 for as
 much acceptance.  This benchmark loads the target once with its DART head and the n-gram trie
 (the engine's defaults: the request's context in the tree, lookup steps), and an EAGLE-3 head
-beside it (default the one shipped for the model): a second engine on the same target, with its own adaptive budget on the same
-verification cost curve (each draft sized by it: :meth:`Eagle3Drafter.tree_size
-<dart_core.spec.eagle3.Eagle3Drafter.tree_size>`).  The speculation gate is off, so each row
-measures its method; both verify with the same tree attention.
+beside it (default the one shipped for the model): a second engine on the same target, with its
+own adaptive budget on the same verification cost curve (each draft sized by it:
+:meth:`Eagle3Drafter.tree_size <dart_core.spec.eagle3.Eagle3Drafter.tree_size>`).  The
+speculation gate is off, so each row measures its method; both verify with the same tree attention.
 
 Protocol: per dataset (default MT-Bench, HumanEval, AlpacaEval; the first ``--num-prompts``
 prompts, chat template, T = 0, ``--max-new-tokens``) and per batch size (default 1 and 4:

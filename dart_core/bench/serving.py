@@ -44,7 +44,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-__all__ = ["ServingConfig", "MODES", "SERVING_MODES", "run_serving", "run_sweep", "markdown_table", "plot_serving", "save"]
+__all__ = ["ServingConfig", "MODES", "SERVING_MODES", "run_serving", "run_sweep", "markdown_table", "plot_serving",
+           "save"]
 
 MODES = ("dart", "no-speculation")  # the default modes, and the batching benchmark's
 # every mode of the serving sweep: "eagle3" sends "method": "eagle3" to a deployment that loads an EAGLE-3 head
