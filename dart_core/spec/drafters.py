@@ -145,9 +145,12 @@ class Drafter:
         several drafters' trees together asks for (:class:`~dart_core.spec.routing.RoutedDrafter`)."""
         return self.propose(inputs)
 
-    def new_state(self, rows: int, device: torch.device) -> "HeadState | None":
+    def new_state(self, rows: int, device: torch.device,
+                  methods: "list[str | None] | None" = None) -> "HeadState | None":
         """The per-row state of ``rows`` joining sequences (with ``uses_taps``: an empty
-        :class:`HeadState`), None for a drafter that keeps none."""
+        :class:`HeadState`), None for a drafter that keeps none.  ``methods`` names each row's
+        drafting method (None: the default); a drafter of one method drafts every row and ignores it
+        (the engine has checked each against :attr:`methods`), a router splits the rows by it."""
         return None
 
     def catch_up(self, state: "HeadState", max_positions: int, *, prompt: bool = False) -> None:
@@ -385,7 +388,7 @@ class HeadTreeDrafter(Drafter):
         self.static_draft = StaticDrafter(self.head, self.embed, top_k=self.search_params.top_k, **kwargs)
         return self.static_draft
 
-    def new_state(self, rows: int, device: torch.device) -> HeadState:
+    def new_state(self, rows: int, device: torch.device, methods: list[str | None] | None = None) -> HeadState:
         return HeadState.empty(rows, self.head, device)
 
     def draft_levels(self) -> int:

@@ -507,7 +507,7 @@ class Eagle3Drafter(Drafter):
         top_k = min(top_k, n)
         return min(total, n + 1, top_k + depth * top_k * top_k + 1), depth, top_k
 
-    def new_state(self, rows: int, device: torch.device) -> HeadState:
+    def new_state(self, rows: int, device: torch.device, methods: list[str | None] | None = None) -> HeadState:
         return HeadState.empty(rows, self.head, device)
 
     @torch.inference_mode()

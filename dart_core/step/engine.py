@@ -37,7 +37,7 @@ from dart_core.spec.budget import AdaptiveBudget, SpeculationGate
 from dart_core.model.device import sync_device as _sync
 from dart_core.spec.draft_head import DartDraftHead
 from dart_core.spec.drafters import DartDrafter, DraftBatch, Drafter, DraftInputs, HeadState, NoDraft, Proposal, ProposalKind
-from dart_core.spec.routing import RoutedDrafter, RoutedState
+from dart_core.spec.routing import RoutedState
 from dart_core.step.grammar import row_constraint
 from dart_core.model.kv_cache import cache_mask, pad_cat
 from dart_core.model.prefix_cache import PrefixCache
@@ -412,8 +412,7 @@ class DartEngine:
                           context=[self._new_context(p) if speculative and x.speculative else None
                                    for p, x in zip(prompts, joining)], constraints=constraints)
         if state.speculative:  # the prompt's positions feed the first draft (rows that opted out keep none)
-            new.draft = (self.drafter.new_state(len(prompts), device, methods=[x.method for x in joining])
-                         if isinstance(self.drafter, RoutedDrafter) else self.drafter.new_state(len(prompts), device))
+            new.draft = self.drafter.new_state(len(prompts), device, methods=[x.method for x in joining])
             new.add_pending(taps, torch.arange(taps.shape[1], device=device)[None, :].expand(len(prompts), -1),
                             cache.lengths, [p[1:] + [f] for p, f in zip(prompts, first)])
             # the work the first draft would do, done now (the batch then holds one position per row)
