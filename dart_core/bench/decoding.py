@@ -205,6 +205,29 @@ class _GrpcServer:
             self.proc.kill()
 
 
+def eagle3_engine(engine, head: str | None, *, total_tokens: int, depth: int, top_k: int,
+                  draft_weights: str = "auto"):
+    """A :class:`~dart_core.step.engine.DartEngine` on ``engine``'s target that drafts with the
+    EAGLE-3 head ``head`` (None or ``"auto"``: the shipped one; :func:`dart_core.api.eagle3_drafter`
+    with ``total_tokens`` nodes, ``depth`` levels, ``top_k`` children), with its own adaptive budget
+    on ``engine``'s verification cost curve and lookup preference when ``engine`` has a budget (the
+    budget then sizes each draft: :meth:`~dart_core.spec.eagle3.Eagle3Drafter.tree_size`), else a
+    fixed tree of ``total_tokens`` nodes.  Both engines share one target, so one benchmark compares
+    the drafters on equal terms.
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`dart_core.api.eagle3_drafter`."""
+    from dart_core.api import eagle3_drafter
+    from dart_core.spec.budget import AdaptiveBudget
+    from dart_core.step.engine import DartEngine
+
+    drafter = eagle3_drafter(head, engine.target, draft_weights=draft_weights, total_tokens=total_tokens,
+                             depth=depth, top_k=top_k)
+    drafter.budget = (AdaptiveBudget(engine.budget.curve, lookup_preference=engine.budget.lookup_preference)
+                      if engine.budget is not None else None)
+    return DartEngine(engine.target, drafter=drafter, budget=drafter.budget)
+
+
 class _Bench:
     def __init__(self, cfg: DecodingConfig) -> None:
         from dart_core.api import DartModel
@@ -268,20 +291,12 @@ class _Bench:
 
     def _load_eagle3(self, cfg: DecodingConfig):
         """An engine on the same target drafting with the EAGLE-3 head ``cfg.eagle3_head``
-        (``eagle3_depth``, ``eagle3_top_k``, ``eagle3_total_tokens`` nodes; its linear layers as the
-        run's ``draft_weights`` put the DART head's: :func:`dart_core.api.eagle3_drafter`), its own
-        adaptive budget on the same verification cost curve when the run's budget is adaptive (which
-        also sizes each draft: :meth:`~dart_core.spec.eagle3.Eagle3Drafter.tree_size`), else
-        that many nodes."""
-        from dart_core.api import eagle3_drafter
-        from dart_core.spec.budget import AdaptiveBudget
-        from dart_core.step.engine import DartEngine
-
+        (:func:`eagle3_engine`): ``cfg.eagle3_total_tokens`` nodes when the run's budget is
+        adaptive (the budget then sizes each draft), else the run's fixed budget; its linear layers
+        as the run's ``draft_weights`` put the DART head's."""
         total = cfg.eagle3_total_tokens if cfg.budget == "auto" else int(cfg.budget) + 1
-        drafter = eagle3_drafter(cfg.eagle3_head, self.engine.target, draft_weights=cfg.draft_weights,
-                                 total_tokens=total, depth=cfg.eagle3_depth, top_k=cfg.eagle3_top_k)
-        drafter.budget = AdaptiveBudget(self.engine.budget.curve) if self.engine.budget is not None else None
-        return DartEngine(self.engine.target, drafter=drafter, budget=drafter.budget)
+        return eagle3_engine(self.engine, cfg.eagle3_head, total_tokens=total, depth=cfg.eagle3_depth,
+                             top_k=cfg.eagle3_top_k, draft_weights=cfg.draft_weights)
 
     def _load_dense(self, cfg: DecodingConfig) -> None:
         from dart_core.step.engine import DartEngine

@@ -51,11 +51,10 @@ def _engines(cfg: MethodsConfig):
     """(model, {method: engine}): the DART model and an EAGLE-3 engine on its target."""
     import torch
 
-    from dart_core.api import DartModel, eagle3_drafter
+    from dart_core.api import DartModel
     from dart_core.bench import bench_kernel_config
-    from dart_core.spec.budget import AdaptiveBudget
+    from dart_core.bench.decoding import eagle3_engine
     from dart_core.spec.speculative import SpeculativeConfig
-    from dart_core.step.engine import DartEngine
     from ngram_service.build import ensure_default_trie
 
     if cfg.threads:
@@ -66,15 +65,14 @@ def _engines(cfg: MethodsConfig):
     engine = model.engine
     engine.gate = None  # each row measures its method
     spec = SpeculativeConfig()
-    drafter = eagle3_drafter(cfg.eagle3_head, engine.target, total_tokens=spec.eagle3_total_tokens,
-                             depth=spec.eagle3_depth, top_k=spec.eagle3_top_k)
-    drafter.budget = AdaptiveBudget(engine.budget.curve, lookup_preference=spec.lookup_preference)
-    eagle3 = DartEngine(engine.target, drafter=drafter, budget=drafter.budget)
+    eagle3 = eagle3_engine(engine, cfg.eagle3_head, total_tokens=spec.eagle3_total_tokens,
+                           depth=spec.eagle3_depth, top_k=spec.eagle3_top_k)
     return model, {"autoregressive": engine, "dart": engine, "eagle3": eagle3}
 
 
 def _pass(engine, method: str, prompts: list[list[int]], batch: int, sampling) -> dict:
-    """One pass of ``method`` over ``prompts``, ``batch`` at a time: tokens, seconds and the step figures."""
+    """One pass of ``method`` over ``prompts``, ``batch`` at a time: tokens, seconds, tokens/s and the
+    step figures."""
     out = {"tokens": [], "emitted": 0, "forwards": 0, "sequence_steps": 0,
            "ms": {"draft": 0.0, "tree_search": 0.0, "verify": 0.0}}
     t0 = time.perf_counter()
@@ -87,6 +85,7 @@ def _pass(engine, method: str, prompts: list[list[int]], batch: int, sampling) -
         for k in out["ms"]:
             out["ms"][k] += res.phase_ms[k]
     out["seconds"] = time.perf_counter() - t0
+    out["tokens_per_s"] = sum(map(len, out["tokens"])) / out["seconds"]
     return out
 
 
@@ -126,12 +125,12 @@ def run_methods(cfg: MethodsConfig, *, progress: bool = True) -> dict:
     rows = []
     for (name, b, m), passes in runs.items():
         ar = runs[(name, b, "autoregressive")]
-        tps = [sum(map(len, p["tokens"])) / p["seconds"] for p in passes]
+        tps = [p["tokens_per_s"] for p in passes]
         fwd = sum(p["forwards"] for p in passes)
         rows.append({"dataset": name, "batch": b, "method": m, "tokens_per_s": round(statistics.median(tps), 2),
                      "tokens_per_s_runs": [round(x, 2) for x in tps],
                      "speedup": round(statistics.median(
-                         t / (sum(map(len, a["tokens"])) / a["seconds"]) for t, a in zip(tps, ar)), 3),
+                         t / a["tokens_per_s"] for t, a in zip(tps, ar)), 3),
                      "tau": round(sum(p["emitted"] for p in passes)
                                   / max(sum(p["sequence_steps"] for p in passes), 1), 3),
                      "ms_per_step": {k: round(sum(p["ms"][k] for p in passes) / max(fwd, 1), 2)
