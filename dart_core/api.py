@@ -154,13 +154,12 @@ def eagle3_drafter(head: str | Path | None, target: TargetModel, *, draft_weight
     if head == "random":
         torch.manual_seed(0)
         eagle = Eagle3Head(Eagle3Config.for_target(target.config)).to(device=target.device, dtype=dtype).eval()
-    elif head in (None, "auto"):
-        name = getattr(target.tokenizer, "dart_model_name", DEFAULT_MODEL)
-        shipped = SHIPPED_EAGLE3_HEADS.get(name)
-        if shipped is None or not (shipped / "config.json").is_file():
-            raise ValueError(f"method eagle3 needs an EAGLE-3 head folder (head=...): none ships for {name}")
-        eagle = load_eagle3_head(shipped, target.config, device=target.device, dtype=dtype)
     else:
+        if head in (None, "auto"):
+            name = getattr(target.tokenizer, "dart_model_name", DEFAULT_MODEL)
+            head = SHIPPED_EAGLE3_HEADS.get(name)
+            if head is None or not (head / "config.json").is_file():
+                raise ValueError(f"method eagle3 needs an EAGLE-3 head folder (head=...): none ships for {name}")
         eagle = load_eagle3_head(head, target.config, device=target.device, dtype=dtype)
     if q8:  # Q8_0 blocks run by the qmm kernel, as the DART head's
         logger.info("quantised %d linear layers of the EAGLE-3 head to Q8_0", quantize_linears(eagle))
