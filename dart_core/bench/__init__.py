@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 # points, and hardware() writes the result into every result file.
 SWITCH_VARIABLES = {"DART_SDPA_BACKENDS": ("sdpa_backends", "auto"), "DART_GROUPED_QUERY": ("grouped_query", True),
                     "DART_STATIC_WINDOWS": ("static_windows", True),
-                    "DART_KEEP_FREED_MEMORY": ("keep_freed_memory", True), "DART_DRAFT_GRAPHS": ("draft_graphs", True)}
+                    "DART_KEEP_FREED_MEMORY": ("keep_freed_memory", True), "DART_DRAFT_GRAPHS": ("draft_graphs", True),
+                    "DART_AMX": ("amx", True)}
 _OFF = ("0", "off", "false", "no", "none")
 
 

@@ -324,4 +324,10 @@ void register_qmm(py::module_& mod) {
   mod.def("qmm_vectorised", &cpu_has_avx512, "whether qmm runs its AVX-512 version on this CPU");
   mod.def("qmm_a8_vectorised", &dart_kernels::qmm_a8_vectorised,
           "whether qmm_a8 runs its AVX-512 VNNI version on this CPU");
+  mod.def("qmm_a8_amx", &dart_kernels::qmm_a8_amx,
+          "whether qmm_a8 takes its AMX version (Intel AMX-INT8 tiles, the same bits) for calls of several rows");
+  mod.def("set_qmm_a8_amx", &dart_kernels::set_qmm_a8_amx, py::arg("enabled"), py::arg("min_rows_4bit") = 12,
+          py::arg("min_rows_8bit") = 6,
+          "turns qmm_a8's AMX version on or off for this process and sets the fewest rows of a 4-bit / 8-bit "
+          "weight that take it (the defaults: where it measured faster); returns qmm_a8_amx()");
 }

@@ -154,5 +154,11 @@ void qmm_a8_run(const float* x, int64_t m_rows, const QWeight& w, float* y, cons
 
 // Whether qmm_a8_run runs its AVX-512 VNNI version on this CPU (else its portable loop).
 bool qmm_a8_vectorised();
+// Whether qmm_a8_run takes its AMX version for calls of several rows (a CPU with AMX-INT8 whose
+// kernel grants this process the tile registers, and not turned off): the same bits as the VNNI one.
+bool qmm_a8_amx();
+// Turns the AMX version on or off for the whole process (tests compare the two) and sets the fewest
+// rows of a 4-bit / 8-bit weight that take it (the defaults: where it measured faster); returns qmm_a8_amx().
+bool set_qmm_a8_amx(bool enabled, int64_t min_rows_4bit = 12, int64_t min_rows_8bit = 6);
 
 }  // namespace dart_kernels

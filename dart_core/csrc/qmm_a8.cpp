@@ -21,6 +21,9 @@
 // is one vector of 16 columns × 4 inputs, the shape of the AVX-512 VNNI dot product.  Scales and
 // minimums float32 [NB, K/32, 64], as the float32-activation kernel (qmm.cpp).
 //
+// On a CPU with AMX-INT8, calls of many rows sum each group in AMX tiles instead (product_amx):
+// the same integer sums, scaled in the same order, so the same bits.
+//
 // Around a Llama decoder layer's products the same call can first RMS-normalise its rows or take
 // silu(gate) · up of gate/up rows side by side, and add its product to the output (a residual
 // connection) instead of writing it: see prepare() and dart_core.decoder.
@@ -38,10 +41,19 @@
 #include "qmm.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // _mm512_undefined_* inside GCC's own intrinsics
 #define DART_A8_VNNI 1
 #define DART_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
+#if !defined(__clang__) && __GNUC__ >= 11
+#define DART_A8_AMX 1
+#define DART_AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni,fma")))
+#endif
 #endif
 
 namespace {
@@ -286,6 +298,175 @@ DART_VNNI void direct(const Quantised& xq, int64_t r0, const Weight& w, int64_t 
     for (int c = 0; c < 4; ++c) store_cols(yb + (r0 + r) * ldy, total[r][c], c, cols, accumulate);
 }
 
+#ifdef DART_A8_AMX
+// The same product with Intel AMX (Sapphire Rapids and later) for calls of many rows: each group's
+// integer dot products of up to 16 rows against the block's 64 columns are four tile products
+// (TDPBSUD: signed 8-bit activations by unsigned codes, exact int32 sums, the same P as the VNNI
+// loop's), stored and then scaled in the VNNI loop's float32 order, so every row keeps its bits.
+// The Q8_0 layout's 16-column slice is already a B tile (8 rows of 4 inputs × 16 columns); a 4-bit
+// slice is unpacked to one first (low nibbles: its rows 0-3, high: rows 4-7).  A verification of a
+// draft tree then pays per extra row a tile product and the float32 scaling, not the 32 VNNI dot
+// products per group that direct() issues for each row.
+
+constexpr int kAmxRows = 16;  // rows per tile
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Per-thread buffers of one AMX block product (64-byte aligned, cache-resident).
+struct alignas(64) AmxScratch {
+  int32_t p[kAmxRows * kBlockN];  // the group's integer dot products, [row][64 columns]
+  float total[kAmxRows * kBlockN];  // the running float32 sums, [row][64 columns]
+  uint8_t unpacked[4 * 8 * 64];   // a 4-bit group's B tiles, [slice (4)][8 rows][64 bytes]
+};
+
+// Tiles 0-3: the four slices' products (m rows × 16 int32); 4: the activations (m rows × 32 bytes);
+// 5, 6: B tiles (8 rows × 64 bytes), taken in turn.
+DART_AMX void configure_tiles(int m) {
+  TileConfig cfg;
+  for (int t = 0; t < 4; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(m);
+    cfg.colsb[t] = 64;
+  }
+  cfg.rows[4] = static_cast<uint8_t>(m);
+  cfg.colsb[4] = kGroup;
+  for (int t = 5; t < 7; ++t) {
+    cfg.rows[t] = kGroup / 4;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Rows r0 .. r0 + m - 1 (m <= 16, the tiles configured for m) of the quantised x against weight
+// block b, as direct() computes them.
+template <bool kQ8>
+DART_AMX void direct_amx(const Quantised& xq, int64_t r0, int m, const Weight& w, int64_t b, float* yb, int64_t ldy,
+                         int cols, bool accumulate, AmxScratch& s) {
+  const int64_t K = w.k, G = K / kGroup;
+  const int64_t gb = group_bytes(w);
+  const uint8_t* codes = w.codes + b * G * gb;
+  const float* sc = w.scale + b * G * kBlockN;
+  const float* mins = kQ8 ? nullptr : w.minimum + b * G * kBlockN;
+  const int8_t* x0 = xq.q.data() + r0 * K;
+  const __m512 zero = _mm512_setzero_ps();
+  for (int r = 0; r < m; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_store_ps(s.total + r * kBlockN + 16 * c, zero);
+  const __m512i low = _mm512_set1_epi8(15);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* cg = codes + g * gb;
+    if (g + kPrefetchGroups < G)
+      for (int64_t line = 0; line < gb / 64; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(cg + kPrefetchGroups * gb + 64 * line), _MM_HINT_T0);
+    const uint8_t* bt = cg;  // slice c's B tile at bt + 512 c
+    if (!kQ8) {
+      for (int c = 0; c < 4; ++c)
+        for (int j = 0; j < 4; ++j) {
+          const __m512i wv = _mm512_loadu_si512(cg + (c * 4 + j) * 64);
+          _mm512_store_si512(s.unpacked + c * 512 + j * 64, _mm512_and_si512(wv, low));
+          _mm512_store_si512(s.unpacked + c * 512 + (j + 4) * 64, _mm512_and_si512(_mm512_srli_epi16(wv, 4), low));
+        }
+      bt = s.unpacked;
+    }
+    _tile_loadd(4, x0 + g * kGroup, K);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_loadd(5, bt, 64);
+    _tile_loadd(6, bt + 512, 64);
+    _tile_dpbsud(0, 4, 5);
+    _tile_dpbsud(1, 4, 6);
+    _tile_loadd(5, bt + 1024, 64);
+    _tile_loadd(6, bt + 1536, 64);
+    _tile_dpbsud(2, 4, 5);
+    _tile_dpbsud(3, 4, 6);
+    _tile_stored(0, s.p, kBlockN * 4);
+    _tile_stored(1, s.p + 16, kBlockN * 4);
+    _tile_stored(2, s.p + 32, kBlockN * 4);
+    _tile_stored(3, s.p + 48, kBlockN * 4);
+    __m512 scv[4], mnv[4];
+    for (int c = 0; c < 4; ++c) {
+      scv[c] = _mm512_loadu_ps(sc + g * kBlockN + 16 * c);
+      mnv[c] = kQ8 ? zero : _mm512_loadu_ps(mins + g * kBlockN + 16 * c);
+    }
+    for (int r = 0; r < m; ++r) {
+      const int64_t rg = (r0 + r) * G + g;
+      const __m512 dx = _mm512_set1_ps(xq.dx[rg]);
+      const __m512i off = _mm512_set1_epi32(128 * xq.qsum[rg]);
+      const __m512 sx = kQ8 ? dx : _mm512_set1_ps(xq.sx[rg]);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const __m512i acc = _mm512_load_si512(s.p + r * kBlockN + 16 * c);
+        const __m512i p = kQ8 ? _mm512_sub_epi32(acc, off) : acc;
+        float* tp = s.total + r * kBlockN + 16 * c;
+        __m512 t = _mm512_fmadd_ps(_mm512_mul_ps(scv[c], dx), _mm512_cvtepi32_ps(p), _mm512_load_ps(tp));
+        if (!kQ8) t = _mm512_fmadd_ps(mnv[c], sx, t);
+        _mm512_store_ps(tp, t);
+      }
+    }
+  }
+  for (int r = 0; r < m; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c)
+      store_cols(yb + (r0 + r) * ldy, _mm512_load_ps(s.total + r * kBlockN + 16 * c), c, cols, accumulate);
+}
+
+template <bool kQ8>
+DART_AMX void product_amx(const Quantised& xq, int64_t m_rows, const Weight& w, float* y, int64_t ldy, bool accumulate,
+                         dart_kernels::ArgmaxSink* sink) {
+  if (sink) accumulate = false;
+  // the schedule as qmm_a8_vnni's (guided: see there); each thread configures its tiles for the
+  // chunk size it meets and releases them at the end
+#pragma omp parallel if (w.blocks() > 1)
+  {
+    AmxScratch scratch;
+    int configured = 0;
+#pragma omp for schedule(guided)
+    for (int64_t b = 0; b < w.blocks(); ++b) {
+      const int cols = static_cast<int>(std::min<int64_t>(kBlockN, w.n - b * kBlockN));
+      const int t = omp_get_thread_num();
+      float* yb = sink ? sink->rows(t) : y + b * kBlockN;
+      const int64_t ldb = sink ? dart_kernels::ArgmaxSink::kStride : ldy;
+      for (int64_t r0 = 0; r0 < m_rows; r0 += kAmxRows) {
+        const int m = static_cast<int>(std::min<int64_t>(kAmxRows, m_rows - r0));
+        if (m != configured) {
+          configure_tiles(m);
+          configured = m;
+        }
+        direct_amx<kQ8>(xq, r0, m, w, b, yb, ldb, cols, accumulate, scratch);
+      }
+      if (sink) sink->take(t, b, cols);
+    }
+    if (configured) _tile_release();
+  }
+}
+
+// Whether this CPU has AMX-INT8 and Linux lets this process use its tile registers (asked once:
+// arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)).
+bool amx_usable() {
+  static const bool usable = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!(d & (1u << 24)) || !(d & (1u << 25))) return false;  // AMX-TILE, AMX-INT8
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return usable;
+}
+
+// Whether calls of enough rows take the AMX product (set_qmm_a8_amx; on by default where usable), and
+// how many: below about 12 rows of a 4-bit weight and 6 of an 8-bit one the tiles' fixed cost per
+// group (a 4-bit slice's unpacking, the tile loads and stores) outweighs the dot products they save
+// (bench/results/xeon_amx/kernel_amx.txt).
+std::atomic<bool> amx_enabled{true};
+std::atomic<int64_t> amx_min_rows_4bit{12}, amx_min_rows_8bit{6};
+#endif
+
 template <bool kQ8>
 void qmm_a8_vnni(const Quantised& xq, int64_t m_rows, const Weight& w, float* y, int64_t ldy, bool accumulate,
                  dart_kernels::ArgmaxSink* sink) {
@@ -341,6 +522,14 @@ void dart_kernels::qmm_a8_run(const float* x, int64_t m_rows, const QWeight& w, 
 #ifdef DART_A8_VNNI
   if (!portable && cpu_has_vnni()) {
     quantise_avx512(x, m_rows, K, xq);
+#ifdef DART_A8_AMX
+    const int64_t min_rows = (w.q8 ? amx_min_rows_8bit : amx_min_rows_4bit).load(std::memory_order_relaxed);
+    if (m_rows >= min_rows && amx_enabled.load(std::memory_order_relaxed) && amx_usable()) {
+      if (w.q8) product_amx<true>(xq, m_rows, w, y, n, accumulate, sink);
+      else product_amx<false>(xq, m_rows, w, y, n, accumulate, sink);
+      return;
+    }
+#endif
     if (w.q8) qmm_a8_vnni<true>(xq, m_rows, w, y, n, accumulate, sink);
     else qmm_a8_vnni<false>(xq, m_rows, w, y, n, accumulate, sink);
     return;
@@ -351,3 +540,18 @@ void dart_kernels::qmm_a8_run(const float* x, int64_t m_rows, const QWeight& w, 
 }
 
 bool dart_kernels::qmm_a8_vectorised() { return cpu_has_vnni(); }
+
+#ifdef DART_A8_AMX
+bool dart_kernels::qmm_a8_amx() { return cpu_has_vnni() && amx_usable() && amx_enabled.load(); }
+
+bool dart_kernels::set_qmm_a8_amx(bool enabled, int64_t min_rows_4bit, int64_t min_rows_8bit) {
+  amx_enabled.store(enabled);
+  amx_min_rows_4bit.store(std::max<int64_t>(1, min_rows_4bit));
+  amx_min_rows_8bit.store(std::max<int64_t>(1, min_rows_8bit));
+  return qmm_a8_amx();
+}
+#else
+bool dart_kernels::qmm_a8_amx() { return false; }
+
+bool dart_kernels::set_qmm_a8_amx(bool, int64_t, int64_t) { return false; }
+#endif

@@ -34,6 +34,10 @@ class KernelConfig:
             its capacity (:func:`dart_core.model.cuda_graphs.default_windows`); False: the whole capacity.
         keep_freed_memory: on a CPU, glibc keeps freed tensor memory mapped for reuse
             (:func:`dart_core.model.allocator.keep_freed_memory`); False leaves glibc's thresholds.
+        amx: on a CPU with Intel AMX-INT8, the ``qmm-a8`` kernel's products of several rows (a
+            verification's query tokens, a prefill) run on AMX tiles, the same bits as its VNNI loop
+            (``dart_core/csrc/qmm_a8.cpp``); False keeps the VNNI loop.  A process-wide switch, set
+            when a :class:`~dart_core.model.target.TargetModel` is built; ignored elsewhere.
 
     Raises:
         ValueError: an unknown ``sdpa_backends`` value, or a switch that is not a bool.
@@ -43,6 +47,7 @@ class KernelConfig:
     grouped_query: bool = True
     static_windows: bool = True
     keep_freed_memory: bool = True
+    amx: bool = True
 
     def __post_init__(self) -> None:
         setting = self.sdpa_backends.strip().lower() if isinstance(self.sdpa_backends, str) else None
@@ -51,7 +56,7 @@ class KernelConfig:
             raise ValueError(f"sdpa_backends={self.sdpa_backends!r}: use auto, default or a comma-separated list of "
                              f"{', '.join(SDPA_BACKEND_NAMES)}")
         object.__setattr__(self, "sdpa_backends", setting if setting in ("auto", "default") else ",".join(names))
-        for name in ("grouped_query", "static_windows", "keep_freed_memory"):
+        for name in ("grouped_query", "static_windows", "keep_freed_memory", "amx"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

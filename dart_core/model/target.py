@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
+from dart_core import _kernels
 from dart_core.model.attention import GROUPED_SDPA, attention_backend
 from dart_core.model.cuda_graphs import StaticVerifier
 from dart_core.model.decoder import LlamaDecoder, decoder_unsupported
@@ -178,6 +179,7 @@ class TargetModel:
         self.model = model.eval()
         # the SDPA backends and grouped-query switch of every attention call (dart_core.model.kernel_config)
         self.kernels = kernels or KernelConfig()
+        _kernels.set_qmm_a8_amx(self.kernels.amx)  # process-wide: qmm-a8's multi-row products on AMX tiles
         if pack is None:
             pack = can_pack(model)
         elif pack and not can_pack(model):

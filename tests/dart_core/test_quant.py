@@ -131,6 +131,50 @@ def test_qmm_portable_loops_equal_their_vectorised_versions(kernel):
                 assert np.array_equal(fast2, slow2), (qtype, m, kwargs)
 
 
+def test_qmm_a8_amx_equals_its_vnni_loop():
+    """qmm-a8's AMX version (calls of enough rows on a CPU with AMX-INT8) sums each group exactly in
+    tiles and scales it in the VNNI loop's order: the same bits as that loop and the portable one, for
+    every row count across its 16-row tiles (here from one row up), both block types, the decoder
+    layer's operations around the product and the fused argmax."""
+    from dart_core import _kernels
+
+    assert _kernels.set_qmm_a8_amx(False) is False and _kernels.qmm_a8_amx() is False
+    usable = _kernels.set_qmm_a8_amx(True)
+    assert usable == _kernels.qmm_a8_amx()
+    if not usable:
+        pytest.skip("this CPU (or its kernel) offers no AMX-INT8 tiles: only the VNNI and portable loops run here")
+    rng = np.random.default_rng(11)
+    try:
+        for qtype, n, k in (("Q4_0", 200, 96), ("Q4_1", 64, 128), ("Q8_0", 130, 96)):
+            layer = Int4Linear(int4_parts(_blocks(rng.normal(size=(n, k)), Q[qtype]), qtype, (n, k)), kernel="qmm-a8")
+            codes, scale, minimum = layer._qmm_args
+            norm = rng.normal(size=k).astype(np.float32)
+            for m in (1, 2, 7, 15, 16, 17, 33):
+                x = rng.normal(size=(m, k)).astype(np.float32)
+                x[-1, 32:64] = 0  # a group of zeros: scale 0
+                gate_up = rng.normal(size=(m, 2 * k)).astype(np.float32)
+                base = rng.normal(size=(m, n)).astype(np.float32)
+                for kwargs, inp in (({}, x), (dict(norm=norm, eps=1e-5), x), (dict(gated=True, accumulate=True), gate_up)):
+                    outs = []
+                    for amx in (True, False):
+                        _kernels.set_qmm_a8_amx(amx, 1, 1)
+                        out = base.copy()
+                        _kernels.qmm_a8(inp, codes, scale, minimum, n, layer.q8, out, **kwargs)
+                        outs.append(out)
+                    slow = base.copy()
+                    _kernels.qmm_a8(inp, codes, scale, minimum, n, layer.q8, slow, portable=True, **kwargs)
+                    assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], slow), (qtype, m, kwargs)
+                picks = []
+                for amx in (True, False):
+                    _kernels.set_qmm_a8_amx(amx, 1, 1)
+                    idx = np.empty(m, np.int64)
+                    _kernels.qmm_a8_argmax(x, codes, scale, minimum, n, layer.q8, idx)
+                    picks.append(idx)
+                assert np.array_equal(picks[0], picks[1]), (qtype, m)
+    finally:
+        _kernels.set_qmm_a8_amx(True)  # the defaults again
+
+
 @pytest.mark.parametrize("kernel", ["qmm-a8", "qmm"])
 def test_the_fused_argmax_is_the_argmax_of_the_outputs(kernel):
     """Int4Linear.argmax (the outputs folded block by block, never written) against torch.argmax of the

@@ -52,13 +52,15 @@ def test_no_library_module_reads_a_switch_from_the_environment():
 
 def test_kernel_config_is_validated_once():
     assert KernelConfig().as_dict() == {"sdpa_backends": "auto", "grouped_query": True, "static_windows": True,
-                                        "keep_freed_memory": True}
+                                        "keep_freed_memory": True, "amx": True}
     assert KernelConfig(sdpa_backends=" Math, efficient ").sdpa_backends == "math,efficient"
     for bad in ("fastest", "", ",", 3):
         with pytest.raises(ValueError, match="sdpa_backends"):
             KernelConfig(sdpa_backends=bad)
     with pytest.raises(ValueError, match="grouped_query"):
         KernelConfig(grouped_query="off")
+    with pytest.raises(ValueError, match="amx"):
+        KernelConfig(amx=1)
 
 
 def test_the_engine_flags_are_speculative_config_fields():
@@ -73,19 +75,21 @@ def test_the_engine_flags_are_speculative_config_fields():
 
 def test_benchmark_overrides_become_the_configs():
     assert bench_switches({}) == {"sdpa_backends": "auto", "grouped_query": True, "static_windows": True,
-                                  "keep_freed_memory": True, "draft_graphs": True}
+                                  "keep_freed_memory": True, "draft_graphs": True, "amx": True}
     env = {"DART_SDPA_BACKENDS": "default", "DART_GROUPED_QUERY": "off", "DART_STATIC_WINDOWS": "0",
-           "DART_KEEP_FREED_MEMORY": "no", "DART_DRAFT_GRAPHS": "0"}
+           "DART_KEEP_FREED_MEMORY": "no", "DART_DRAFT_GRAPHS": "0", "DART_AMX": "off"}
     assert set(env) == set(SWITCH_VARIABLES)
     assert bench_switches(env) == {"sdpa_backends": "default", "grouped_query": False, "static_windows": False,
-                                   "keep_freed_memory": False, "draft_graphs": False}
-    assert bench_kernel_config(env) == KernelConfig("default", False, False, False)
+                                   "keep_freed_memory": False, "draft_graphs": False, "amx": False}
+    assert bench_kernel_config(env) == KernelConfig("default", False, False, False, False)
     with pytest.raises(ValueError, match="sdpa_backends"):
         bench_switches({"DART_SDPA_BACKENDS": "fastest"})
 
 
 def test_from_pretrained_hands_every_switch_to_what_it_switches(tiny_model_dir, caplog):
-    kernels = KernelConfig(sdpa_backends="math", grouped_query=False)
+    from dart_core import _kernels
+
+    kernels = KernelConfig(sdpa_backends="math", grouped_query=False, amx=False)
     spec = SpeculativeConfig(budget=4, pooled_budget=True, grammar_drafting=False, fold_width=None)
     with caplog.at_level("INFO", logger="dart_core.api"):
         m = DartModel.from_pretrained(tiny_model_dir, head="random", trie=None, speculative_config=spec,
@@ -93,11 +97,13 @@ def test_from_pretrained_hands_every_switch_to_what_it_switches(tiny_model_dir, 
     e = m.engine
     assert (e.pooled_budget, e.grammar_drafting, e.drafter.fold_width) == (True, False, None)
     assert e.target.kernels is kernels
+    assert _kernels.qmm_a8_amx() is False  # the process-wide AMX switch, off
     attention = [x for x in e.target.model.modules() if hasattr(x, "is_causal") and hasattr(x, "head_dim")]
     assert attention and all(x.dart_grouped_query is False for x in attention)
     assert all(x.kernels is kernels for x in e.head.modules() if hasattr(x, "kernels"))
     assert any("kernel config" in r.getMessage() and "'math'" in r.getMessage() for r in caplog.records)
     ids = m.encode("The capital of France")
     default = DartModel.from_pretrained(tiny_model_dir, head="random", trie=None, budget=4)
+    assert _kernels.qmm_a8_amx() == _kernels.set_qmm_a8_amx(True)  # on again where this CPU has it
     params = m.sampling_params(max_new_tokens=12)
     assert e.generate([ids], params).token_ids == default.engine.generate([ids], params).token_ids  # lossless either way
