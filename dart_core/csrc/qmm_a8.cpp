@@ -212,6 +212,17 @@ inline int32_t quad(const int8_t* q, int64_t at) {  // four int8 inputs as one 3
 
 constexpr int64_t kPrefetchGroups = 2;  // how many groups of 32 inputs ahead the codes are prefetched
 
+// One group's share of 16 outputs of one row: total + (d · dx) · P, then + mn · sx for a 4-bit
+// weight, with P the group's integer dot products (less Q8_0's offset, 128 · Σ qx).  Every version
+// of the product scales in this one order, which is why they give the same bits.
+template <bool kQ8>
+DART_VNNI inline __attribute__((always_inline)) __m512 scale_group(__m512 total, __m512i acc, __m512 scale,
+                                                                   __m512 minimum, __m512 dx, __m512 sx, __m512i off) {
+  const __m512i p = kQ8 ? _mm512_sub_epi32(acc, off) : acc;
+  total = _mm512_fmadd_ps(_mm512_mul_ps(scale, dx), _mm512_cvtepi32_ps(p), total);
+  return kQ8 ? total : _mm512_fmadd_ps(minimum, sx, total);
+}
+
 // R rows of the quantised x against weight block b: for each group, the integer dot products of
 // all 64 columns (each row's input quads broadcast once), then the group's scales.  yb: the block's
 // outputs (row r0 + r at yb + (r0 + r) · ldy).
@@ -286,9 +297,8 @@ DART_VNNI void direct(const Quantised& xq, int64_t r0, const Weight& w, int64_t 
 #pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) {
         const int64_t at = g * kBlockN + 16 * c;
-        const __m512i p = kQ8 ? _mm512_sub_epi32(acc[r][c], off) : acc[r][c];
-        total[r][c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(sc + at), dx), _mm512_cvtepi32_ps(p), total[r][c]);
-        if (!kQ8) total[r][c] = _mm512_fmadd_ps(_mm512_loadu_ps(mins + at), sx, total[r][c]);
+        total[r][c] = scale_group<kQ8>(total[r][c], acc[r][c], _mm512_loadu_ps(sc + at),
+                                       kQ8 ? _mm512_setzero_ps() : _mm512_loadu_ps(mins + at), dx, sx, off);
       }
     }
   }
@@ -401,12 +411,9 @@ DART_AMX void direct_amx(const Quantised& xq, int64_t r0, int m, const Weight& w
       const __m512 sx = kQ8 ? dx : _mm512_set1_ps(xq.sx[rg]);
 #pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) {
-        const __m512i acc = _mm512_load_si512(s.p + r * kBlockN + 16 * c);
-        const __m512i p = kQ8 ? _mm512_sub_epi32(acc, off) : acc;
         float* tp = s.total + r * kBlockN + 16 * c;
-        __m512 t = _mm512_fmadd_ps(_mm512_mul_ps(scv[c], dx), _mm512_cvtepi32_ps(p), _mm512_load_ps(tp));
-        if (!kQ8) t = _mm512_fmadd_ps(mnv[c], sx, t);
-        _mm512_store_ps(tp, t);
+        _mm512_store_ps(tp, scale_group<kQ8>(_mm512_load_ps(tp), _mm512_load_si512(s.p + r * kBlockN + 16 * c),
+                                             scv[c], mnv[c], dx, sx, off));
       }
     }
   }
