@@ -212,15 +212,32 @@ inline int32_t quad(const int8_t* q, int64_t at) {  // four int8 inputs as one 3
 
 constexpr int64_t kPrefetchGroups = 2;  // how many groups of 32 inputs ahead the codes are prefetched
 
-// One group's share of 16 outputs of one row: total + (d · dx) · P, then + mn · sx for a 4-bit
-// weight, with P the group's integer dot products (less Q8_0's offset, 128 · Σ qx).  Every version
+// The codes of a group ahead (gb bytes from p) into the first-level cache.
+inline void prefetch_group(const uint8_t* p, int64_t gb) {
+  for (int64_t line = 0; line < gb / 64; ++line) _mm_prefetch(reinterpret_cast<const char*>(p + 64 * line), _MM_HINT_T0);
+}
+
+// One group's share of 16 outputs of one row (row_scale: the row's factors for group rg = row · G + g):
+// total + (d · dx) · P, then + mn · sx for a 4-bit weight, with P the group's integer dot products (less Q8_0's offset, 128 · Σ qx).  Every version
 // of the product scales in this one order, which is why they give the same bits.
+struct RowScale {
+  __m512 dx;    // the row's group scale
+  __m512 sx;    // dx · Σ qx (4-bit weights' minimum factor)
+  __m512i off;  // 128 · Σ qx (Q8_0's code offset)
+};
+
+template <bool kQ8>
+DART_VNNI inline __attribute__((always_inline)) RowScale row_scale(const Quantised& xq, int64_t rg) {
+  const __m512 dx = _mm512_set1_ps(xq.dx[rg]);
+  return {dx, kQ8 ? dx : _mm512_set1_ps(xq.sx[rg]), _mm512_set1_epi32(128 * xq.qsum[rg])};
+}
+
 template <bool kQ8>
 DART_VNNI inline __attribute__((always_inline)) __m512 scale_group(__m512 total, __m512i acc, __m512 scale,
-                                                                   __m512 minimum, __m512 dx, __m512 sx, __m512i off) {
-  const __m512i p = kQ8 ? _mm512_sub_epi32(acc, off) : acc;
-  total = _mm512_fmadd_ps(_mm512_mul_ps(scale, dx), _mm512_cvtepi32_ps(p), total);
-  return kQ8 ? total : _mm512_fmadd_ps(minimum, sx, total);
+                                                                   __m512 minimum, const RowScale& rs) {
+  const __m512i p = kQ8 ? _mm512_sub_epi32(acc, rs.off) : acc;
+  total = _mm512_fmadd_ps(_mm512_mul_ps(scale, rs.dx), _mm512_cvtepi32_ps(p), total);
+  return kQ8 ? total : _mm512_fmadd_ps(minimum, rs.sx, total);
 }
 
 // R rows of the quantised x against weight block b: for each group, the integer dot products of
@@ -244,9 +261,7 @@ DART_VNNI void direct(const Quantised& xq, int64_t r0, const Weight& w, int64_t 
   const __m512i low = _mm512_set1_epi8(15);
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* cg = codes + g * gb;
-    if (g + kPrefetchGroups < G)
-      for (int64_t line = 0; line < gb / 64; ++line)
-        _mm_prefetch(reinterpret_cast<const char*>(cg + kPrefetchGroups * gb + 64 * line), _MM_HINT_T0);
+    if (g + kPrefetchGroups < G) prefetch_group(cg + kPrefetchGroups * gb, gb);
     const int64_t k0 = g * kGroup;
     __m512i acc[R][4];
 #pragma GCC unroll 16
@@ -290,15 +305,12 @@ DART_VNNI void direct(const Quantised& xq, int64_t r0, const Weight& w, int64_t 
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const int64_t rg = (r0 + r) * G + g;
-      const __m512 dx = _mm512_set1_ps(xq.dx[rg]);
-      const __m512i off = _mm512_set1_epi32(128 * xq.qsum[rg]);
-      const __m512 sx = kQ8 ? dx : _mm512_set1_ps(xq.sx[rg]);
+      const RowScale rs = row_scale<kQ8>(xq, (r0 + r) * G + g);
 #pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) {
         const int64_t at = g * kBlockN + 16 * c;
         total[r][c] = scale_group<kQ8>(total[r][c], acc[r][c], _mm512_loadu_ps(sc + at),
-                                       kQ8 ? _mm512_setzero_ps() : _mm512_loadu_ps(mins + at), dx, sx, off);
+                                       kQ8 ? _mm512_setzero_ps() : _mm512_loadu_ps(mins + at), rs);
       }
     }
   }
@@ -369,9 +381,7 @@ DART_AMX void direct_amx(const Quantised& xq, int64_t r0, int m, const Weight& w
   const __m512i low = _mm512_set1_epi8(15);
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* cg = codes + g * gb;
-    if (g + kPrefetchGroups < G)
-      for (int64_t line = 0; line < gb / 64; ++line)
-        _mm_prefetch(reinterpret_cast<const char*>(cg + kPrefetchGroups * gb + 64 * line), _MM_HINT_T0);
+    if (g + kPrefetchGroups < G) prefetch_group(cg + kPrefetchGroups * gb, gb);
     const uint8_t* bt = cg;  // slice c's B tile at bt + 512 c
     if (!kQ8) {
       for (int c = 0; c < 4; ++c)
@@ -405,15 +415,12 @@ DART_AMX void direct_amx(const Quantised& xq, int64_t r0, int m, const Weight& w
       mnv[c] = kQ8 ? zero : _mm512_loadu_ps(mins + g * kBlockN + 16 * c);
     }
     for (int r = 0; r < m; ++r) {
-      const int64_t rg = (r0 + r) * G + g;
-      const __m512 dx = _mm512_set1_ps(xq.dx[rg]);
-      const __m512i off = _mm512_set1_epi32(128 * xq.qsum[rg]);
-      const __m512 sx = kQ8 ? dx : _mm512_set1_ps(xq.sx[rg]);
+      const RowScale rs = row_scale<kQ8>(xq, (r0 + r) * G + g);
 #pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) {
         float* tp = s.total + r * kBlockN + 16 * c;
         _mm512_store_ps(tp, scale_group<kQ8>(_mm512_load_ps(tp), _mm512_load_si512(s.p + r * kBlockN + 16 * c),
-                                             scv[c], mnv[c], dx, sx, off));
+                                             scv[c], mnv[c], rs));
       }
     }
   }
