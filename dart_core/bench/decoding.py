@@ -216,7 +216,7 @@ def eagle3_engine(engine, head: str | None, *, total_tokens: int, depth: int, to
     the drafters on equal terms.
 
     Raises:
-        FileNotFoundError, ValueError: as :func:`dart_core.api.eagle3_drafter`."""
+        ValueError, HeadLoadError: as :func:`dart_core.api.eagle3_drafter`."""
     from dart_core.api import eagle3_drafter
     from dart_core.spec.budget import AdaptiveBudget
     from dart_core.step.engine import DartEngine
