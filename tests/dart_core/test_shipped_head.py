@@ -24,17 +24,24 @@ from .test_smollm2 import PROMPTS, chat
 HEAD = SHIPPED_HEADS[DEFAULT_MODEL]
 
 
-def test_shipped_head_files():
-    names = {p.name for p in HEAD.iterdir()}
+def _check_shipped_folder(folder) -> tuple[dict, set]:
+    """What every head shipped in the package keeps to: its weights, config, training record and
+    card, at most 32 MiB in all, no copy of the target's embedding, bfloat16 weights (the draft
+    vocabulary's maps aside).  Returns its config and tensor names."""
+    names = {p.name for p in folder.iterdir()}
     assert {"config.json", "model.safetensors", "training.json", "README.md"} <= names
-    assert sum(p.stat().st_size for p in HEAD.iterdir()) <= 32 * 2**20
-    config = json.loads((HEAD / "config.json").read_text())
-    assert config["draft_length"] == 7 and config["hidden_size"] == 576 and config["vocab_size"] == 49152
-    with safe_open(str(HEAD / "model.safetensors"), "pt") as f:
+    assert sum(p.stat().st_size for p in folder.iterdir()) <= 32 * 2**20
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
         assert not any("embed" in k for k in keys)
         dtypes = {f.get_tensor(k).dtype for k in keys if k not in ("d2t", "t2d")}
     assert dtypes == {torch.bfloat16}
+    return json.loads((folder / "config.json").read_text()), keys
+
+
+def test_shipped_head_files():
+    config, keys = _check_shipped_folder(HEAD)
+    assert config["draft_length"] == 7 and config["hidden_size"] == 576 and config["vocab_size"] == 49152
     assert {"fc.weight", "midlayer.mask_rep", "lm_head.weight", "d2t", "t2d"} <= keys
 
 
@@ -56,16 +63,8 @@ EAGLE3_HEAD = SHIPPED_EAGLE3_HEADS[DEFAULT_MODEL]
 
 
 def test_shipped_eagle3_head_files():
-    names = {p.name for p in EAGLE3_HEAD.iterdir()}
-    assert {"config.json", "model.safetensors", "training.json", "README.md"} <= names
-    assert sum(p.stat().st_size for p in EAGLE3_HEAD.iterdir()) <= 32 * 2**20
-    config = json.loads((EAGLE3_HEAD / "config.json").read_text())
+    config, keys = _check_shipped_folder(EAGLE3_HEAD)
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["hidden_size"] == 576
-    with safe_open(str(EAGLE3_HEAD / "model.safetensors"), "pt") as f:
-        keys = set(f.keys())
-        assert not any("embed" in k for k in keys)
-        dtypes = {f.get_tensor(k).dtype for k in keys if k not in ("d2t", "t2d")}
-    assert dtypes == {torch.bfloat16}
     assert {"fc.weight", "lm_head.weight", "d2t", "t2d"} <= keys
 
 
