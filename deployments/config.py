@@ -155,6 +155,10 @@ class AppConfig(BaseModel):
                                                   "many milliseconds (0: only what is already waiting); each "
                                                   "chunk keeps its own step figures (docs/serving.md, 'Stream "
                                                   "interval')")
+    stream_items_per_s: float = Field(80.0, ge=0, description="streaming: the most groups per second the engine "
+                                      "replica sends over all its open streams: with more streams than this × "
+                                      "stream_interval_ms / 1000, each stream's interval grows to open streams ÷ "
+                                      "this (docs/serving.md, 'Stream interval'); 0: no cap")
     api_key_env: str = Field("DART_API_KEY", description="environment variable with an optional API key; when set, "
                                                          "requests need `Authorization: Bearer <key>`")
     admin_key_env: str = Field("DART_ADMIN_KEY", description="environment variable with the admin key the admin "

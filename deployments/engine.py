@@ -229,14 +229,16 @@ class DartEngineDeployment:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[list[GenerationChunk]]:
         """Streams one completion as lists of chunks: the first chunk alone and at once, then the
-        chunks of each ``stream_interval_ms`` together (see
+        chunks of each ``stream_interval_ms`` together, that interval growing with the open streams
+        beyond ``stream_items_per_s`` lists per second (see
         :meth:`ContinuousBatcher.agenerate_batches`), so that the Serve stream carries one object
         per interval rather than one per decoding step.
 
         Raises:
             InvalidRequest: before the first list, for any invalid field.
         """
-        async for batch in self.batcher.agenerate_batches(request, self.cfg.stream_interval_ms / 1000.0):
+        async for batch in self.batcher.agenerate_batches(request, self.cfg.stream_interval_ms / 1000.0,
+                                                          self.cfg.stream_items_per_s):
             yield batch
 
     async def add_corpus(self, documents: list[str], token_ids: list[list[int]]) -> dict:

@@ -259,6 +259,7 @@ class ContinuousBatcher:
         self._grammars_lock = threading.Lock()
         self._started = time.monotonic()
         self._recalibrate_tries = 0
+        self._open_streams = 0  # agenerate_batches streams open (counted on the event loop)
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -392,16 +393,20 @@ class ContinuousBatcher:
             for chunk in batch:
                 yield chunk
 
-    async def agenerate_batches(self, request: GenerationRequest, interval_s: float = 0.0
-                                ) -> AsyncIterator[list[GenerationChunk]]:
+    async def agenerate_batches(self, request: GenerationRequest, interval_s: float = 0.0,
+                                items_per_s: float | None = None) -> AsyncIterator[list[GenerationChunk]]:
         """:meth:`agenerate`, with the chunks grouped into lists for a consumer that pays per
         message (a Ray Serve stream pays one object per item, in the sending and in every
         receiving process): the first chunk goes out alone at once (time to first token is not
-        delayed); after that, each list holds the chunks that arrive until ``interval_s`` seconds
-        have passed since the previous list went out, and the last chunk goes out as soon as it
-        arrives.  With ``interval_s`` 0 a list holds what is already queued when the consumer
-        asks (nothing waits).  Ray Serve LLM groups its streamed responses the same way
-        (``stream_batching_interval_ms``).  Every chunk keeps its own step figures.
+        delayed); after that, each list holds the chunks that arrive until the stream's interval
+        (:meth:`stream_interval`) has passed since the previous list went out, and the last chunk
+        goes out as soon as it arrives.  The interval is ``interval_s`` seconds, or, with
+        ``items_per_s`` (a cap on the lists per second over all of this batcher's open streams),
+        open streams ÷ ``items_per_s`` where that is longer, so that the cost per item stays
+        bounded as streams multiply.  With an interval of 0 a list holds what is already queued
+        when the consumer asks (nothing waits).  Ray Serve LLM groups its streamed responses the
+        same way (``stream_batching_interval_ms``, a fixed interval).  Every chunk keeps its own
+        step figures.
 
         Raises:
             InvalidRequest: before the first list.
@@ -411,11 +416,12 @@ class ContinuousBatcher:
         if request.grammar is not None:  # compiled off the event loop (then cached for submit)
             await asyncio.to_thread(self.grammar, request)
         box: asyncio.Queue = asyncio.Queue()
-        with _cancel_unless_done(self.submit(request, lambda item: loop.call_soon_threadsafe(box.put_nowait, item))):
+        with _cancel_unless_done(self.submit(request, lambda item: loop.call_soon_threadsafe(box.put_nowait, item))), \
+                self._stream_open():
             sent_at = float("-inf")
             while True:
                 items = [await box.get()]
-                deadline = sent_at + interval_s
+                deadline = sent_at + self.stream_interval(interval_s, items_per_s)
                 # the first chunk goes out alone, even when the next one is already queued
                 while sent_at != float("-inf") and not _ends(items[-1]):
                     if not box.empty():
@@ -435,6 +441,21 @@ class ContinuousBatcher:
                 _unwrap(items[-1])
                 if _ends(items[-1]):
                     return
+
+    def stream_interval(self, interval_s: float, items_per_s: float | None) -> float:
+        """Seconds between two lists of one :meth:`agenerate_batches` stream now: ``interval_s``,
+        or the streams open ÷ ``items_per_s`` where that is longer (None or 0: no cap)."""
+        if not items_per_s:
+            return interval_s
+        return max(interval_s, self._open_streams / items_per_s)
+
+    @contextmanager
+    def _stream_open(self) -> Iterator[None]:
+        self._open_streams += 1
+        try:
+            yield
+        finally:
+            self._open_streams -= 1
 
     def stats(self) -> dict:
         """Running and queued requests, decoding steps by mode, and the engine's prefix cache

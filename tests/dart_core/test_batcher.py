@@ -437,6 +437,42 @@ def test_grouped_streaming_keeps_every_chunk_and_sends_the_first_alone(model, in
         assert len(lists) == 2 and seconds < interval_s
 
 
+def test_grouped_streaming_interval_grows_with_the_open_streams(model):
+    """With ``items_per_s`` (the replica's cap on lists per second over all its streams) each
+    stream's interval is the open streams ÷ that cap where longer than ``interval_s``: two streams
+    at 0.1 lists per second wait 20 s between lists, so each sends its first chunk alone and the
+    rest as one list ending with the last chunk; with no stream open the interval is
+    ``interval_s`` again, and without a cap it never changes."""
+    import asyncio
+
+    n = 12
+    with ContinuousBatcher(model.engine, model.tokenizer) as b:
+        want = list(b.generate(GenerationRequest(prompt=PROMPTS[2], max_tokens=n)))
+        assert b.stream_interval(0.05, None) == b.stream_interval(0.05, 0) == 0.05
+        assert b.stream_interval(0.05, 0.1) == 0.05  # no stream open
+
+        async def one(seen: list):
+            lists = []
+            async for batch in b.agenerate_batches(GenerationRequest(prompt=PROMPTS[2], max_tokens=n), 0.0, 0.1):
+                seen.append(b.stream_interval(0.0, 0.1))
+                lists.append(batch)
+            return lists
+
+        async def collect():
+            seen: list = []
+            started = time.perf_counter()
+            results = await asyncio.gather(one(seen), one(seen))
+            return results, seen, time.perf_counter() - started
+
+        results, seen, seconds = asyncio.run(collect())
+        assert b.stream_interval(0.0, 0.1) == 0.0
+    assert 20.0 in seen and seconds < 20.0
+    for lists in results:
+        assert len(lists) == 2 and len(lists[0]) == 1 and lists[0][0].steps == 0
+        assert [c.token_ids for batch in lists for c in batch] == [c.token_ids for c in want]
+        assert lists[-1][-1].finish_reason == "length"
+
+
 def test_grouped_streaming_raises_after_the_chunks_before_a_failure(model, monkeypatch):
     """A generation that fails in the engine after some steps: the chunks before the failure
     arrive, then the error; an invalid request raises before any list."""
