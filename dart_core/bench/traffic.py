@@ -27,9 +27,11 @@ rotates from pass to pass, and a new server first decodes two fixed warm-up prom
 false``: nothing learned, no prompt cached), and what the corpus and cache held before stays.
 
 Reported per mode and class: output tokens/s (tokens ÷ seconds from sending each request to its
-last chunk, summed over the class's requests) and mean τ (the server's per-request
-``usage.dart.tau``), the median pass of each with every pass's figure; and every request's greedy
-output, checked equal across modes (lossless).
+last chunk, summed over the class's requests), mean τ (the server's per-request
+``usage.dart.tau``, over every decoding step) and τ over the speculative steps alone (from each
+streamed chunk's ``dart`` step figures: where the speculation gate kept a server's steps
+autoregressive, plain τ measures the gate as much as the drafts), the median pass of each with
+every pass's figure; and every request's greedy output, checked equal across modes (lossless).
 
 ``--search-latency`` (default on) also measures, in this process, what the live corpus adds to a
 tree search: an :class:`~ngram_service.server.NgramServer` with the default trie and a live corpus
@@ -159,9 +161,11 @@ def load_workload(path: str | Path, limit: int | None = None) -> list[dict]:
 
 def _request(client, model: str, prompt: str, cfg: TrafficConfig, speculative: bool, learn: bool) -> dict:
     """One streaming chat request: tokens, seconds (sent → last chunk), decode seconds (first chunk →
-    last chunk), τ, text."""
+    last chunk), τ, decoding steps and the speculative ones among them with the tokens they emitted
+    (each chunk's ``dart`` step figures: a step that verified draft nodes speculated), text."""
     t0 = time.perf_counter()
     first, last, usage, text = None, t0, None, []
+    steps = spec_steps = spec_tokens = 0
     stream = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=cfg.max_tokens, temperature=0,
         stream=True, stream_options={"include_usage": True},
@@ -173,9 +177,15 @@ def _request(client, model: str, prompt: str, cfg: TrafficConfig, speculative: b
             first = first or last
         if chunk.usage is not None:
             usage = chunk.usage
+        step = (chunk.model_extra or {}).get("dart")
+        if step and not step.get("prefill"):
+            steps += 1
+            if step.get("draft_nodes"):
+                spec_steps, spec_tokens = spec_steps + 1, spec_tokens + step["tokens"]
     dart = ((usage.model_extra or {}).get("dart") or {}) if usage is not None else {}
     return {"tokens": usage.completion_tokens if usage is not None else 0, "seconds": last - t0,
-            "decode_seconds": last - (first or last), "tau": dart.get("tau"), "text": "".join(text)}
+            "decode_seconds": last - (first or last), "tau": dart.get("tau"), "steps": steps,
+            "speculative_steps": spec_steps, "speculative_tokens": spec_tokens, "text": "".join(text)}
 
 
 def run_mode(client, model: str, workload: list[dict], cfg: TrafficConfig, mode: str, bar=None) -> list[dict]:
@@ -208,7 +218,9 @@ def summarise(records: list[dict]) -> dict:
     """Per class and overall (``all``) and after warm-up (``later``: variants and repeats): tokens/s
     end to end (Σ tokens ÷ Σ seconds from sending to the last chunk: the prompt's prefill included),
     decode tokens/s (Σ (tokens − 1) ÷ Σ seconds from the first chunk to the last: what speculation
-    speeds up), mean τ, requests."""
+    speeds up), mean τ, τ over speculative steps alone (``tau_speculative``: their tokens ÷ their
+    count; the gate's autoregressive steps left out, so that learning is judged by its drafts, not by
+    when a server's gate speculated), the speculative share of the steps, requests."""
     groups = {k: [r for r in records if r["kind"] == k] for k in KINDS}
     groups["later"] = groups["variant"] + groups["repeat"]
     groups["all"] = records
@@ -221,6 +233,9 @@ def summarise(records: list[dict]) -> dict:
                      "decode_tokens_per_s": round(sum(max(0, r["tokens"] - 1) for r in rs)
                                                   / max(1e-9, sum(r["decode_seconds"] for r in rs)), 2),
                      "tau": round(statistics.mean(taus), 3) if taus else None, "requests": len(rs)}
+        steps, spec = sum(r.get("steps", 0) for r in rs), sum(r.get("speculative_steps", 0) for r in rs)
+        out[name] |= {"tau_speculative": round(sum(r.get("speculative_tokens", 0) for r in rs) / spec, 3)
+                      if spec else None, "speculative_share": round(spec / steps, 3) if steps else None}
     return out
 
 
@@ -405,7 +420,7 @@ def run_traffic(cfg: TrafficConfig, *, progress: bool = True) -> dict:
         per_pass = [summarise(runs[mode]) for runs in passes if mode in runs]
         summary[mode] = {}
         for cls in per_pass[0]:
-            for metric in ("tokens_per_s", "decode_tokens_per_s", "tau"):
+            for metric in ("tokens_per_s", "decode_tokens_per_s", "tau", "tau_speculative", "speculative_share"):
                 vals = [s[cls][metric] for s in per_pass if s.get(cls, {}).get(metric) is not None]
                 if vals:
                     summary[mode].setdefault(cls, {})[metric] = {"median": statistics.median(vals), "runs": vals}
@@ -423,8 +438,8 @@ def run_traffic(cfg: TrafficConfig, *, progress: bool = True) -> dict:
 
 
 def markdown_table(result: dict) -> str:
-    """The summary: per class, end-to-end and decode tokens/s and τ per mode (medians of the passes),
-    and the ratios the live corpus is judged by."""
+    """The summary: per class, end-to-end and decode tokens/s, τ and τ over speculative steps per mode
+    (medians of the passes; "–" where a result has none), and the ratios the live corpus is judged by."""
     s, cfg = result["summary"], result["config"]
     modes = [m for m in MODES if m in s]
     classes = [c for c in ("first", "variant", "repeat", "later", "all") if any(c in s[m] for m in modes)]
@@ -442,15 +457,16 @@ def markdown_table(result: dict) -> str:
 
     lines = [f"{result['model']}: one client, T = 0, {cfg['max_tokens']} tokens, median of {cfg['passes']} passes; "
              f"{result['hardware'].get('line', '')}. Tokens/s end to end (prefill included) and decoding only "
-             "(first token to last).", "",
-             "| requests | n | " + " | ".join(f"{short[m]}: tok/s, decode tok/s, τ" for m in modes)
-             + " | on ÷ off τ | on ÷ no spec, end to end | on ÷ no spec, decode |",
-             "|---|---:|" + "---:|" * (len(modes) + 3)]
+             "(first token to last); τ over all decoding steps, and over the speculative ones alone.", "",
+             "| requests | n | " + " | ".join(f"{short[m]}: tok/s, decode tok/s, τ, τ speculative" for m in modes)
+             + " | on ÷ off τ | on ÷ off τ speculative | on ÷ no spec, end to end | on ÷ no spec, decode |",
+             "|---|---:|" + "---:|" * (len(modes) + 4)]
     for c in classes:
         n = next(s[m][c]["requests"] for m in modes if c in s[m])
         cells = [f"{num(med(m, c, 'tokens_per_s'), '.1f')}, {num(med(m, c, 'decode_tokens_per_s'), '.1f')}, "
-                 f"{num(med(m, c, 'tau'), '.2f')}" for m in modes]
+                 f"{num(med(m, c, 'tau'), '.2f')}, {num(med(m, c, 'tau_speculative'), '.2f')}" for m in modes]
         cells += [ratio(med("learn-on", c, "tau"), med("learn-off", c, "tau")),
+                  ratio(med("learn-on", c, "tau_speculative"), med("learn-off", c, "tau_speculative")),
                   ratio(med("learn-on", c, "tokens_per_s"), med("no-speculation", c, "tokens_per_s")),
                   ratio(med("learn-on", c, "decode_tokens_per_s"), med("no-speculation", c, "decode_tokens_per_s"))]
         lines.append(f"| {c} | {n} | " + " | ".join(cells) + " |")

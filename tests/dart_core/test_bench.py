@@ -974,20 +974,26 @@ def test_the_traffic_workload_is_classed_by_what_came_before_and_summarised_per_
     (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n')
     with pytest.raises(ValueError, match="prompt"):
         traffic.load_workload(tmp_path / "bad.jsonl")
-    records = [{"kind": "first", "tokens": 10, "seconds": 2.0, "decode_seconds": 1.0, "tau": 1.0},
-               {"kind": "repeat", "tokens": 10, "seconds": 1.0, "decode_seconds": 0.5, "tau": 5.0}]
+    records = [{"kind": "first", "tokens": 10, "seconds": 2.0, "decode_seconds": 1.0, "tau": 1.0, "steps": 9,
+                "speculative_steps": 0, "speculative_tokens": 0},
+               {"kind": "repeat", "tokens": 10, "seconds": 1.0, "decode_seconds": 0.5, "tau": 5.0, "steps": 4,
+                "speculative_steps": 2, "speculative_tokens": 7}]
     s = traffic.summarise(records)
     assert s["first"]["tokens_per_s"] == 5.0 and s["repeat"]["decode_tokens_per_s"] == 18.0
     assert s["later"]["requests"] == 1 and s["all"]["tokens_per_s"] == round(20 / 3, 2)
+    # τ over speculative steps: their tokens ÷ their count, autoregressive steps left out
+    assert s["first"]["tau_speculative"] is None and s["first"]["speculative_share"] == 0.0
+    assert s["repeat"]["tau_speculative"] == 3.5 and s["all"]["speculative_share"] == round(2 / 13, 3)
     med = {"median": 1.0, "runs": [1.0]}
     result = {"model": "m", "config": {"max_tokens": 8, "passes": 1}, "hardware": {"line": "cpu"}, "lossless": True,
               "search_latency": None,
               "summary": {m: {"repeat": {"tokens_per_s": {"median": v, "runs": [v]},
                                          "decode_tokens_per_s": {"median": 2 * v, "runs": [2 * v]},
-                                         "tau": med, "requests": 1}}
+                                         "tau": med, "tau_speculative": {"median": v / 10, "runs": [v / 10]},
+                                         "requests": 1}}
                           for m, v in (("learn-on", 30.0), ("learn-off", 20.0), ("no-speculation", 10.0))}}
     table = traffic.markdown_table(result)
-    assert "| repeat | 1 | 30.0, 60.0, 1.00 |" in table and "| 1.00× | 3.00× | 3.00× |" in table
+    assert "| repeat | 1 | 30.0, 60.0, 1.00, 3.00 |" in table and "| 1.00× | 1.50× | 3.00× | 3.00× |" in table
 
 
 def test_the_traffic_benchmark_reads_the_engines_stats_through_a_child_driver_or_says_it_cannot(monkeypatch, caplog):
