@@ -439,7 +439,8 @@ def run_traffic(cfg: TrafficConfig, *, progress: bool = True) -> dict:
 
 def markdown_table(result: dict) -> str:
     """The summary: per class, end-to-end and decode tokens/s, τ and τ over speculative steps per mode
-    (medians of the passes; "–" where a result has none), and the ratios the live corpus is judged by."""
+    (medians of the passes; the last left out for a result that has none, from before it was
+    recorded), and the ratios the live corpus is judged by."""
     s, cfg = result["summary"], result["config"]
     modes = [m for m in MODES if m in s]
     classes = [c for c in ("first", "variant", "repeat", "later", "all") if any(c in s[m] for m in modes)]
@@ -455,19 +456,24 @@ def markdown_table(result: dict) -> str:
     def num(x, f):
         return format(x, f) if x else "–"
 
+    spec = any("tau_speculative" in s[m][c] for m in modes for c in s[m] if isinstance(s[m][c], dict))
+    sp = ", τ speculative" if spec else ""
     lines = [f"{result['model']}: one client, T = 0, {cfg['max_tokens']} tokens, median of {cfg['passes']} passes; "
              f"{result['hardware'].get('line', '')}. Tokens/s end to end (prefill included) and decoding only "
-             "(first token to last); τ over all decoding steps, and over the speculative ones alone.", "",
-             "| requests | n | " + " | ".join(f"{short[m]}: tok/s, decode tok/s, τ, τ speculative" for m in modes)
-             + " | on ÷ off τ | on ÷ off τ speculative | on ÷ no spec, end to end | on ÷ no spec, decode |",
-             "|---|---:|" + "---:|" * (len(modes) + 4)]
+             "(first token to last)" + ("; τ over all decoding steps, and over the speculative ones alone." if spec
+                                        else "."), "",
+             "| requests | n | " + " | ".join(f"{short[m]}: tok/s, decode tok/s, τ{sp}" for m in modes)
+             + " | on ÷ off τ" + (" | on ÷ off τ speculative" if spec else "")
+             + " | on ÷ no spec, end to end | on ÷ no spec, decode |",
+             "|---|---:|" + "---:|" * (len(modes) + 3 + spec)]
     for c in classes:
         n = next(s[m][c]["requests"] for m in modes if c in s[m])
         cells = [f"{num(med(m, c, 'tokens_per_s'), '.1f')}, {num(med(m, c, 'decode_tokens_per_s'), '.1f')}, "
-                 f"{num(med(m, c, 'tau'), '.2f')}, {num(med(m, c, 'tau_speculative'), '.2f')}" for m in modes]
-        cells += [ratio(med("learn-on", c, "tau"), med("learn-off", c, "tau")),
-                  ratio(med("learn-on", c, "tau_speculative"), med("learn-off", c, "tau_speculative")),
-                  ratio(med("learn-on", c, "tokens_per_s"), med("no-speculation", c, "tokens_per_s")),
+                 f"{num(med(m, c, 'tau'), '.2f')}" + (f", {num(med(m, c, 'tau_speculative'), '.2f')}" if spec else "")
+                 for m in modes]
+        cells += [ratio(med("learn-on", c, "tau"), med("learn-off", c, "tau"))]
+        cells += [ratio(med("learn-on", c, "tau_speculative"), med("learn-off", c, "tau_speculative"))] if spec else []
+        cells += [ratio(med("learn-on", c, "tokens_per_s"), med("no-speculation", c, "tokens_per_s")),
                   ratio(med("learn-on", c, "decode_tokens_per_s"), med("no-speculation", c, "decode_tokens_per_s"))]
         lines.append(f"| {c} | {n} | " + " | ".join(cells) + " |")
     lines.append("")
