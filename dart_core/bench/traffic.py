@@ -58,7 +58,7 @@ from urllib.parse import urlparse
 logger = logging.getLogger(__name__)
 
 __all__ = ["TrafficConfig", "MODES", "KINDS", "TEMPLATES", "build_workload", "classify", "load_workload",
-           "run_traffic", "summarise", "markdown_table", "save"]
+           "run_traffic", "summarise", "summarise_passes", "markdown_table", "save"]
 
 MODES = ("learn-on", "learn-off", "no-speculation")
 KINDS = ("first", "variant", "repeat")
@@ -218,9 +218,9 @@ def summarise(records: list[dict]) -> dict:
     """Per class and overall (``all``) and after warm-up (``later``: variants and repeats): tokens/s
     end to end (Σ tokens ÷ Σ seconds from sending to the last chunk: the prompt's prefill included),
     decode tokens/s (Σ (tokens − 1) ÷ Σ seconds from the first chunk to the last: what speculation
-    speeds up), mean τ, τ over speculative steps alone (``tau_speculative``: their tokens ÷ their
-    count; the gate's autoregressive steps left out, so that learning is judged by its drafts, not by
-    when a server's gate speculated), the speculative share of the steps, requests."""
+    speeds up), mean τ, mean τ over speculative steps alone (``tau_speculative``: per request their
+    tokens ÷ their count; the gate's autoregressive steps left out, so that learning is judged by its
+    drafts, not by when a server's gate speculated), the speculative share of the steps, requests."""
     groups = {k: [r for r in records if r["kind"] == k] for k in KINDS}
     groups["later"] = groups["variant"] + groups["repeat"]
     groups["all"] = records
@@ -233,10 +233,28 @@ def summarise(records: list[dict]) -> dict:
                      "decode_tokens_per_s": round(sum(max(0, r["tokens"] - 1) for r in rs)
                                                   / max(1e-9, sum(r["decode_seconds"] for r in rs)), 2),
                      "tau": round(statistics.mean(taus), 3) if taus else None, "requests": len(rs)}
+        spec_taus = [r["speculative_tokens"] / r["speculative_steps"] for r in rs if r.get("speculative_steps")]
         steps, spec = sum(r.get("steps", 0) for r in rs), sum(r.get("speculative_steps", 0) for r in rs)
-        out[name] |= {"tau_speculative": round(sum(r.get("speculative_tokens", 0) for r in rs) / spec, 3)
-                      if spec else None, "speculative_share": round(spec / steps, 3) if steps else None}
+        out[name] |= {"tau_speculative": round(statistics.mean(spec_taus), 3) if spec_taus else None,
+                      "speculative_share": round(spec / steps, 3) if steps else None}
     return out
+
+
+def summarise_passes(passes: list[dict[str, list[dict]]], modes) -> dict:
+    """Per mode and class, each :func:`summarise` figure's median over the passes with every pass's
+    figure (``{"median", "runs"}``), and the class's requests; ``passes``: per pass, each mode's
+    records (``run_traffic``'s, or a saved result's ``passes``)."""
+    summary = {}
+    for mode in modes:
+        per_pass = [summarise(runs[mode]) for runs in passes if mode in runs]
+        summary[mode] = {}
+        for cls in per_pass[0]:
+            for metric in ("tokens_per_s", "decode_tokens_per_s", "tau", "tau_speculative", "speculative_share"):
+                vals = [s[cls][metric] for s in per_pass if s.get(cls, {}).get(metric) is not None]
+                if vals:
+                    summary[mode].setdefault(cls, {})[metric] = {"median": statistics.median(vals), "runs": vals}
+            summary[mode][cls]["requests"] = per_pass[0][cls]["requests"]
+    return summary
 
 
 def _first_app(config: str | Path) -> dict:
@@ -415,16 +433,7 @@ def run_traffic(cfg: TrafficConfig, *, progress: bool = True) -> dict:
     bar.close()
     texts = [[r["text"] for r in runs[m]] for runs in passes for m in runs]
     lossless = all(t == texts[0] for t in texts)
-    summary = {}
-    for mode in cfg.modes:
-        per_pass = [summarise(runs[mode]) for runs in passes if mode in runs]
-        summary[mode] = {}
-        for cls in per_pass[0]:
-            for metric in ("tokens_per_s", "decode_tokens_per_s", "tau", "tau_speculative", "speculative_share"):
-                vals = [s[cls][metric] for s in per_pass if s.get(cls, {}).get(metric) is not None]
-                if vals:
-                    summary[mode].setdefault(cls, {})[metric] = {"median": statistics.median(vals), "runs": vals}
-            summary[mode][cls]["requests"] = per_pass[0][cls]["requests"]
+    summary = summarise_passes(passes, cfg.modes)
     return {"config": asdict(cfg) | {"api_key": None}, "hardware": hardware("cpu") | {"line": hardware_line(hardware("cpu"))},
             "model": model,
             "workload": [{"kind": r["kind"], "family": r["family"], "prompt": r["prompt"][:80]} for r in workload],
