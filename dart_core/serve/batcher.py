@@ -259,7 +259,8 @@ class ContinuousBatcher:
         self._grammars_lock = threading.Lock()
         self._started = time.monotonic()
         self._recalibrate_tries = 0
-        self._open_streams = 0  # agenerate_batches streams open (counted on the event loop)
+        self._open_streams = 0  # agenerate_batches streams open (on any event loop)
+        self._streams_lock = threading.Lock()
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -451,11 +452,13 @@ class ContinuousBatcher:
 
     @contextmanager
     def _stream_open(self) -> Iterator[None]:
-        self._open_streams += 1
+        with self._streams_lock:
+            self._open_streams += 1
         try:
             yield
         finally:
-            self._open_streams -= 1
+            with self._streams_lock:
+                self._open_streams -= 1
 
     def stats(self) -> dict:
         """Running and queued requests, decoding steps by mode, and the engine's prefix cache
