@@ -29,7 +29,7 @@ import grpc
 import numpy as np
 
 from ngram_service._proto import ngram_pb2, ngram_pb2_grpc
-from ngram_service.live import LiveCorpus, with_live_chains
+from ngram_service.live import MAX_MATCH, LiveCorpus, with_live_chains
 from ngram_service.tree_search import ContextChain, DraftTree, SearchParams, TreeBatch, search_tree_batch, search_trees
 from ngram_service.trie import NgramTrie
 
@@ -331,9 +331,9 @@ class GrpcTreeSearch(TreeSearchClient):
 
     @property
     def context_tail(self) -> int:
-        """Tokens of each context sent: the trie's order - 1 (or its live corpus's longest match, if
-        more) once the service said it (``Info``), until then :data:`MAX_CONTEXT_TAIL` (enough for
-        any supported order)."""
+        """Tokens of each context sent: the trie's order - 1 (or, with a live corpus, the longest match
+        it measures, :data:`~ngram_service.live.MAX_MATCH`, if more) once the service said it
+        (``Info``), until then :data:`MAX_CONTEXT_TAIL` (enough for any supported order)."""
         return self._tail or MAX_CONTEXT_TAIL
 
     def _learn_tail(self, stub) -> None:
@@ -345,8 +345,8 @@ class GrpcTreeSearch(TreeSearchClient):
                 return  # keep sending the longer tail; asked again after the next connection
             with self._lock:
                 if self._stub is stub:  # not an answer from an address the client has left since
-                    # a logits-only service (order 0) needs the root only; a live corpus matches up to its max_context
-                    self._tail = max(info.order - 1, info.live.max_context if info.HasField("live") else 0, 1)
+                    # a logits-only service (order 0) needs the root only; a live corpus measures matches up to MAX_MATCH
+                    self._tail = max(info.order - 1, MAX_MATCH if info.HasField("live") else 0, 1)
                     self.service_live = info.HasField("live")
 
         threading.Thread(target=run, name="ngram-info", daemon=True).start()

@@ -31,6 +31,7 @@ from typing import Sequence
 import numpy as np
 
 from ngram_service import _native
+from ngram_service.live import LONG_MATCH
 from ngram_service.tree_search import ContextChain
 
 __all__ = ["ContextIndex"]
@@ -61,7 +62,7 @@ class ContextIndex:
 
     @property
     def hint_match_cap(self) -> int:
-        """The match length a :meth:`hint` followed past ``max_context`` tokens reports:
+        """The match length a :meth:`hint` of a short match followed past ``max_context`` tokens reports:
         ``max_context + 1``, one value for all of them, longer than any match of the sequence's
         own, so that the adaptive budget (which learns a chain's acceptance per match length,
         :meth:`~dart_core.spec.budget.AdaptiveBudget.chain_acceptance`) learns it from every
@@ -91,14 +92,18 @@ class ContextIndex:
             return
         h = self._hint
         if h is not None and len(h.tokens) - self._hint_at >= len(chain.tokens) and \
-                self._followed(h, self._hint_at) > min(chain.match_length, self.max_context):
+                self._followed(h, self._hint_at) > self._followed(chain, 0):
             return
         self._hint, self._hint_at = chain, 0
 
     def _followed(self, hint: ContextChain, at: int) -> int:
         """A hint's match length after ``at`` of its tokens were followed: its match, counted at most
         as ``max_context`` tokens (a longer match in the live corpus does not outweigh the
-        sequence's own full-length one), plus ``at``, at most :attr:`hint_match_cap`."""
+        sequence's own full-length one), plus ``at``, at most :attr:`hint_match_cap`; a match of
+        :data:`~ngram_service.live.LONG_MATCH` tokens or more (the request repeats earlier traffic)
+        counts in full, plus ``at``, and outweighs any of the sequence's own."""
+        if hint.match_length >= LONG_MATCH:
+            return int(hint.match_length) + at
         return min(min(hint.match_length, self.max_context) + at, self.hint_match_cap)
 
     def probability(self, token: int, extra: Sequence[int] = ()) -> float:
@@ -111,9 +116,8 @@ class ContextIndex:
         """Up to ``max_len`` tokens that followed the most recent earlier occurrence of the longest
         suffix that occurred before (empty when none did), with their probabilities.  Where a
         :meth:`hint` is still followed and has tokens left, its remainder instead when it matched a
-        longer suffix: its match length (counted at most as ``max_context``) plus the tokens
-        followed since (at most :attr:`hint_match_cap`), against the sequence's own (the sequence's
-        own on a tie)."""
+        longer suffix: its match length plus the tokens followed since (:meth:`_followed`), against
+        the sequence's own (the sequence's own on a tie)."""
         tokens, probs, match = self._native.continuation(int(max_len))
         h, at = self._hint, self._hint_at
         if h is not None and at < len(h.tokens):

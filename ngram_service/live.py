@@ -41,7 +41,7 @@ from ngram_service import _native
 from ngram_service.tree_search import ContextChain
 
 __all__ = ["LiveCorpus", "LiveStats", "CorruptSnapshot", "SnapshotMismatch", "Snapshot", "read_snapshot", "BOUNDARY",
-           "DEFAULT_MAX_TOKENS", "DEFAULT_MAX_CONTEXT", "REQUEST_MATCH_CAP", "with_live_chains",
+           "DEFAULT_MAX_TOKENS", "DEFAULT_MAX_CONTEXT", "REQUEST_MATCH_CAP", "MAX_MATCH", "LONG_MATCH", "with_live_chains",
            "prefer_longer_match"]
 
 #: the id appended after each document (no tokenizer uses it; a chain never crosses it)
@@ -56,6 +56,14 @@ DEFAULT_MAX_TOKENS = 1 << 20
 #: alone lowered it less; 8-token matches alone left it as without a corpus, and drafted exact
 #: repeats best.
 DEFAULT_MAX_CONTEXT = 8
+#: the longest match a live corpus measures, in tokens: a continuation's match length counts how far back
+#: the request's last tokens agree with the corpus at the matched place, past ``max_context`` and up to
+#: this many (:meth:`LiveCorpus.chain`); an exact repeat of earlier traffic matches this far
+MAX_MATCH = 32
+#: a live-corpus match at least this long replaces the request's own chain whatever that matched (a
+#: request repeating earlier traffic, which its own context cannot tell; suffix decoding's rule that a
+#: longer match drafts further): ``2 * DEFAULT_MAX_CONTEXT``
+LONG_MATCH = 16
 #: the longest match a request's own context chain has (``SpeculativeConfig.context_order``, 4 by
 #: default): a live-corpus chain replaces the request's own only where the request's matched fewer
 #: tokens than the corpus's, counted at most as this many, so a request's own full-length match (a
@@ -258,9 +266,11 @@ class LiveCorpus:
         """Up to ``max_len`` tokens that followed the most recent occurrence of the longest suffix
         of ``context`` in the corpus, at least ``min_match`` tokens long (empty without one), with
         their probabilities under the corpus (as :meth:`ContextIndex.probability
-        <ngram_service.context.ContextIndex.probability>`).
-        Only the last ``max_context`` tokens of ``context`` are read (and converted)."""
-        query = np.asarray(context[-self.max_context:], dtype=np.int64).reshape(-1)
+        <ngram_service.context.ContextIndex.probability>`).  Its ``match_length`` is how many of
+        ``context``'s last tokens agree with the corpus there: at least ``min_match``, past
+        ``max_context`` where the context repeats earlier text, at most :data:`MAX_MATCH`.
+        Only the last :data:`MAX_MATCH` tokens of ``context`` are read (and converted)."""
+        query = np.asarray(context[-max(MAX_MATCH, self.max_context):], dtype=np.int64).reshape(-1)
         with self._lock:
             tokens, probs, match = self._index.continuation_after(query, int(max_len))
             self._lookups += 1
@@ -324,12 +334,14 @@ def prefer_longer_match(chains: Sequence[ContextChain | None] | None, live: Sequ
                         max_len: int) -> list[ContextChain | None]:
     """Per sequence, ``live[b]`` (its first ``max_len`` tokens) where it has tokens and matched a
     longer suffix than ``chains[b]``, its match counted at most as :data:`REQUEST_MATCH_CAP` tokens
-    (or where ``chains[b]`` is absent or empty), otherwise ``chains[b]``."""
+    unless it is :data:`LONG_MATCH` or longer (or where ``chains[b]`` is absent or empty), otherwise
+    ``chains[b]``."""
     own = list(chains) if chains is not None else [None] * len(live)
     out = []
     for c, lv in zip(own, live):
         mine = c is not None and len(c.tokens) > 0
-        if len(lv.tokens) and (not mine or min(lv.match_length, REQUEST_MATCH_CAP) > c.match_length):
+        if len(lv.tokens) and (not mine or lv.match_length >= LONG_MATCH or
+                               min(lv.match_length, REQUEST_MATCH_CAP) > c.match_length):
             c = lv if len(lv.tokens) <= max_len else ContextChain(lv.tokens[:max_len], lv.probs[:max_len],
                                                                   lv.match_length)
         out.append(c)

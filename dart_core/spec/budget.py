@@ -65,6 +65,15 @@ __all__ = ["VerifyCostCurve", "CalibrationInterrupted", "curve_shapes", "Adaptiv
 
 _CHAIN_PRIOR = (2.0, 3.0)  # r_m before evidence: 2/3
 _CHAIN_DECAY = 0.95  # weight of older chain evidence per observation
+_MATCH_BUCKETS = (32, 16, 9)  # match lengths learnt together from 9 on (a live corpus's long matches)
+
+
+def _match_bucket(match_length: int) -> int:
+    """The key r_m is learnt under: the match length itself up to 8, then 9, 16 and 32 for the
+    lengths from each on (a live corpus measures matches past its context length: each length
+    alone would be seen too rarely to learn from)."""
+    m = int(match_length)
+    return next((b for b in _MATCH_BUCKETS if m >= b), m)
 _TREE_RATE_EMA = 0.2  # weight of the newest step in the tree rate and the lookup overhead
 _FIRST_LEVEL_DECAY = 0.99  # weight of older rows in the first-level acceptance (about 100 sequence-steps)
 _FIRST_LEVEL_PRIOR = 8.0  # rows of acceptance 1 before any evidence (can_pay starts where it did: α = 1)
@@ -726,8 +735,9 @@ class AdaptiveBudget:
 
     def chain_acceptance(self, match_length: int) -> float:
         """r_m: estimated acceptance of a chain token whose predecessor was accepted, for a
-        chain found by a suffix match of ``match_length`` tokens (prior 2/3 before any evidence)."""
-        accepted, offered = self._chain_counts.get(int(match_length), (0.0, 0.0))
+        chain found by a suffix match of ``match_length`` tokens (prior 2/3 before any evidence;
+        lengths from 9 on are learnt in the buckets 9–15, 16–31 and 32 on)."""
+        accepted, offered = self._chain_counts.get(_match_bucket(match_length), (0.0, 0.0))
         return (accepted + _CHAIN_PRIOR[0]) / (offered + _CHAIN_PRIOR[1])
 
     def select_lookup(self, chains: list[ContextChain]) -> int:
@@ -766,7 +776,7 @@ class AdaptiveBudget:
         reached = min(accepted + 1, offered)
         if offered >= 1:
             self._observe_first_level(np.array([accepted >= 1]))
-        counts = self._chain_counts.setdefault(int(match_length), [0.0, 0.0])
+        counts = self._chain_counts.setdefault(_match_bucket(match_length), [0.0, 0.0])
         counts[0] = _CHAIN_DECAY * counts[0] + accepted
         counts[1] = _CHAIN_DECAY * counts[1] + reached
 

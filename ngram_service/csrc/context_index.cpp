@@ -143,7 +143,13 @@ ContextIndex::Continuation ContextIndex::continuation_after(const int64_t* query
     const auto c = contexts_[m].find(hashes[m]);
     // a suffix whose most recent occurrence ended its document proposes nothing: a shorter one may
     if (c == contexts_[m].end() || tokens_[c->second.next_pos] == kBoundary) continue;
-    out.match_length = m + 1;
+    // the match's true length: the hashes see at most max_context tokens, so compare further back while the
+    // query is longer (a repeat of an earlier document matches far past max_context); never across a boundary
+    const size_t end = c->second.next_pos;  // the matched suffix is tokens_[end - len, end)
+    size_t len = static_cast<size_t>(m) + 1;
+    while (len < n && len < end && tokens_[end - 1 - len] == query[n - 1 - len] && tokens_[end - 1 - len] != kBoundary)
+      ++len;
+    out.match_length = static_cast<int>(len);
     std::vector<int64_t> t = tail;
     for (size_t pos = c->second.next_pos; out.tokens.size() < max_len && pos < tokens_.size(); ++pos) {
       const int64_t tok = tokens_[pos];

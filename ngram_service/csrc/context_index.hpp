@@ -63,7 +63,10 @@ class ContextIndex {
   Continuation continuation(size_t max_len) const;
   // What followed the most recent occurrence of the longest suffix of query[0..n) (at most max_context
   // tokens) in the index that did not end its document, up to max_len tokens and never past a
-  // kBoundary; probs under the query followed by the continuation's earlier tokens.
+  // kBoundary; probs under the query followed by the continuation's earlier tokens.  match_length is
+  // how far back from that occurrence the query and the index agree (up to n tokens, within one
+  // document): more than max_context where a longer query repeats earlier text (suffix decoding's
+  // evidence: a longer match, a likelier continuation).
   Continuation continuation_after(const int64_t* query, size_t n, size_t max_len) const;
   // bytes held by the token store and the hash maps (an estimate from their sizes and bucket counts)
   size_t memory_bytes() const;

@@ -626,6 +626,20 @@ def test_lookup_waits_for_a_measured_tree_step_and_for_a_chain():
     assert policy.select_lookup([_chain(8, 4)]) == 8  # flat cost: the whole chain
 
 
+def test_long_matches_are_learnt_in_buckets():
+    """A live corpus's match lengths past 8 (up to its MAX_MATCH) are learnt together from 9, 16 and
+    32 on, so that each bucket gathers evidence; lengths up to 8 stay apart."""
+    policy = AdaptiveBudget(VerifyCostCurve((1, 2, 32), (10.0, 12.0, 70.0)))
+    for _ in range(40):
+        policy.observe_lookup(20, offered=24, accepted=24)
+    assert policy.chain_acceptance(16) == policy.chain_acceptance(31) > 0.95
+    assert policy.chain_acceptance(8) == policy.chain_acceptance(9) == policy.chain_acceptance(32) == \
+        pytest.approx(2 / 3)  # no evidence there: the prior
+    policy.observe_lookup(12, offered=24, accepted=0)
+    assert policy.chain_acceptance(15) == policy.chain_acceptance(9) < 2 / 3 and \
+        policy.chain_acceptance(8) == pytest.approx(2 / 3)
+
+
 def test_lookup_follows_the_chains_measured_acceptance():
     curve = VerifyCostCurve((1, 2, 32), (10.0, 12.0, 70.0))
     policy = AdaptiveBudget(curve)

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from ngram_service.live import BOUNDARY, LiveCorpus, with_live_chains
+from ngram_service.live import BOUNDARY, LONG_MATCH, MAX_MATCH, LiveCorpus, with_live_chains
 from ngram_service.tree_search import ContextChain
 
 #: a corpus matching suffixes of 1 to 4 tokens (the shipped one matches 8 only): the tests of what
@@ -22,8 +22,10 @@ def reference_chain(docs: list[list[int]], query: list[int], max_len: int, max_c
     """What followed the most recent occurrence of the longest suffix of ``query`` (min_match..max_context
     tokens) that did not end its document, up to max_len tokens within that document; each token's q as
     ContextIndex.probability: (|s| / max_context) · count(s·tok) / count(s) for the longest suffix s
-    (at least min_match tokens) of the query and the chain so far with count(s·tok) > 0."""
+    (at least min_match tokens) of the query and the chain so far with count(s·tok) > 0.  The match
+    length: how far back the query's last MAX_MATCH tokens and the corpus agree there, within the document."""
     corpus = [t for d in docs for t in d + [BOUNDARY]]
+    query = query[-max(MAX_MATCH, max_context):]
 
     def q(tail, tok):
         for m in range(min(max_context, len(tail)), min_match - 1, -1):
@@ -48,7 +50,10 @@ def reference_chain(docs: list[list[int]], query: list[int], max_len: int, max_c
             probs.append(q(tail, tok))
             tokens.append(tok)
             tail.append(tok)
-        return tokens, probs, m
+        e, match = ends[-1], m
+        while match < len(query) and match < e and corpus[e - 1 - match] == query[-1 - match] != BOUNDARY:
+            match += 1
+        return tokens, probs, match
     return [], [], 0
 
 
@@ -192,6 +197,47 @@ def test_a_requests_own_full_length_match_is_kept_over_the_corpus_longer_one():
     assert index.continuation(2).tokens.tolist() == [19, 20]  # followed: 5, longer than any own match
 
 
+def test_a_match_is_measured_past_the_context_length_within_its_document_up_to_the_cap():
+    """The corpus hashes 8-token suffixes, but a chain's match length counts how far back the query and
+    the corpus agree at the matched place: the query's length at most, never across the boundary
+    before the document, never past MAX_MATCH (a request repeating earlier traffic matches far)."""
+    live = LiveCorpus(max_tokens=4096)
+    doc = list(range(100, 180))
+    live.add([[7, 7, 7], doc])
+    assert live.chain(doc[:8], 4).match_length == 8
+    assert live.chain([1, 2] + doc[:20], 4).match_length == 20  # the query departs before the document
+    assert live.chain([7] + doc[:20], 4).match_length == 20  # the boundary before it is never matched
+    far = live.chain(doc[:60], 4)
+    assert far.match_length == MAX_MATCH == 32 and far.tokens.tolist() == doc[60:64]
+    assert live.chain([5] + doc[3:14], 4).match_length == 11  # a match that starts inside the document
+    assert live.chain(doc[:8], 4).tokens.tolist() == doc[8:12]  # the chain itself is unchanged
+
+
+def test_a_long_corpus_match_replaces_even_a_full_length_own_one():
+    """A corpus match of LONG_MATCH tokens or more (the request repeats earlier traffic) replaces the
+    request's own chain whatever that matched; a shorter one keeps the REQUEST_MATCH_CAP rule.  A hint
+    from the service follows the same rule and reports its match in full."""
+    from ngram_service.context import ContextIndex
+
+    live = LiveCorpus(max_tokens=4096)
+    doc = list(range(100, 180))
+    live.add([doc])
+    own = ContextChain(np.array([7, 7]), np.array([0.5, 0.5], np.float32), 4)  # a full-length own match
+    short, long_ = [np.array(doc[:LONG_MATCH - 1])], [np.array(doc[:LONG_MATCH])]
+    assert with_live_chains(live, short, [own], 3)[0] is own
+    chain = with_live_chains(live, long_, [own], 3)[0]
+    assert chain.tokens.tolist() == doc[LONG_MATCH:LONG_MATCH + 3] and chain.match_length == LONG_MATCH
+    index = ContextIndex(4, 1 << 16)
+    index.append([7, 7, 7, 7, 7, 7])  # a loop: its own chain matches 4 tokens
+    index.hint(ContextChain(np.array([18, 19, 20]), np.full(3, 0.5, np.float32), LONG_MATCH))
+    c = index.continuation(2)
+    assert c.tokens.tolist() == [18, 19] and c.match_length == LONG_MATCH
+    index.append([18])
+    assert index.continuation(2).match_length == LONG_MATCH + 1  # followed: its match grows
+    index.hint(ContextChain(np.array([19, 99]), np.full(2, 0.5, np.float32), 8))  # matched less: the long one kept
+    assert index.continuation(3).tokens.tolist() == [19, 20]
+
+
 def test_the_service_learns_and_every_client_drafts_from_what_another_sent(tmp_path):
     """Through gRPC: one client's Learn puts a sequence in the service's live corpus; another client's
     search for a context that matches it gets the continuation into its tree although the draft head's
@@ -219,7 +265,7 @@ def test_the_service_learns_and_every_client_drafts_from_what_another_sent(tmp_p
             if b.service_live:
                 break
             time.sleep(0.02)
-        assert b.context_tail == 8  # the live corpus matches 8 tokens, more than a logits-only search needs
+        assert b.context_tail == MAX_MATCH  # the live corpus measures matches this long, more than a logits-only search needs
         context = np.array([1, 2, 11, 12, 13, 14, 15, 16, 17, 18])
         tree = b.search_batch(topk, probs, [context], params).tree(0)
         assert {19, 20} <= set(tree.tokens.tolist())
