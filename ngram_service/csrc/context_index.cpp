@@ -57,6 +57,7 @@ void ContextIndex::index_position(size_t i) {
   const int64_t next = tokens_[i];
   for (int m = min_context_ - 1; m < n; ++m) {
     Seen& s = contexts_[m][hashes[m]];
+    if (m == max_context_ - 1) earlier_[i] = s.count ? s.next_pos : kNoPosition;  // the occurrence before this one
     ++s.count;
     s.next_pos = static_cast<uint32_t>(i);
     ++follows_[m][with_next(hashes[m], next)];
@@ -67,6 +68,7 @@ void ContextIndex::rebuild() {
   tokens_.erase(tokens_.begin(), tokens_.end() - static_cast<std::ptrdiff_t>(max_tokens_ / 2));
   for (auto& c : contexts_) c.clear();
   for (auto& f : follows_) f.clear();
+  earlier_.assign(tokens_.size(), kNoPosition);
   for (size_t i = 1; i < tokens_.size(); ++i) index_position(i);
 }
 
@@ -76,6 +78,7 @@ void ContextIndex::append(const int64_t* tokens, size_t n) {
   }
   for (size_t j = 0; j < n; ++j) {
     tokens_.push_back(tokens[j]);
+    earlier_.push_back(kNoPosition);
     if (tokens_.size() > max_tokens_) {
       rebuild();
     } else {
@@ -145,13 +148,27 @@ ContextIndex::Continuation ContextIndex::continuation_after(const int64_t* query
     if (c == contexts_[m].end() || tokens_[c->second.next_pos] == kBoundary) continue;
     // the match's true length: the hashes see at most max_context tokens, so compare further back while the
     // query is longer (a repeat of an earlier document matches far past max_context); never across a boundary
-    const size_t end = c->second.next_pos;  // the matched suffix is tokens_[end - len, end)
-    size_t len = static_cast<size_t>(m) + 1;
-    while (len < n && len < end && tokens_[end - 1 - len] == query[n - 1 - len] && tokens_[end - 1 - len] != kBoundary)
-      ++len;
+    const auto agree = [&](size_t end) {  // the matched suffix is tokens_[end - len, end)
+      size_t len = static_cast<size_t>(m) + 1;
+      while (len < n && len < end && tokens_[end - 1 - len] == query[n - 1 - len] && tokens_[end - 1 - len] != kBoundary)
+        ++len;
+      return len;
+    };
+    size_t from = c->second.next_pos, len = agree(from);
+    // a full-length suffix seen more than once: the occurrence that agrees furthest back (the most recent on
+    // a tie) among the latest kMaxOccurrences, so that a repeat of a text that repeats itself follows its own
+    // place in it, not the latest place its last max_context tokens occurred
+    if (m == max_context_ - 1 && n > take) {
+      size_t pos = earlier_[from];
+      for (int k = 1; k < kMaxOccurrences && pos != kNoPosition && len < n; ++k, pos = earlier_[pos]) {
+        if (tokens_[pos] == kBoundary) continue;
+        const size_t l = agree(pos);
+        if (l > len) from = pos, len = l;
+      }
+    }
     out.match_length = static_cast<int>(len);
     std::vector<int64_t> t = tail;
-    for (size_t pos = c->second.next_pos; out.tokens.size() < max_len && pos < tokens_.size(); ++pos) {
+    for (size_t pos = from; out.tokens.size() < max_len && pos < tokens_.size(); ++pos) {
       const int64_t tok = tokens_[pos];
       if (tok == kBoundary) break;
       out.probs.push_back(probability_tail(t, tok));
@@ -165,7 +182,7 @@ ContextIndex::Continuation ContextIndex::continuation_after(const int64_t* query
 }
 
 size_t ContextIndex::memory_bytes() const {
-  size_t bytes = tokens_.capacity() * sizeof(int64_t);
+  size_t bytes = tokens_.capacity() * sizeof(int64_t) + earlier_.capacity() * sizeof(uint32_t);
   // a node of an unordered_map: the key, the value and the next pointer (libstdc++ caches no hash for
   // integer keys), plus one bucket pointer per bucket
   for (const auto& c : contexts_) {

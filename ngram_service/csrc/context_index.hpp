@@ -66,7 +66,9 @@ class ContextIndex {
   // kBoundary; probs under the query followed by the continuation's earlier tokens.  match_length is
   // how far back from that occurrence the query and the index agree (up to n tokens, within one
   // document): more than max_context where a longer query repeats earlier text (suffix decoding's
-  // evidence: a longer match, a likelier continuation).
+  // evidence: a longer match, a likelier continuation).  With such a query, a full-length suffix
+  // that occurred several times continues from the occurrence that agrees furthest back (of its
+  // latest kMaxOccurrences; the most recent on a tie).
   Continuation continuation_after(const int64_t* query, size_t n, size_t max_len) const;
   // bytes held by the token store and the hash maps (an estimate from their sizes and bucket counts)
   size_t memory_bytes() const;
@@ -83,10 +85,16 @@ class ContextIndex {
   // hashes of the suffixes of length 1..max_context ending just before `end` in seq
   void suffix_hashes(const std::vector<int64_t>& seq, size_t end, uint64_t* out, int* count) const;
 
+  static constexpr uint32_t kNoPosition = UINT32_MAX;
+  static constexpr int kMaxOccurrences = 64;  // occurrences of a suffix continuation_after compares, latest first
+
   int max_context_;
   int min_context_;
   size_t max_tokens_;
   std::vector<int64_t> tokens_;
+  // [i]: for the max_context tokens before tokens_[i], where the token after their previous occurrence sits
+  // (kNoPosition: none), so that every occurrence of a full-length suffix can be visited, latest first
+  std::vector<uint32_t> earlier_;
   std::vector<std::unordered_map<uint64_t, Seen>> contexts_;      // [m - 1], empty below min_context
   std::vector<std::unordered_map<uint64_t, uint32_t>> follows_;  // [m - 1], empty below min_context
 };

@@ -38,21 +38,28 @@ def reference_chain(docs: list[list[int]], query: list[int], max_len: int, max_c
                 return m / max_context * hits / len(starts)
         return 0.0
 
+    def agree(e, m):  # how far back the query and the corpus agree before position e
+        while m < len(query) and m < e and corpus[e - 1 - m] == query[-1 - m] != BOUNDARY:
+            m += 1
+        return m
+
     for m in range(min(max_context, len(query)), min_match - 1, -1):
         s = query[-m:]
         ends = [i + m for i in range(len(corpus) - m) if corpus[i:i + m] == s]
         if not ends or corpus[ends[-1]] == BOUNDARY:
             continue
+        e, match = ends[-1], agree(ends[-1], m)
+        if m == max_context and len(query) > m:  # the occurrence agreeing furthest back, of the latest 64
+            for other in ends[::-1][1:64]:
+                if corpus[other] != BOUNDARY and agree(other, m) > match:
+                    e, match = other, agree(other, m)
         tokens, probs, tail = [], [], list(query)
-        for tok in corpus[ends[-1]:]:
+        for tok in corpus[e:]:
             if tok == BOUNDARY or len(tokens) == max_len:
                 break
             probs.append(q(tail, tok))
             tokens.append(tok)
             tail.append(tok)
-        e, match = ends[-1], m
-        while match < len(query) and match < e and corpus[e - 1 - match] == query[-1 - match] != BOUNDARY:
-            match += 1
         return tokens, probs, match
     return [], [], 0
 
@@ -211,6 +218,22 @@ def test_a_match_is_measured_past_the_context_length_within_its_document_up_to_t
     assert far.match_length == MAX_MATCH == 32 and far.tokens.tolist() == doc[60:64]
     assert live.chain([5] + doc[3:14], 4).match_length == 11  # a match that starts inside the document
     assert live.chain(doc[:8], 4).tokens.tolist() == doc[8:12]  # the chain itself is unchanged
+
+
+def test_a_long_query_continues_from_the_occurrence_that_agrees_furthest_back():
+    """A text that repeats itself: its last 8 tokens occurred at several places; a query of 8 tokens
+    continues from the latest, a longer one from the place that agrees with it furthest back (an exact
+    repeat follows its own place in the earlier answer), the latest on a tie."""
+    live = LiveCorpus(max_tokens=4096)
+    line = list(range(200, 208))
+    doc = [1, 2, 3] + line + [4, 5, 6] + line + [7, 8, 9] + line + [10, 11]
+    live.add([doc])
+    assert live.chain(line, 3).tokens.tolist() == [10, 11]  # 8 tokens: the latest occurrence
+    first = live.chain([1, 2, 3] + line, 3)
+    assert first.tokens.tolist() == [4, 5, 6] and first.match_length == 11
+    second = live.chain([4, 5, 6] + line, 3)
+    assert second.tokens.tolist() == [7, 8, 9] and second.match_length == 11
+    assert live.chain([0, 0] + line, 3).tokens.tolist() == [10, 11]  # agrees nowhere further: the latest
 
 
 def test_a_long_corpus_match_replaces_even_a_full_length_own_one():
