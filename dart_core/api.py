@@ -32,7 +32,7 @@ from dart_core.spec.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Head, load_
 from dart_core.step.engine import DartEngine, GenerationResult
 from dart_core.step.grammar import Grammar, GrammarCompiler, GrammarSpec
 from dart_core.model.kernel_config import KernelConfig
-from dart_core.model.quant import can_int4, default_kernel, qmm_runs_vectorised, quantize_linears
+from dart_core.model.quant import can_int4, default_kernel, q8_0_kernel, quantize_linears
 from dart_core.model.rows import can_pack, pack_linears
 from dart_core.step.sampling import SamplingParams
 from dart_core.spec.routing import RoutedDrafter
@@ -109,12 +109,13 @@ DRAFT_WEIGHTS = ("auto", "dense", "q8_0")
 
 
 def default_draft_weights(target: TargetModel) -> str:
-    """``draft_weights="auto"``: ``"q8_0"`` beside a float32 CPU target where the CPU runs the qmm kernel
-    vectorised (AVX-512: :func:`dart_core.model.quant.quantize_linears`), where the head's weights read from memory
-    after each target forward are half their bf16 bytes (docs/engine.md, "Draft weights");
-    ``"dense"`` otherwise."""
+    """``draft_weights="auto"``: ``"q8_0"`` beside a float32 CPU target where a qmm kernel runs
+    vectorised (:func:`dart_core.model.quant.q8_0_kernel`: ``qmm`` with AVX-512, ``qmm-a8`` with AVX2),
+    where the head's weights read from memory after each target forward are half their bf16 bytes
+    and, with AVX2 only, its products cost a third of float32 PyTorch's (docs/engine.md, "Draft
+    weights"); ``"dense"`` otherwise."""
     on_cpu = target.device.type == "cpu" and target.dtype == torch.float32
-    return "q8_0" if on_cpu and qmm_runs_vectorised() else "dense"
+    return "q8_0" if on_cpu and q8_0_kernel() is not None else "dense"
 
 
 def resolve_draft_weights(draft_weights: str, target: TargetModel, draft_dtype: torch.dtype | None = None) -> str:
@@ -122,14 +123,14 @@ def resolve_draft_weights(draft_weights: str, target: TargetModel, draft_dtype: 
     (a dtype is a choice of dense weights), else :func:`default_draft_weights`.
 
     Raises:
-        ValueError: an unknown value; ``"q8_0"`` off the CPU, on a CPU without AVX-512, or with a
+        ValueError: an unknown value; ``"q8_0"`` off the CPU, on a CPU without AVX-512 or AVX2, or with a
             ``draft_dtype`` other than float32 (its layers take float32 inputs)."""
     if draft_weights not in DRAFT_WEIGHTS:
         raise ValueError(f"draft_weights must be one of {DRAFT_WEIGHTS}, not {draft_weights!r}")
     if draft_weights == "auto":
         return "dense" if draft_dtype is not None else default_draft_weights(target)
-    if draft_weights == "q8_0" and (target.device.type != "cpu" or not qmm_runs_vectorised()):
-        raise ValueError("draft_weights='q8_0' runs on a CPU with AVX-512 (the qmm kernel) only")
+    if draft_weights == "q8_0" and (target.device.type != "cpu" or q8_0_kernel() is None):
+        raise ValueError("draft_weights='q8_0' runs on a CPU with AVX-512 (the qmm kernel) or AVX2 (qmm-a8) only")
     if draft_weights == "q8_0" and draft_dtype not in (None, torch.float32):
         raise ValueError(f"draft_weights='q8_0' computes in float32; draft_dtype={draft_dtype} needs dense weights")
     return draft_weights
@@ -142,7 +143,7 @@ def eagle3_drafter(head: str | Path | None, target: TargetModel, *, draft_weight
     EAGLE-3 head in ``head`` (:func:`~dart_core.spec.eagle3.load_eagle3_head`); None or ``"auto"``
     for the one shipped for the target (:data:`SHIPPED_EAGLE3_HEADS`); ``"random"`` for one of the
     target's shape with torch's default initialisation, seeded (tests).  Its linear layers as the
-    DART head's are (:func:`resolve_draft_weights`: Q8_0 blocks on a CPU with AVX-512), in
+    DART head's are (:func:`resolve_draft_weights`: Q8_0 blocks on a CPU with AVX-512 or AVX2), in
     ``draft_dtype`` or the target's dtype otherwise.
 
     Raises:
@@ -255,14 +256,14 @@ class DartModel:
                 arithmetic, the cheapest verification per query token; ``"qmm"``: float32
                 activations, the de-quantised model's text; ``"aten"``: PyTorch's int4 kernel) or
                 ``"auto"``: :func:`dart_core.model.quant.default_kernel` (``qmm-a8`` with AVX-512
-                VNNI, ``qmm`` with AVX-512 alone, else ``aten``). Ignored when the weights are dense.
+                VNNI or AVX2, else ``aten``). Ignored when the weights are dense.
             draft_dtype: the draft head's; default the target's, except bfloat16
                 beside a float32 target on a CPU with native bf16 matrix
                 multiplication (AVX512-BF16 / AMX; figures in docs/engine.md).  Output is
                 exact either way: the target verifies.
             draft_weights: the draft head's linear layers: ``"dense"`` (``draft_dtype``),
-                ``"q8_0"`` (quantised to Q8_0 blocks at load and run by the float32 qmm kernel,
-                CPU with AVX-512 only: :func:`dart_core.model.quant.quantize_linears`; the rest of the
+                ``"q8_0"`` (quantised to Q8_0 blocks at load and run by the float32 qmm kernel
+                with AVX-512, qmm-a8 with AVX2 only; CPU only: :func:`dart_core.model.quant.quantize_linears`; the rest of the
                 head in float32) or ``"auto"``: ``"dense"`` when ``draft_dtype`` is given, else
                 :func:`default_draft_weights`.  Output is exact either way.
             device: default CUDA when available; ignored with ``device_map``. A CPU target also
@@ -310,7 +311,7 @@ class DartModel:
                 method other than dart, or where no DART head is loaded; an unknown
                 ``weights``, or "gguf-native" where it does not apply (see
                 :meth:`TargetModel.from_pretrained`); an unknown ``draft_weights``, or "q8_0" off the
-                CPU, without AVX-512 or with a non-float32 ``draft_dtype``.
+                CPU, without AVX-512 or AVX2, or with a non-float32 ``draft_dtype``.
             GGUFWeightsError: a GGUF whose 4-bit blocks do not match its de-quantised weights.
         """
         if speculative_config is None:

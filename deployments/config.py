@@ -94,14 +94,15 @@ class AppConfig(BaseModel):
     gguf_kernel: Literal["auto", "qmm-a8", "qmm", "aten"] = Field(
         "auto", description='kernel of the GGUF-native layers: "qmm-a8" (8-bit activations, llama.cpp\'s '
                             'arithmetic: the cheapest verification per query token; its text departs from the '
-                            'float32 model\'s as llama.cpp\'s does; needs AVX-512 VNNI), "qmm" (float32 activations: '
+                            'float32 model\'s as llama.cpp\'s does; needs AVX-512 VNNI or AVX2), "qmm" (float32 activations: '
                             'the de-quantised model\'s greedy text), "aten" (PyTorch\'s int4 kernel, bfloat16 '
-                            'activations); "auto" = qmm-a8 where the CPU has AVX-512 VNNI, qmm where it has '
-                            "AVX-512 alone, else aten. Ignored with dense weights")
+                            'activations); "auto" = qmm-a8 where the CPU has AVX-512 VNNI or AVX2, else qmm where it '
+                            "has AVX-512, else aten. Ignored with dense weights")
     draft_weights: Literal["auto", "dense", "q8_0"] = Field(
         "auto", description='the draft head\'s linear layers: "q8_0" (quantised at load to Q8_0 blocks, run by the '
-                            'float32 qmm kernel; CPU with AVX-512), "dense" (dtype of the head: bfloat16 beside a '
-                            'float32 target where the CPU has native bf16); "auto" = q8_0 where the CPU has AVX-512')
+                            'float32 qmm kernel with AVX-512, by qmm-a8 with AVX2 only), "dense" (dtype of the head: '
+                            'bfloat16 beside a float32 target where the CPU has native bf16); "auto" = q8_0 where '
+                            'the CPU has AVX-512 or AVX2')
     cuda_graphs: bool = Field(False, description="CUDA only: verify and draft over static KV caches replayed as "
                                                  "CUDA graphs (dart_core.model.cuda_graphs); refused off CUDA")
     budget: Budget = Field("auto", description='draft nodes per tree: "auto" adapts the tree to the measured '

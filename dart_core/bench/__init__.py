@@ -95,7 +95,7 @@ def add_weights_argument(ap, defaults) -> None:
                     help="the kernel of GGUF-native layers (dart_core.model.quant.KERNELS) [%(default)s: "
                          "dart_core.model.quant.default_kernel()]")
     ap.add_argument("--draft-weights", default="auto", choices=["auto", "dense", "q8_0"],
-                    help="the draft head's linear layers: Q8_0 blocks run by the qmm kernel (CPU with AVX-512), "
+                    help="the draft head's linear layers: Q8_0 blocks run by a qmm kernel (CPU with AVX-512 or AVX2), "
                          "dense, or auto [%(default)s: dart_core.api.default_draft_weights()]")
 
 

@@ -323,7 +323,12 @@ void register_qmm(py::module_& mod) {
   }
   mod.def("qmm_vectorised", &cpu_has_avx512, "whether qmm runs its AVX-512 version on this CPU");
   mod.def("qmm_a8_vectorised", &dart_kernels::qmm_a8_vectorised,
-          "whether qmm_a8 runs its AVX-512 VNNI version on this CPU");
+          "whether qmm_a8 runs a vectorised version on this CPU (AVX-512 VNNI or AVX2)");
+  mod.def("qmm_a8_isa", &dart_kernels::qmm_a8_isa,
+          "the version qmm_a8 takes for a few rows on this CPU: 'avx512-vnni', 'avx2' or 'portable' (the same bits)");
+  mod.def("set_qmm_a8_avx512", &dart_kernels::set_qmm_a8_avx512, py::arg("enabled"),
+          "lets qmm_a8's AVX-512 VNNI version (and AMX) run where the CPU has them, or runs its AVX2 version "
+          "instead, for this process; returns qmm_a8_isa()");
   mod.def("qmm_a8_amx", &dart_kernels::qmm_a8_amx,
           "whether qmm_a8 takes its AMX version (Intel AMX-INT8 tiles, the same bits) for calls of several rows");
   mod.def("set_qmm_a8_amx", &dart_kernels::set_qmm_a8_amx, py::arg("enabled"), py::arg("min_rows_4bit") = 12,

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -152,8 +153,13 @@ void qmm_run(const float* x, int64_t m_rows, const QWeight& w, float* y, const f
 void qmm_a8_run(const float* x, int64_t m_rows, const QWeight& w, float* y, const float* norm, float eps, bool gated,
                 bool accumulate, bool portable = false, ArgmaxSink* sink = nullptr);
 
-// Whether qmm_a8_run runs its AVX-512 VNNI version on this CPU (else its portable loop).
+// Whether qmm_a8_run runs a vectorised version on this CPU (AVX-512 VNNI or AVX2; else its portable loop).
 bool qmm_a8_vectorised();
+// The version qmm_a8_run takes for a few rows: "avx512-vnni", "avx2" or "portable" (all the same bits).
+std::string qmm_a8_isa();
+// Lets the AVX-512 VNNI version (and AMX) run where the CPU has them, or not, for the whole process
+// (tests and measurements turn it off to run the AVX2 version on such a CPU); returns qmm_a8_isa().
+std::string set_qmm_a8_avx512(bool enabled);
 // Whether qmm_a8_run takes its AMX version for calls of several rows (a CPU with AMX-INT8 whose
 // kernel grants this process the tile registers, and not turned off): the same bits as the VNNI one.
 bool qmm_a8_amx();

@@ -22,7 +22,9 @@
 // minimums float32 [NB, K/32, 64], as the float32-activation kernel (qmm.cpp).
 //
 // On a CPU with AMX-INT8, calls of many rows sum each group in AMX tiles instead (product_amx):
-// the same integer sums, scaled in the same order, so the same bits.
+// the same integer sums, scaled in the same order, so the same bits.  On a CPU with AVX2 but no
+// AVX-512 VNNI (an AMD EPYC before Zen 4, say) the AVX2 loop (direct_avx2) forms the same integer
+// sums with 8-bit multiply-adds (llama.cpp's AVX2 pattern) and scales them in the same order.
 //
 // Around a Llama decoder layer's products the same call can first RMS-normalise its rows or take
 // silu(gate) · up of gate/up rows side by side, and add its product to the output (a residual
@@ -49,6 +51,7 @@
 #include <atomic>
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // _mm512_undefined_* inside GCC's own intrinsics
 #define DART_A8_VNNI 1
+#define DART_A8_AVX2 __attribute__((target("avx2,fma")))
 #define DART_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
 #if !defined(__clang__) && __GNUC__ >= 11
 #define DART_A8_AMX 1
@@ -508,12 +511,179 @@ void qmm_a8_vnni(const Quantised& xq, int64_t m_rows, const Weight& w, float* y,
   }
 }
 
+// ---- The AVX2 version (no AVX-512): the same quantisation, integer sums and float32 order ----
+
+DART_A8_AVX2 void quantise_avx2(const float* x, int64_t m_rows, int64_t K, Quantised& out) {
+  const int64_t G = K / kGroup;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t r = 0; r < m_rows; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* xg = x + r * K + g * kGroup;
+      __m256 v[4];
+      for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xg + 8 * i);
+      const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                     _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_movehdup_ps(h));
+      float d, inv;
+      group_scale(_mm_cvtss_f32(h), d, inv);
+      const __m256 vinv = _mm256_set1_ps(inv);
+      __m256i q[4];  // round to nearest even (the default MXCSR mode, as nearbyint in the portable loop)
+      for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vinv));
+      // int32 -> int8 (every value is within -127..127): the packs interleave 128-bit lanes, the
+      // permutation puts the four-value runs back in order
+      const __m256i bytes = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + r * K + g * kGroup), bytes);
+      const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+      const int32_t sum = _mm_cvtsi128_si32(s4);
+      out.dx[r * G + g] = d;
+      out.qsum[r * G + g] = sum;
+      out.sx[r * G + g] = d * static_cast<float>(sum);
+    }
+}
+
+// Eight columns of a block's outputs (columns 8c .. 8c + 7), written to y or added to it; only the
+// block's first cols columns exist.
+DART_A8_AVX2 inline void store_cols8(float* y, __m256 v, int c, int cols, bool accumulate) {
+  const int left = cols - 8 * c;
+  if (left <= 0) return;
+  if (left >= 8) {
+    _mm256_storeu_ps(y + 8 * c, accumulate ? _mm256_add_ps(_mm256_loadu_ps(y + 8 * c), v) : v);
+    return;
+  }
+  alignas(32) float part[8];
+  _mm256_store_ps(part, v);
+  for (int i = 0; i < left; ++i) y[8 * c + i] = accumulate ? y[8 * c + i] + part[i] : part[i];
+}
+
+// R rows of the quantised x against weight block b, as direct() computes them, with 256-bit
+// vectors: each 64-byte row of the layout is two vectors of 8 columns × 4 inputs.  A column's
+// integer dot product P: _mm256_maddubs_epi16 multiplies unsigned bytes by signed ones and adds
+// neighbouring pairs into int16, _mm256_madd_epi16 by ones adds those pairs into the int32 lane of
+// the column's four inputs.  No int16 sum can saturate: a 4-bit group adds its eight multiply-adds
+// (16 products of at most 15 · 127 each, 30,480 in all) before widening; a Q8_0 code is taken as
+// its signed value q (code - 128) and multiplies-adds |q| by qx with q's sign (at most 2 · 128 · 127
+// per pair), widening every step, which gives Σ q · qx, the VNNI loop's P after its offset is taken
+// back.  The float32 scaling is scale_group's: total = fma(d · dx, P, total), then fma(mn, sx, total).
+template <bool kQ8, int R>
+DART_A8_AVX2 void direct_avx2(const Quantised& xq, int64_t r0, const Weight& w, int64_t b, float* yb, int64_t ldy,
+                              int cols, bool accumulate) {
+  const int64_t K = w.k, G = K / kGroup;
+  const int64_t gb = group_bytes(w);
+  __m256 total[R][8];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 8; ++c) total[r][c] = _mm256_setzero_ps();
+  const uint8_t* codes = w.codes + b * G * gb;
+  const float* sc = w.scale + b * G * kBlockN;
+  const float* mins = kQ8 ? nullptr : w.minimum + b * G * kBlockN;
+  const int8_t* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = xq.q.data() + (r0 + r) * K;
+  const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(-128);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* cg = codes + g * gb;
+    if (g + kPrefetchGroups < G) prefetch_group(cg + kPrefetchGroups * gb, gb);
+    const int64_t k0 = g * kGroup;
+    __m256 dx[R], sx[R];
+    for (int r = 0; r < R; ++r) {
+      dx[r] = _mm256_set1_ps(xq.dx[(r0 + r) * G + g]);
+      sx[r] = _mm256_set1_ps(xq.sx[(r0 + r) * G + g]);
+    }
+#pragma GCC unroll 4
+    for (int s = 0; s < 4; ++s) {  // the layout's 16-column slices
+      __m256i p[R][2];
+      if (kQ8) {
+        for (int r = 0; r < R; ++r) p[r][0] = p[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          const uint8_t* at = cg + (s * 8 + j) * 64;
+#pragma GCC unroll 2
+          for (int h = 0; h < 2; ++h) {
+            const __m256i q = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32 * h)), flip);
+            const __m256i aq = _mm256_abs_epi8(q);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) {
+              const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(quad(xr[r], k0 + 4 * j)), q);
+              p[r][h] = _mm256_add_epi32(p[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(aq, xs), ones));
+            }
+          }
+        }
+      } else {
+        __m256i s16[R][2];
+        for (int r = 0; r < R; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          const uint8_t* at = cg + (s * 4 + j) * 64;
+#pragma GCC unroll 2
+          for (int h = 0; h < 2; ++h) {
+            const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32 * h));
+            const __m256i lo = _mm256_and_si256(wv, low);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) {
+              s16[r][h] = _mm256_add_epi16(s16[r][h], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(quad(xr[r], k0 + 4 * j))));
+              s16[r][h] = _mm256_add_epi16(s16[r][h],
+                                           _mm256_maddubs_epi16(hi, _mm256_set1_epi32(quad(xr[r], k0 + 16 + 4 * j))));
+            }
+          }
+        }
+        for (int r = 0; r < R; ++r)
+          for (int h = 0; h < 2; ++h) p[r][h] = _mm256_madd_epi16(s16[r][h], ones);
+      }
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const int64_t at = g * kBlockN + 16 * s + 8 * h;
+        const __m256 scale = _mm256_loadu_ps(sc + at);
+        const __m256 minimum = kQ8 ? _mm256_setzero_ps() : _mm256_loadu_ps(mins + at);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          __m256& t = total[r][2 * s + h];
+          t = _mm256_fmadd_ps(_mm256_mul_ps(scale, dx[r]), _mm256_cvtepi32_ps(p[r][h]), t);
+          if (!kQ8) t = _mm256_fmadd_ps(minimum, sx[r], t);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 8; ++c) store_cols8(yb + (r0 + r) * ldy, total[r][c], c, cols, accumulate);
+}
+
+template <bool kQ8>
+void qmm_a8_avx2(const Quantised& xq, int64_t m_rows, const Weight& w, float* y, int64_t ldy, bool accumulate,
+                 dart_kernels::ArgmaxSink* sink) {
+  if (sink) accumulate = false;
+#pragma omp parallel for schedule(guided) if (w.blocks() > 1)  // the schedule of qmm_a8_vnni (see there)
+  for (int64_t b = 0; b < w.blocks(); ++b) {
+    const int cols = static_cast<int>(std::min<int64_t>(kBlockN, w.n - b * kBlockN));
+    const int t = omp_get_thread_num();
+    float* yb = sink ? sink->rows(t) : y + b * kBlockN;
+    const int64_t ldb = sink ? dart_kernels::ArgmaxSink::kStride : ldy;
+    for (int64_t r0 = 0; r0 < m_rows; r0 += 2) {  // two rows share each load of the codes
+      if (m_rows - r0 >= 2) direct_avx2<kQ8, 2>(xq, r0, w, b, yb, ldb, cols, accumulate);
+      else direct_avx2<kQ8, 1>(xq, r0, w, b, yb, ldb, cols, accumulate);
+    }
+    if (sink) sink->take(t, b, cols);
+  }
+}
+
+bool cpu_has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+
+// Whether the AVX-512 VNNI loop (and AMX) may run where the CPU has it (set_qmm_a8_avx512; tests and
+// measurements turn it off to run the AVX2 loop on such a CPU).
+std::atomic<bool> avx512_enabled{true};
+
 bool cpu_has_vnni() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma");
 }
 #else
 bool cpu_has_vnni() { return false; }
+bool cpu_has_avx2() { return false; }
 #endif
 
 }  // namespace
@@ -534,7 +704,7 @@ void dart_kernels::qmm_a8_run(const float* x, int64_t m_rows, const QWeight& w, 
   Quantised xq{std::vector<int8_t>(static_cast<size_t>(m_rows * K)), std::vector<float>(static_cast<size_t>(m_rows * G)),
                std::vector<float>(static_cast<size_t>(m_rows * G)), std::vector<int32_t>(static_cast<size_t>(m_rows * G))};
 #ifdef DART_A8_VNNI
-  if (!portable && cpu_has_vnni()) {
+  if (!portable && cpu_has_vnni() && avx512_enabled.load(std::memory_order_relaxed)) {
     quantise_avx512(x, m_rows, K, xq);
 #ifdef DART_A8_AMX
     const int64_t min_rows = (w.q8 ? amx_min_rows_8bit : amx_min_rows_4bit).load(std::memory_order_relaxed);
@@ -548,15 +718,37 @@ void dart_kernels::qmm_a8_run(const float* x, int64_t m_rows, const QWeight& w, 
     else qmm_a8_vnni<false>(xq, m_rows, w, y, n, accumulate, sink);
     return;
   }
+  if (!portable && cpu_has_avx2()) {
+    quantise_avx2(x, m_rows, K, xq);
+    if (w.q8) qmm_a8_avx2<true>(xq, m_rows, w, y, n, accumulate, sink);
+    else qmm_a8_avx2<false>(xq, m_rows, w, y, n, accumulate, sink);
+    return;
+  }
 #endif
   quantise_portable(x, m_rows, K, xq);
   qmm_a8_portable(xq, m_rows, w, y, n, accumulate, sink);
 }
 
-bool dart_kernels::qmm_a8_vectorised() { return cpu_has_vnni(); }
+bool dart_kernels::qmm_a8_vectorised() { return cpu_has_vnni() || cpu_has_avx2(); }
+
+std::string dart_kernels::qmm_a8_isa() {
+#ifdef DART_A8_VNNI
+  if (cpu_has_vnni() && avx512_enabled.load()) return "avx512-vnni";
+#endif
+  return cpu_has_avx2() ? "avx2" : "portable";
+}
+
+std::string dart_kernels::set_qmm_a8_avx512(bool enabled) {
+#ifdef DART_A8_VNNI
+  avx512_enabled.store(enabled);
+#else
+  (void)enabled;
+#endif
+  return qmm_a8_isa();
+}
 
 #ifdef DART_A8_AMX
-bool dart_kernels::qmm_a8_amx() { return cpu_has_vnni() && amx_usable() && amx_enabled.load(); }
+bool dart_kernels::qmm_a8_amx() { return cpu_has_vnni() && avx512_enabled.load() && amx_usable() && amx_enabled.load(); }
 
 bool dart_kernels::set_qmm_a8_amx(bool enabled, int64_t min_rows_4bit, int64_t min_rows_8bit) {
   amx_enabled.store(enabled);

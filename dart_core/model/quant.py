@@ -9,12 +9,12 @@ three kernels (:func:`default_kernel` chooses, ``gguf_kernel`` overrides; figure
 in ``bench/results/gguf_native/``):
 
 - **qmm-a8** (``dart_core/csrc/qmm_a8.cpp``, the default where the CPU has
-  AVX-512 VNNI): the GGUF's codes and scales (:func:`qmm_a8_weight`) times activations
+  AVX-512 VNNI or AVX2): the GGUF's codes and scales (:func:`qmm_a8_weight`) times activations
   quantised to 8 bits per block of 32 inputs, integer dot products within a
   block: the arithmetic of llama.cpp's CPU back end for these block types.
   The weights are the GGUF's values; the activations are rounded to 8 bits.
-- **qmm** (``dart_core/csrc/qmm.cpp``, the default where the CPU has AVX-512
-  without VNNI; the draft head's Q8_0 layers everywhere): the
+- **qmm** (``dart_core/csrc/qmm.cpp``, ``gguf_kernel: qmm``; the draft head's Q8_0
+  layers where the CPU has AVX-512): the
   GGUF's codes, scales and minimums as they are (:func:`qmm_weight`), float32
   activations; each block's scale and minimum are factored out of its 32
   products, so the weights are the GGUF's de-quantised values.
@@ -128,25 +128,27 @@ def quantize_linears(module: torch.nn.Module, kernel: str | None = None) -> int:
     """Replaces every ``nn.Linear`` of ``module`` (in place; bias-free layers only) by an
     :class:`Int4Linear` over its weight's Q8_0 blocks (the ``gguf`` package's quantiser, ggml's:
     per block of 32 inputs ``d = max |w| / 127``, codes ``round(w / d)``), run by a qmm kernel
-    (``kernel``, default ``"qmm"``: float32 activations, which measured faster than ``"qmm-a8"`` for
-    the draft head inside the engine, ``bench/results/draft_row/``); returns how many.  For
-    inference: the new layers take float32 inputs and hold no parameters.  The draft head uses it
-    on a CPU with AVX-512 (``DartModel.from_pretrained(draft_weights="q8_0")``; docs/engine.md,
-    "Draft weights").
+    (``kernel``, default :func:`q8_0_kernel`: ``"qmm"``, float32 activations, which measured faster
+    than ``"qmm-a8"`` for the draft head inside the engine on AVX-512 CPUs,
+    ``bench/results/draft_row/``; ``"qmm-a8"`` where only AVX2 runs vectorised); returns how many.
+    For inference: the new layers take float32 inputs and hold no parameters.  The draft head uses
+    it on a CPU with AVX-512 or AVX2 (``DartModel.from_pretrained(draft_weights="q8_0")``;
+    docs/engine.md, "Draft weights").
 
     Raises:
         ValueError: a linear layer with a bias, ``kernel`` not a qmm kernel, or no ``kernel`` on a
-            CPU without AVX-512 (where the qmm kernels run only their portable loops).
+            CPU without AVX-512 or AVX2 (where the qmm kernels run only their portable loops).
         GGUFWeightsError: an in_features that is not a multiple of 32.
     """
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    if kernel is None and not qmm_runs_vectorised():
-        raise ValueError("Q8_0 linear layers need a qmm kernel, which runs vectorised only with AVX-512")
-    kernel = kernel or "qmm"
+    kernel = kernel or q8_0_kernel()
+    if kernel is None:
+        raise ValueError("Q8_0 linear layers need a qmm kernel, which runs vectorised only with AVX-512 (qmm) "
+                         "or AVX2 (qmm-a8)")
     if kernel not in QMM_KERNELS:
-        raise ValueError(f"Q8_0 linear layers need a qmm kernel (AVX-512), not {kernel!r}")
+        raise ValueError(f"Q8_0 linear layers need a qmm kernel ({' or '.join(QMM_KERNELS)}), not {kernel!r}")
     count = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
@@ -171,14 +173,25 @@ QMM_KERNELS = ("qmm-a8", "qmm")  # dart-serve's own kernels: float32 layer input
 
 def qmm_runs_vectorised() -> bool:
     """True where the ``"qmm"`` kernel runs its AVX-512 code (elsewhere only its portable loop):
-    where :func:`quantize_linears` makes Q8_0 layers by default."""
+    where :func:`quantize_linears` makes Q8_0 layers on it by default."""
     return bool(_kernels.qmm_vectorised())
+
+
+def q8_0_kernel() -> str | None:
+    """The kernel of Q8_0 layers made by :func:`quantize_linears` (the draft head's): ``"qmm"`` where it
+    runs its AVX-512 code, else ``"qmm-a8"`` where that runs vectorised (AVX2), else None (only
+    portable loops: no Q8_0 layers by default)."""
+    if qmm_runs_vectorised():
+        return "qmm"
+    return "qmm-a8" if _kernels.qmm_a8_vectorised() else None
 
 
 def default_kernel() -> str:
     """The kernel of GGUF-native layers when ``gguf_kernel`` is ``auto``: ``"qmm-a8"`` (8-bit
-    activations) where the CPU has AVX-512 VNNI, else ``"qmm"`` (float32 activations) where it has
-    AVX-512, else ``"aten"`` (PyTorch's int4 kernel with bfloat16 activations).
+    activations) where it runs vectorised (AVX-512 VNNI, or AVX2: ``_kernels.qmm_a8_isa()``), else
+    ``"qmm"`` (float32 activations) where the CPU has AVX-512, else ``"aten"`` (PyTorch's int4 kernel
+    with bfloat16 activations).  On the 2-core AVX2-only EPYC of ``bench/results/avx2_kernel/``
+    qmm-a8's AVX2 loop decodes about three times as fast as ``aten`` did there.
 
     ``qmm-a8`` is the default where it runs because speculation pays with it: on the AVX512-BF16
     EPYC of ``bench/results/kernel_default/`` a plain decoding step costs the same with both qmm
@@ -188,7 +201,7 @@ def default_kernel() -> str:
     types, so its greedy text departs from the de-quantised float32 model's as llama.cpp's does;
     ``gguf_kernel: qmm`` keeps the float32 model's text (``weights: gguf-native`` and ``dense``
     then give the same text). Greedy DART equals greedy autoregressive decoding with every kernel.
-    Without AVX-512 only the qmm kernels' portable loops remain."""
+    Without AVX-512 or AVX2 only the qmm kernels' portable loops remain."""
     if _kernels.qmm_a8_vectorised():
         return "qmm-a8"
     return "qmm" if qmm_runs_vectorised() else "aten"
@@ -305,14 +318,14 @@ class Int4Linear(torch.nn.Module):
     """A bias-free linear layer whose weight is a GGUF tensor's 4-bit (or 8-bit) blocks, applied by
     one of three row-exact CPU kernels (``kernel``):
 
-    - ``"qmm-a8"`` (:func:`default_kernel` where the CPU has AVX-512 VNNI): dart-serve's kernel with
+    - ``"qmm-a8"`` (:func:`default_kernel` where the CPU has AVX-512 VNNI or AVX2): dart-serve's kernel with
       8-bit activations (``dart_core/csrc/qmm_a8.cpp``), llama.cpp's arithmetic for these block
       types. Each input row is quantised per block of 32 inputs (scale ``max |x| / 127``, round to
       nearest even); a block's output is ``d·dx·Σ qw·qx + m·dx·Σ qx`` (integer sums, exact), added
       over the blocks in a fixed order of float32 operations. The weights are the GGUF's values;
       the activations carry 8-bit rounding (each input off by up to half of its block's
       ``max |x| / 127``). Float32 inputs and outputs.
-    - ``"qmm"`` (:func:`default_kernel` where the CPU has AVX-512 but not VNNI): dart-serve's float32 kernel
+    - ``"qmm"`` (the draft head's Q8_0 layers where the CPU has AVX-512): dart-serve's float32 kernel
       (``dart_core/csrc/qmm.cpp``). Float32 activations and results. The GGUF's codes are read
       as they are (Q8_0 in one 8-bit pass) and each block's scale ``d`` and minimum ``m`` are
       factored out of its 32 products: an output is ``Σ_blocks d · Σ x·q + m · Σ x`` in a fixed

@@ -192,18 +192,18 @@ def test_reference_names_are_checked(tmp_path, tiny_folder):
 
 
 def test_draft_weights_choose_the_heads_linear_layers(tiny_folder):
-    """``draft_weights``: "auto" is Q8_0 beside a float32 CPU target where the qmm kernel runs (else
-    dense, and dense when a draft dtype is given); "dense" keeps nn.Linear; an unknown value is
-    refused. Output is the same either way."""
-    from dart_core.model.quant import Int4Linear, qmm_runs_vectorised
+    """``draft_weights``: "auto" is Q8_0 beside a float32 CPU target where a qmm kernel runs
+    vectorised (qmm with AVX-512, qmm-a8 with AVX2; else dense, and dense when a draft dtype is
+    given); "dense" keeps nn.Linear; an unknown value is refused. Output is the same either way."""
+    from dart_core.model.quant import Int4Linear, q8_0_kernel
 
     dense = DartModel.from_pretrained(str(tiny_folder), head="random", trie=None, budget=4, device="cpu",
                                       draft_weights="dense")
     assert type(dense.engine.head.fc) is not Int4Linear
     auto = DartModel.from_pretrained(str(tiny_folder), head="random", trie=None, budget=4, device="cpu")
-    assert (type(auto.engine.head.lm_head) is Int4Linear) == qmm_runs_vectorised()
-    if qmm_runs_vectorised():  # the head runs the float32 qmm kernel whichever kernel the target runs
-        assert auto.engine.head.lm_head.kernel == "qmm"
+    assert (type(auto.engine.head.lm_head) is Int4Linear) == (q8_0_kernel() is not None)
+    if q8_0_kernel():  # the head runs q8_0_kernel() whichever kernel the target runs
+        assert auto.engine.head.lm_head.kernel == q8_0_kernel()
     assert auto.generate([1, 2, 3], max_new_tokens=8, stop_token_ids=[])[0].token_ids == \
         dense.generate([1, 2, 3], max_new_tokens=8, stop_token_ids=[])[0].token_ids
     with pytest.raises(ValueError, match="draft_weights"):
@@ -212,10 +212,10 @@ def test_draft_weights_choose_the_heads_linear_layers(tiny_folder):
     bf16 = DartModel.from_pretrained(str(tiny_folder), head="random", trie=None, budget=4, device="cpu",
                                      draft_dtype=torch.bfloat16)
     assert bf16.engine.head.fc.weight.dtype == torch.bfloat16
-    if qmm_runs_vectorised():
+    if q8_0_kernel():
         with pytest.raises(ValueError, match="draft_dtype"):
             DartModel.from_pretrained(str(tiny_folder), head="random", trie=None, device="cpu", draft_weights="q8_0",
                                       draft_dtype=torch.bfloat16)
-    if not qmm_runs_vectorised():
+    if not q8_0_kernel():
         with pytest.raises(ValueError, match="AVX-512"):
             DartModel.from_pretrained(str(tiny_folder), head="random", trie=None, device="cpu", draft_weights="q8_0")

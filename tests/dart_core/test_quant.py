@@ -19,7 +19,7 @@ from .test_engine import prompts_of, random_head, run_with_a_late_join
 
 gguf = pytest.importorskip("gguf")
 from dart_core.model.quant import (GGUFWeightsError, Int4Linear, KERNELS, can_int4, default_kernel,  # noqa: E402
-                             int4_parts, quantize_from_gguf, quantize_linears)
+                             int4_parts, q8_0_kernel, quantize_from_gguf, quantize_linears)
 
 pytestmark = pytest.mark.skipif(not can_int4(), reason="this PyTorch has no CPU int4 kernel")
 
@@ -66,23 +66,28 @@ def test_parts_reproduce_the_gguf_values(qtype):
     assert rel < 2 ** -6  # scales and zeros rounded to bfloat16
 
 
-@pytest.mark.parametrize("vnni, avx512, expected", [(True, True, "qmm-a8"), (False, True, "qmm"),
-                                                    (False, False, "aten")])
-def test_the_default_kernel_follows_the_cpu(monkeypatch, vnni, avx512, expected):
-    """``gguf_kernel: auto``: qmm-a8 with AVX-512 VNNI (the cheapest further query token), qmm with
-    AVX-512 alone, aten elsewhere; the draft head's Q8_0 layers run the float32 qmm kernel whatever
-    the target's, and are refused where qmm runs only its portable loop."""
+@pytest.mark.parametrize("a8, avx512, expected, head_kernel", [
+    (True, True, "qmm-a8", "qmm"),  # AVX-512 VNNI
+    (True, False, "qmm-a8", "qmm-a8"),  # AVX2 without AVX-512
+    (False, True, "qmm", "qmm"),  # a build whose qmm-a8 has no vectorised loop
+    (False, False, "aten", None)])
+def test_the_default_kernel_follows_the_cpu(monkeypatch, a8, avx512, expected, head_kernel):
+    """``gguf_kernel: auto``: qmm-a8 where it runs vectorised (AVX-512 VNNI or AVX2: the cheapest
+    further query token), else qmm with AVX-512, else aten; the draft head's Q8_0 layers run the
+    float32 qmm kernel where it runs its AVX-512 code, else qmm-a8's AVX2 loop, and are refused
+    where only portable loops run."""
     from dart_core.model import quant
 
-    monkeypatch.setattr(quant._kernels, "qmm_a8_vectorised", lambda: vnni)
+    monkeypatch.setattr(quant._kernels, "qmm_a8_vectorised", lambda: a8)
     monkeypatch.setattr(quant._kernels, "qmm_vectorised", lambda: avx512)
     assert quant.default_kernel() == expected
     assert quant.default_compute_dtype() == (torch.bfloat16 if expected == "aten" else torch.float32)
+    assert quant.q8_0_kernel() == head_kernel
     head = torch.nn.Sequential(torch.nn.Linear(64, 16, bias=False))
-    if avx512:
-        assert quantize_linears(head) == 1 and head[0].kernel == "qmm"
+    if head_kernel:
+        assert quantize_linears(head) == 1 and head[0].kernel == head_kernel
     else:
-        with pytest.raises(ValueError, match="AVX-512"):
+        with pytest.raises(ValueError, match="AVX-512 .*or AVX2"):
             quantize_linears(head)
 
 
@@ -101,27 +106,50 @@ def test_a_row_does_not_depend_on_the_other_rows(kernel):
             assert torch.equal(layer(x[:m]), alone[:m]), (qtype, m)
 
 
-@pytest.mark.parametrize("kernel", ["qmm-a8", "qmm"])
-def test_qmm_portable_loops_equal_their_vectorised_versions(kernel):
-    """The qmm kernels' AVX-512 code and their portable loops do the same operations in the same order:
-    the same bits (the portable loop is what a CPU without the instructions would run)."""
+def _qmm_loops(kernel: str) -> list[str]:
+    """The vectorised loops of a qmm kernel this CPU runs (each in turn, for the equality tests)."""
     from dart_core import _kernels
 
-    vectorised, function = {"qmm": (_kernels.qmm_vectorised, _kernels.qmm),
-                            "qmm-a8": (_kernels.qmm_a8_vectorised, _kernels.qmm_a8)}[kernel]
-    if not vectorised():
-        pytest.skip(f"this CPU lacks {kernel}'s instructions (AVX-512; VNNI for qmm-a8): only its portable loop")
+    if kernel == "qmm":
+        return ["avx512"] if _kernels.qmm_vectorised() else []
+    loops = [isa for enabled in (True, False) if (isa := _kernels.set_qmm_a8_avx512(enabled)) != "portable"]
+    _kernels.set_qmm_a8_avx512(True)
+    return sorted(set(loops))
+
+
+@pytest.mark.parametrize("kernel, loop", [("qmm", "avx512"), ("qmm-a8", "avx512-vnni"), ("qmm-a8", "avx2")])
+def test_qmm_portable_loops_equal_their_vectorised_versions(kernel, loop):
+    """The qmm kernels' vectorised code (qmm: AVX-512; qmm-a8: AVX-512 VNNI, and AVX2, which an
+    AVX-512 CPU runs too when told to) and their portable loops do the same operations in the same
+    order: the same bits (the portable loop is what a CPU without the instructions would run)."""
+    from dart_core import _kernels
+
+    function = {"qmm": _kernels.qmm, "qmm-a8": _kernels.qmm_a8}[kernel]
+    if loop not in _qmm_loops(kernel):
+        pytest.skip(f"this CPU lacks {kernel}'s {loop} instructions")
+    if kernel == "qmm-a8":
+        assert _kernels.set_qmm_a8_avx512(loop == "avx512-vnni") == loop
+    try:
+        _portable_equals_vectorised(function, getattr(_kernels, function.__name__ + "_argmax"), kernel)
+    finally:
+        _kernels.set_qmm_a8_avx512(True)
+
+
+def _portable_equals_vectorised(function, argmax, kernel: str) -> None:
     rng = np.random.default_rng(6)
     for qtype, n in (("Q4_0", 200), ("Q4_1", 64), ("Q8_0", 130)):  # output sizes off and on a 64-row block
         layer = Int4Linear(int4_parts(_blocks(rng.normal(size=(n, 96)), Q[qtype]), qtype, (n, 96)), kernel=kernel)
         codes, scale, minimum = layer._qmm_args
-        for m in (1, 3, 12):
-            x = rng.normal(size=(m, 96)).astype(np.float32)
+        for m in (1, 2, 3, 12):
+            x = (rng.normal(size=(m, 96)) * np.array([0.01, 1, 50])[np.arange(m) % 3, None]).astype(np.float32)
             x[0, :32] = 0  # a block of zeros: scale 0
             fast, slow = np.empty((m, n), np.float32), np.empty((m, n), np.float32)
             function(x, codes, scale, minimum, n, layer.q8, fast)
             function(x, codes, scale, minimum, n, layer.q8, slow, portable=True)
             assert np.array_equal(fast, slow), (qtype, m)
+            best = np.empty(m, np.int64)
+            argmax(x, codes, scale, minimum, n, layer.q8, best)
+            assert np.array_equal(best, slow.argmax(axis=1)), (qtype, m)
             # with a decoder layer's operations around the product: RMS norm, SiLU-and-multiply, residual add
             norm, gate_up = rng.normal(size=96).astype(np.float32), rng.normal(size=(m, 192)).astype(np.float32)
             for kwargs, inp in ((dict(norm=norm, eps=1e-5), x), (dict(gated=True, accumulate=True), gate_up)):
@@ -460,7 +488,8 @@ def test_checked_parts_are_cached_and_a_damaged_cache_is_rebuilt(tmp_path, caplo
     assert "ignoring the 4-bit cache" in caplog.text
 
 
-qmm_cpu = pytest.mark.skipif(default_kernel() == "aten", reason="the qmm kernels need AVX-512 (this CPU has none)")
+qmm_cpu = pytest.mark.skipif(q8_0_kernel() is None,
+                             reason="the qmm kernels need AVX-512 or AVX2 (this CPU runs only their portable loops)")
 
 
 @qmm_cpu
@@ -475,7 +504,7 @@ def test_quantize_linears_gives_q8_0_layers_with_ggmls_values():
     want = module(x).detach()
     assert quantize_linears(module) == 2
     layers = [m for m in module if isinstance(m, Int4Linear)]
-    assert len(layers) == 2 and all(m.gguf_type == "Q8_0" and m.kernel == "qmm" for m in layers)
+    assert len(layers) == 2 and all(m.gguf_type == "Q8_0" and m.kernel == q8_0_kernel() for m in layers)
     for layer, w in zip(layers, dense):
         expected = gguf.quants.dequantize(_blocks(w, Q.Q8_0), Q.Q8_0)
         np.testing.assert_allclose(layer.weight.numpy(), expected, rtol=1e-6, atol=1e-7)
