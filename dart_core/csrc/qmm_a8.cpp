@@ -576,25 +576,27 @@ DART_A8_AVX2 void direct_avx2(const Quantised& xq, int64_t r0, const Weight& w, 
                               int cols, bool accumulate) {
   const int64_t K = w.k, G = K / kGroup;
   const int64_t gb = group_bytes(w);
-  __m256 total[R][8];
+  alignas(32) float total[R][kBlockN];  // the running float32 sums (cache-resident)
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 8; ++c) total[r][c] = _mm256_setzero_ps();
+    for (int c = 0; c < kBlockN; c += 8) _mm256_store_ps(total[r] + c, _mm256_setzero_ps());
+  // each row's eight input quads of the group, broadcast once per group and read from here as
+  // memory operands (held in registers across the slices they crowded out the accumulators)
+  alignas(32) __m256i xv[R][8];
   const uint8_t* codes = w.codes + b * G * gb;
   const float* sc = w.scale + b * G * kBlockN;
   const float* mins = kQ8 ? nullptr : w.minimum + b * G * kBlockN;
-  const int8_t* xr[R];
-  for (int r = 0; r < R; ++r) xr[r] = xq.q.data() + (r0 + r) * K;
   const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(-128);
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* cg = codes + g * gb;
     if (g + kPrefetchGroups < G) prefetch_group(cg + kPrefetchGroups * gb, gb);
-    const int64_t k0 = g * kGroup;
     __m256 dx[R], sx[R];
     for (int r = 0; r < R; ++r) {
+      const int8_t* xg = xq.q.data() + (r0 + r) * K + g * kGroup;
+      for (int j = 0; j < 8; ++j) _mm256_store_si256(&xv[r][j], _mm256_set1_epi32(quad(xg, 4 * j)));
       dx[r] = _mm256_set1_ps(xq.dx[(r0 + r) * G + g]);
       sx[r] = _mm256_set1_ps(xq.sx[(r0 + r) * G + g]);
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 1
     for (int s = 0; s < 4; ++s) {  // the layout's 16-column slices
       __m256i p[R][2];
       if (kQ8) {
@@ -608,7 +610,7 @@ DART_A8_AVX2 void direct_avx2(const Quantised& xq, int64_t r0, const Weight& w, 
             const __m256i aq = _mm256_abs_epi8(q);
 #pragma GCC unroll 4
             for (int r = 0; r < R; ++r) {
-              const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(quad(xr[r], k0 + 4 * j)), q);
+              const __m256i xs = _mm256_sign_epi8(_mm256_load_si256(&xv[r][j]), q);
               p[r][h] = _mm256_add_epi32(p[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(aq, xs), ones));
             }
           }
@@ -626,9 +628,8 @@ DART_A8_AVX2 void direct_avx2(const Quantised& xq, int64_t r0, const Weight& w, 
             const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low);
 #pragma GCC unroll 4
             for (int r = 0; r < R; ++r) {
-              s16[r][h] = _mm256_add_epi16(s16[r][h], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(quad(xr[r], k0 + 4 * j))));
-              s16[r][h] = _mm256_add_epi16(s16[r][h],
-                                           _mm256_maddubs_epi16(hi, _mm256_set1_epi32(quad(xr[r], k0 + 16 + 4 * j))));
+              s16[r][h] = _mm256_add_epi16(s16[r][h], _mm256_maddubs_epi16(lo, _mm256_load_si256(&xv[r][j])));
+              s16[r][h] = _mm256_add_epi16(s16[r][h], _mm256_maddubs_epi16(hi, _mm256_load_si256(&xv[r][4 + j])));
             }
           }
         }
@@ -642,15 +643,16 @@ DART_A8_AVX2 void direct_avx2(const Quantised& xq, int64_t r0, const Weight& w, 
         const __m256 minimum = kQ8 ? _mm256_setzero_ps() : _mm256_loadu_ps(mins + at);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
-          __m256& t = total[r][2 * s + h];
-          t = _mm256_fmadd_ps(_mm256_mul_ps(scale, dx[r]), _mm256_cvtepi32_ps(p[r][h]), t);
+          float* tp = total[r] + 16 * s + 8 * h;
+          __m256 t = _mm256_fmadd_ps(_mm256_mul_ps(scale, dx[r]), _mm256_cvtepi32_ps(p[r][h]), _mm256_load_ps(tp));
           if (!kQ8) t = _mm256_fmadd_ps(minimum, sx[r], t);
+          _mm256_store_ps(tp, t);
         }
       }
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 8; ++c) store_cols8(yb + (r0 + r) * ldy, total[r][c], c, cols, accumulate);
+    for (int c = 0; c < 8; ++c) store_cols8(yb + (r0 + r) * ldy, _mm256_load_ps(total[r] + 8 * c), c, cols, accumulate);
 }
 
 template <bool kQ8>
@@ -663,9 +665,13 @@ void qmm_a8_avx2(const Quantised& xq, int64_t m_rows, const Weight& w, float* y,
     const int t = omp_get_thread_num();
     float* yb = sink ? sink->rows(t) : y + b * kBlockN;
     const int64_t ldb = sink ? dart_kernels::ArgmaxSink::kStride : ldy;
-    for (int64_t r0 = 0; r0 < m_rows; r0 += 2) {  // two rows share each load of the codes
-      if (m_rows - r0 >= 2) direct_avx2<kQ8, 2>(xq, r0, w, b, yb, ldb, cols, accumulate);
-      else direct_avx2<kQ8, 1>(xq, r0, w, b, yb, ldb, cols, accumulate);
+    for (int64_t r0 = 0; r0 < m_rows; r0 += 4) {  // four rows share each load of the codes
+      switch (std::min<int64_t>(4, m_rows - r0)) {
+        case 4: direct_avx2<kQ8, 4>(xq, r0, w, b, yb, ldb, cols, accumulate); break;
+        case 3: direct_avx2<kQ8, 3>(xq, r0, w, b, yb, ldb, cols, accumulate); break;
+        case 2: direct_avx2<kQ8, 2>(xq, r0, w, b, yb, ldb, cols, accumulate); break;
+        default: direct_avx2<kQ8, 1>(xq, r0, w, b, yb, ldb, cols, accumulate); break;
+      }
     }
     if (sink) sink->take(t, b, cols);
   }
