@@ -112,7 +112,7 @@ def default_draft_weights(target: TargetModel) -> str:
     """``draft_weights="auto"``: ``"q8_0"`` beside a float32 CPU target where a qmm kernel runs
     vectorised (:func:`dart_core.model.quant.q8_0_kernel`: ``qmm`` with AVX-512, ``qmm-a8`` with AVX2),
     where the head's weights read from memory after each target forward are half their bf16 bytes
-    and, with AVX2 only, its products cost a third of float32 PyTorch's (docs/engine.md, "Draft
+    and, with AVX2 only, a draft costs less than half a dense float32 head's (docs/engine.md, "Draft
     weights"); ``"dense"`` otherwise."""
     on_cpu = target.device.type == "cpu" and target.dtype == torch.float32
     return "q8_0" if on_cpu and q8_0_kernel() is not None else "dense"
