@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "exp_nonpositive.h"
@@ -437,7 +438,7 @@ template <bool kQ8>
 DART_AMX void product_amx(const Quantised& xq, int64_t m_rows, const Weight& w, float* y, int64_t ldy, bool accumulate,
                          dart_kernels::ArgmaxSink* sink) {
   if (sink) accumulate = false;
-  // the schedule as qmm_a8_vnni's (guided: see there); each thread configures its tiles for the
+  // the schedule as over_blocks' (guided: see there); each thread configures its tiles for the
   // chunk size it meets and releases them at the end
 #pragma omp parallel if (w.blocks() > 1)
   {
@@ -484,27 +485,29 @@ std::atomic<bool> amx_enabled{true};
 std::atomic<int64_t> amx_min_rows_4bit{12}, amx_min_rows_8bit{6};
 #endif
 
-template <bool kQ8>
-void qmm_a8_vnni(const Quantised& xq, int64_t m_rows, const Weight& w, float* y, int64_t ldy, bool accumulate,
-                 dart_kernels::ArgmaxSink* sink) {
-  if (sink) accumulate = false;
+// The blocks of 64 output columns of a product shared among the threads, each block's rows in passes
+// of four that share each load of its codes (fewer in the last pass): pass(r0, rows, b, yb, ldb,
+// cols) with rows a std::integral_constant<int, R> (R <= 4), yb the block's outputs, row stride ldb.
 // guided, not static: each thread still streams contiguous runs of blocks (dynamic's one-block
 // turns broke the weights' sequential stream and measured slower: bench/results/served_schedule), and when another process
 // takes a core mid-kernel (a served replica shares its cores) the other thread takes over the tail
 // of the preempted one's share instead of waiting for it at the barrier.  A thread's blocks still
 // come in increasing order, as ArgmaxSink needs.
+template <typename Pass>
+void over_blocks(int64_t m_rows, const Weight& w, float* y, int64_t ldy, dart_kernels::ArgmaxSink* sink,
+                 const Pass& pass) {
 #pragma omp parallel for schedule(guided) if (w.blocks() > 1)
   for (int64_t b = 0; b < w.blocks(); ++b) {
     const int cols = static_cast<int>(std::min<int64_t>(kBlockN, w.n - b * kBlockN));
     const int t = omp_get_thread_num();
-    float* yb = sink ? sink->rows(t) : y + b * kBlockN;  // the block's outputs, row stride ldb
+    float* yb = sink ? sink->rows(t) : y + b * kBlockN;
     const int64_t ldb = sink ? dart_kernels::ArgmaxSink::kStride : ldy;
-    for (int64_t r0 = 0; r0 < m_rows; r0 += 4) {  // four rows share each load of the codes
+    for (int64_t r0 = 0; r0 < m_rows; r0 += 4) {
       switch (std::min<int64_t>(4, m_rows - r0)) {
-        case 4: direct<kQ8, 4>(xq, r0, w, b, yb, ldb, cols, accumulate); break;
-        case 3: direct<kQ8, 3>(xq, r0, w, b, yb, ldb, cols, accumulate); break;
-        case 2: direct<kQ8, 2>(xq, r0, w, b, yb, ldb, cols, accumulate); break;
-        default: direct<kQ8, 1>(xq, r0, w, b, yb, ldb, cols, accumulate); break;
+        case 4: pass(r0, std::integral_constant<int, 4>{}, b, yb, ldb, cols); break;
+        case 3: pass(r0, std::integral_constant<int, 3>{}, b, yb, ldb, cols); break;
+        case 2: pass(r0, std::integral_constant<int, 2>{}, b, yb, ldb, cols); break;
+        default: pass(r0, std::integral_constant<int, 1>{}, b, yb, ldb, cols); break;
       }
     }
     if (sink) sink->take(t, b, cols);
@@ -655,26 +658,15 @@ DART_A8_AVX2 void direct_avx2(const Quantised& xq, int64_t r0, const Weight& w, 
     for (int c = 0; c < 8; ++c) store_cols8(yb + (r0 + r) * ldy, _mm256_load_ps(total[r] + 8 * c), c, cols, accumulate);
 }
 
-template <bool kQ8>
-void qmm_a8_avx2(const Quantised& xq, int64_t m_rows, const Weight& w, float* y, int64_t ldy, bool accumulate,
-                 dart_kernels::ArgmaxSink* sink) {
+// The product on the VNNI loop (direct) or the AVX2 one (direct_avx2), whichever this CPU runs.
+template <bool kQ8, bool kAvx2>
+void product_vectorised(const Quantised& xq, int64_t m_rows, const Weight& w, float* y, int64_t ldy, bool accumulate,
+                       dart_kernels::ArgmaxSink* sink) {
   if (sink) accumulate = false;
-#pragma omp parallel for schedule(guided) if (w.blocks() > 1)  // the schedule of qmm_a8_vnni (see there)
-  for (int64_t b = 0; b < w.blocks(); ++b) {
-    const int cols = static_cast<int>(std::min<int64_t>(kBlockN, w.n - b * kBlockN));
-    const int t = omp_get_thread_num();
-    float* yb = sink ? sink->rows(t) : y + b * kBlockN;
-    const int64_t ldb = sink ? dart_kernels::ArgmaxSink::kStride : ldy;
-    for (int64_t r0 = 0; r0 < m_rows; r0 += 4) {  // four rows share each load of the codes
-      switch (std::min<int64_t>(4, m_rows - r0)) {
-        case 4: direct_avx2<kQ8, 4>(xq, r0, w, b, yb, ldb, cols, accumulate); break;
-        case 3: direct_avx2<kQ8, 3>(xq, r0, w, b, yb, ldb, cols, accumulate); break;
-        case 2: direct_avx2<kQ8, 2>(xq, r0, w, b, yb, ldb, cols, accumulate); break;
-        default: direct_avx2<kQ8, 1>(xq, r0, w, b, yb, ldb, cols, accumulate); break;
-      }
-    }
-    if (sink) sink->take(t, b, cols);
-  }
+  over_blocks(m_rows, w, y, ldy, sink, [&](int64_t r0, auto rows, int64_t b, float* yb, int64_t ldb, int cols) {
+    if constexpr (kAvx2) direct_avx2<kQ8, decltype(rows)::value>(xq, r0, w, b, yb, ldb, cols, accumulate);
+    else direct<kQ8, decltype(rows)::value>(xq, r0, w, b, yb, ldb, cols, accumulate);
+  });
 }
 
 bool cpu_has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
@@ -720,14 +712,14 @@ void dart_kernels::qmm_a8_run(const float* x, int64_t m_rows, const QWeight& w, 
       return;
     }
 #endif
-    if (w.q8) qmm_a8_vnni<true>(xq, m_rows, w, y, n, accumulate, sink);
-    else qmm_a8_vnni<false>(xq, m_rows, w, y, n, accumulate, sink);
+    if (w.q8) product_vectorised<true, false>(xq, m_rows, w, y, n, accumulate, sink);
+    else product_vectorised<false, false>(xq, m_rows, w, y, n, accumulate, sink);
     return;
   }
   if (!portable && cpu_has_avx2()) {
     quantise_avx2(x, m_rows, K, xq);
-    if (w.q8) qmm_a8_avx2<true>(xq, m_rows, w, y, n, accumulate, sink);
-    else qmm_a8_avx2<false>(xq, m_rows, w, y, n, accumulate, sink);
+    if (w.q8) product_vectorised<true, true>(xq, m_rows, w, y, n, accumulate, sink);
+    else product_vectorised<false, true>(xq, m_rows, w, y, n, accumulate, sink);
     return;
   }
 #endif
