@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The study's runs on one machine (bench/results/avx2_kernel/README.md), one at a time, nothing else
-# running.  before/, first_build/ and verify_aten/ ran at 9df75db (the AVX2 loop's first build);
+# running.  before/, first_build/ and verify_aten/ ran at 366747e (the AVX2 loop's first build);
 # after/, dense_head/, verify_qmm_a8/ and kernel_avx2.txt at 2681c79 (its loop restructured).
 set -euo pipefail
 out=${1:-bench/results/avx2_kernel}
