@@ -112,8 +112,8 @@ def default_draft_weights(target: TargetModel) -> str:
     """``draft_weights="auto"``: ``"q8_0"`` beside a float32 CPU target where a qmm kernel runs
     vectorised (:func:`dart_core.model.quant.q8_0_kernel`: ``qmm`` with AVX-512, ``qmm-a8`` with AVX2),
     where the head's weights read from memory after each target forward are half their bf16 bytes
-    and, with AVX2 only, a draft costs less than half a dense float32 head's (docs/engine.md, "Draft
-    weights"); ``"dense"`` otherwise."""
+    and, with AVX2 only, a draft costs less than with a dense float32 head (docs/engine.md, "Draft
+    weights"; ``bench/results/avx2_kernel/``); ``"dense"`` otherwise."""
     on_cpu = target.device.type == "cpu" and target.dtype == torch.float32
     return "q8_0" if on_cpu and q8_0_kernel() is not None else "dense"
 
@@ -263,8 +263,8 @@ class DartModel:
                 exact either way: the target verifies.
             draft_weights: the draft head's linear layers: ``"dense"`` (``draft_dtype``),
                 ``"q8_0"`` (quantised to Q8_0 blocks at load and run by the float32 qmm kernel
-                with AVX-512, qmm-a8 with AVX2 only; CPU only: :func:`dart_core.model.quant.quantize_linears`; the rest of the
-                head in float32) or ``"auto"``: ``"dense"`` when ``draft_dtype`` is given, else
+                with AVX-512, by qmm-a8 with AVX2 only; CPU only:
+                :func:`dart_core.model.quant.quantize_linears`; the rest of the head in float32) or ``"auto"``: ``"dense"`` when ``draft_dtype`` is given, else
                 :func:`default_draft_weights`.  Output is exact either way.
             device: default CUDA when available; ignored with ``device_map``. A CPU target also
                 keeps freed tensor memory mapped for reuse (:func:`~dart_core.model.allocator.keep_freed_memory`).

@@ -679,9 +679,14 @@ bool cpu_has_vnni() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma");
 }
-#else
-bool cpu_has_vnni() { return false; }
-bool cpu_has_avx2() { return false; }
+
+enum class Loop { kVnni, kAvx2, kPortable };
+
+// The loop a call takes on this CPU (the VNNI one only while set_qmm_a8_avx512 allows it).
+Loop vectorised_loop() {
+  if (cpu_has_vnni() && avx512_enabled.load(std::memory_order_relaxed)) return Loop::kVnni;
+  return cpu_has_avx2() ? Loop::kAvx2 : Loop::kPortable;
+}
 #endif
 
 }  // namespace
@@ -702,7 +707,8 @@ void dart_kernels::qmm_a8_run(const float* x, int64_t m_rows, const QWeight& w, 
   Quantised xq{std::vector<int8_t>(static_cast<size_t>(m_rows * K)), std::vector<float>(static_cast<size_t>(m_rows * G)),
                std::vector<float>(static_cast<size_t>(m_rows * G)), std::vector<int32_t>(static_cast<size_t>(m_rows * G))};
 #ifdef DART_A8_VNNI
-  if (!portable && cpu_has_vnni() && avx512_enabled.load(std::memory_order_relaxed)) {
+  const Loop loop = portable ? Loop::kPortable : vectorised_loop();
+  if (loop == Loop::kVnni) {
     quantise_avx512(x, m_rows, K, xq);
 #ifdef DART_A8_AMX
     const int64_t min_rows = (w.q8 ? amx_min_rows_8bit : amx_min_rows_4bit).load(std::memory_order_relaxed);
@@ -716,7 +722,7 @@ void dart_kernels::qmm_a8_run(const float* x, int64_t m_rows, const QWeight& w, 
     else product_vectorised<false, false>(xq, m_rows, w, y, n, accumulate, sink);
     return;
   }
-  if (!portable && cpu_has_avx2()) {
+  if (loop == Loop::kAvx2) {
     quantise_avx2(x, m_rows, K, xq);
     if (w.q8) product_vectorised<true, true>(xq, m_rows, w, y, n, accumulate, sink);
     else product_vectorised<false, true>(xq, m_rows, w, y, n, accumulate, sink);
@@ -727,14 +733,21 @@ void dart_kernels::qmm_a8_run(const float* x, int64_t m_rows, const QWeight& w, 
   qmm_a8_portable(xq, m_rows, w, y, n, accumulate, sink);
 }
 
+#ifdef DART_A8_VNNI
 bool dart_kernels::qmm_a8_vectorised() { return cpu_has_vnni() || cpu_has_avx2(); }
 
 std::string dart_kernels::qmm_a8_isa() {
-#ifdef DART_A8_VNNI
-  if (cpu_has_vnni() && avx512_enabled.load()) return "avx512-vnni";
-#endif
-  return cpu_has_avx2() ? "avx2" : "portable";
+  switch (vectorised_loop()) {
+    case Loop::kVnni: return "avx512-vnni";
+    case Loop::kAvx2: return "avx2";
+    default: return "portable";
+  }
 }
+#else
+bool dart_kernels::qmm_a8_vectorised() { return false; }
+
+std::string dart_kernels::qmm_a8_isa() { return "portable"; }
+#endif
 
 std::string dart_kernels::set_qmm_a8_avx512(bool enabled) {
 #ifdef DART_A8_VNNI
@@ -746,7 +759,7 @@ std::string dart_kernels::set_qmm_a8_avx512(bool enabled) {
 }
 
 #ifdef DART_A8_AMX
-bool dart_kernels::qmm_a8_amx() { return cpu_has_vnni() && avx512_enabled.load() && amx_usable() && amx_enabled.load(); }
+bool dart_kernels::qmm_a8_amx() { return vectorised_loop() == Loop::kVnni && amx_usable() && amx_enabled.load(); }
 
 bool dart_kernels::set_qmm_a8_amx(bool enabled, int64_t min_rows_4bit, int64_t min_rows_8bit) {
   amx_enabled.store(enabled);

@@ -190,8 +190,8 @@ def default_kernel() -> str:
     """The kernel of GGUF-native layers when ``gguf_kernel`` is ``auto``: ``"qmm-a8"`` (8-bit
     activations) where it runs vectorised (AVX-512 VNNI, or AVX2: ``_kernels.qmm_a8_isa()``), else
     ``"qmm"`` (float32 activations) where the CPU has AVX-512, else ``"aten"`` (PyTorch's int4 kernel
-    with bfloat16 activations).  On the 2-core AVX2-only EPYC of ``bench/results/avx2_kernel/``
-    qmm-a8's AVX2 loop decodes nearly three times as fast as ``aten`` did there.
+    with bfloat16 activations).  On an AVX2-only CPU qmm-a8's AVX2 loop decodes faster than ``aten``
+    (``bench/results/avx2_kernel/``).
 
     ``qmm-a8`` is the default where it runs because speculation pays with it: on the AVX512-BF16
     EPYC of ``bench/results/kernel_default/`` a plain decoding step costs the same with both qmm
