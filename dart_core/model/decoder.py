@@ -262,11 +262,13 @@ class LlamaDecoder:
                        for kv in caches]
             t = buffers[0][2]
             taps = torch.empty(b * q, len(self.tap_layers) * hidden)
-            self._stack.forward(x.numpy(), cos_np, sin_np, [kb.numpy() for kb, _, _ in buffers],
-                                [vb.numpy() for _, vb, _ in buffers], t, b, q, exact_mask, list(self.tap_layers),
-                                taps.numpy(), kernels.PARALLEL_WORK)
+            # numpy views of the float32 buffers, made once per buffer (.numpy() refuses any other dtype)
+            arrays = [kv.buffer_arrays() if kb.dtype == torch.float32 else (kb.numpy(), vb.numpy())
+                      for kv, (kb, vb, _) in zip(caches, buffers)]
+            self._stack.forward(x.numpy(), cos_np, sin_np, [k for k, _ in arrays], [v for _, v in arrays], t, b, q,
+                                exact_mask, list(self.tap_layers), taps.numpy(), kernels.PARALLEL_WORK)
             for kv in caches:
-                kv.commit(t + q)
+                kv.commit(t + q, lazy=True)
             return x.view(b, q, hidden), taps.view(b, q, -1)
         work = x if sel is None else x.index_select(0, sel)  # the rows the products compute
         m = work.shape[0]

@@ -160,15 +160,15 @@ def compact_buffered(layers, lengths: list[int], offset: int, paths, counts: np.
     Raises:
         ValueError: a path that does not increase, or counts that do not match the paths."""
     if not layers or not all(isinstance(layer, BufferedKVLayer) and layer.holds_last_commit() for layer in layers) \
-            or layers[0].keys.device.type != "cpu":
+            or layers[0]._key_buffer.device.type != "cpu":  # holding its last commit: keys are views of it
         return False
     counts, flat = _flat_paths(paths, counts)
     lengths = np.asarray(lengths, dtype=np.int64)
     _kernels.compact_paths([a for layer in layers for a in layer.buffer_arrays()], lengths, offset, flat, counts)
     new_len = int((lengths + counts).max()) if len(counts) else 0
     for layer in layers:  # a layer already at that length (every row kept its one entry) keeps its views
-        if layer.keys.shape[2] != new_len:
-            layer.commit(new_len)
+        if layer.cached_length() != new_len:
+            layer.commit(new_len, lazy=True)
     return True
 
 
@@ -346,7 +346,50 @@ class BufferedKVLayer(DynamicLayer):
 
     _arrays: tuple[np.ndarray, np.ndarray] | None = None  # numpy views of the buffers (buffer_arrays)
 
+    #: a lazy commit's length whose views are not made yet (commit(..., lazy=True)): the first read or
+    #: write of keys/values makes them
+    _pending: int | None = None
+    _keys_: torch.Tensor | None = None
+    _values_: torch.Tensor | None = None
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        if self._pending is not None:
+            self._make_views()
+        return self._keys_
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        if self._pending is not None:
+            self._make_views()
+        self._keys_ = value
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        if self._pending is not None:
+            self._make_views()
+        return self._values_
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        if self._pending is not None:
+            self._make_views()
+        self._values_ = value
+
+    def _make_views(self) -> None:
+        length, self._pending = self._pending, None
+        self._keys_ = self._key_buffer[:, :, :length]
+        self._values_ = self._value_buffer[:, :, :length]
+        self._views = (self._keys_, self._values_)
+
+    def cached_length(self) -> int:
+        """The cache's length T (positions), without making a lazy commit's views."""
+        if self._pending is not None:
+            return self._pending
+        return self.keys.shape[-2] if self.keys is not None and self.keys.dim() == 4 else 0
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._pending = None
         super().lazy_initialization(key_states, value_states)
         self._key_buffer = self._value_buffer = None
         self._arrays = None
@@ -385,7 +428,7 @@ class BufferedKVLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(torch.empty(batch, heads, 0, key_dim, dtype=dtype, device=device),
                                      torch.empty(batch, heads, 0, value_dim, dtype=dtype, device=device))
-        t = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        t = self.cached_length()
         if not (self.holds_last_commit() or self._backed()) or t + n > self._key_buffer.shape[2]:
             cap = -(-2 * (t + n) // self.granule) * self.granule
             kb = torch.empty(batch, heads, cap, key_dim, dtype=dtype, device=device)
@@ -409,17 +452,26 @@ class BufferedKVLayer(DynamicLayer):
     def holds_last_commit(self) -> bool:
         """Whether ``keys``/``values`` are still the views the last :meth:`commit` set (an identity
         test, cheaper than :meth:`_backed`'s: nothing replaced or cropped them since)."""
-        return self._views is not None and self._views[0] is self.keys and self._views[1] is self.values
+        if self._pending is not None:  # nothing replaced keys/values since the lazy commit
+            return True
+        return self._views is not None and self._views[0] is self._keys_ and self._views[1] is self._values_
 
-    def commit(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def commit(self, length: int, lazy: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """After :meth:`reserve`: the cache is the first ``length`` positions of the buffers; returns the
-        [B, H_kv, length, D] key and value views."""
+        [B, H_kv, length, D] key and value views.  With ``lazy``, returns None and makes the views
+        when ``keys`` or ``values`` is next read or set (a step that only reserves, writes through
+        the buffers and commits never makes them: 2 tensor views a layer a step saved)."""
+        self._pending = None
+        if lazy:
+            self._pending = length
+            return None
         self.keys = self._key_buffer[:, :, :length]
         self.values = self._value_buffer[:, :, :length]
         self._views = (self.keys, self.values)
         return self.keys, self.values
 
     def reset(self) -> None:
+        self._pending = None
         self._key_buffer = self._value_buffer = None
         self._views = self._arrays = None
         super().reset()

@@ -297,6 +297,40 @@ def test_compaction_keeps_buffered_layers_on_their_own_views():
         assert torch.equal(layer.keys, expected[0]) and torch.equal(layer.values, expected[1])
 
 
+def test_a_lazy_commit_makes_its_views_when_they_are_first_read_or_replaced():
+    """commit(lazy=True), as the C++ layer stack's steps and compact_buffered commit: nothing is made
+    until keys or values is read or set; the views then are the eager commit's (same entries, same
+    length, kept across reads); the next reserve starts from the pending length without making them;
+    a tensor set after a lazy commit replaces only what it sets; reset drops a pending commit."""
+    g = torch.Generator().manual_seed(17)
+    eager, lazy = BufferedKVLayer(), BufferedKVLayer()
+    prefix = torch.randn(2, 3, 5, 8, generator=g), torch.randn(2, 3, 5, 8, generator=g)
+    for layer in (eager, lazy):
+        layer.update(*prefix)
+    for step, n in enumerate((3, 1, 4)):
+        k, v = torch.randn(2, 3, n, 8, generator=g), torch.randn(2, 3, n, 8, generator=g)
+        for layer in (eager, lazy):
+            kb, vb, t = layer.reserve(2, 3, n, 8, 8, torch.float32, "cpu")
+            kb[:, :, t:t + n], vb[:, :, t:t + n] = k, v
+        assert eager.commit(t + n) is not None and lazy.commit(t + n, lazy=True) is None
+        assert lazy._pending == t + n and lazy.holds_last_commit() and lazy.cached_length() == t + n
+        if step == 1:
+            continue  # the next reserve starts from the pending length: no views made in between
+        keys = lazy.keys
+        assert lazy._pending is None and lazy.keys is keys and lazy.holds_last_commit()
+        assert torch.equal(keys, eager.keys) and torch.equal(lazy.values, eager.values)
+        assert keys.data_ptr() == lazy._key_buffer.data_ptr()  # a view of the buffer, not a copy
+    assert lazy.get_seq_length() == eager.get_seq_length() == 13
+    lazy.commit(10, lazy=True)
+    replaced = torch.zeros(2, 3, 10, 8)
+    lazy.keys = replaced  # the pending views are made first, then keys replaced
+    assert lazy.keys is replaced and torch.equal(lazy.values, eager.values[:, :, :10])
+    assert not lazy.holds_last_commit()
+    lazy.commit(4, lazy=True)
+    lazy.reset()
+    assert lazy._pending is None and lazy.keys is None and lazy.cached_length() == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compaction_from_the_paths_in_one_call_equals_the_plan(dtype):
     """compact_buffered (the moves made and applied by one C++ call on the layers' whole buffers) against
