@@ -671,7 +671,7 @@ def render_gate_replay(results: Path = RESULTS) -> str:
         logs = sorted(results.glob(pattern))
         if not logs:
             raise FileNotFoundError(f"no gate logs {results / pattern}")
-        sets.append((title, tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in logs)))
+        sets.append((title, tuple((str(p), st.st_mtime_ns, st.st_size) for p, st in ((p, p.stat()) for p in logs))))
     return _gate_replay_text(tuple(sets))
 
 

@@ -321,6 +321,26 @@ class KVPool:
         self.bind(layers, self._bound[0], new_len)
 
 
+class _CommittedView:
+    """A :class:`BufferedKVLayer`'s ``keys`` or ``values`` (held as ``_keys_`` / ``_values_``): a
+    lazy commit's views are made before the attribute is read or set."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.slot = f"_{name}_"
+
+    def __get__(self, layer, owner=None):
+        if layer is None:
+            return self
+        if layer._pending is not None:
+            layer._make_views()
+        return getattr(layer, self.slot)
+
+    def __set__(self, layer, value) -> None:
+        if layer._pending is not None:
+            layer._make_views()
+        setattr(layer, self.slot, value)
+
+
 class BufferedKVLayer(DynamicLayer):
     """A ``DynamicLayer`` that appends into preallocated capacity instead of concatenating.
 
@@ -351,30 +371,8 @@ class BufferedKVLayer(DynamicLayer):
     _pending: int | None = None
     _keys_: torch.Tensor | None = None
     _values_: torch.Tensor | None = None
-
-    @property
-    def keys(self) -> torch.Tensor | None:
-        if self._pending is not None:
-            self._make_views()
-        return self._keys_
-
-    @keys.setter
-    def keys(self, value: torch.Tensor | None) -> None:
-        if self._pending is not None:
-            self._make_views()
-        self._keys_ = value
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        if self._pending is not None:
-            self._make_views()
-        return self._values_
-
-    @values.setter
-    def values(self, value: torch.Tensor | None) -> None:
-        if self._pending is not None:
-            self._make_views()
-        self._values_ = value
+    keys = _CommittedView()
+    values = _CommittedView()
 
     def _make_views(self) -> None:
         length, self._pending = self._pending, None
@@ -461,10 +459,10 @@ class BufferedKVLayer(DynamicLayer):
         [B, H_kv, length, D] key and value views.  With ``lazy``, returns None and makes the views
         when ``keys`` or ``values`` is next read or set (a step that only reserves, writes through
         the buffers and commits never makes them: 2 tensor views a layer a step saved)."""
-        self._pending = None
         if lazy:
             self._pending = length
             return None
+        self._pending = None  # an earlier lazy commit's views are not needed
         self.keys = self._key_buffer[:, :, :length]
         self.values = self._value_buffer[:, :, :length]
         self._views = (self.keys, self.values)
