@@ -34,8 +34,10 @@ def test_serve_config_matches_except_cluster_resources():
     assert ld["DartEngine"]["ray_actor_options"]["num_gpus"] == 0
     assert cd["NgramService"]["ray_actor_options"]["resources"] == {"ngram_host": 1}
     for name in ld:
-        for key in ("max_ongoing_requests", "max_queued_requests"):
+        for key in ("max_ongoing_requests", "max_queued_requests", "logging_config"):
             assert ld[name].get(key) == cd[name].get(key), (name, key)
+    # the engines' live-corpus mirrors call the n-gram replica's locate twice a second each: no access-log line per call
+    assert ld["NgramService"]["logging_config"] == {"enable_access_log": False}
 
 
 def test_cluster_has_the_node_groups_the_app_needs():
