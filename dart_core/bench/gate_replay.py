@@ -20,7 +20,9 @@ The first steps after each change of mode are drawn from their own pools where t
 enough of them (:data:`COLD_STEPS`): served, a speculative step right after an autoregressive
 stretch can run cold (the n-gram service's process and the draft head's weights wake up), and a
 gate that judged its probes by such steps would rank speculation low.  Otherwise steps are drawn
-independently, so the replay has no runs of easy or hard text.
+independently, so those rows have no runs of easy or hard text; one more row takes each mode's
+steps in log order instead (:func:`replay`'s ``in_order``), so the gate meets the runs of hard and
+easy text the logged requests had.
 """
 
 from __future__ import annotations
@@ -110,19 +112,29 @@ def read_steps(paths, batch: int = 1) -> Steps:
 
 
 def replay(steps: Steps, gate_kwargs: dict | bool, *, num_steps: int = 2000, seed: int = 0,
-           slowdown: float = 1.0, slow_steps: int | None = None) -> tuple[float, float]:
+           slowdown: float = 1.0, slow_steps: int | None = None, in_order: bool = False) -> tuple[float, float]:
     """One replay: (tokens per ms, speculative share).  ``gate_kwargs``: a gate's keyword arguments, or a
     bool that fixes the mode (True: always speculate).  Speculative steps take ``slowdown`` times as
-    long during the first ``slow_steps`` steps (None: all of them)."""
+    long during the first ``slow_steps`` steps (None: all of them).  ``in_order``: a speculative or
+    autoregressive step is not drawn at random but taken in log order, from a random start in each
+    mode's pool, both moving on one step per replayed step whichever mode runs (the text goes on),
+    so runs of hard or easy text reach the gate as they did in the logs; the cold steps after a
+    switch are still drawn from their pools."""
     rnd = random.Random(seed)
     gate = SpeculationGate(**gate_kwargs) if isinstance(gate_kwargs, dict) else None
+    start = ({True: rnd.randrange(len(steps.speculative)), False: rnd.randrange(len(steps.autoregressive))}
+             if in_order else {})
     tokens = ms = spec_steps = 0
     last, k = None, 0
     for i in range(num_steps):
         spec = gate.speculate(1) if gate is not None else bool(gate_kwargs)
         k = k + 1 if spec == last else (0 if last is not None else 1)  # a replay starts warm: no catch-up
         catch_up = spec and k == 0  # the switch to speculation
-        t, d = rnd.choice(steps.pool(spec, k))
+        pool = steps.pool(spec, k)
+        if in_order and pool is (steps.speculative if spec else steps.autoregressive):
+            t, d = pool[(start[spec] + i) % len(pool)]
+        else:
+            t, d = rnd.choice(pool)
         if spec and (slow_steps is None or i < slow_steps):
             d *= slowdown
         if gate is not None:
@@ -135,7 +147,8 @@ def render(paths, *, seeds: int = 20, num_steps: int = 2000, short_steps: int = 
            slowdown: float = 1.5) -> str:
     """The replay table of the logs ``paths`` (Markdown): every setting of :data:`SETTINGS` and the two
     fixed choices, over runs of ``short_steps`` (a fresh engine's first requests: the warm-up weighs) and
-    of ``num_steps`` with the measured speculative steps, ``num_steps`` with them ``slowdown`` times
+    of ``num_steps`` with the measured speculative steps (drawn at random, then in log order: :func:`replay`'s
+    ``in_order``), ``num_steps`` with them ``slowdown`` times
     slower, and ``num_steps`` with them slower for the first third only (the change scenario);
     ``seeds`` replays per row (four times as many for the short runs)."""
     steps = read_steps(paths)
@@ -150,13 +163,15 @@ def render(paths, *, seeds: int = 20, num_steps: int = 2000, short_steps: int = 
              "| speculative steps | steps per run | gate | tokens/ms ÷ autoregressive | speculative share |",
              "|---|---:|---|---:|---:|"]
     third = num_steps // 3
-    for label, factor, slow, n, reps in (("as measured", 1.0, None, short_steps, 4 * seeds),
-                                         ("as measured", 1.0, None, num_steps, seeds),
-                                         (f"{slowdown:g}× slower", slowdown, None, num_steps, seeds),
-                                         (f"{slowdown:g}× slower for {third} steps, then as measured", slowdown, third,
-                                          num_steps, seeds)):
+    for label, factor, slow, n, reps, in_order in (("as measured", 1.0, None, short_steps, 4 * seeds, False),
+                                                   ("as measured", 1.0, None, num_steps, seeds, False),
+                                                   ("as measured, in log order", 1.0, None, num_steps, seeds, True),
+                                                   (f"{slowdown:g}× slower", slowdown, None, num_steps, seeds, False),
+                                                   (f"{slowdown:g}× slower for {third} steps, then as measured",
+                                                    slowdown, third, num_steps, seeds, False)):
         for name, kwargs in (("always speculate", True), ("never speculate", False), *SETTINGS):
-            runs = [replay(steps, kwargs, num_steps=n, seed=s, slowdown=factor, slow_steps=slow) for s in range(reps)]
+            runs = [replay(steps, kwargs, num_steps=n, seed=s, slowdown=factor, slow_steps=slow, in_order=in_order)
+                    for s in range(reps)]
             lines.append(f"| {label} | {n} | {name} | {statistics.mean(r[0] for r in runs) / ar:.3f} | "
                          f"{statistics.mean(r[1] for r in runs):.3f} |")
     return "\n".join(lines)

@@ -298,6 +298,22 @@ def test_gate_measures_both_modes_then_keeps_the_faster_and_probes_the_other():
     assert gate.speedup(4) == pytest.approx(2.0) and gate.speedup(16) is None
 
 
+def test_gate_ranks_modes_by_tokens_per_ms_of_wall_time():
+    """A mode's rate is its average tokens per step over its average wall ms per step (tokens per ms of
+    wall time), not an average of each step's own tokens / ms, which weighs a 10-ms step like a 40-ms
+    one and overstates a mode whose step times vary: here that average would rank autoregressive steps
+    (1 token in 10 or 40 ms: 0.0625) above speculative ones (2 tokens in 40 ms: 0.05), at 0.04 they are not."""
+    gate = SpeculationGate(warmup=4, settle_steps=1)
+    ar_ms = iter([10.0, 40.0] * 200)
+    modes = []
+    for _ in range(300):
+        spec = gate.speculate(1)
+        modes.append(spec)
+        gate.observe(1, spec, 2 if spec else 1, 40.0 if spec else next(ar_ms))
+    assert 0.03 <= gate.state()["1"]["tokens_per_ms"]["autoregressive"] < 0.05  # the probes' steps: 10, 40, 10 ms or 40, 10, 40
+    assert gate.speedup(1) > 1 and modes[20:].count(True) > 0.9 * len(modes[20:])
+
+
 def test_gate_buckets_batch_sizes_by_powers_of_two():
     assert [SpeculationGate.bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 2, 4, 4, 8, 8, 16, 16, 32]
     gate = SpeculationGate(warmup=1, settle_steps=1)
@@ -373,9 +389,14 @@ def test_gate_probes_less_often_while_the_same_mode_keeps_winning():
     modes = _drive(gate, 1, warm + 48, spec_rate=0.5, ar_rate=1.0)
     # probe periods 4, 4 (the first end only records the winner), 8, 16, 16: one 2-step probe each
     assert [i for i, m in enumerate(modes[warm:]) if m] == [2, 3, 6, 7, 14, 15, 30, 31, 46, 47]
-    modes = _drive(gate, 1, 40, spec_rate=3.0, ar_rate=1.0)  # speculation starts winning: the next probe sees it
-    assert modes.index(True) < 16  # the first probe of the 16-step period sees the change
-    assert modes[16:].count(True) > 3 * modes[16:].count(False)  # then autoregressive steps are only probes
+    modes = _drive(gate, 1, 64, spec_rate=3.0, ar_rate=1.0)  # speculation starts winning: the probes see it
+    first = modes.index(True)
+    assert first < 16  # the first probe of the 16-step period
+    # that probe measures one step, and its ratio of averages still carries the old average's slow step
+    # (a stale average weighs one step): the next probe turns the gate
+    turned = first + 16
+    assert all(modes[turned:turned + 10])
+    assert modes[turned:].count(True) > 3 * modes[turned:].count(False)  # then autoregressive steps are only probes
 
 
 def test_gate_judges_a_probe_by_its_own_steps_not_by_old_averages():
