@@ -26,6 +26,11 @@ spread over every CPU of a Ray cluster as a key-range partitioned sort (Ray Core
 Tasks that die (a worker process killed, a node lost) are retried by Ray, and lost map outputs
 are rebuilt from their lineage.  The corpus is read by the driver and travels to the tasks
 in the object store, so corpus files need not be on every node.
+
+Ray Core tasks rather than Ray Data: the same build written with Ray Data's ``map_batches`` and
+hash shuffle wrote the same bytes but ran slower, the shuffle of the counted runs costing the
+difference (``bench/results/ray_trie_build/ray_data/``), and it has no per-partition checkpoint
+for ``resume``.
 """
 
 from __future__ import annotations

@@ -27,7 +27,9 @@ Eleven studies hold results that are not re-measured by the report itself:
 - "The trie build on Ray": ``bench/results/ray_trie_build/*.json`` (``python -m ngram_service.ray_build_bench``,
   :func:`render_ray_trie_build`);
 - "The default GGUF kernel (CPU)": ``bench/results/kernel_default/`` (:mod:`dart_core.bench.verify_curve`
-  per qmm kernel and :mod:`dart_core.bench.decoding` with each, :func:`render_kernel_default`).
+  per qmm kernel and :mod:`dart_core.bench.decoding` with each, :func:`render_kernel_default`);
+- "The trie build on Ray", its comparison with Ray Data: ``bench/results/ray_trie_build/ray_data/results.json``
+  (``bench/results/ray_trie_build/ray_data/compare.py``, :func:`render_ray_data_build`).
 
 Each is written between its own markers in its study's README (:data:`SECTION_FOLDERS`); the text
 around them (what the figures mean)
@@ -48,7 +50,8 @@ from pathlib import Path
 
 __all__ = ["SECTION_FOLDERS", "render_batching", "render_reference_import", "render_billion_trie", "render_serving_threads",
            "render_gate_replay", "render_cpu_memory", "render_stream_interval", "render_draft_weights",
-           "render_speculation_ceiling", "render_ray_trie_build", "render_kernel_default", "KERNEL_DEFAULT_VARIANTS",
+           "render_speculation_ceiling", "render_ray_trie_build", "render_kernel_default", "render_ray_data_build",
+           "KERNEL_DEFAULT_VARIANTS",
            "CEILING_KERNELS", "GATE_LOGS",
            "CPU_MEMORY_VARIANTS", "STREAM_VARIANTS", "DRAFT_WEIGHT_SETTINGS", "SECTIONS", "write_sections", "main"]
 
@@ -745,13 +748,60 @@ def render_cpu_memory(results: Path = RESULTS) -> str:
     return "\n".join(lines)
 
 
+def render_ray_data_build(results: Path = RESULTS) -> str:
+    """``--ray``'s Ray Core tasks against the same build written with Ray Data, from
+    ``ray_trie_build/ray_data/results.json`` (``bench/results/ray_trie_build/ray_data/compare.py``): per CPU count and
+    method the median over repeats of the whole build's wall seconds, the machine's CPU-seconds and
+    each stage's seconds, Ray Data ÷ Ray Core, and whether every file had the same bytes.
+
+    Raises:
+        FileNotFoundError: no result file.
+    """
+    path = results / "ray_trie_build" / "ray_data" / "results.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no results {path}")
+    d = json.loads(path.read_text())
+    cpus = sorted({r["cpus"] for r in d["runs"]})
+    repeats = len({r["repeat"] for r in d["runs"]})
+
+    def med(method: str, n: int, key: str) -> float:
+        return statistics.median(r[key] for r in d["runs"] if r["method"] == method and r["cpus"] == n)
+
+    lines = [f"Machine: {d['cpu']}, {d['cores']} cores; Ray {d['ray']}. Command: `{d['command']}`; "
+             f"{d['documents']:,} documents, {d['tokens']:,} tokens, order {d['order']}; median of {repeats} "
+             "runs per build, the two methods alternating.", "",
+             "| CPUs | method | whole build, s | the machine's CPU-seconds | first stage, s | second stage, s | "
+             "writing, s |", "|---:|---|---:|---:|---:|---:|---:|"]
+    names = {"core": "Ray Core tasks (`--ray`)", "data": "Ray Data"}
+    for n in cpus:
+        for method in ("core", "data"):
+            lines.append(f"| {n} | {names[method]} | {med(method, n, 'wall_s'):.1f} | "
+                         f"{med(method, n, 'machine_cpu_s'):.1f} | {med(method, n, 'tokenise_s'):.1f} | "
+                         f"{med(method, n, 'count_merge_s'):.2f} | {med(method, n, 'write_s'):.2f} |")
+    lines += ["", "First stage: Ray Core tokenises and counts each shard in one task (with the sample of the "
+              "first shards before it); Ray Data tokenises each shard (`map_batches`) and materialises the tokens. "
+              "Second stage: Ray Core merges each key range in its own reduce task; Ray Data counts each shard "
+              "(`map_batches`), shuffles the runs by key range (`groupby(...).map_groups`) and merges there. "
+              "Writing: the driver, the same code in both."]
+    lines += ["", "| CPUs | Ray Data ÷ Ray Core, whole build (wall) | the same, machine CPU-seconds |", "|---:|---:|---:|"]
+    for n in cpus:
+        lines.append(f"| {n} | {med('data', n, 'wall_s') / med('core', n, 'wall_s'):.2f}× | "
+                     f"{med('data', n, 'machine_cpu_s') / med('core', n, 'machine_cpu_s'):.2f}× |")
+    shas = {r["sha256"] for r in d["runs"]}
+    lines += ["", f"The same bytes: {len(d['runs'])} builds, "
+              f"{'every one' if d['all_identical'] else 'NOT every one'} identical to the first "
+              f"(SHA-256 {', '.join(sorted(s[:16] + '…' for s in shas))})."]
+    return "\n".join(lines)
+
+
 #: (marker name, renderer) of every section this module writes
 SECTIONS = (("batching-cpu", render_batching), ("reference-import", render_reference_import),
             ("billion-trie", render_billion_trie), ("serving-threads", render_serving_threads),
             ("gate-replay", render_gate_replay), ("cpu-memory", render_cpu_memory),
             ("stream-interval", render_stream_interval), ("draft-weights", render_draft_weights),
             ("speculation-ceiling", render_speculation_ceiling), ("ray-trie-build", render_ray_trie_build),
-            ("kernel-default", render_kernel_default))
+            ("kernel-default", render_kernel_default),
+            ("ray-data-build", render_ray_data_build))
 
 
 def _block(name: str, body: str) -> str:
@@ -764,7 +814,8 @@ SECTION_FOLDERS = {"batching-cpu": "batching_cpu", "reference-import": "referenc
                    "billion-trie": "billion_trie", "serving-threads": "serving_threads", "gate-replay": "gate",
                    "cpu-memory": "cpu_memory", "stream-interval": "stream_interval", "draft-weights": "draft_weights",
                    "speculation-ceiling": "speculation_ceiling", "ray-trie-build": "ray_trie_build",
-                   "kernel-default": "kernel_default"}
+                   "kernel-default": "kernel_default",
+                   "ray-data-build": "ray_trie_build"}
 
 
 def write_sections(page: str | Path | None = None, results: Path = RESULTS, *, check: bool = False) -> bool:
