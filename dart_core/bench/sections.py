@@ -262,7 +262,7 @@ def _ray_stage_rows(rows: list[dict]) -> dict[str, dict]:
 def render_ray_trie_build(results: Path = RESULTS) -> str:
     """The distributed trie build against the single-machine one (``ray_trie_build/scaling.json``
     from :mod:`ngram_service.ray_build_bench`), its byte-identity checks (``identity*.json``), the
-    billion-token corpus rebuilt with ``--ray`` (``billion_ray.json``), and the 100 GB order-5
+    billion-token corpus rebuilt with ``--ray`` (``billion_ray*.json``, one per order), and the 100 GB order-5
     trie estimated from the measured per-CPU-second rates.
 
     Raises:
@@ -328,16 +328,19 @@ def render_ray_trie_build(results: Path = RESULTS) -> str:
             lines.append(f"| `{name}`, {source} | {_n(rows[0]['total_tokens'])} | {d['order']} | {len(rows)} | "
                          f"`{sorted(hashes)[0][:16]}…` | {'yes' if len(hashes) == 1 else '**no**'} |")
 
-    billion = folder / "billion_ray.json"
-    write_rate = None
-    if billion.exists():
-        b = json.loads(billion.read_text())
+    # the billion-token corpus rebuilt with --ray, one file per order (billion_ray*.json), lowest order first
+    billions = sorted((json.loads(f.read_text()) for f in folder.glob("billion_ray*.json")),
+                      key=lambda b: b["summary"]["order"])
+    write_rate = r = None
+    trie_rows, tau_rows, tau_setups = [], [], []
+    for b in billions:
         r = b["summary"]
         st = r["stages"]
         write_rate = r["file_bytes"] / st["write"]["seconds"]
-        lines += ["", f"**The billion-token corpus, rebuilt with `--ray`** (`{b['command']}`; {b['cpu']}, "
-                  f"{b['cores']} cores; {_n(r['total_tokens'])} tokens, {_n(r['num_documents'])} documents, order "
-                  f"{r['order']}, {r['partitions']} partitions, {r['shards']} shards):", "",
+        lines += ["", f"**The billion-token corpus, rebuilt with `--ray` at order {r['order']}** (`{b['command']}`; "
+                  f"{b['cpu']}, {b['cores']} cores; {_n(r['total_tokens'])} tokens, {_n(r['num_documents'])} "
+                  f"documents, order {r['order']}, {r['partitions']} partitions, {r['shards']} shards"
+                  f"{'; ' + b['note'] if b.get('note') else ''}):", "",
                   "| stage | wall s | CPU-s of its tasks | corpus tokens per CPU-second |", "|---|---:|---:|---:|"]
         rows = (("reading (the driver)", st["read"]["seconds"], None),
                 ("tokenising (the sample's and the map's tasks)", st["sample"]["seconds"] + st["map"]["seconds"],
@@ -355,12 +358,18 @@ def render_ray_trie_build(results: Path = RESULTS) -> str:
                   f"Sorted runs spilled by the reduce tasks: {r['num_runs']} ({r['spilled_bytes'] / 1e9:.2f} GB); map "
                   f"outputs {r['map_output_bytes'] / 1e9:.2f} GB through the object store; peak RSS "
                   f"({b.get('peak_rss_scope', 'of one task')}): map {_n(r['peak_task_rss_mb']['map'])} MB, reduce "
-                  f"{_n(r['peak_task_rss_mb']['reduce'])} MB; the driver {_n(r['peak_rss_mb'])} MB.", "",
-                  "| trie | built | seconds | nodes per level | file bytes | B per node |",
-                  "|---|---|---:|---|---:|---:|",
-                  f"| billion-token, order {r['order']} | `--ray`, {b['cpu']}, {b['cores']} cores | "
-                  f"{_n(r['total_seconds'])} | {' / '.join(_n(v) for v in r['nodes_per_level'])} | "
-                  f"{_n(r['file_bytes'])} | {r['bytes_per_node']:.2f} |"]
+                  f"{_n(r['peak_task_rss_mb']['reduce'])} MB; the driver {_n(r['peak_rss_mb'])} MB."]
+        trie_rows.append(f"| billion-token, order {r['order']} | `--ray`, {b['cpu']}, {b['cores']} cores | "
+                         f"{_n(r['total_seconds'])} | {' / '.join(_n(v) for v in r['nodes_per_level'])} | "
+                         f"{_n(r['file_bytes'])} | {r['bytes_per_node']:.2f} |")
+        if "tau" in b:
+            tau_rows += [f"| {row['trie']} | {row['mt-bench']:.3f} | {row['humaneval']:.3f} |" for row in b["tau"]["rows"]]
+            if b["tau"]["setup"] not in tau_setups:
+                tau_setups.append(b["tau"]["setup"])
+    if billions:
+        lines += ["", "**The billion-token tries side by side:**", "",
+                  "| trie | built | seconds | nodes per level | file bytes | B per node |", "|---|---|---:|---|---:|---:|",
+                  *trie_rows]
         if (results / "billion_trie.json").exists():  # the single-machine build of the billion-token study
             one = json.loads((results / "billion_trie.json").read_text())
             ob, ot = one["build"], one["bench"]["billion"]["trie"]
@@ -368,10 +377,9 @@ def render_ray_trie_build(results: Path = RESULTS) -> str:
                          f"(\"The trie at a billion tokens\") | {_n(ob['total_seconds'])} | "
                          f"{' / '.join(_n(v) for v in ot['nodes_per_level'])} | {_n(ot['file_bytes'])} | "
                          f"{ot['bytes_per_node']:.2f} |")
-        if "tau" in b:
-            lines += ["", f"τ with it ({b['tau']['setup']}):", "", "| trie | MT-Bench τ | HumanEval τ |",
-                      "|---|---:|---:|"] + [f"| {row['trie']} | {row['mt-bench']:.3f} | {row['humaneval']:.3f} |"
-                                            for row in b["tau"]["rows"]]
+        if tau_rows:
+            lines += ["", f"τ with them ({'; '.join(tau_setups)}):", "", "| trie | MT-Bench τ | HumanEval τ |",
+                      "|---|---:|---:|", *tau_rows]
 
     # the 100 GB order-5 trie, from the rates above
     target = 100e9
@@ -387,7 +395,7 @@ def render_ray_trie_build(results: Path = RESULTS) -> str:
             write_rate = max(r["file_bytes"] / r["stages"]["write"]["seconds"] for r in s["rows"] if r["mode"] == "ray")
         write_s = target / write_rate
         map_bytes = 24 * tokens5  # every window distinct: the most the map outputs can hold at order 5
-        if billion.exists():  # measured: map-output bytes per token, widened to order-5 records
+        if r is not None:  # measured on the highest-order rebuild: map-output bytes per token, as order-5 records
             map_bytes = tokens5 * r["map_output_bytes"] / r["total_tokens"] * 24 / (4 * r["order"] + 4)
         lines += ["", "**A 100 GB order-5 trie, estimated** from the per-CPU-second rates of the 2-CPU builds above "
                   "(the estimate's assumptions are listed under the table):", "",
