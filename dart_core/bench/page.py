@@ -156,7 +156,7 @@ def _traffic_summary(results: Path) -> list[str]:
     from dart_core.bench import traffic
 
     run = json.loads((results / TRAFFIC_RUN / "traffic.json").read_text())
-    return traffic.markdown_table(run).split("\n")
+    return traffic.markdown_table(run, paired=False).split("\n")  # the study's README has the paired ratios
 
 
 def _methods_summary(results: Path, page: Path) -> list[str]:

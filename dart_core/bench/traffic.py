@@ -446,10 +446,29 @@ def run_traffic(cfg: TrafficConfig, *, progress: bool = True) -> dict:
             "seconds": round(time.perf_counter() - started, 1)}
 
 
-def markdown_table(result: dict) -> str:
+def paired_ratios(result: dict, cls: str = "all") -> dict[str, list[float]]:
+    """Learning on ÷ off within each pass that ran both (``result["passes"]``), for class ``cls``:
+    ``{"tokens/s": [...], "τ": [...]}`` in pass order (a figure missing in a pass leaves that pass
+    out); empty without both modes.  A pass runs its two servers back to back, so its ratio is not
+    moved by the drift between passes that the medians of the modes (:func:`summarise_passes`) take in."""
+    out: dict[str, list[float]] = {}
+    for label, metric in (("tokens/s", "tokens_per_s"), ("τ", "tau")):
+        vals = []
+        for runs in result.get("passes", []):
+            if "learn-on" in runs and "learn-off" in runs:
+                on, off = summarise(runs["learn-on"]).get(cls, {}), summarise(runs["learn-off"]).get(cls, {})
+                if on.get(metric) and off.get(metric):
+                    vals.append(on[metric] / off[metric])
+        if vals:
+            out[label] = vals
+    return out
+
+
+def markdown_table(result: dict, *, paired: bool = True) -> str:
     """The summary: per class, end-to-end and decode tokens/s, τ and τ over speculative steps per mode
     (medians of the passes; the last left out for a result that has none, from before it was
-    recorded), and the ratios the live corpus is judged by."""
+    recorded), the ratios the live corpus is judged by, and with ``paired`` learning on ÷ off paired
+    by pass (:func:`paired_ratios`)."""
     s, cfg = result["summary"], result["config"]
     modes = [m for m in MODES if m in s]
     classes = [c for c in ("first", "variant", "repeat", "later", "all") if any(c in s[m] for m in modes)]
@@ -486,6 +505,13 @@ def markdown_table(result: dict) -> str:
                   ratio(med("learn-on", c, "decode_tokens_per_s"), med("no-speculation", c, "decode_tokens_per_s"))]
         lines.append(f"| {c} | {n} | " + " | ".join(cells) + " |")
     lines.append("")
+    paired = paired_ratios(result) if paired else {}
+    if paired:
+        lines.append("Learning on ÷ off paired by pass (both servers of a pass run back to back, the order rotating, "
+                     "so the machine's drift between passes moves a pass's ratio less than the modes' medians), all requests: "
+                     + "; ".join(f"{label} {', '.join(f'{x:.2f}' for x in v)} (median {statistics.median(v):.2f}×)"
+                                 for label, v in paired.items()) + ".")
+        lines.append("")
     lines.append(f"Greedy outputs equal across modes and passes: {'yes' if result['lossless'] else 'NO'}.")
     sl = result.get("search_latency")
     if sl:

@@ -998,6 +998,15 @@ def test_the_traffic_workload_is_classed_by_what_came_before_and_summarised_per_
         del m["repeat"]["tau_speculative"]
     table = traffic.markdown_table(result)
     assert "| repeat | 1 | 30.0, 60.0, 1.00 |" in table and "| 1.00× | 3.00× | 3.00× |" in table
+    # learning on ÷ off within each pass: pass 1's servers ran at half the speed of pass 0's
+    fast = [{"kind": "first", "tokens": 10, "seconds": 1.0, "decode_seconds": 1.0, "tau": 2.0}]
+    slow = [{"kind": "first", "tokens": 10, "seconds": 2.0, "decode_seconds": 2.0, "tau": 2.0}]
+    slower = [{"kind": "first", "tokens": 10, "seconds": 2.5, "decode_seconds": 2.5, "tau": 1.0}]
+    result["passes"] = [{"learn-on": fast, "learn-off": fast}, {"learn-off": slow, "learn-on": slower},
+                        {"no-speculation": fast}]
+    assert traffic.paired_ratios(result) == {"tokens/s": [1.0, 0.8], "τ": [1.0, 0.5]}
+    assert "tokens/s 1.00, 0.80 (median 0.90×); τ 1.00, 0.50 (median 0.75×)" in traffic.markdown_table(result)
+    assert "paired by pass" not in traffic.markdown_table(result, paired=False)
 
 
 def test_the_traffic_benchmark_reads_the_engines_stats_through_a_child_driver_or_says_it_cannot(monkeypatch, caplog):
