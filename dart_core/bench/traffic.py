@@ -449,19 +449,17 @@ def run_traffic(cfg: TrafficConfig, *, progress: bool = True) -> dict:
 def paired_ratios(result: dict, cls: str = "all") -> dict[str, list[float]]:
     """Learning on ÷ off within each pass that ran both (``result["passes"]``), for class ``cls``:
     ``{"tokens/s": [...], "τ": [...]}`` in pass order (a figure missing in a pass leaves that pass
-    out); empty without both modes.  A pass runs its two servers back to back, so its ratio is not
-    moved by the drift between passes that the medians of the modes (:func:`summarise_passes`) take in."""
-    out: dict[str, list[float]] = {}
-    for label, metric in (("tokens/s", "tokens_per_s"), ("τ", "tau")):
-        vals = []
-        for runs in result.get("passes", []):
-            if "learn-on" in runs and "learn-off" in runs:
-                on, off = summarise(runs["learn-on"]).get(cls, {}), summarise(runs["learn-off"]).get(cls, {})
+    out); empty without both modes.  A pass runs its two servers back to back, so the drift between
+    passes, which the medians of the modes (:func:`summarise_passes`) take in, moves its ratio less."""
+    metrics = (("tokens/s", "tokens_per_s"), ("τ", "tau"))
+    out: dict[str, list[float]] = {label: [] for label, _ in metrics}
+    for runs in result.get("passes", []):
+        if "learn-on" in runs and "learn-off" in runs:
+            on, off = summarise(runs["learn-on"]).get(cls, {}), summarise(runs["learn-off"]).get(cls, {})
+            for label, metric in metrics:
                 if on.get(metric) and off.get(metric):
-                    vals.append(on[metric] / off[metric])
-        if vals:
-            out[label] = vals
-    return out
+                    out[label].append(on[metric] / off[metric])
+    return {label: vals for label, vals in out.items() if vals}
 
 
 def markdown_table(result: dict, *, paired: bool = True) -> str:
