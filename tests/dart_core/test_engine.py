@@ -487,8 +487,13 @@ def test_lookup_steps_keep_output_exact_and_get_accepted(arch):
         trees = [s for s in steps[1:] if not s.lookup]
         assert lookups and trees  # both kinds ran (the first steps after the prefill are tree steps)
         assert all(s.draft_ms == 0 for s in lookups)
-        lookup_tau = sum(map(sum, (s.accepted_lengths for s in lookups))) / sum(len(s.seq_ids) for s in lookups)
-        assert lookup_tau > 2.0, lookup_tau
+        accepted = [a for s in lookups for a in s.accepted_lengths]
+        assert max(accepted) > 1  # a chain token accepted beyond the bonus token
+        if isinstance(budget, _AlwaysLookup):
+            # how many lookups the adaptive budget keeps taking after its first depends on the times it
+            # measures (a loaded CI machine took three), so the acceptance bar is held where the lookups
+            # are fixed by the output alone
+            assert sum(accepted) / len(accepted) > 2.0, accepted
     without = DartEngine(target, random_head(target), InProcessTreeSearch(None), params,
                          budget=AdaptiveBudget(VerifyCostCurve((1, 64), (10.0, 12.0))), context_order=3,
                          lookup_length=0)
