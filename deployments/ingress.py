@@ -39,6 +39,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import time
 import uuid
 from importlib import resources
@@ -117,6 +118,30 @@ Message = Annotated[SystemMessage | DeveloperMessage | UserMessage | AssistantMe
                     Field(discriminator="role")]
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _refuse_lone_surrogates(data, path: str = "") -> None:
+    """Refuses text that is not valid Unicode: JSON may escape half of a UTF-16 surrogate pair
+    (``"\\ud800"``), which no tokenizer or grammar can encode (a tokenizer's own error, or a 500,
+    otherwise).
+
+    Raises:
+        ValueError: naming the field, the code point and its position."""
+    if isinstance(data, str):
+        m = _SURROGATE.search(data)
+        if m:
+            raise ValueError(f"{path or 'a string'} holds a lone UTF-16 surrogate (U+{ord(m.group()):04X} at "
+                             f"character {m.start()}); text must be valid Unicode")
+    elif isinstance(data, dict):
+        for k, v in data.items():
+            _refuse_lone_surrogates(k, path or "a key")
+            _refuse_lone_surrogates(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(data, list):
+        for i, v in enumerate(data):
+            _refuse_lone_surrogates(v, f"{path}.{i}" if path else str(i))
+
+
 def _without_nulls(model: type[BaseModel], data):
     """A request body with explicit nulls of known fields dropped, so they read as "not set" (what
     OpenAI's API does with null for an optional field); unknown fields are kept, and refused."""
@@ -193,6 +218,12 @@ class AdminCorpusRequest(BaseModel):
     documents: list[str] = Field(default_factory=list, description="texts, encoded with the model's tokenizer")
     token_ids: list[list[int]] = Field(default_factory=list, description="documents as token ids")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data):
+        _refuse_lone_surrogates(data)
+        return data
+
     @model_validator(mode="after")
     def _bounded(self):
         if not any(self.documents) and not any(self.token_ids):
@@ -210,6 +241,12 @@ class AdminTrieRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     path: str = Field(min_length=1, description="a trie file on the n-gram node")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data):
+        _refuse_lone_surrogates(data)
+        return data
 
 
 class _Common(BaseModel):
@@ -260,6 +297,7 @@ class _Common(BaseModel):
         value, and refuses them otherwise (any other unknown field is refused by ``extra``)."""
         if not isinstance(data, dict):
             return data
+        _refuse_lone_surrogates(data)
         data = _without_nulls(cls, data)
         for name in cls._NEUTRAL_ONLY:
             if name in data and data[name] not in _NEUTRAL[name]:

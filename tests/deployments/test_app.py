@@ -131,6 +131,13 @@ def test_openai_fields_work_or_are_refused(app, extra, status, needle):
 CHAT = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
+def _post(url: str, body: dict, headers: dict | None = None) -> httpx.Response:
+    """POSTs ``body`` as JSON with non-ASCII text escaped (httpx's ``json=`` sends UTF-8, which cannot
+    carry a lone surrogate; a JSON escape can, as any client may send)."""
+    return httpx.post(url, content=json.dumps(body).encode(), timeout=60,
+                      headers={"content-type": "application/json", **(headers or {})})
+
+
 @pytest.mark.parametrize("route, extra, status, needle", [
     # explicit nulls of optional fields read as "not set"
     ("chat", {"temperature": None, "top_p": None, "n": None, "stream": None, "seed": None, "stop": None,
@@ -159,6 +166,12 @@ CHAT = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tok
     ("completions", {"prompt": 5}, 400, "prompt: must be text"),
     ("completions", {"prompt": [10 ** 9]}, 400, "outside the vocabulary"),
     ("completions", {"prompt": [-1]}, 400, "token ids must be integers >= 0"),
+    # text that is not valid Unicode: a lone half of a UTF-16 surrogate pair, escaped in the JSON
+    ("completions", {"prompt": "abc \ud800 def"}, 400, "prompt holds a lone UTF-16 surrogate (U+D800 at character 4)"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}, 400,
+     "messages.0.content.0.text holds a lone UTF-16 surrogate"),
+    ("chat", {"stop": ["ok", "\ud83d"]}, 400, "stop.1 holds a lone UTF-16 surrogate"),
+    ("completions", {"prompt": "a pair is fine: \U0001f600"}, 200, ""),
     # role-specific required fields
     ("chat", {"messages": [{"role": "tool", "content": "x"}]}, 400, "tool_call_id"),
     ("chat", {"messages": [{"role": "user"}]}, 400, "content"),
@@ -176,7 +189,7 @@ CHAT = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tok
 ])
 def test_requests_follow_openais_rules(app, route, extra, status, needle):
     body = (CHAT if route == "chat" else {"model": NAME, "max_tokens": 2}) | extra
-    r = httpx.post(f"{HTTP}/v1/{'chat/completions' if route == 'chat' else 'completions'}", json=body, timeout=60)
+    r = _post(f"{HTTP}/v1/{'chat/completions' if route == 'chat' else 'completions'}", body)
     assert r.status_code == status, r.text
     if status != 200:
         assert needle in r.json()["error"]["message"], r.text
@@ -185,7 +198,7 @@ def test_requests_follow_openais_rules(app, route, extra, status, needle):
 def test_no_malformed_body_gets_a_5xx(app):
     """Every field of a chat and a completions request replaced by values of the wrong type or out of
     range: each answer is a 200 or a 4xx in the OpenAI error shape."""
-    odd = [None, "x", -1, 2 ** 70, -(2 ** 70), 1.5, float("1e308"), [], {}, True, [None], {"a": None}]
+    odd = [None, "x", -1, 2 ** 70, -(2 ** 70), 1.5, float("1e308"), [], {}, True, [None], {"a": None}, "\ud800"]
     chat = CHAT | {"temperature": 0, "seed": 1, "stop": ["x"], "stream": False, "logprobs": True, "top_logprobs": 1,
                    "top_k": 5, "top_p": 0.9, "response_format": {"type": "json_object"}, "ignore_eos": False,
                    "stream_options": None, "guided_choice": None}
@@ -193,7 +206,7 @@ def test_no_malformed_body_gets_a_5xx(app):
     for route, body in (("chat/completions", chat), ("completions", completion)):
         for field in body:
             for value in odd:
-                r = httpx.post(f"{HTTP}/v1/{route}", json=body | {field: value}, timeout=60)
+                r = _post(f"{HTTP}/v1/{route}", body | {field: value})
                 assert r.status_code < 500, (route, field, value, r.text)
                 if r.status_code != 200:
                     assert r.json()["error"]["code"] == r.status_code
@@ -794,8 +807,9 @@ def test_admin_routes_add_a_corpus_and_swap_the_trie(app, tmp_path):
     out = r.json()
     assert out["documents"] == 2 and out["tokens_added"] >= 3 + 1 + 2 and out["tokens_held"] >= out["tokens_added"]
     for bad, needle in (({"token_ids": [[-1]]}, "outside the vocabulary"), ({"documents": []}, "at least one"),
-                        ({"documents": ["x"], "extra": 1}, "extra")):
-        r = httpx.post(f"{HTTP}/admin/corpus", json=bad, headers=admin, timeout=60)
+                        ({"documents": ["x"], "extra": 1}, "extra"),
+                        ({"documents": ["ok", "half a pair \ud800"]}, "documents.1 holds a lone UTF-16 surrogate")):
+        r = _post(f"{HTTP}/admin/corpus", bad, headers=admin)
         assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
     (tmp_path / "junk.trie").write_bytes(b"not a trie" * 100)
     for path in (tmp_path / "missing.trie", tmp_path / "junk.trie"):
