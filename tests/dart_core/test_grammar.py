@@ -208,6 +208,8 @@ def test_the_first_token_is_constrained_too(model, compiler):
     (GrammarSpec.json_schema({"type": "strang"}), "does not compile"),
     (GrammarSpec("regex", "(unclosed"), "does not compile"),
     (GrammarSpec.json_schema({"enum": ["x" * 300] * 300}), "characters"),
+    (GrammarSpec.json_schema({"$ref": "#"}, strict=False), "admits no output"),  # only itself: no value
+    (GrammarSpec("regex", "[^\\s\\S]"), "admits no output"),
 ])
 def test_bad_grammars_are_refused_by_name(compiler, spec, needle):
     small = GrammarCompiler.__new__(GrammarCompiler)

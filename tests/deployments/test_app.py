@@ -172,6 +172,9 @@ def _post(url: str, body: dict, headers: dict | None = None) -> httpx.Response:
      "messages.0.content.0.text holds a lone UTF-16 surrogate"),
     ("chat", {"stop": ["ok", "\ud83d"]}, 400, "stop.1 holds a lone UTF-16 surrogate"),
     ("completions", {"prompt": "a pair is fine: \U0001f600"}, 200, ""),
+    # a schema no value satisfies (it only refers to itself): refused, not answered with an empty text
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "loop", "schema": {"$ref": "#"}}}},
+     400, "admits no output"),
     # role-specific required fields
     ("chat", {"messages": [{"role": "tool", "content": "x"}]}, 400, "tool_call_id"),
     ("chat", {"messages": [{"role": "user"}]}, 400, "content"),
