@@ -142,6 +142,16 @@ def _refuse_lone_surrogates(data, path: str = "") -> None:
             _refuse_lone_surrogates(v, f"{path}.{i}" if path else str(i))
 
 
+class _ValidText(BaseModel):
+    """A request body whose every string is valid Unicode (:func:`_refuse_lone_surrogates`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        _refuse_lone_surrogates(data)
+        return data
+
+
 def _without_nulls(model: type[BaseModel], data):
     """A request body with explicit nulls of known fields dropped, so they read as "not set" (what
     OpenAI's API does with null for an optional field); unknown fields are kept, and refused."""
@@ -210,19 +220,13 @@ ADMIN_MAX_DOCUMENT_CHARS = 16 << 20
 ADMIN_MAX_TOKEN_IDS = 1 << 20
 
 
-class AdminCorpusRequest(BaseModel):
+class AdminCorpusRequest(_ValidText):
     """``POST /admin/corpus``: texts and/or token-id documents for the live corpus."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     documents: list[str] = Field(default_factory=list, description="texts, encoded with the model's tokenizer")
     token_ids: list[list[int]] = Field(default_factory=list, description="documents as token ids")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _unicode(cls, data):
-        _refuse_lone_surrogates(data)
-        return data
 
     @model_validator(mode="after")
     def _bounded(self):
@@ -235,21 +239,15 @@ class AdminCorpusRequest(BaseModel):
         return self
 
 
-class AdminTrieRequest(BaseModel):
+class AdminTrieRequest(_ValidText):
     """``POST /admin/trie``: the trie file the n-gram service serves from now on."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     path: str = Field(min_length=1, description="a trie file on the n-gram node")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _unicode(cls, data):
-        _refuse_lone_surrogates(data)
-        return data
 
-
-class _Common(BaseModel):
+class _Common(_ValidText):
     """Fields are typed strictly (no "0.5" for a number, no 1 for a boolean) and an explicit null
     reads as "not set"."""
 
@@ -297,7 +295,6 @@ class _Common(BaseModel):
         value, and refuses them otherwise (any other unknown field is refused by ``extra``)."""
         if not isinstance(data, dict):
             return data
-        _refuse_lone_surrogates(data)
         data = _without_nulls(cls, data)
         for name in cls._NEUTRAL_ONLY:
             if name in data and data[name] not in _NEUTRAL[name]:

@@ -462,10 +462,11 @@ class GrammarCompiler:
         matcher = self._llg.LLMatcher(self._tokenizer, spec.grammar(), log_level=0)
         if matcher.is_error():
             raise GrammarError(f"the {spec.kind.replace('_', ' ')} does not compile: {matcher.get_error()}")
-        first = GrammarState(matcher.deep_copy(), self.vocab_size)
-        allowed = first.allowed()
-        eos = self._tokenizer.eos_token
-        if not first._m.is_accepting() and int(allowed.sum()) - int(eos < self.vocab_size and bool(allowed[eos])) == 0:
+        probe = matcher.deep_copy()
+        allowed = GrammarState(probe, self.vocab_size).allowed()
+        if self._tokenizer.eos_token < self.vocab_size:
+            allowed[self._tokenizer.eos_token] = False
+        if not probe.is_accepting() and not allowed.any():
             # llguidance compiles an unsatisfiable schema such as {"$ref": "#"} to a grammar whose first
             # mask holds the EOS token alone: decoding it would answer an empty text as if it matched
             raise GrammarError(f"the {spec.kind.replace('_', ' ')} admits no output: no text matches it")
