@@ -57,11 +57,14 @@ PRESETS = {"full": Preset(4, 128, 2, (1, 4, 8, 16, 64), 2, 64, 3),
 
 @contextmanager
 def launch_app(head: str | None, *, port: int = 8000, timeout_s: float = 900.0,
-               log: Path | None = None, args: dict | None = None, config: str | Path | None = None) -> Iterator[str]:
+               log: Path | None = None, args: dict | None = None, config: str | Path | None = None,
+               route_prefixes: tuple[str, ...] = ("",)) -> Iterator[str]:
     """``serve run`` of ``config`` (default ``deployments/dart.yaml``) with the given head (and
-    ``args`` overriding the application's other ``args:``, e.g. ``{"context_weight": 0}``);
-    yields the OpenAI base URL once a chat completion succeeds (one that the live corpus does not
-    learn) and stops the app (and its local Ray) on exit.
+    ``args`` overriding the first application's other ``args:``, e.g. ``{"context_weight": 0}``);
+    yields the OpenAI base URL (of the first of ``route_prefixes``) once a chat completion succeeds
+    under every one of ``route_prefixes`` (the config's applications' ``route_prefix``, "" for
+    ``/``; a completion that the live corpus does not learn) and stops the app (and its local Ray)
+    on exit.
 
     Raises:
         RuntimeError: the app did not answer within ``timeout_s`` (the tail of its log is in the message).
@@ -81,11 +84,14 @@ def launch_app(head: str | None, *, port: int = 8000, timeout_s: float = 900.0,
         proc = subprocess.Popen(["serve", "run", f.name], stdout=logf, stderr=subprocess.STDOUT, cwd=REPO,
                                 start_new_session=True)
         try:
-            url = f"http://127.0.0.1:{port}/v1"
-            if not _wait_ready(url, proc, timeout_s):
-                tail = log.read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"the Serve app did not come up within {timeout_s:.0f} s; log {log}:\n{tail}")
-            yield url
+            deadline = time.monotonic() + timeout_s
+            urls = [f"http://127.0.0.1:{port}{prefix.rstrip('/')}/v1" for prefix in route_prefixes]
+            for url in urls:
+                if not _wait_ready(url, proc, max(0.0, deadline - time.monotonic())):
+                    tail = log.read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"the Serve app at {url} did not come up within {timeout_s:.0f} s; "
+                                       f"log {log}:\n{tail}")
+            yield urls[0]
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGINT)  # serve run shuts the app and its local Ray down

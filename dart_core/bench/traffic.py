@@ -22,7 +22,13 @@ With ``--serve`` the benchmark starts ``serve run`` itself for every pass and mo
 two, so each mode starts from an empty live corpus and an empty prefix cache (the engine's cache
 of prompts' KV entries, ``prefix_cache_tokens``), which every request may fill; the servers' order
 rotates from pass to pass, and a new server first decodes two fixed warm-up prompts
-(:data:`WARM_UP`, learning and caching nothing).  Without ``--serve`` it talks to the server at
+(:data:`WARM_UP`, learning and caching nothing).  ``--serve --interleave`` starts one ``serve
+run`` per pass instead, holding one application per mode (:func:`interleaved_config`: the
+config's application once per mode, at route ``/<mode>``), and sends each request to every mode in
+turn, the order rotating from request to request: a VM whose speed drifts by a quarter between
+servers minutes apart (a 2-core EPYC: ``bench/results/live_corpus_served/``) then slows every mode
+alike, and the modes differ only by their servers' own state (the live corpus, the gate's and
+the adaptive budget's measurements).  Without ``--serve`` it talks to the server at
 ``--url`` as it is: ``learn-off`` and ``no-speculation`` then opt each request out (``"learn":
 false``: nothing learned, no prompt cached), and what the corpus and cache held before stays.
 
@@ -92,6 +98,7 @@ class TrafficConfig:
     passes: int = 3
     modes: tuple[str, ...] = MODES
     serve: bool = False  # start `serve run --config` per pass and mode
+    interleave: bool = False  # with serve: one `serve run` per pass, one application per mode, requests alternating
     config: str = "deployments/dart.yaml"
     search_latency: bool = True
     search_calls: int = 2000
@@ -284,6 +291,114 @@ def _app(cfg: TrafficConfig, learn: bool) -> Iterator[None]:
         yield
 
 
+def interleaved_config(config: str | Path, modes) -> dict:
+    """The Serve config of ``--interleave``: ``config``'s first application once per mode of
+    ``modes`` (in that order), named ``<name>-<mode>`` at route ``/<mode>``, with ``ngram.learn``
+    on for ``learn-on`` only, its n-gram service on port ``ngram.port + i`` (every application's
+    service listens on the node), each deployment's ``num_cpus`` divided by the number of modes
+    (a scheduling share: the engines' thread counts are set by their ``OMP_NUM_THREADS``, and one
+    client keeps one application busy at a time), and its engine's idle re-measurement of the
+    verification cost (``recalibrate_after_s``, :data:`RECALIBRATE_STAGGER_S` apart) falling
+    after the others' (the engines' start-up measurements run together and price a step several
+    times too high; each then re-measures alone, before the first request:
+    :func:`_wait_recalibrated`).
+
+    Raises:
+        ValueError: no modes, or an unknown one."""
+    import copy
+
+    import yaml
+
+    modes = list(modes)
+    if not modes or set(modes) - set(MODES):
+        raise ValueError(f"modes must be among {', '.join(MODES)}")
+    cfg = yaml.safe_load(Path(config).read_text())
+    base = cfg["applications"][0]
+    apps = []
+    for i, mode in enumerate(modes):
+        app = copy.deepcopy(base)
+        app["name"], app["route_prefix"] = f"{base['name']}-{mode}", f"/{mode}"
+        ngram = app.setdefault("args", {}).setdefault("ngram", {}) or {}
+        after = app["args"].get("recalibrate_after_s", 30.0)
+        if after is not None:
+            app["args"]["recalibrate_after_s"] = float(after) + RECALIBRATE_STAGGER_S * i
+        app["args"]["ngram"] = ngram | {"learn": mode == "learn-on", "port": int(ngram.get("port", 50051)) + i}
+        for dep in app.get("deployments", []):
+            opts = dep.get("ray_actor_options") or {}
+            if "num_cpus" in opts:
+                opts["num_cpus"] = opts["num_cpus"] / len(modes)
+        apps.append(app)
+    cfg["applications"] = apps
+    return cfg
+
+
+#: seconds between the ``--interleave`` engines' idle re-measurements of the verification cost
+RECALIBRATE_STAGGER_S = 30.0
+
+
+def _wait_recalibrated(cfg: TrafficConfig, modes: list[str], app_name: str) -> None:
+    """Waits, sending nothing, until every ``--interleave`` engine has re-measured its verification
+    cost alone (:func:`interleaved_config`); a warning names any that did not."""
+    apps = interleaved_config(cfg.config, modes)["applications"]
+    afters = [a["args"].get("recalibrate_after_s") for a in apps]
+    if any(a is None for a in afters) or any(str(a["args"].get("budget", "auto")) != "auto" for a in apps):
+        return  # no re-measurement (a fixed budget has no cost curve to re-measure)
+    time.sleep(max(afters) + 15.0)  # the last one's time since its start, and its measurement
+    for m in modes:
+        st = engine_stats(f"{app_name}-{m}") or {}
+        if not (st.get("budget") or {}).get("curve_remeasured"):
+            logger.warning("the %s engine has not re-measured its verification cost; its start-up curve, "
+                           "measured beside the other engines', stays", m)
+
+
+@contextmanager
+def _apps(cfg: TrafficConfig, modes) -> Iterator[dict[str, str]]:
+    """One ``serve run`` of :func:`interleaved_config` (:func:`~dart_core.bench.report.launch_app`);
+    yields each mode's OpenAI base URL once every application answers.
+
+    Raises:
+        RuntimeError: an application did not come up within ten minutes."""
+    import yaml
+
+    from dart_core.bench.report import launch_app
+
+    port = urlparse(cfg.url).port or 8000
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump(interleaved_config(cfg.config, modes), f)
+    try:
+        with launch_app(None, port=port, timeout_s=600.0, config=f.name, route_prefixes=tuple(f"/{m}" for m in modes),
+                        log=Path(tempfile.gettempdir()) / "dart-traffic-serve.log"):
+            yield {m: f"http://127.0.0.1:{port}/{m}/v1" for m in modes}
+    finally:
+        Path(f.name).unlink(missing_ok=True)
+
+
+def _run_interleaved(cfg: TrafficConfig, modes: list[str], workload: list[dict], shift: int, bar,
+                     key: str) -> tuple[dict[str, list[dict]], dict, str]:
+    """One ``--interleave`` pass: every request of the workload through every mode's application
+    in turn, the modes' order rotating by request (and by ``shift``); each mode's records, its
+    engine's counters, and the served model's name."""
+    from openai import OpenAI
+
+    app_name = _first_app(cfg.config)["name"]
+    with _apps(cfg, modes) as urls:
+        clients = {m: OpenAI(base_url=u, api_key=key, max_retries=0, timeout=cfg.timeout_s) for m, u in urls.items()}
+        model = cfg.model or clients[modes[0]].models.list().data[0].id
+        _wait_recalibrated(cfg, modes, app_name)
+        for m in modes:
+            _warm_up(clients[m], model, cfg)
+        runs: dict[str, list[dict]] = {m: [] for m in modes}
+        for i, r in enumerate(workload):
+            k = (i + shift) % len(modes)
+            for m in modes[k:] + modes[:k]:
+                rec = _request(clients[m], model, r["prompt"], cfg, speculative=m != "no-speculation", learn=True)
+                runs[m].append(rec | {"kind": r["kind"]})
+                if bar is not None:
+                    bar.update()
+        stats = {m: engine_stats(f"{app_name}-{m}") for m in modes}
+    return runs, stats, model
+
+
 _STATS_SCRIPT = """
 import json, sys
 import ray
@@ -400,6 +515,8 @@ def run_traffic(cfg: TrafficConfig, *, progress: bool = True) -> dict:
         raise ValueError(f"modes must be among {', '.join(MODES)}")
     if cfg.passes < 1:
         raise ValueError("passes must be >= 1")
+    if cfg.interleave and not cfg.serve:
+        raise ValueError("interleave needs serve (it starts its own applications)")
     started = time.perf_counter()
     workload = load_workload(cfg.workload, cfg.limit) if cfg.workload else build_workload(
         cfg.families, cfg.variants, cfg.repeated, cfg.repeat_times, cfg.seed)
@@ -416,6 +533,12 @@ def run_traffic(cfg: TrafficConfig, *, progress: bool = True) -> dict:
     passes, stats = [], {}
     app_name = _first_app(cfg.config)["name"] if cfg.serve else None
     for p in range(cfg.passes):
+        if cfg.interleave:
+            modes = [m for m in MODES if m in cfg.modes]
+            runs, pass_stats, model = _run_interleaved(cfg, modes, workload, p, bar, key)
+            stats.update({(p, m): v for m, v in pass_stats.items()})
+            passes.append(runs)
+            continue
         runs = {}
         # with --serve each mode's own server (the order rotating by pass), else all on the one at --url
         groups = [[m] for m in MODES if m in cfg.modes] if cfg.serve else [list(cfg.modes)]
@@ -505,7 +628,9 @@ def markdown_table(result: dict, *, paired: bool = True) -> str:
     lines.append("")
     paired = paired_ratios(result) if paired else {}
     if paired:
-        lines.append("Learning on ÷ off paired by pass (both servers of a pass run back to back, the order rotating, "
+        how = ("both applications of a pass in one server, each request sent to both in turn" if cfg.get("interleave")
+               else "both servers of a pass run back to back, the order rotating")
+        lines.append(f"Learning on ÷ off paired by pass ({how}, "
                      "so the machine's drift between passes moves a pass's ratio less than the modes' medians), all requests: "
                      + "; ".join(f"{label} {', '.join(f'{x:.2f}' for x in v)} (median {statistics.median(v):.2f}×)"
                                  for label, v in paired.items()) + ".")
@@ -548,6 +673,9 @@ def main(argv=None) -> int:
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     ap.add_argument("--modes", nargs="+", default=list(d.modes), choices=MODES)
     ap.add_argument("--serve", action="store_true", help="start `serve run --config` per pass and mode")
+    ap.add_argument("--interleave", action="store_true",
+                    help="with --serve: one `serve run` per pass holding one application per mode, each request "
+                         "sent to every mode in turn (the machine's drift paid by every mode alike)")
     ap.add_argument("--config", default=d.config, help="with --serve: the Serve config [deployments/dart.yaml]")
     ap.add_argument("--no-search-latency", dest="search_latency", action="store_false")
     ap.add_argument("--api-key", default=None, help="[$DART_API_KEY]")

@@ -1037,3 +1037,41 @@ def test_the_traffic_benchmark_reads_the_engines_stats_through_a_child_driver_or
             assert traffic.engine_stats("dart") is None
         assert "cannot read the engine's stats" in caplog.text
         caplog.clear()
+
+
+def test_the_interleaved_traffic_config_holds_one_application_per_mode_that_serve_can_place():
+    """dart_core.bench.traffic.interleaved_config: the shipped config's application once per mode,
+    each at its own route and name, learning only for learn-on, the n-gram services on distinct
+    ports, the scheduling shares divided so that the applications together ask for what one asked
+    for, and the engines' idle re-measurements staggered; everything else as shipped.  Interleaving
+    needs --serve, and an unknown mode is refused."""
+    import yaml
+
+    from dart_core.bench import traffic
+
+    shipped = yaml.safe_load(open("deployments/dart.yaml"))
+    base = shipped["applications"][0]
+    modes = ["learn-on", "learn-off", "no-speculation"]
+    cfg = traffic.interleaved_config("deployments/dart.yaml", modes)
+    apps = cfg["applications"]
+    assert [a["name"] for a in apps] == [f"dart-{m}" for m in modes]
+    assert [a["route_prefix"] for a in apps] == [f"/{m}" for m in modes]
+    assert [a["args"]["ngram"]["learn"] for a in apps] == [True, False, False]
+    ports = [a["args"]["ngram"]["port"] for a in apps]
+    assert ports[0] == base["args"]["ngram"]["port"] and len(set(ports)) == 3
+    afters = [a["args"]["recalibrate_after_s"] for a in apps]
+    assert min(b - a for a, b in zip(afters, afters[1:])) >= traffic.RECALIBRATE_STAGGER_S
+    for dep_i, dep in enumerate(base["deployments"]):
+        cpus = (dep.get("ray_actor_options") or {}).get("num_cpus")
+        if cpus is not None:
+            assert sum(a["deployments"][dep_i]["ray_actor_options"]["num_cpus"] for a in apps) == pytest.approx(cpus)
+    for a in apps:  # the rest of the application is the shipped one
+        assert ({k: v for k, v in a["args"].items() if k not in ("ngram", "recalibrate_after_s")}
+                == {k: v for k, v in base["args"].items() if k not in ("ngram", "recalibrate_after_s")})
+        assert a["import_path"] == base["import_path"]
+    assert {k: v for k, v in cfg.items() if k != "applications"} == {
+        k: v for k, v in shipped.items() if k != "applications"}
+    with pytest.raises(ValueError, match="modes must be among"):
+        traffic.interleaved_config("deployments/dart.yaml", ["learn-on", "sideways"])
+    with pytest.raises(ValueError, match="interleave needs serve"):
+        traffic.run_traffic(traffic.TrafficConfig(interleave=True), progress=False)
