@@ -299,8 +299,8 @@ def interleaved_config(config: str | Path, modes) -> dict:
     (a scheduling share: the engines' thread counts are set by their ``OMP_NUM_THREADS``, and one
     client keeps one application busy at a time), and its engine's idle re-measurement of the
     verification cost (``recalibrate_after_s``, :data:`RECALIBRATE_STAGGER_S` apart) falling
-    after the others' (the engines' start-up measurements run together and price a step several
-    times too high; each then re-measures alone, before the first request:
+    after the others' (an idle engine's re-measurement slows the requests of a neighbour on the
+    same cores several times over; each now re-measures before the first request:
     :func:`_wait_recalibrated`).
 
     Raises:

@@ -42,11 +42,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import statistics
+import tempfile
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -204,6 +207,59 @@ class CalibrationInterrupted(Exception):
     """:meth:`VerifyCostCurve.measure` stopped because its ``should_stop`` said so (work arrived)."""
 
 
+#: the lock file that makes the CPU measurements of one node's engines take turns (:func:`measuring_alone`)
+CALIBRATION_LOCK = os.path.join(tempfile.gettempdir(), "dart-serve-calibration.lock")
+_LOCK_WAIT_S = 120.0  # the longest wait for another engine's measurement; then this one measures anyway
+
+
+@contextmanager
+def measuring_alone(device: torch.device | str, should_stop: Callable[[], bool] | None = None,
+                    path: str | None = None, wait_s: float = _LOCK_WAIT_S) -> Iterator[bool]:
+    """Holds the node's calibration lock (an exclusive ``flock`` on ``path``, default
+    :data:`CALIBRATION_LOCK`) while a CPU engine measures its verification cost, so that engines
+    starting together on one node measure one after another instead of side by side: three
+    engines measuring at once on a 2-core VM priced a batch-1 step at about ten times its cost
+    (``bench/results/live_corpus_served/``, the ``--interleave`` section).  On other devices
+    (each engine on its own GPU) it does nothing.  Yields whether the lock is held: False when
+    another holder kept it longer than ``wait_s`` seconds (logged; the measurement goes on
+    without it) or the lock file cannot be opened.
+
+    Raises:
+        CalibrationInterrupted: ``should_stop`` answered True while waiting for the lock.
+    """
+    if torch.device(device).type != "cpu":
+        yield False
+        return
+    import fcntl
+
+    try:
+        fd = os.open(path or CALIBRATION_LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:
+        logger.warning("calibration lock %s not opened (%s); measuring without it", path or CALIBRATION_LOCK, e)
+        yield False
+        return
+    held, deadline = False, time.monotonic() + wait_s
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = True
+                break
+            except BlockingIOError:
+                if should_stop is not None and should_stop():
+                    raise CalibrationInterrupted("verification cost measurement stopped: work arrived") from None
+                if time.monotonic() >= deadline:
+                    logger.warning("another engine on this node held the calibration lock over %.0f s; "
+                                   "measuring beside it", wait_s)
+                    break
+                time.sleep(0.05)
+        yield held
+    finally:
+        if held:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
 @dataclass(frozen=True)
 class VerifyCostCurve:
     """Verification latency (ms) against query tokens, linearly interpolated; optionally also against
@@ -314,6 +370,15 @@ class VerifyCostCurve:
         batch_sizes = tuple(sorted(set(batch_sizes) | {1}))
         if batch_sizes[0] < 1:
             raise ValueError(f"batch sizes must be >= 1, got {batch_sizes}")
+        with measuring_alone(target.device, should_stop):
+            curve = cls._measure(target, node_counts, context_len, repeats, batch_sizes, should_stop)
+        if log:
+            curve.log()
+        return curve
+
+    @classmethod
+    def _measure(cls, target: TargetModel, node_counts: tuple[int, ...], context_len: int, repeats: int,
+                 batch_sizes: tuple[int, ...], should_stop: Callable[[], bool] | None) -> "VerifyCostCurve":
         gen = torch.Generator().manual_seed(0)
         device = target.device
         caches, inputs = {}, {}
@@ -352,10 +417,7 @@ class VerifyCostCurve:
         for b in batch_sizes:
             floor = np.maximum(floor, np.maximum.accumulate([statistics.median(times[b, n]) for n in node_counts]))
             rows.append(tuple(round(float(m), 3) for m in floor))
-        curve = cls(node_counts, rows[0], batch_sizes[1:], tuple(rows[1:]))
-        if log:
-            curve.log()
-        return curve
+        return cls(node_counts, rows[0], batch_sizes[1:], tuple(rows[1:]))
 
     def log(self, what: str = "") -> None:
         """Logs the curve and, where it holds 1 and 2 query tokens, :meth:`calibration_lines`

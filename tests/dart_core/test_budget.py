@@ -275,6 +275,47 @@ def test_remeasuring_replaces_a_start_up_curve_that_priced_speculation_out():
     assert budget.state()["curve_remeasured"] == 1
 
 
+def test_engines_on_one_node_measure_their_verification_cost_one_after_another(tmp_path, monkeypatch):
+    """measuring_alone: while another engine of the node holds the calibration lock (here a
+    thread), a CPU measurement waits for it instead of running beside it; a waiting re-measurement
+    still stops when work arrives, a holder that keeps the lock too long is measured beside (with a
+    warning), and a GPU measurement never takes the lock."""
+    import threading
+    import time
+
+    from dart_core.spec import budget as budget_mod
+
+    lock = str(tmp_path / "calibration.lock")
+    monkeypatch.setattr(budget_mod, "CALIBRATION_LOCK", lock)
+    target = tiny_target("llama", seed=4)
+    order, held, release = [], threading.Event(), threading.Event()
+
+    def other_engine():
+        with budget_mod.measuring_alone("cpu", path=lock) as got:
+            order.append(("other", got))
+            held.set()
+            release.wait(10)
+            order.append(("other done", got))
+
+    t = threading.Thread(target=other_engine)
+    t.start()
+    assert held.wait(10)
+    with pytest.raises(CalibrationInterrupted):  # waiting for the lock, then a request arrives
+        VerifyCostCurve.measure(target, node_counts=(1, 2), repeats=1, should_stop=lambda: True, log=False)
+    threading.Timer(0.3, release.set).start()
+    t0 = time.monotonic()
+    curve = VerifyCostCurve.measure(target, node_counts=(1, 2), repeats=1, log=False)
+    assert time.monotonic() - t0 >= 0.25 and order == [("other", True), ("other done", True)]
+    assert curve.nodes == (1, 2)
+    t.join()
+    with budget_mod.measuring_alone("cpu", path=lock) as got:  # a holder past the wait: measured beside it
+        with budget_mod.measuring_alone("cpu", path=lock, wait_s=0.1) as second:
+            assert got and not second
+    with budget_mod.measuring_alone("cpu", path=lock):
+        with budget_mod.measuring_alone("cuda", path=lock) as gpu:
+            assert gpu is False
+
+
 def _drive(gate, batch, steps, spec_rate, ar_rate):
     """Runs the gate for ``steps`` steps where speculative / autoregressive steps emit the given tokens per ms."""
     modes = []
