@@ -5,6 +5,7 @@ a trie built from CPython's sources, and transformers' greedy output to compare 
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 import ray
@@ -24,6 +25,12 @@ ADMIN_KEY = "adm1n-s3cret"
 def app(tiny_model_dir, tmp_path_factory, default_tokenizer):
     from deployments.app import build_app
 
+    for port in (8000, 9000):  # another `serve run` or Ray cluster would answer in this app's place
+        with socket.socket() as sock:
+            sock.settimeout(1.0)
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                pytest.fail(f"port {port} is already in use (a `serve run`, or another Ray cluster's proxy?): "
+                            "stop it (`ray stop --force`) and run the tests again", pytrace=False)
     sources = cpython_stdlib_sources()
     trie = tmp_path_factory.mktemp("trie") / "py.trie"
     build_trie_from_texts((next(sources) for _ in range(100)), trie, default_tokenizer, progress=False)
