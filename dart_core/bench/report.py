@@ -18,6 +18,7 @@ Presets: the default is the published run (tens of minutes on a 2-core CPU machi
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shlex
@@ -57,9 +58,10 @@ PRESETS = {"full": Preset(4, 128, 2, (1, 4, 8, 16, 64), 2, 64, 3),
 
 @contextmanager
 def launch_app(head: str | None, *, port: int = 8000, timeout_s: float = 900.0,
-               log: Path | None = None, args: dict | None = None, config: str | Path | None = None,
+               log: Path | None = None, args: dict | None = None, config: str | Path | dict | None = None,
                route_prefixes: tuple[str, ...] = ("",)) -> Iterator[str]:
-    """``serve run`` of ``config`` (default ``deployments/dart.yaml``) with the given head (and
+    """``serve run`` of ``config`` (a file, default ``deployments/dart.yaml``, or a loaded config,
+    not modified) with the given head (and
     ``args`` overriding the first application's other ``args:``, e.g. ``{"context_weight": 0}``);
     yields the OpenAI base URL (of the first of ``route_prefixes``) once a chat completion succeeds
     under every one of ``route_prefixes`` (the config's applications' ``route_prefix``, "" for
@@ -72,7 +74,8 @@ def launch_app(head: str | None, *, port: int = 8000, timeout_s: float = 900.0,
     import yaml
 
     log = log or Path(tempfile.gettempdir()) / "dart-bench-serve.log"
-    cfg = yaml.safe_load(Path(config or REPO / "deployments" / "dart.yaml").read_text())
+    cfg = (copy.deepcopy(config) if isinstance(config, dict)
+           else yaml.safe_load(Path(config or REPO / "deployments" / "dart.yaml").read_text()))
     cfg["http_options"]["port"] = port
     if head:
         cfg["applications"][0]["args"]["head"] = str(Path(head).resolve())

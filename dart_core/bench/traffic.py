@@ -25,9 +25,8 @@ rotates from pass to pass, and a new server first decodes two fixed warm-up prom
 (:data:`WARM_UP`, learning and caching nothing).  ``--serve --interleave`` starts one ``serve
 run`` per pass instead, holding one application per mode (:func:`interleaved_config`: the
 config's application once per mode, at route ``/<mode>``), and sends each request to every mode in
-turn, the order rotating from request to request: a VM whose speed drifts by a quarter between
-servers minutes apart (a 2-core EPYC: ``bench/results/live_corpus_served/``) then slows every mode
-alike, and the modes differ only by their servers' own state (the live corpus, the gate's and
+turn, the order rotating from request to request: a VM whose speed drifts between servers
+minutes apart (a 2-core EPYC: ``bench/results/live_corpus_served/``) then slows every mode alike, and the modes differ only by their servers' own state (the live corpus, the gate's and
 the adaptive budget's measurements).  Without ``--serve`` it talks to the server at
 ``--url`` as it is: ``learn-off`` and ``no-speculation`` then opt each request out (``"learn":
 false``: nothing learned, no prompt cached), and what the corpus and cache held before stays.
@@ -291,6 +290,10 @@ def _app(cfg: TrafficConfig, learn: bool) -> Iterator[None]:
         yield
 
 
+#: seconds between the ``--interleave`` engines' idle re-measurements of the verification cost
+RECALIBRATE_STAGGER_S = 30.0
+
+
 def interleaved_config(config: str | Path, modes) -> dict:
     """The Serve config of ``--interleave``: ``config``'s first application once per mode of
     ``modes`` (in that order), named ``<name>-<mode>`` at route ``/<mode>``, with ``ngram.learn``
@@ -300,8 +303,8 @@ def interleaved_config(config: str | Path, modes) -> dict:
     client keeps one application busy at a time), and its engine's idle re-measurement of the
     verification cost (``recalibrate_after_s``, :data:`RECALIBRATE_STAGGER_S` apart) falling
     after the others' (an idle engine's re-measurement slows the requests of a neighbour on the
-    same cores several times over; each now re-measures before the first request:
-    :func:`_wait_recalibrated`).
+    same cores: ``bench/results/live_corpus_served/``; each now re-measures before the first
+    request: :func:`_wait_recalibrated`).
 
     Raises:
         ValueError: no modes, or an unknown one."""
@@ -332,59 +335,44 @@ def interleaved_config(config: str | Path, modes) -> dict:
     return cfg
 
 
-#: seconds between the ``--interleave`` engines' idle re-measurements of the verification cost
-RECALIBRATE_STAGGER_S = 30.0
-
-
-def _wait_recalibrated(cfg: TrafficConfig, modes: list[str], app_name: str) -> None:
-    """Waits, sending nothing, until every ``--interleave`` engine has re-measured its verification
-    cost alone (:func:`interleaved_config`); a warning names any that did not."""
-    apps = interleaved_config(cfg.config, modes)["applications"]
+def _wait_recalibrated(apps: list[dict]) -> None:
+    """Waits, sending nothing, until every ``--interleave`` engine (``apps``: the applications of
+    :func:`interleaved_config`) has re-measured its verification cost alone; a warning names any
+    that did not."""
     afters = [a["args"].get("recalibrate_after_s") for a in apps]
     if any(a is None for a in afters) or any(str(a["args"].get("budget", "auto")) != "auto" for a in apps):
         return  # no re-measurement (a fixed budget has no cost curve to re-measure)
     time.sleep(max(afters) + 15.0)  # the last one's time since its start, and its measurement
-    for m in modes:
-        st = engine_stats(f"{app_name}-{m}") or {}
+    for a in apps:
+        st = engine_stats(a["name"]) or {}
         if not (st.get("budget") or {}).get("curve_remeasured"):
-            logger.warning("the %s engine has not re-measured its verification cost; its start-up curve, "
-                           "measured beside the other engines', stays", m)
-
-
-@contextmanager
-def _apps(cfg: TrafficConfig, modes) -> Iterator[dict[str, str]]:
-    """One ``serve run`` of :func:`interleaved_config` (:func:`~dart_core.bench.report.launch_app`);
-    yields each mode's OpenAI base URL once every application answers.
-
-    Raises:
-        RuntimeError: an application did not come up within ten minutes."""
-    import yaml
-
-    from dart_core.bench.report import launch_app
-
-    port = urlparse(cfg.url).port or 8000
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        yaml.safe_dump(interleaved_config(cfg.config, modes), f)
-    try:
-        with launch_app(None, port=port, timeout_s=600.0, config=f.name, route_prefixes=tuple(f"/{m}" for m in modes),
-                        log=Path(tempfile.gettempdir()) / "dart-traffic-serve.log"):
-            yield {m: f"http://127.0.0.1:{port}/{m}/v1" for m in modes}
-    finally:
-        Path(f.name).unlink(missing_ok=True)
+            logger.warning("the %s engine has not re-measured its verification cost; its start-up curve stays",
+                           a["name"])
 
 
 def _run_interleaved(cfg: TrafficConfig, modes: list[str], workload: list[dict], shift: int, bar,
                      key: str) -> tuple[dict[str, list[dict]], dict, str]:
-    """One ``--interleave`` pass: every request of the workload through every mode's application
-    in turn, the modes' order rotating by request (and by ``shift``); each mode's records, its
-    engine's counters, and the served model's name."""
+    """One ``--interleave`` pass: one ``serve run`` of :func:`interleaved_config`
+    (:func:`~dart_core.bench.report.launch_app`, up once every application answers), every request
+    of the workload through every mode's application in turn, the modes' order rotating by request
+    (and by ``shift``); each mode's records, its engine's counters, and the served model's name.
+
+    Raises:
+        RuntimeError: an application did not come up within ten minutes."""
     from openai import OpenAI
 
-    app_name = _first_app(cfg.config)["name"]
-    with _apps(cfg, modes) as urls:
-        clients = {m: OpenAI(base_url=u, api_key=key, max_retries=0, timeout=cfg.timeout_s) for m, u in urls.items()}
+    from dart_core.bench.report import launch_app
+
+    served = interleaved_config(cfg.config, modes)
+    apps = dict(zip(modes, served["applications"]))
+    port = urlparse(cfg.url).port or 8000
+    with launch_app(None, port=port, timeout_s=600.0, config=served,
+                    route_prefixes=tuple(a["route_prefix"] for a in apps.values()),
+                    log=Path(tempfile.gettempdir()) / "dart-traffic-serve.log"):
+        clients = {m: OpenAI(base_url=f"http://127.0.0.1:{port}{a['route_prefix']}/v1", api_key=key, max_retries=0,
+                             timeout=cfg.timeout_s) for m, a in apps.items()}
         model = cfg.model or clients[modes[0]].models.list().data[0].id
-        _wait_recalibrated(cfg, modes, app_name)
+        _wait_recalibrated(list(apps.values()))
         for m in modes:
             _warm_up(clients[m], model, cfg)
         runs: dict[str, list[dict]] = {m: [] for m in modes}
@@ -395,7 +383,7 @@ def _run_interleaved(cfg: TrafficConfig, modes: list[str], workload: list[dict],
                 runs[m].append(rec | {"kind": r["kind"]})
                 if bar is not None:
                     bar.update()
-        stats = {m: engine_stats(f"{app_name}-{m}") for m in modes}
+        stats = {m: engine_stats(a["name"]) for m, a in apps.items()}
     return runs, stats, model
 
 
@@ -532,10 +520,10 @@ def run_traffic(cfg: TrafficConfig, *, progress: bool = True) -> dict:
                disable=not progress)
     passes, stats = [], {}
     app_name = _first_app(cfg.config)["name"] if cfg.serve else None
+    interleaved = [m for m in MODES if m in cfg.modes]
     for p in range(cfg.passes):
         if cfg.interleave:
-            modes = [m for m in MODES if m in cfg.modes]
-            runs, pass_stats, model = _run_interleaved(cfg, modes, workload, p, bar, key)
+            runs, pass_stats, model = _run_interleaved(cfg, interleaved, workload, p, bar, key)
             stats.update({(p, m): v for m, v in pass_stats.items()})
             passes.append(runs)
             continue

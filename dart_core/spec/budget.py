@@ -217,9 +217,9 @@ def measuring_alone(device: torch.device | str, should_stop: Callable[[], bool] 
                     path: str | None = None, wait_s: float = _LOCK_WAIT_S) -> Iterator[bool]:
     """Holds the node's calibration lock (an exclusive ``flock`` on ``path``, default
     :data:`CALIBRATION_LOCK`) while a CPU engine measures its verification cost, so that engines
-    starting together on one node measure one after another instead of side by side: three
-    engines measuring at once on a 2-core VM priced a batch-1 step at about ten times its cost
-    (``bench/results/live_corpus_served/``, the ``--interleave`` section).  On other devices
+    starting together on one node measure one after another instead of side by side, which
+    priced a step far above its cost on a 2-core VM (``bench/results/live_corpus_served/``, the
+    ``--interleave`` section).  On other devices
     (each engine on its own GPU) it does nothing.  Yields whether the lock is held: False when
     another holder kept it longer than ``wait_s`` seconds (logged; the measurement goes on
     without it) or the lock file cannot be opened.
@@ -232,10 +232,11 @@ def measuring_alone(device: torch.device | str, should_stop: Callable[[], bool] 
         return
     import fcntl
 
+    path = path or CALIBRATION_LOCK
     try:
-        fd = os.open(path or CALIBRATION_LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     except OSError as e:
-        logger.warning("calibration lock %s not opened (%s); measuring without it", path or CALIBRATION_LOCK, e)
+        logger.warning("calibration lock %s not opened (%s); measuring without it", path, e)
         yield False
         return
     held, deadline = False, time.monotonic() + wait_s
