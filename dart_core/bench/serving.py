@@ -32,6 +32,17 @@ detokenised, as the server does): the table then gives served ÷ in-process
 tokens/s per mode, what the serving path (HTTP, Ray Serve's handles, the
 replica's batcher, the n-gram service's gRPC hop, processes sharing the
 cores) costs against the engine alone (modes ``dart`` and ``no-speculation``; not ``eagle3``).
+
+With ``--repeats N`` (N > 1) the table also gives each level's **paired** ratio: the median over
+the N repeats of DART's pass ÷ the no-speculation pass that ran next to it (the two run back to
+back, so a drift of the machine between repeats cancels), beside the ratio of the two medians.
+
+``--engine-app NAME`` reads the engine's step counters (``DartEngine.stats`` of the Serve
+application NAME, on the Ray cluster of this machine: :func:`dart_core.bench.traffic.engine_stats`)
+after every pass, so each (level, mode) also reports how many of its decoding steps speculated
+(over all its passes).  Where the gate kept every DART step autoregressive, both modes ran the
+same steps, and their ratio is the machine's spread, not speculation's cost.  The counters are
+the whole replica's: they are exact only while the benchmark is its sole client.
 """
 
 from __future__ import annotations
@@ -71,6 +82,9 @@ class ServingConfig:
     # the dart-serve extension "learn" of every request: False (the default) keeps the requests out of the
     # live corpus and the prefix cache, so the passes, which repeat the same prompts, stay first-seen traffic
     learn: bool = False
+    # a Serve application on this machine's Ray cluster whose engine's step counters are read after every
+    # pass (DartEngine.stats): each (level, mode) then reports its speculative and autoregressive steps
+    engine_app: str | None = None
 
 
 def run_sweep(levels: list[int], modes: list[str], repeats: int, run_level, bar) -> list[dict]:
@@ -79,7 +93,9 @@ def run_sweep(levels: list[int], modes: list[str], repeats: int, run_level, bar)
     Within a level the passes run back to back and alternate which mode goes first (from one
     level to the next as well), so a drift of the machine weighs on both modes alike. A (level,
     mode) row is its pass with the median tokens/s (the lower middle one for an even count), with
-    every pass's tokens/s in ``tokens_per_s_runs``, in the order run.
+    every pass's tokens/s in ``tokens_per_s_runs``, in the order run, and, where every pass
+    counted the engine's decoding steps (``engine_steps``: ``{"speculative": n, "autoregressive":
+    n}``), their sums over the passes in ``engine_steps_all``.
 
     Args:
         run_level: ``(concurrency, mode) -> row`` (:func:`level_row`'s dict); ``bar``: a tqdm bar
@@ -100,7 +116,11 @@ def run_sweep(levels: list[int], modes: list[str], repeats: int, run_level, bar)
             k += 1
         for mode, runs in passes.items():
             median = sorted(runs, key=lambda r: r["tokens_per_s"])[(len(runs) - 1) // 2]
-            rows.append({**median, "tokens_per_s_runs": [r["tokens_per_s"] for r in runs]})
+            row = {**median, "tokens_per_s_runs": [r["tokens_per_s"] for r in runs]}
+            if all(r.get("engine_steps") for r in runs):
+                row["engine_steps_all"] = {k: sum(r["engine_steps"][k] for r in runs)
+                                           for k in ("speculative", "autoregressive")}
+            rows.append(row)
     rows.sort(key=lambda r: (r["concurrency"], SERVING_MODES.index(r["mode"])))
     return rows
 
@@ -204,6 +224,18 @@ def in_process_pass(model, prompts: list[str], cfg: ServingConfig, speculative: 
     return round(tokens / (time.perf_counter() - t0), 2)
 
 
+def _step_counters(app_name: str) -> dict | None:
+    """The engine's decoding steps so far, ``{"speculative": n, "autoregressive": n}``, of the Serve
+    application ``app_name`` (:func:`dart_core.bench.traffic.engine_stats`); None where they cannot
+    be read (logged there)."""
+    from dart_core.bench.traffic import engine_stats
+
+    st = engine_stats(app_name)
+    if not st or "speculative_steps" not in st:
+        return None
+    return {"speculative": st["speculative_steps"], "autoregressive": st["autoregressive_steps"]}
+
+
 def run_serving(cfg: ServingConfig, *, progress: bool = True) -> dict:
     """Runs the sweep against ``cfg.url``; returns ``{"config", "server", "rows", "seconds"}``.
 
@@ -249,8 +281,15 @@ def run_serving(cfg: ServingConfig, *, progress: bool = True) -> dict:
         local = DartModel.from_pretrained(cfg.in_process_model, kernel_config=bench_kernel_config())
         in_process_pass(local, prompts[:1], replace(cfg, requests_per_client=1, max_tokens=8), True)  # warm-up
 
+    counters = [_step_counters(cfg.engine_app)] if cfg.engine_app else []
+
     def run_level(c: int, mode: str) -> dict:
         row = _level(client, model, prompts, c, mode, cfg)
+        if counters:  # read before the in-process pass: that one runs no step of the replica's
+            counters.append(_step_counters(cfg.engine_app))
+            before, after = counters[-2:]
+            row["engine_steps"] = None if before is None or after is None else {
+                k: after[k] - before[k] for k in ("speculative", "autoregressive")}
         if local is not None and c == 1 and mode != "eagle3":  # right after the served pass: the same drift
             row["in_process_tokens_per_s"] = in_process_pass(local, prompts, cfg, mode == "dart")
         return row
@@ -270,12 +309,22 @@ def markdown_table(result: dict) -> str:
              + ("" if cfg.get("learn", True) else ', every request with "learn": false (nothing kept in the live '
                 'corpus or the prefix cache)'),
              "",
-             "| clients | mode | tokens/s | vs no-spec | requests | errors | TTFT p50 ms | TTFT p99 ms | "
-             "ITL p50 ms | ITL p99 ms | τ |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             ""]
     base = {r["concurrency"]: r["tokens_per_s"] for r in result["rows"] if r["mode"] == "no-speculation"}
-    if cfg.get("repeats", 1) > 1:
-        lines[0] += f"; the median of {cfg['repeats']} passes per level (tokens/s of each pass below)"
+    base_runs = {r["concurrency"]: r.get("tokens_per_s_runs") for r in result["rows"] if r["mode"] == "no-speculation"}
+    paired = cfg.get("repeats", 1) > 1
+    steps = any(r.get("engine_steps_all") for r in result["rows"])
+    if paired:
+        lines[0] += (f"; the median of {cfg['repeats']} passes per level (tokens/s of each pass below); paired: the "
+                     "median of each repeat's ratio to the no-speculation pass run next to it")
+    if steps:
+        lines[0] += ("; speculative steps: the engine's decoding steps that speculated, of all its steps in the "
+                     "level's passes of that mode")
+    lines[-1] = ("| clients | mode | tokens/s | vs no-spec |" + (" paired |" if paired else "")
+                 + " requests | errors | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | τ |"
+                 + (" speculative steps |" if steps else ""))
+    lines.append("|---:|---|---:|---:|" + ("---:|" if paired else "") + "---:|---:|---:|---:|---:|---:|---:|"
+                 + ("---:|" if steps else ""))
 
     def f(x):
         return "–" if x is None else f"{x:.0f}" if x >= 100 else f"{x:.1f}"
@@ -283,9 +332,15 @@ def markdown_table(result: dict) -> str:
     for r in result["rows"]:
         ratio = "–" if not base.get(r["concurrency"]) else f"{r['tokens_per_s'] / base[r['concurrency']]:.2f}×"
         tau = "–" if r["tau_mean"] is None else f"{r['tau_mean']:.2f}"
-        lines.append(f"| {r['concurrency']} | {r['mode']} | {r['tokens_per_s']:.1f} | {ratio} | {r['requests']} | "
-                     f"{r['errors']} | {f(r['ttft_ms']['p50'])} | {f(r['ttft_ms']['p99'])} | "
-                     f"{f(r['itl_ms']['p50'])} | {f(r['itl_ms']['p99'])} | {tau} |")
+        cells = [str(r["concurrency"]), r["mode"], f"{r['tokens_per_s']:.1f}", ratio]
+        if paired:
+            cells.append(_paired_ratio(r.get("tokens_per_s_runs"), base_runs.get(r["concurrency"])))
+        cells += [str(r["requests"]), str(r["errors"]), f(r["ttft_ms"]["p50"]), f(r["ttft_ms"]["p99"]),
+                  f(r["itl_ms"]["p50"]), f(r["itl_ms"]["p99"]), tau]
+        if steps:
+            n = r.get("engine_steps_all")
+            cells.append("–" if not n else f"{n['speculative']} of {n['speculative'] + n['autoregressive']}")
+        lines.append("| " + " | ".join(cells) + " |")
     pairs = [(d, e) for d in result["rows"] for e in result["rows"]
              if d["mode"] == "dart" and e["mode"] == "eagle3" and d["concurrency"] == e["concurrency"]]
     if pairs:
@@ -306,6 +361,13 @@ def markdown_table(result: dict) -> str:
         lines += [f"| {r['concurrency']} | {r['mode']} | {', '.join(f'{x:.1f}' for x in r['tokens_per_s_runs'])} |"
                   for r in result["rows"]]
     return "\n".join(lines) + "\n"
+
+
+def _paired_ratio(runs: list[float] | None, base_runs: list[float] | None) -> str:
+    """The median over repeats of ``runs[i] / base_runs[i]`` (a mode's pass ÷ the no-speculation
+    pass of the same repeat, run next to it), as ``"0.98×"``; "–" without both."""
+    pairs = [a / b for a, b in zip(runs or [], base_runs or []) if b]
+    return f"{statistics.median(pairs):.2f}×" if pairs and len(runs) == len(base_runs) else "–"
 
 
 def plot_serving(result: dict, path: str | Path, title: str = "") -> None:
@@ -379,6 +441,9 @@ def main(argv=None) -> int:
     ap.add_argument("--learn", action="store_true",
                     help='send "learn": true: let the live corpus and the prefix cache keep the requests (the passes '
                          'repeat the same prompts, so DART then drafts repeats from earlier answers) [false]')
+    ap.add_argument("--engine-app", default=d.engine_app, metavar="NAME",
+                    help="read the engine's step counters of this Serve application (on this machine's Ray cluster) "
+                         "after every pass: each row then says how many of its steps speculated [not read]")
     ap.add_argument("--out", default="bench/results", help="folder for serving.json/.md/.png")
     ap.add_argument("--no-progress", action="store_true")
     return run_cli(ServingConfig, ap.parse_args(argv), run_serving, save, markdown_table, requires=("openai",))

@@ -298,6 +298,44 @@ def test_a_sweep_with_repeats_alternates_the_first_mode_and_reports_the_median_p
         serving.run_sweep([1], [d], 0, level, bar)
 
 
+def test_the_serving_table_pairs_each_repeat_and_counts_the_engine_steps():
+    """With repeats, each row's paired ratio is the median of its repeats' ratios to the
+    no-speculation pass of the same repeat (not the ratio of the medians); with the engine's step
+    counters read after every pass (``engine_steps``), a row sums them over its passes and the table
+    says how many speculated; a pass whose counters could not be read leaves the sums out."""
+    from dart_core.bench import serving
+
+    class Bar:
+        def update(self):
+            pass
+
+    # repeat 1: dart 10, no-spec 10; repeat 2 (no-spec first): 20, 16; repeat 3: 9, 12
+    rates = iter([10.0, 10.0, 16.0, 20.0, 9.0, 12.0])
+    steps = iter([(0, 100), (0, 90), (0, 95), (2, 80), (0, 99), (0, 98)])
+
+    def level(c, mode):
+        sp, ar = next(steps)
+        return {"concurrency": c, "mode": mode, "tokens_per_s": next(rates), "requests": 2, "errors": 0,
+                "ttft_ms": {"p50": 1.0, "p99": 2.0}, "itl_ms": {"p50": 1.0, "p99": 1.0},
+                "tau_mean": 1.0, "engine_steps": {"speculative": sp, "autoregressive": ar}}
+
+    rows = serving.run_sweep([8], ["dart", "no-speculation"], 3, level, Bar())
+    by = {r["mode"]: r for r in rows}
+    assert by["dart"]["tokens_per_s_runs"] == [10.0, 20.0, 9.0]
+    assert by["dart"]["engine_steps_all"] == {"speculative": 2, "autoregressive": 279}
+    assert by["no-speculation"]["engine_steps_all"] == {"speculative": 0, "autoregressive": 283}
+    result = {"config": {"max_tokens": 8, "requests_per_client": 2, "repeats": 3, "learn": False},
+              "server": {"model": "m", "url": "u"}, "rows": rows}
+    md = serving.markdown_table(result)
+    # medians 10 / 12 = 0.83x; paired: median of 10/10, 20/16, 9/12 = 1.00x
+    assert "| 8 | dart | 10.0 | 0.83× | 1.00× | 2 | 0 |" in md and md.rstrip().count("\n") > 5
+    assert "| 1.00 | 2 of 281 |" in md and "| 1.00 | 0 of 283 |" in md and "speculative steps |" in md
+    one_unread = iter([{"speculative": 0, "autoregressive": 9}, None])
+    rows = serving.run_sweep([1], ["dart"], 2, lambda c, m: {"concurrency": c, "mode": m, "tokens_per_s": 1.0,
+                                                             "engine_steps": next(one_unread)}, Bar())
+    assert "engine_steps_all" not in rows[0]
+
+
 def test_step_tally_counts_verified_accepted_and_padding():
     from dart_core.bench.batching import StepTally
     from dart_core.step.engine import StepOutput

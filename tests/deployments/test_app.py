@@ -604,8 +604,8 @@ def test_repeated_prompts_prefill_from_the_prefix_cache_unless_they_opt_out(app,
 def test_per_request_opt_out_and_the_serving_benchmark(app, reference, tmp_path, tiny_model_dir):
     """``"speculative": false`` (the benchmark's baseline mode) gives the same greedy text
     with τ = 1; the serving benchmark sweeps both modes on this app without an error, keeps its
-    requests out of the live corpus, and pairs each 1-client pass with the same requests through
-    the engine in its own process."""
+    requests out of the live corpus, pairs each 1-client pass with the same requests through
+    the engine in its own process, and reads the engine's step counters after every pass."""
     from dart_core.bench import serving
 
     msgs = [{"role": "user", "content": "Say something about rivers."}]
@@ -624,7 +624,8 @@ def test_per_request_opt_out_and_the_serving_benchmark(app, reference, tmp_path,
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": f"Tell me about the number {i}."}) for i in range(5)))
     cfg = serving.ServingConfig(url=f"{HTTP}/v1", concurrency=[1, 3], requests_per_client=1, max_tokens=8,
-                                dataset=str(prompts), in_process=True, in_process_model=tiny_model_dir)
+                                dataset=str(prompts), in_process=True, in_process_model=tiny_model_dir,
+                                engine_app="dart")
     time.sleep(1.0)  # what earlier requests left in the live corpus's sender goes out first
     learned = engine.stats.remote().result()["learned_tokens"]
     result = serving.run_serving(cfg, progress=False)
@@ -636,11 +637,15 @@ def test_per_request_opt_out_and_the_serving_benchmark(app, reference, tmp_path,
     assert all(r["errors"] == 0 and r["requests"] == r["concurrency"] for r in rows.values())
     assert all(r["tokens_per_s"] > 0 and r["ttft_ms"]["p50"] is not None for r in rows.values())
     assert rows[(1, "no-speculation")]["tau_mean"] == 1.0
+    # the engine's step counters, read after every pass: a no-speculation pass never speculates, and
+    # every pass's requests took steps
+    assert all(r["engine_steps_all"]["speculative"] == 0 for (_, m), r in rows.items() if m == "no-speculation")
+    assert all(sum(r["engine_steps_all"].values()) >= r["concurrency"] for r in rows.values())
     assert all(rows[(1, m)]["in_process_tokens_per_s"] > 0 and "in_process_tokens_per_s" not in rows[(3, m)]
                for m in ("dart", "no-speculation"))
     paths = serving.save(result, tmp_path)
     md = paths["md"].read_text()
-    assert paths["png"].stat().st_size > 0 and "| 3 | no-speculation |" in md
+    assert paths["png"].stat().st_size > 0 and "| 3 | no-speculation |" in md and "speculative steps |" in md
     local = rows[(1, "no-speculation")]
     assert (f"| 1 | no-speculation | {local['tokens_per_s']:.1f} | {local['in_process_tokens_per_s']:.1f} | "
             f"{local['tokens_per_s'] / local['in_process_tokens_per_s']:.2f}× |") in md
