@@ -244,6 +244,8 @@ def run_serving(cfg: ServingConfig, *, progress: bool = True) -> dict:
             loads no EAGLE-3 head (its ``/v1/models`` entry's ``"methods"``).
         ConnectionError: no server answers ``/v1/models`` at ``cfg.url``, or it
             answers with an error (e.g. 404 while Serve is still deploying the app).
+        RuntimeError: ``cfg.engine_app`` is set and that application's engine counters cannot be
+            read before the first pass (no Ray cluster on this machine, another application name).
     """
     from openai import APIConnectionError, APIStatusError, OpenAI
     from tqdm import tqdm
@@ -272,6 +274,11 @@ def run_serving(cfg: ServingConfig, *, progress: bool = True) -> dict:
     if "eagle3" in cfg.modes and "eagle3" not in methods:
         raise ValueError(f"mode eagle3 needs a server that loads an EAGLE-3 head (eagle3_head in the app's args); "
                          f"{cfg.url} lists the methods: {', '.join(methods) or 'none given'}")
+    counters = [_step_counters(cfg.engine_app)] if cfg.engine_app else []
+    if counters and counters[0] is None:  # asked for: fail now, not after a sweep without them
+        raise RuntimeError(f"cannot read the step counters of the engine of Serve application {cfg.engine_app!r} "
+                           "(--engine-app): run the benchmark on a node of the application's Ray cluster, and name "
+                           "the application as its Serve config does (deployments/dart.yaml: dart)")
     prompts = load_prompts(cfg.dataset)
     local = None
     if cfg.in_process and 1 in cfg.concurrency:
@@ -280,8 +287,6 @@ def run_serving(cfg: ServingConfig, *, progress: bool = True) -> dict:
 
         local = DartModel.from_pretrained(cfg.in_process_model, kernel_config=bench_kernel_config())
         in_process_pass(local, prompts[:1], replace(cfg, requests_per_client=1, max_tokens=8), True)  # warm-up
-
-    counters = [_step_counters(cfg.engine_app)] if cfg.engine_app else []
 
     def run_level(c: int, mode: str) -> dict:
         row = _level(client, model, prompts, c, mode, cfg)

@@ -167,6 +167,41 @@ def test_serving_cli_against_a_server_that_is_not_ready_says_so(capsys):
         server.shutdown()
 
 
+def test_serving_cli_says_at_once_when_the_engine_counters_cannot_be_read(capsys, monkeypatch):
+    """``--engine-app`` names an application whose engine counters cannot be read (no Ray cluster
+    here, a wrong name): a one-line error before any pass, not a sweep without the counters."""
+    import http.server
+    import threading
+
+    from dart_core.bench import serving, traffic
+
+    class Models(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            body = json.dumps({"object": "list", "data": [{"id": "m", "object": "model", "created": 0,
+                                                          "owned_by": "dart-serve"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    asked = []
+    monkeypatch.setattr(traffic, "engine_stats", lambda app: asked.append(app))  # None: unreadable
+    monkeypatch.setattr(serving, "_level", lambda *a: pytest.fail("a pass ran"))
+    server = http.server.HTTPServer(("127.0.0.1", 0), Models)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/v1"
+        args = ["--url", url, "--no-progress", "--concurrency", "1", "--engine-app", "nope"]
+        assert serving.main(args) == 2 and asked == ["nope"]
+        assert "cannot read the step counters of the engine of Serve application 'nope'" in capsys.readouterr().err
+    finally:
+        server.shutdown()
+
+
 def test_results_page_keeps_hand_written_text(tmp_path):
     page = tmp_path / "BENCHMARKS.md"
     page.write_text(f"# Benchmarks\n\nIntro.\n\n{report.START}\nold\n{report.END}\n\n## Reading the numbers\nKept.\n")
