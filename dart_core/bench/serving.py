@@ -61,6 +61,8 @@ __all__ = ["ServingConfig", "MODES", "SERVING_MODES", "run_serving", "run_sweep"
 MODES = ("dart", "no-speculation")  # the default modes, and the batching benchmark's
 # every mode of the serving sweep: "eagle3" sends "method": "eagle3" to a deployment that loads an EAGLE-3 head
 SERVING_MODES = ("dart", "eagle3", "no-speculation")
+# the engine's decoding steps by kind, as --engine-app counts them per pass (DartEngine.stats)
+_STEP_KINDS = ("speculative", "autoregressive")
 
 
 @dataclass
@@ -118,8 +120,7 @@ def run_sweep(levels: list[int], modes: list[str], repeats: int, run_level, bar)
             median = sorted(runs, key=lambda r: r["tokens_per_s"])[(len(runs) - 1) // 2]
             row = {**median, "tokens_per_s_runs": [r["tokens_per_s"] for r in runs]}
             if all(r.get("engine_steps") for r in runs):
-                row["engine_steps_all"] = {k: sum(r["engine_steps"][k] for r in runs)
-                                           for k in ("speculative", "autoregressive")}
+                row["engine_steps_all"] = {k: sum(r["engine_steps"][k] for r in runs) for k in _STEP_KINDS}
             rows.append(row)
     rows.sort(key=lambda r: (r["concurrency"], SERVING_MODES.index(r["mode"])))
     return rows
@@ -274,8 +275,8 @@ def run_serving(cfg: ServingConfig, *, progress: bool = True) -> dict:
     if "eagle3" in cfg.modes and "eagle3" not in methods:
         raise ValueError(f"mode eagle3 needs a server that loads an EAGLE-3 head (eagle3_head in the app's args); "
                          f"{cfg.url} lists the methods: {', '.join(methods) or 'none given'}")
-    counters = [_step_counters(cfg.engine_app)] if cfg.engine_app else []
-    if counters and counters[0] is None:  # asked for: fail now, not after a sweep without them
+    last_counters = _step_counters(cfg.engine_app) if cfg.engine_app else None
+    if cfg.engine_app and last_counters is None:  # asked for: fail now, not after a sweep without them
         raise RuntimeError(f"cannot read the step counters of the engine of Serve application {cfg.engine_app!r} "
                            "(--engine-app): run the benchmark on a node of the application's Ray cluster, and name "
                            "the application as its Serve config does (deployments/dart.yaml: dart)")
@@ -289,12 +290,12 @@ def run_serving(cfg: ServingConfig, *, progress: bool = True) -> dict:
         in_process_pass(local, prompts[:1], replace(cfg, requests_per_client=1, max_tokens=8), True)  # warm-up
 
     def run_level(c: int, mode: str) -> dict:
+        nonlocal last_counters
         row = _level(client, model, prompts, c, mode, cfg)
-        if counters:  # read before the in-process pass: that one runs no step of the replica's
-            counters.append(_step_counters(cfg.engine_app))
-            before, after = counters[-2:]
-            row["engine_steps"] = None if before is None or after is None else {
-                k: after[k] - before[k] for k in ("speculative", "autoregressive")}
+        if cfg.engine_app:  # read before the in-process pass: that one runs no step of the replica's
+            before, last_counters = last_counters, _step_counters(cfg.engine_app)
+            row["engine_steps"] = None if before is None or last_counters is None else {
+                k: last_counters[k] - before[k] for k in _STEP_KINDS}
         if local is not None and c == 1 and mode != "eagle3":  # right after the served pass: the same drift
             row["in_process_tokens_per_s"] = in_process_pass(local, prompts, cfg, mode == "dart")
         return row
@@ -313,7 +314,6 @@ def markdown_table(result: dict) -> str:
              f"{cfg['max_tokens']} max tokens, {cfg['requests_per_client']} requests per client"
              + ("" if cfg.get("learn", True) else ', every request with "learn": false (nothing kept in the live '
                 'corpus or the prefix cache)'),
-             "",
              ""]
     base = {r["concurrency"]: r["tokens_per_s"] for r in result["rows"] if r["mode"] == "no-speculation"}
     base_runs = {r["concurrency"]: r.get("tokens_per_s_runs") for r in result["rows"] if r["mode"] == "no-speculation"}
@@ -325,11 +325,10 @@ def markdown_table(result: dict) -> str:
     if steps:
         lines[0] += ("; speculative steps: the engine's decoding steps that speculated, of all its steps in the "
                      "level's passes of that mode")
-    lines[-1] = ("| clients | mode | tokens/s | vs no-spec |" + (" paired |" if paired else "")
-                 + " requests | errors | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | τ |"
-                 + (" speculative steps |" if steps else ""))
-    lines.append("|---:|---|---:|---:|" + ("---:|" if paired else "") + "---:|---:|---:|---:|---:|---:|---:|"
-                 + ("---:|" if steps else ""))
+    columns = (["clients", "mode", "tokens/s", "vs no-spec"] + ["paired"] * paired
+               + ["requests", "errors", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "τ"]
+               + ["speculative steps"] * steps)
+    lines += ["| " + " | ".join(columns) + " |", "|" + "|".join("---" if c == "mode" else "---:" for c in columns) + "|"]
 
     def f(x):
         return "–" if x is None else f"{x:.0f}" if x >= 100 else f"{x:.1f}"

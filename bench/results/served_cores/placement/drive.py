@@ -6,7 +6,7 @@ this process (2 threads) after each round; MT-Bench, 1 client, 4 requests, 128 t
     python drive.py ROUNDS free,split,isolate OUT.txt [--no-inproc]
 
 Linux only: sets the CPU affinity of threads (os.sched_setaffinity) of this machine's processes."""
-import json, subprocess, sys, time
+import os, subprocess, sys, time
 from dataclasses import replace
 from openai import OpenAI
 from dart_core.bench.serving import ServingConfig, _level, in_process_pass
@@ -17,7 +17,6 @@ inproc = "--no-inproc" not in sys.argv
 def engine_pid():
     ps = subprocess.run(["pgrep", "-f", "ServeReplica:dart:DartEngine"], capture_output=True, text=True).stdout.split()
     return ps[0]
-import os
 def compute_tid(pid):
     best = max(os.listdir(f"/proc/{pid}/task"), key=lambda t: sum(int(x) for x in open(f"/proc/{pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[11:13]))
     return int(best)
@@ -29,7 +28,7 @@ def setall(pids, cpus):
                 except OSError: pass
         except OSError: pass
 def place(p, pid):
-    me = os.getpid(); allp = [q for q in os.listdir("/proc") if q.isdigit()]
+    allp = [q for q in os.listdir("/proc") if q.isdigit()]
     if p == "free":
         setall(allp, {0, 1}); return
     if p == "cpu1":
