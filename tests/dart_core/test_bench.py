@@ -478,8 +478,10 @@ def test_step_profile_lists_the_operators_taking_the_most_time(tiny_model_dir, p
         assert len(host) == 3 and row["top_ops"]["device"] == []
         assert [o["self_ms"] for o in host] == sorted((o["self_ms"] for o in host), reverse=True)
         assert host[0]["self_ms"] > 0 and all(o["calls"] > 0 and o["op"] for o in host)
-        # per target forward: no operator takes more host time than a whole timed step
-        assert host[0]["self_ms"] < 5 * row["step_ms"]
+        # per target forward: no operator is called more often than a whole step dispatches operators
+        # (counted apart, by the engine's dispatch mode); counts, unlike times, do not depend on how fast
+        # the machine runs (a VM's stall inside one operator once read 18 steps' time per forward)
+        assert all(o["calls"] <= row["ops_per_step"] for o in host)
     md = step_profile.markdown_table(result)
     assert "dart: operators by self host ms per target forward" in md
     assert f"| `{result['rows'][0]['top_ops']['host'][0]['op'][:80]}` |" in md
